@@ -1,6 +1,31 @@
-"""lowprec: train neural networks in FP16, BF16, FP8 and smaller formats with FP32 accuracy."""
+"""lowprec: train neural networks in FP16, BF16, FP8 and smaller formats with FP32 accuracy.
+
+The foundation: number formats (:mod:`lowprec.formats`), scale selection
+(:mod:`lowprec.scaling`) and the scaled tensor type (:mod:`lowprec.tensor`).
+"""
 
 from lowprec.formats import Format, from_bits, get_format, quantize, to_bits
+from lowprec.scaling import (
+    DelayedScaler,
+    DynamicScaler,
+    Granularity,
+    StaticScaler,
+    compute_scale,
+)
+from lowprec.tensor import ScaledTensor, quantize_scaled
 
-__all__ = ["Format", "from_bits", "get_format", "quantize", "to_bits"]
+__all__ = [
+    "DelayedScaler",
+    "DynamicScaler",
+    "Format",
+    "Granularity",
+    "ScaledTensor",
+    "StaticScaler",
+    "compute_scale",
+    "from_bits",
+    "get_format",
+    "quantize",
+    "quantize_scaled",
+    "to_bits",
+]
 __version__ = "0.1.0"

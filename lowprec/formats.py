@@ -38,8 +38,8 @@ NaN                NaN          NaN          NaN          NaN (ml_dtypes gives �
 result stays NaN: the value of a NaN is not a number in any format, and silently turning
 it into zero, as ``ml_dtypes`` does, would hide a bug. E8M0 maps zero, negative numbers and
 Inf to NaN, and rounds a value half-way between two powers of two *up* — following the
-fp32 bit pattern as torch and ``ml_dtypes`` do (so a value in fp32's subnormal range at or
-above ``0.75·2^-126`` rounds to ``2^-126``).
+fp32 bit pattern as torch and ``ml_dtypes`` do (so a value in fp32's subnormal range
+above ``2^-127`` rounds to ``2^-126``; ``2^-127`` itself is E8M0's smallest value).
 
 The work happens on float32 bits (float64 bits for float64 inputs, so a float64 value is
 rounded once, never twice). Where torch has a native dtype that rounds exactly like this,
@@ -65,6 +65,7 @@ __all__ = [
     "get_format",
     "quantize",
     "snr_db",
+    "storage_dtype",
     "to_bits",
 ]
 
@@ -146,7 +147,7 @@ class Format:
     @property
     def num_codes(self) -> int:
         """Number of distinct codes, ``2^total_bits`` (including NaN/Inf codes)."""
-        return 2**self.total_bits
+        return 1 << self.total_bits
 
     @property
     def has_inf(self) -> bool:
@@ -167,7 +168,7 @@ class Format:
     @property
     def max_exponent(self) -> int:
         """Unbiased exponent of the largest finite value."""
-        top = 2**self.exponent_bits - 1
+        top = (1 << self.exponent_bits) - 1
         if self.special == "ieee" or (self.special == "fn" and self.mantissa_bits == 0):
             top -= 1
         return top - self._bias
@@ -365,8 +366,10 @@ def _round_magnitude(
     d = ms - m
     bits = a.view(idt)
     if not fmt.signed:  # E8M0: round the bit pattern half up into the exponent field
-        r = ((bits + (1 << (ms - 1))) >> ms) << ms
-        return torch.clamp(r.view(fdt), min=fmt.min_normal)
+        r = (((bits + (1 << (ms - 1))) >> ms) << ms).view(fdt)
+        # At or below the smallest value 2^-bias the result is 2^-bias (as in torch and
+        # ml_dtypes); the bit rule alone would round 2^-127, a float32 subnormal, up.
+        return torch.where(a <= fmt.min_normal, fmt.min_normal, r)
     # Normal range: round the source mantissa to M bits on the bit pattern. A carry out
     # of the mantissa correctly moves the value to the next binade.
     rand: Tensor | None = None
@@ -488,6 +491,29 @@ def _quantize_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool
     if fmt.special == "fnuz":
         y = torch.where(torch.isnan(x), x, y)  # keep the NaN payload sign like ml_dtypes
     return y
+
+
+def storage_dtype(fmt: str | Format) -> torch.dtype:
+    """The torch dtype that holds every value of ``fmt`` exactly, using the fewest bytes:
+    the format's own dtype when torch has one, else bf16, fp16 or fp32.
+
+    Example:
+        >>> storage_dtype("e4m3fn"), storage_dtype("e2m1"), storage_dtype("tf32")
+        (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+    """
+    fmt = get_format(fmt)
+    if fmt.torch_dtype is not None:
+        return fmt.torch_dtype
+    for cand in (BF16, FP16, FP32):
+        if (
+            fmt.mantissa_bits <= cand.mantissa_bits
+            and fmt.max <= cand.max
+            and fmt.min_subnormal >= cand.min_subnormal
+        ):
+            dt = cand.torch_dtype
+            assert dt is not None
+            return dt
+    return torch.float32
 
 
 # ---------------------------------------------------------------------------------------
