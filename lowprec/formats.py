@@ -67,6 +67,7 @@ __all__ = [
     "snr_db",
     "storage_dtype",
     "to_bits",
+    "to_format",
 ]
 
 Special = Literal["ieee", "fn", "fnuz", "finite"]
@@ -474,23 +475,53 @@ def quantize(
     return r.to(orig)
 
 
-def _quantize_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:
+def _cast_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:
+    """Round ``x`` (fp32/fp16/bf16) into ``fmt`` with torch's cast; result in ``native``."""
     if native == x.dtype:
         return x.clone()
-    if saturate:
-        x = torch.where(torch.isinf(x), x, x.clamp(-fmt.max, fmt.max))
-    y = x.to(native).to(x.dtype)
     if fmt.special == "fn":
         # torch >= 2.7 saturates fp32 -> float8_e4m3fn (even Inf); ml_dtypes gives NaN.
         # Above max + half an ulp (the tie rounds down to max's even mantissa) is overflow.
         over = torch.isinf(x)
-        if not saturate:
+        if saturate:
+            x = x.clamp(-fmt.max, fmt.max)
+        else:
             tie = fmt.max + 2.0 ** (fmt.max_exponent - fmt.mantissa_bits - 1)
             over = over | (x.abs() > tie)
-        y = torch.where(over, math.nan, y)
+        return torch.where(over, math.nan, x).to(native)
+    if saturate:
+        x = torch.where(torch.isinf(x), x, x.clamp(-fmt.max, fmt.max))
+    return x.to(native)
+
+
+def _quantize_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:
+    y = _cast_native(x, fmt, native, saturate).to(x.dtype)
     if fmt.special == "fnuz":
         y = torch.where(torch.isnan(x), x, y)  # keep the NaN payload sign like ml_dtypes
     return y
+
+
+def to_format(
+    x: Tensor,
+    fmt: str | Format,
+    rounding: Rounding = "nearest",
+    saturate: bool = False,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Like :func:`quantize`, but return the result in :func:`storage_dtype` of ``fmt``
+    (float8 for the float8 formats: one byte per value), in a single cast where torch can.
+
+    Example:
+        >>> import torch
+        >>> to_format(torch.tensor([1.0, 1.0625]), "e4m3fn")
+        tensor([1., 1.], dtype=torch.float8_e4m3fn)
+    """
+    x = _check_input(x)
+    fmt = get_format(fmt)
+    native = fmt.torch_dtype
+    if rounding == "nearest" and native is not None and x.dtype in _FLOAT_INPUTS[:3]:
+        return _cast_native(x, fmt, native, saturate)
+    return quantize(x, fmt, rounding, saturate, generator).to(storage_dtype(fmt))
 
 
 def storage_dtype(fmt: str | Format) -> torch.dtype:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.formats import Format, Rounding, get_format, quantize, storage_dtype
+from lowprec.formats import Format, Rounding, get_format, to_format
 from lowprec.scaling import (
     Granularity,
     Scaler,
@@ -258,8 +258,8 @@ class _QuantizeScaled(torch.autograd.Function):
     ) -> ScaledTensor:
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         scaled = apply_scale(x.detach().to(work), scale.to(work), op="div")
-        q = quantize(scaled, fmt, rounding=rounding, saturate=saturate, generator=generator)
-        return ScaledTensor._wrap(q.to(storage_dtype(fmt)), scale, x.dtype, fmt.name)
+        q = to_format(scaled, fmt, rounding=rounding, saturate=saturate, generator=generator)
+        return ScaledTensor._wrap(q, scale, x.dtype, fmt.name)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
