@@ -306,7 +306,8 @@ def compute_scale(
         raise TypeError(f"amax must be a torch.Tensor, got {type(amax).__name__}")
     a = amax.float()
     ok = torch.isfinite(a) & (a > 0)
-    s = (torch.where(ok, a, 1.0) * (2.0**margin / fmt.max)).clamp(_MIN_SCALE, _MAX_SCALE)
+    # One correctly rounded division (fmt.max · 2^-margin is exact: a power-of-two multiple).
+    s = (torch.where(ok, a, 1.0) / (fmt.max * 2.0**-margin)).clamp(_MIN_SCALE, _MAX_SCALE)
     if power_of_two:
         s = _pow2_up(s).clamp(max=_MAX_SCALE)
     return torch.where(ok, s, 1.0)
