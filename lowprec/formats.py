@@ -156,7 +156,8 @@ class Format:
 
     @property
     def has_nan(self) -> bool:
-        return self.special != "finite"
+        # An 'ieee' format without mantissa bits has only Inf in its top exponent.
+        return self.special != "finite" and not (self.special == "ieee" and self.mantissa_bits == 0)
 
     @property
     def has_zero(self) -> bool:
@@ -213,7 +214,7 @@ class Format:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """The torch dtype that stores this format exactly, if any."""
-        return _NATIVE.get(self)
+        return _NATIVE.get(self, _STORAGE_ONLY.get(self))
 
     def __str__(self) -> str:
         return self.name
@@ -269,7 +270,14 @@ _NATIVE: dict[Format, torch.dtype] = {
     E4M3FNUZ: torch.float8_e4m3fnuz,
     E5M2FNUZ: torch.float8_e5m2fnuz,
 }
-_DTYPE_TO_FORMAT: dict[torch.dtype, Format] = {v: k for k, v in _NATIVE.items()}
+# Torch dtypes that store a format exactly but whose casts round differently from
+# ml_dtypes (torch casts 0 and negatives to E8M0's 2^-127 code): storage only.
+_STORAGE_ONLY: dict[Format, torch.dtype] = (
+    {E8M0: torch.float8_e8m0fnu} if hasattr(torch, "float8_e8m0fnu") else {}
+)
+_DTYPE_TO_FORMAT: dict[torch.dtype, Format] = {
+    v: k for k, v in (_NATIVE | _STORAGE_ONLY).items()
+}
 
 _PATTERN = re.compile(r"^e(\d+)m(\d+)(?:b(\d+))?(fnuz|fnu|fn)?$")
 
@@ -449,7 +457,7 @@ def quantize(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     orig = x.dtype
-    native = fmt.torch_dtype
+    native = _NATIVE.get(fmt)
     if rounding == "nearest" and native is not None and orig in _FLOAT_INPUTS[:3]:
         return _quantize_native(x, fmt, native, saturate)
     fdt, _, _ = _work_dtypes(orig)
@@ -518,7 +526,7 @@ def to_format(
     """
     x = _check_input(x)
     fmt = get_format(fmt)
-    native = fmt.torch_dtype
+    native = _NATIVE.get(fmt)
     if rounding == "nearest" and native is not None and x.dtype in _FLOAT_INPUTS[:3]:
         return _cast_native(x, fmt, native, saturate)
     return quantize(x, fmt, rounding, saturate, generator).to(storage_dtype(fmt))
