@@ -28,7 +28,17 @@ from rich.table import Table
 from lowprec import __version__
 from lowprec.formats import Format, format_names, get_format, snr_db
 
-__all__ = ["SNR_SAMPLES", "SNR_SEED", "SnrCurve", "main", "snr_sweep", "unit_normal"]
+__all__ = [
+    "SNR_DEFAULT_FORMATS",
+    "SNR_SAMPLES",
+    "SNR_SEED",
+    "SNR_WINDOW_DB",
+    "SnrCurve",
+    "build_parser",
+    "main",
+    "snr_sweep",
+    "unit_normal",
+]
 
 _Handler = Callable[[argparse.Namespace], int]
 _SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -40,7 +50,7 @@ SNR_SAMPLES = 2**16
 SNR_DEFAULT_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
 SNR_WINDOW_DB = 3.0
 """The usable window of a format is the run of ``k`` within this many dB of its peak SNR."""
-_K_LIMIT = 200  # |k| beyond this leaves every format's range and float64's x² underflows
+_K_LIMIT = 200  # wider than every format's range (2^±150); keeps Σx² finite and non-zero
 
 
 # ---------------------------------------------------------------------------------------
@@ -65,6 +75,8 @@ def _print_wide(console: Console, renderable: RenderableType) -> None:
 def _num(x: float) -> str:
     """A format constant, readably: integers as such (``448``, ``57344``), other powers of
     two as ``2^-9``, anything else with three significant digits (``15.5``, ``3.4e+38``)."""
+    if not math.isfinite(x):
+        return str(x)
     if x == int(x) and abs(x) < 1e6:
         return str(int(x))
     mantissa, exponent = math.frexp(x)
@@ -107,6 +119,7 @@ def _add_formats(subparsers: _SubParsers) -> None:
 
 
 def _run_formats(args: argparse.Namespace) -> int:
+    """Handler of ``lowprec formats``: validate, print the table, then the optional sweep."""
     parser: argparse.ArgumentParser = args.parser
     snr_only = [f"--{n}" for n in ("formats", "kmin", "kmax") if getattr(args, n) is not None]
     if args.snr is None and snr_only:
@@ -120,7 +133,8 @@ def _run_formats(args: argparse.Namespace) -> int:
     _print_wide(console, _formats_table())
     if args.snr is None:
         return 0
-    fmts = list(dict.fromkeys(args.formats or map(get_format, SNR_DEFAULT_FORMATS)))
+    groups: list[list[Format]] = args.formats or [list(map(get_format, SNR_DEFAULT_FORMATS))]
+    fmts = list(dict.fromkeys(f for group in groups for f in group))  # in order, no repeats
     curves = snr_sweep(fmts, range(kmin, kmax + 1))
     _plot_snr(curves, args.snr)
     console.print()
@@ -132,6 +146,7 @@ def _run_formats(args: argparse.Namespace) -> int:
 
 
 def _formats_table() -> RenderableType:
+    """One row per built-in format: its encoding, range, precision and torch dtype."""
     table = Table(title="lowprec built-in formats", title_justify="left")
     for header in ("name", "bits", "E", "M", "bias", "special", "max", "min normal",
                    "min subnormal", "epsilon", "binades", "torch dtype"):
@@ -169,7 +184,7 @@ class SnrCurve:
     @property
     def window(self) -> tuple[int, int]:
         """``(lo, hi)``: the contiguous run of ``k`` around the first peak with SNR within
-        :data:`SNR_WINDOW_DB` of the peak (all of it when the peak is ``inf``)."""
+        :data:`SNR_WINDOW_DB` of the peak (with an ``inf`` peak: the run of exact ``k``)."""
         i = self.snr.index(self.peak)
         floor = self.peak - SNR_WINDOW_DB
         lo = hi = i
@@ -197,12 +212,13 @@ def snr_sweep(fmts: Sequence[str | Format], ks: Sequence[int]) -> list[SnrCurve]
 
 
 def _plot_snr(curves: Sequence[SnrCurve], path: Path) -> None:
-    import matplotlib
+    """Plot the curves into ``path`` with the Agg canvas (no pyplot, no global backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9.5, 4.8))
+    fig = Figure(figsize=(9.5, 4.8), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     for c in curves:
         y = [v if math.isfinite(v) else math.nan for v in c.snr]  # exact rounding: no point
         ax.plot(c.ks, y, marker=".", markersize=4, label=f"{c.fmt.name} (peak {c.peak:.1f} dB)")
@@ -216,10 +232,10 @@ def _plot_snr(curves: Sequence[SnrCurve], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _snr_table(curves: Sequence[SnrCurve]) -> RenderableType:
+    """Peak SNR and usable window of each curve."""
     table = Table(title="SNR (dB) of N(0,1) * 2^k rounded", title_justify="left")
     for header in ("format", "peak SNR (dB)", "usable k from", "to", "width"):
         table.add_column(header, justify="left" if header == "format" else "right")
