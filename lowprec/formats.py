@@ -381,16 +381,27 @@ def _round_magnitude(
         return torch.where(a <= fmt.min_normal, fmt.min_normal, r)
     # Normal range: round the source mantissa to M bits on the bit pattern. A carry out
     # of the mantissa correctly moves the value to the next binade.
+    # If the format's normal range reaches below float32's (bias >= 128), those values are
+    # float32 subnormals: lift them into float32's normal range for the bit rounding.
+    tiny_f = torch.finfo(fdt).tiny
+    lift = fmt.min_normal < tiny_f
+    if lift:
+        bits = torch.where(a < tiny_f, a * 2.0**64, a).view(idt)
     rand: Tensor | None = None
     if rounding == "stochastic":
         rand = torch.randint(0, 2**ms, a.shape, generator=generator, dtype=idt, device=a.device)
     if d == 0:
         rn = a
     elif rand is None:
-        rn = (bits + ((1 << (d - 1)) - 1) + ((bits >> d) & 1)) & -(1 << d)
+        # Ties go to the even code. With M = 0 the last code bit is the exponent's, whose
+        # parity is the source's (odd bias) flipped when the format's bias is even.
+        flip = (fmt._bias + 1) & 1 if m == 0 else 0
+        rn = (bits + ((1 << (d - 1)) - 1) + (((bits >> d) ^ flip) & 1)) & -(1 << d)
         rn = rn.view(fdt)
     else:
         rn = ((bits + (rand >> m)) & -(1 << d)).view(fdt)
+    if lift:
+        rn = torch.where(a < tiny_f, rn * 2.0**-64, rn)  # exact: a format value
     # Subnormal range of the target: round to a multiple of min_subnormal = 2^-k.
     k = fmt._bias - 1 + m
     s = _scale_pow2(a, k)  # exact: a < min_normal so s < 2^M
@@ -458,7 +469,14 @@ def quantize(
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     orig = x.dtype
     native = _NATIVE.get(fmt)
-    if rounding == "nearest" and native is not None and orig in _FLOAT_INPUTS[:3]:
+    # Under torch.compile the bit path is used: inductor drops a cast round trip such as
+    # fp32 -> fp16 -> fp32 (unless emulate_precision_casts), which would skip the rounding.
+    if (
+        rounding == "nearest"
+        and native is not None
+        and orig in _FLOAT_INPUTS[:3]
+        and not torch.compiler.is_compiling()
+    ):
         return _quantize_native(x, fmt, native, saturate)
     fdt, _, _ = _work_dtypes(orig)
     xf = x.to(fdt)
@@ -496,7 +514,8 @@ def _cast_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) ->
         else:
             tie = fmt.max + 2.0 ** (fmt.max_exponent - fmt.mantissa_bits - 1)
             over = over | (x.abs() > tie)
-        return torch.where(over, math.nan, x).to(native)
+        nan = torch.copysign(torch.full_like(x, math.nan), x)  # signed, as ml_dtypes
+        return torch.where(over, nan, x).to(native)
     if saturate:
         x = torch.where(torch.isinf(x), x, x.clamp(-fmt.max, fmt.max))
     return x.to(native)
@@ -504,9 +523,9 @@ def _cast_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) ->
 
 def _quantize_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:
     y = _cast_native(x, fmt, native, saturate).to(x.dtype)
-    if fmt.special == "fnuz":
-        y = torch.where(torch.isnan(x), x, y)  # keep the NaN payload sign like ml_dtypes
-    return y
+    # Keep an input NaN as it is (its sign too, as the bit path does): torch's casts
+    # drop or set the sign of NaN depending on the dtype.
+    return torch.where(torch.isnan(x), x, y)
 
 
 def to_format(
@@ -527,7 +546,12 @@ def to_format(
     x = _check_input(x)
     fmt = get_format(fmt)
     native = _NATIVE.get(fmt)
-    if rounding == "nearest" and native is not None and x.dtype in _FLOAT_INPUTS[:3]:
+    if (
+        rounding == "nearest"
+        and native is not None
+        and x.dtype in _FLOAT_INPUTS[:3]
+        and not torch.compiler.is_compiling()  # see quantize
+    ):
         return _cast_native(x, fmt, native, saturate)
     return quantize(x, fmt, rounding, saturate, generator).to(storage_dtype(fmt))
 

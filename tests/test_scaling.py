@@ -44,7 +44,7 @@ def test_scale_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...
 
 @pytest.mark.parametrize("name", ["rows", "block:1x", "mx:", "blockwise", ""])
 def test_unknown_granularity_lists_valid_names(name: str) -> None:
-    with pytest.raises(ValueError, match="granularity: unknown name.*'tensor'.*'row'"):
+    with pytest.raises(ValueError, match=r"granularity: unknown name.*'tensor'.*'row'"):
         Granularity.from_name(name)
 
 
@@ -105,7 +105,7 @@ def test_amax_propagates_nan_and_inf() -> None:
 def test_amax_bad_input() -> None:
     with pytest.raises(TypeError, match="x must be a floating-point"):
         amax(torch.ones(3, dtype=torch.int32))
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
         amax([1.0, 2.0])  # type: ignore[arg-type]
 
 

@@ -13,7 +13,7 @@ import torch
 
 import lowprec
 from lowprec.scaling import DelayedScaler, StaticScaler
-from lowprec.tensor import ScaledTensor, _RULES, quantize_scaled, register_rule
+from lowprec.tensor import _RULES, ScaledTensor, quantize_scaled, register_rule
 
 ML = {
     "e4m3fn": ml_dtypes.float8_e4m3fn,
