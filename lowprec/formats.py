@@ -275,6 +275,8 @@ _NATIVE: dict[Format, torch.dtype] = {
 _STORAGE_ONLY: dict[Format, torch.dtype] = (
     {E8M0: torch.float8_e8m0fnu} if hasattr(torch, "float8_e8m0fnu") else {}
 )
+# Casts that inductor may drop in a round trip (it computes these dtypes in fp32).
+_ELIDED = (torch.float16, torch.bfloat16)
 _DTYPE_TO_FORMAT: dict[torch.dtype, Format] = {
     v: k for k, v in (_NATIVE | _STORAGE_ONLY).items()
 }
@@ -469,13 +471,14 @@ def quantize(
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     orig = x.dtype
     native = _NATIVE.get(fmt)
-    # Under torch.compile the bit path is used: inductor drops a cast round trip such as
-    # fp32 -> fp16 -> fp32 (unless emulate_precision_casts), which would skip the rounding.
+    # Under torch.compile fp16/bf16 use the bit path: inductor drops a cast round trip
+    # fp32 -> fp16/bf16 -> fp32 (unless emulate_precision_casts), which would skip the
+    # rounding. float8 round trips are kept (tests/test_formats.py checks both).
     if (
         rounding == "nearest"
         and native is not None
         and orig in _FLOAT_INPUTS[:3]
-        and not torch.compiler.is_compiling()
+        and not (torch.compiler.is_compiling() and native in _ELIDED)
     ):
         return _quantize_native(x, fmt, native, saturate)
     fdt, _, _ = _work_dtypes(orig)
@@ -562,7 +565,7 @@ def to_format(
         rounding == "nearest"
         and native is not None
         and x.dtype in _FLOAT_INPUTS[:3]
-        and not torch.compiler.is_compiling()  # see quantize
+        and not (torch.compiler.is_compiling() and native in _ELIDED)  # see quantize
     ):
         return _cast_native(x, fmt, native, saturate)
     return quantize(x, fmt, rounding, saturate, generator).to(storage_dtype(fmt))
