@@ -26,6 +26,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lowprec import __version__
+from lowprec.cli_jobs import add_demo, add_recipes, add_train
 from lowprec.formats import Format, format_names, get_format, snr_db
 
 __all__ = [
@@ -250,7 +251,12 @@ def _snr_table(curves: Sequence[SnrCurve]) -> RenderableType:
 # Entry point
 # ---------------------------------------------------------------------------------------
 
-_COMMANDS: tuple[Callable[[_SubParsers], None], ...] = (_add_formats,)
+_COMMANDS: tuple[Callable[[_SubParsers], None], ...] = (
+    add_demo,
+    add_train,
+    add_recipes,
+    _add_formats,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

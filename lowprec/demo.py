@@ -1,0 +1,131 @@
+"""The demo: train the reference model once per recipe and compare.
+
+Every recipe gets the same seed, data, model shape, optimizer and steps. The demo prints a
+table (final train and val loss, bits per character, skipped steps, share of zero gradient
+values, step time, val-loss gap to FP32), writes a loss-curve PNG and ``results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from lowprec.recipes import get_recipe
+from lowprec.train import RunError, TrainConfig, read_metrics, train
+
+__all__ = ["DEMO_CONFIG", "DEMO_RECIPES", "QUICK_CONFIG", "plot_runs", "run_demo"]
+
+DEMO_RECIPES = ("fp32", "bf16", "amp-bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls")
+
+DEMO_CONFIG = TrainConfig(
+    steps=300, batch_size=32, seq_len=64, width=128, depth=2, heads=4, lr=3e-3,
+    eval_every=50, eval_batches=8, ckpt_every=100,
+)
+QUICK_CONFIG = replace(DEMO_CONFIG, steps=30, batch_size=8, eval_every=10, eval_batches=2)
+
+
+def run_demo(
+    out: str | Path,
+    quick: bool = False,
+    recipes: Sequence[str] = DEMO_RECIPES,
+    console: Console | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Train each recipe into ``out/<recipe>``; print the table, write the plot and JSON.
+
+    ``out`` must not exist or be empty (nothing on disk is overwritten).
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise RunError(f"output directory {out} already exists; choose another --out")
+    for r in recipes:
+        get_recipe(r)
+    console = console or Console()
+    base = QUICK_CONFIG if quick else DEMO_CONFIG
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    t0 = time.perf_counter()
+    for r in recipes:
+        results.append(train(replace(base, recipe=r), out / r, progress=progress))
+    ref = next((s["val_loss"] for s in results if s["recipe"] == "fp32"), None)
+    for s in results:
+        s["val_gap_to_fp32"] = None if ref is None else s["val_loss"] / ref - 1.0
+    console.print(results_table(results, base, time.perf_counter() - t0))
+    png = out / "loss_curves.png"
+    plot_runs([out / r for r in recipes], png)
+    (out / "results.json").write_text(
+        json.dumps({"config": base.to_dict(), "results": results}, indent=2)
+    )
+    console.print(f"loss curves: {png}\nresults: {out / 'results.json'}")
+    return results
+
+
+def results_table(results: list[dict[str, Any]], cfg: TrainConfig, seconds: float) -> Table:
+    table = Table(
+        title=(
+            f"lowprec demo: {cfg.steps} steps, batch {cfg.batch_size}x{cfg.seq_len}, "
+            f"width {cfg.width}, depth {cfg.depth}, lr {cfg.lr}, seed {cfg.seed} "
+            f"({seconds:.0f} s)"
+        )
+    )
+    for col in (
+        "recipe", "train loss", "val loss", "val bpc", "gap to fp32", "skipped",
+        "zero grads", "ms/step",
+    ):
+        table.add_column(col, justify="left" if col == "recipe" else "right")
+    for s in results:
+        gap = s.get("val_gap_to_fp32")
+        table.add_row(
+            s["recipe"],
+            f"{s['train_loss']:.4f}",
+            f"{s['val_loss']:.4f}",
+            f"{s['val_bpc']:.3f}",
+            "-" if gap is None or not math.isfinite(gap) else f"{100 * gap:+.2f}%",
+            str(s["skipped_steps"]),
+            f"{100 * s['grad_zero_share']:.2f}%",
+            f"{s['step_time_ms']:.0f}",
+        )
+    return table
+
+
+def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
+    """Loss curves (train, smoothed, and val points) and the loss scale of several runs."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), dpi=120)
+    FigureCanvasAgg(fig)
+    ax, ax_s = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.2, 1]})
+    for run in runs:
+        recs = read_metrics(run)
+        name = Path(run).name
+        steps = [r["step"] for r in recs]
+        smooth = _ema([r["loss"] for r in recs], 0.9)
+        (line,) = ax.plot(steps, smooth, lw=1.4, label=name)
+        vals = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+        if vals:
+            ax.plot(*zip(*vals, strict=True), "o", ms=3.5, color=line.get_color())
+        ax_s.plot(steps, [r["loss_scale"] for r in recs], lw=1.4, label=name)
+    ax.set(xlabel="step", ylabel="loss (nats/char)", title="train loss (EMA 0.9), val (dots)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax_s.set(xlabel="step", ylabel="loss scale", yscale="log", title="loss scale")
+    ax_s.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _ema(xs: Sequence[float], beta: float) -> list[float]:
+    out, m = [], None
+    for x in xs:
+        m = x if m is None or not math.isfinite(m) else beta * m + (1 - beta) * x
+        out.append(m)
+    return out

@@ -1,0 +1,213 @@
+"""The reference model: a small GPT-style character-level transformer, and its data.
+
+``CharGPT`` is pre-norm (``x + attn(ln(x))``, ``x + mlp(ln(x))``), with learned token and
+position embeddings, causal multi-head attention written out (so the softmax can run in
+FP32), a 4x GELU MLP, a final LayerNorm and an untied linear head. Initialisation follows
+GPT-2: ``N(0, 0.02)``, the residual projections ``N(0, 0.02 / sqrt(2·depth))``.
+
+``CharData`` reads the tinyshakespeare corpus shipped inside the package, splits it 90/10
+into train/val, and draws batch ``i`` of a run from a generator seeded with ``(seed, i)``, so
+a batch depends only on the seed and its position: a resumed run sees the same data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lowprec.amp import cross_entropy_fp32, layer_norm_fp32, softmax_fp32
+
+__all__ = ["CharData", "CharGPT", "ModelConfig", "corpus_text"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a :class:`CharGPT`. ``fp32_sensitive`` runs softmax and LayerNorm in FP32."""
+
+    vocab_size: int = 65
+    width: int = 128
+    depth: int = 2
+    heads: int = 4
+    seq_len: int = 64
+    fp32_sensitive: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "width", "depth", "heads", "seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.width % self.heads:
+            raise ValueError(f"width ({self.width}) must be divisible by heads ({self.heads})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _LayerNorm(nn.LayerNorm):
+    """LayerNorm that computes in FP32 when asked (``fp32=True``), output in input dtype."""
+
+    def __init__(self, width: int, fp32: bool) -> None:
+        super().__init__(width)
+        self.fp32 = fp32
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.fp32 or x.dtype == torch.float32:
+            return super().forward(x)
+        return layer_norm_fp32(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.fp32_softmax = cfg.fp32_sensitive
+        mask = torch.tril(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool))
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.heads))
+        mask: Tensor = self.mask  # type: ignore[assignment]
+        att = att.masked_fill(~mask[:t, :t], float("-inf"))
+        att = softmax_fp32(att) if self.fp32_softmax else torch.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        return self.proj(y)  # type: ignore[no-any-return]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = _LayerNorm(cfg.width, cfg.fp32_sensitive)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = _LayerNorm(cfg.width, cfg.fp32_sensitive)
+        self.fc = nn.Linear(cfg.width, 4 * cfg.width)
+        self.fc_out = nn.Linear(4 * cfg.width, cfg.width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        out: Tensor = x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+        return out
+
+
+class CharGPT(nn.Module):
+    """GPT-style character LM; ``forward(idx, targets=None)`` returns ``(logits, loss)``.
+
+    The loss is the mean cross-entropy in nats, computed in FP32 whatever the model's dtype.
+
+    Example:
+        >>> m = CharGPT(ModelConfig(vocab_size=10, width=32, depth=1, heads=2, seq_len=8))
+        >>> idx = torch.zeros(2, 8, dtype=torch.long)
+        >>> logits, loss = m(idx, idx)
+        >>> logits.shape, loss.shape
+        (torch.Size([2, 8, 10]), torch.Size([]))
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.ln_f = _LayerNorm(cfg.width, cfg.fp32_sensitive)
+        self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "ln" in name:
+                nn.init.ones_(p)
+            elif name.endswith(("attn.proj.weight", "fc_out.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.depth))
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        t = idx.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"idx: sequence length {t} exceeds seq_len {self.cfg.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = cross_entropy_fp32(logits, targets)
+        return logits, loss
+
+
+# ---------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------
+
+
+def corpus_text(path: str | Path | None = None) -> str:
+    """The tinyshakespeare corpus shipped in ``lowprec/data/`` (or the file at ``path``)."""
+    if path is not None:
+        return Path(path).read_text(encoding="utf-8")
+    return resources.files("lowprec").joinpath("data/tinyshakespeare.txt").read_text("utf-8")
+
+
+class CharData:
+    """Character-level batches with a deterministic order.
+
+    ``batch(split, i)`` returns ``(x, y)`` of shape ``(batch_size, seq_len)``: ``batch_size``
+    windows at offsets drawn by a generator seeded with ``seed`` and ``i`` (and the split),
+    ``y`` shifted by one character.
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        batch_size: int,
+        seed: int = 0,
+        text: str | None = None,
+        val_fraction: float = 0.1,
+    ) -> None:
+        for name, v in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        text = corpus_text() if text is None else text
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        n_val = int(len(ids) * val_fraction)
+        self.splits = {"train": ids[:-n_val], "val": ids[-n_val:]}
+        for name, part in self.splits.items():
+            if len(part) <= seq_len + 1:
+                raise ValueError(f"text: the {name} split is shorter than seq_len + 1")
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def batch(self, split: str, index: int) -> tuple[Tensor, Tensor]:
+        if split not in self.splits:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        data = self.splits[split]
+        g = torch.Generator().manual_seed(
+            (self.seed * 1_000_003 + index * 2 + (split == "val")) % 2**63
+        )
+        starts = torch.randint(0, len(data) - self.seq_len - 1, (self.batch_size,), generator=g)
+        offs = starts[:, None] + torch.arange(self.seq_len + 1)
+        win = data[offs]
+        return win[:, :-1], win[:, 1:]
+
+    def decode(self, ids: Tensor) -> str:
+        return "".join(self.chars[i] for i in ids.tolist())

@@ -1,0 +1,247 @@
+"""Recipes: named, serialisable descriptions of how a model is trained.
+
+A :class:`Recipe` says which dtype holds the parameters and runs the compute, whether FP32
+master weights carry the update, how the loss is scaled, whether torch autocast is used,
+and which technique is applied. :func:`prepare` applies a recipe to any ``nn.Module`` and
+returns what a training loop needs (:class:`Prepared`).
+
+Adding a recipe takes one call::
+
+    register(Recipe("fp16-ls-1024", "FP16, static loss scale 1024", param_dtype="fp16",
+                    master_weights=True, loss_scaling="static", loss_scale=1024.0))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lowprec.amp import (
+    DynamicLossScaler,
+    Fp16MatmulInFp32,
+    LossScaler,
+    MasterWeights,
+    NoLossScaler,
+    StaticLossScaler,
+)
+
+__all__ = ["Prepared", "Recipe", "get_recipe", "prepare", "recipe_names", "register"]
+
+DType = Literal["fp32", "bf16", "fp16"]
+_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a model is trained (see the module docstring). Validated on construction."""
+
+    name: str
+    description: str
+    param_dtype: DType = "fp32"
+    master_weights: bool = False
+    loss_scaling: Literal["none", "static", "dynamic"] = "none"
+    loss_scale: float = 2.0**16
+    growth_interval: int = 2000
+    autocast: DType | None = None
+    stochastic_rounding: bool = False
+    technique: str = "mixed-precision"
+    options: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("name must be a non-empty string")
+        if self.param_dtype not in _DTYPES:
+            raise ValueError(
+                f"param_dtype must be one of {list(_DTYPES)}, got {self.param_dtype!r}"
+            )
+        if self.autocast is not None and self.autocast not in _DTYPES:
+            raise ValueError(f"autocast must be None or one of {list(_DTYPES)}")
+        if self.autocast is not None and self.param_dtype != "fp32":
+            raise ValueError("autocast needs fp32 parameters (param_dtype='fp32')")
+        if self.loss_scaling not in ("none", "static", "dynamic"):
+            raise ValueError(
+                f"loss_scaling must be 'none', 'static' or 'dynamic', got {self.loss_scaling!r}"
+            )
+        if self.master_weights and self.param_dtype == "fp32":
+            raise ValueError("master_weights only makes sense with bf16/fp16 parameters")
+        if self.stochastic_rounding and not self.master_weights:
+            raise ValueError("stochastic_rounding rounds the master-weight write-back")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.param_dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Recipe:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"recipe dict has unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_name(cls, name: str) -> Recipe:
+        return get_recipe(name)
+
+
+_REGISTRY: dict[str, Recipe] = {}
+
+
+def register(recipe: Recipe) -> Recipe:
+    """Add ``recipe`` to the named recipes (``ValueError`` if the name is taken)."""
+    if recipe.name in _REGISTRY:
+        raise ValueError(f"a recipe named {recipe.name!r} is already registered")
+    _REGISTRY[recipe.name] = recipe
+    return recipe
+
+
+def recipe_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_recipe(name: str | Recipe) -> Recipe:
+    """The recipe called ``name``; an unknown name raises ``ValueError`` listing the valid ones."""
+    if isinstance(name, Recipe):
+        return name
+    if name not in _REGISTRY:
+        raise ValueError(f"recipe: unknown name {name!r}; valid: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+register(Recipe("fp32", "FP32 everything: the reference"))
+register(Recipe("bf16", "BF16 params and compute, FP32 master weights", "bf16", True))
+register(
+    Recipe(
+        "fp16",
+        "FP16 params and compute, FP32 master weights, no loss scaling",
+        "fp16",
+        True,
+    )
+)
+register(
+    Recipe(
+        "fp16-static-ls",
+        "FP16 as above with a static loss scale of 2^12",
+        "fp16",
+        True,
+        loss_scaling="static",
+        loss_scale=2.0**12,
+    )
+)
+register(
+    Recipe(
+        "fp16-dynamic-ls",
+        "FP16 as above with dynamic loss scaling (2^16, x0.5 on overflow, x2 per 200 steps)",
+        "fp16",
+        True,
+        loss_scaling="dynamic",
+        growth_interval=200,
+    )
+)
+register(Recipe("amp-bf16", "FP32 params, torch.autocast to BF16 for compute", autocast="bf16"))
+
+
+@dataclass
+class Prepared:
+    """What a training loop needs after :func:`prepare`.
+
+    Use ``with prepared.compute(): loss = ...; prepared.scaler.scale(loss).backward()``, then
+    ``prepared.scaler.step(prepared.optimizer)`` and ``prepared.scaler.update()``.
+    """
+
+    model: nn.Module
+    optimizer: Any
+    scaler: LossScaler
+    recipe: Recipe
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """Context for forward and backward: autocast and/or CPU FP16 matmul handling."""
+        with contextlib.ExitStack() as stack:
+            if self.recipe.autocast is not None:
+                device = next(self.model.parameters()).device.type
+                stack.enter_context(
+                    torch.autocast(device, dtype=_DTYPES[self.recipe.autocast])
+                )
+            if self.recipe.param_dtype == "fp16" and _on_cpu(self.model):
+                stack.enter_context(Fp16MatmulInFp32())  # type: ignore[no-untyped-call]
+            yield
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe.to_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["recipe"]
+        if saved != self.recipe.to_dict():
+            raise ValueError(
+                f"state: saved with recipe {saved.get('name')!r}, not {self.recipe.name!r}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    p = next(model.parameters(), None)
+    return p is not None and p.device.type == "cpu"
+
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def prepare(
+    model: nn.Module,
+    recipe: str | Recipe,
+    optimizer_factory: OptimizerFactory | None = None,
+    generator: torch.Generator | None = None,
+) -> Prepared:
+    """Apply ``recipe`` to ``model`` (in place: its parameters are cast) and build the
+    optimizer (``optimizer_factory(params)``, default AdamW lr 1e-3) and the loss scaler.
+
+    With ``master_weights`` the optimizer is a :class:`MasterWeights` around the factory's
+    optimizer on FP32 copies. ``generator`` drives stochastic rounding, if the recipe uses it.
+
+    Example:
+        >>> p = prepare(nn.Linear(8, 8), "bf16")
+        >>> p.model.weight.dtype, type(p.optimizer).__name__, type(p.scaler).__name__
+        (torch.bfloat16, 'MasterWeights', 'NoLossScaler')
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    r = get_recipe(recipe)
+    factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    model.to(r.torch_dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer: Any
+    if r.master_weights:
+        optimizer = MasterWeights(params, factory, r.stochastic_rounding, generator)
+    else:
+        optimizer = factory(params)
+    scaler: LossScaler
+    if r.loss_scaling == "static":
+        scaler = StaticLossScaler(r.loss_scale)
+    elif r.loss_scaling == "dynamic":
+        scaler = DynamicLossScaler(r.loss_scale, growth_interval=r.growth_interval)
+    else:
+        scaler = NoLossScaler()
+    return Prepared(model, optimizer, scaler, r)
