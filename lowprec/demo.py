@@ -78,7 +78,7 @@ def results_table(results: list[dict[str, Any]], cfg: TrainConfig, seconds: floa
     )
     for col in (
         "recipe", "train loss", "val loss", "val bpc", "gap to fp32", "skipped",
-        "zero grads", "ms/step",
+        "act-grad underflow", "act-grad zeros", "ms/step",
     ):
         table.add_column(col, justify="left" if col == "recipe" else "right")
     for s in results:
@@ -90,7 +90,8 @@ def results_table(results: list[dict[str, Any]], cfg: TrainConfig, seconds: floa
             f"{s['val_bpc']:.3f}",
             "-" if gap is None or not math.isfinite(gap) else f"{100 * gap:+.2f}%",
             str(s["skipped_steps"]),
-            f"{100 * s['grad_zero_share']:.2f}%",
+            f"{100 * s['act_grad_underflow']:.1f}%",
+            f"{100 * s['act_grad_zero']:.2f}%",
             f"{s['step_time_ms']:.0f}",
         )
     return table

@@ -52,6 +52,7 @@ class TrainConfig:
     depth: int = 2
     heads: int = 4
     lr: float = 3e-3
+    warmup: int = 20
     seed: int = 0
     eval_every: int = 50
     eval_batches: int = 8
@@ -68,9 +69,21 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
         self.model_config()  # width divisible by heads
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step ``step`` (0-based): linear warm-up over ``warmup`` steps,
+        then cosine decay to ``lr / 10`` at the last step. A pure function of the step, so
+        resuming needs no scheduler state."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        span = max(self.steps - self.warmup, 1)
+        t = min((step - self.warmup) / span, 1.0)
+        return self.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * t)))
 
     def model_config(self, vocab_size: int = 65) -> ModelConfig:
         return ModelConfig(vocab_size, self.width, self.depth, self.heads, self.seq_len)
@@ -192,11 +205,12 @@ def train(
             )
         )
     step = start
+    meter = GradMeter(prepared.model)
     bar = _Progress(cfg.steps, start, label or cfg.recipe, enabled=progress)
     try:
         with open(out / METRICS, "a") as log, bar:
             while step < cfg.steps:
-                rec = _train_step(prepared, data, step)
+                rec = _train_step(prepared, data, step, cfg, meter)
                 step += 1
                 rec["step"] = step
                 if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -215,8 +229,13 @@ def train(
     return summary
 
 
-def _train_step(prepared: Prepared, data: CharData, step: int) -> dict[str, Any]:
+def _train_step(
+    prepared: Prepared, data: CharData, step: int, cfg: TrainConfig, meter: GradMeter
+) -> dict[str, Any]:
     x, y = data.batch("train", step)
+    for group in prepared.optimizer.param_groups:
+        group["lr"] = cfg.lr_at(step)
+    meter.reset()
     t0 = time.perf_counter()
     with prepared.compute():
         _, loss = prepared.model(x, y)
@@ -229,14 +248,49 @@ def _train_step(prepared: Prepared, data: CharData, step: int) -> dict[str, Any]
     prepared.zero_grad()
     dt = time.perf_counter() - t0
     return {
-        "loss": float(loss),
+        "loss": float(loss.detach()),
         "loss_scale": scale,
         "skipped": prepared.scaler.history[-1].skipped,
         "grad_norm": stats["grad_norm"] / scale,
         "grad_zero_share": stats["grad_zero_share"],
         "grad_nonfinite_share": stats["grad_nonfinite_share"],
         "step_time": dt,
+        "lr": cfg.lr_at(step),
+        **meter.result(),
     }
+
+
+class GradMeter:
+    """Underflow of activation gradients: the gradients flowing into the output of every
+    ``nn.Linear`` in backward, in the compute dtype and after loss scaling.
+
+    ``result()`` gives ``act_grad_underflow``, the share of values below the smallest
+    normal number of their dtype (subnormal: precision lost, or zero), and
+    ``act_grad_zero``, the share that are exactly zero (signal lost).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.counts = [0, 0, 0]  # values, below min normal, zero
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(self._on_forward)
+
+    def _on_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        a = grad.detach().abs()
+        self.counts[0] += a.numel()
+        self.counts[1] += int((a < torch.finfo(a.dtype).tiny).sum())
+        self.counts[2] += int((a == 0).sum())
+
+    def reset(self) -> None:
+        self.counts = [0, 0, 0]
+
+    def result(self) -> dict[str, float]:
+        n = max(self.counts[0], 1)
+        return {"act_grad_underflow": self.counts[1] / n, "act_grad_zero": self.counts[2] / n}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -269,9 +323,16 @@ def summarize(out: str | Path) -> dict[str, Any]:
         "val_bpc": final_val / math.log(2),
         "skipped_steps": sum(bool(r["skipped"]) for r in recs),
         "grad_zero_share": statistics.fmean(r["grad_zero_share"] for r in recs) if recs else 0,
+        "act_grad_underflow": _mean(recs, "act_grad_underflow"),
+        "act_grad_zero": _mean(recs, "act_grad_zero"),
         "step_time_ms": 1e3 * statistics.median(r["step_time"] for r in recs) if recs else 0,
         "diverged_at": diverged,
     }
+
+
+def _mean(recs: list[dict[str, Any]], key: str) -> float:
+    vals = [r[key] for r in recs if key in r]
+    return statistics.fmean(vals) if vals else 0.0
 
 
 class _Progress:
