@@ -38,10 +38,12 @@ def run_demo(
     recipes: Sequence[str] = DEMO_RECIPES,
     console: Console | None = None,
     progress: bool = True,
+    config: TrainConfig | None = None,
 ) -> list[dict[str, Any]]:
     """Train each recipe into ``out/<recipe>``; print the table, write the plot and JSON.
 
-    ``out`` must not exist or be empty (nothing on disk is overwritten).
+    ``out`` must not exist or be empty (nothing on disk is overwritten). ``config``
+    replaces the demo's configuration (its ``recipe`` field is ignored).
     """
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -49,7 +51,7 @@ def run_demo(
     for r in recipes:
         get_recipe(r)
     console = console or Console()
-    base = QUICK_CONFIG if quick else DEMO_CONFIG
+    base = config or (QUICK_CONFIG if quick else DEMO_CONFIG)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     t0 = time.perf_counter()

@@ -81,7 +81,7 @@ class TrainConfig:
         resuming needs no scheduler state."""
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
-        span = max(self.steps - self.warmup, 1)
+        span = max(self.steps - 1 - self.warmup, 1)
         t = min((step - self.warmup) / span, 1.0)
         return self.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * t)))
 
@@ -175,12 +175,15 @@ def train(
     resume: bool = False,
     progress: bool = True,
     label: str | None = None,
+    stop_after: int | None = None,
 ) -> dict[str, Any]:
     """Train the reference model per ``cfg``, writing the run directory ``out``.
 
     Returns the summary (also written to ``summary.json``). Raises :class:`RunError` for a
     non-empty ``out`` without ``resume``, or a missing/corrupt checkpoint with it.
     Ctrl-C writes a checkpoint at the last completed step and re-raises.
+    ``stop_after=k`` stops after step ``k`` as an interruption would (checkpoint written,
+    resumable), without the final summary; it returns ``{"stopped_at": k}``.
     """
     out = Path(out)
     _prepare_dir(out, cfg, resume)
@@ -209,7 +212,7 @@ def train(
     bar = _Progress(cfg.steps, start, label or cfg.recipe, enabled=progress)
     try:
         with open(out / METRICS, "a") as log, bar:
-            while step < cfg.steps:
+            while step < (cfg.steps if stop_after is None else min(stop_after, cfg.steps)):
                 rec = _train_step(prepared, data, step, cfg, meter)
                 step += 1
                 rec["step"] = step
@@ -224,6 +227,8 @@ def train(
         _save_checkpoint(out, prepared, step)
         raise
     _save_checkpoint(out, prepared, step)
+    if step < cfg.steps:
+        return {"stopped_at": step}
     summary = summarize(out)
     (out / SUMMARY).write_text(json.dumps(summary, indent=2))
     return summary
