@@ -1,0 +1,83 @@
+"""Tests for recipes and prepare()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec.amp import DynamicLossScaler, MasterWeights, NoLossScaler, StaticLossScaler
+from lowprec.cli import main
+from lowprec.recipes import Recipe, get_recipe, prepare, recipe_names, register
+
+REQUIRED = ["fp32", "bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls", "amp-bf16"]
+
+
+def test_required_recipes_exist_and_round_trip() -> None:
+    assert set(REQUIRED) <= set(recipe_names())
+    for name in REQUIRED:
+        r = Recipe.from_name(name)
+        assert Recipe.from_dict(r.to_dict()) == r
+        assert r.description
+
+
+def test_unknown_recipe_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match="unknown name 'fp8'; valid: fp32, bf16, fp16"):
+        get_recipe("fp8")
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "opt", "scaler"),
+    [
+        ("fp32", torch.float32, torch.optim.AdamW, NoLossScaler),
+        ("bf16", torch.bfloat16, MasterWeights, NoLossScaler),
+        ("fp16", torch.float16, MasterWeights, NoLossScaler),
+        ("fp16-static-ls", torch.float16, MasterWeights, StaticLossScaler),
+        ("fp16-dynamic-ls", torch.float16, MasterWeights, DynamicLossScaler),
+        ("amp-bf16", torch.float32, torch.optim.AdamW, NoLossScaler),
+    ],
+)
+def test_prepare(name: str, dtype: torch.dtype, opt: type, scaler: type) -> None:
+    p = prepare(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), name)
+    assert all(q.dtype == dtype for q in p.model.parameters())
+    assert isinstance(p.optimizer, opt) and type(p.scaler) is scaler
+    x = torch.randn(4, 8, dtype=dtype)
+    with p.compute():
+        out = p.model(x)
+    expected = torch.bfloat16 if name == "amp-bf16" else dtype
+    assert out.dtype == expected, "autocast runs the compute in BF16"
+
+
+def test_prepare_trains_a_step() -> None:
+    torch.manual_seed(0)
+    p = prepare(nn.Linear(8, 1), "fp16-static-ls", lambda ps: torch.optim.SGD(ps, lr=0.1))
+    w0 = p.model.weight.detach().clone()
+    with p.compute():
+        loss = p.model(torch.ones(2, 8, dtype=torch.float16)).float().mean()
+        p.scaler.scale(loss).backward()
+    assert p.scaler.step(p.optimizer)
+    p.scaler.update()
+    # d(mean)/dw = 1 per weight (2^12 scaled, exact); SGD lr 0.1 in FP32, written back to FP16.
+    assert torch.equal(p.model.weight.detach(), (w0.float() - 0.1).half())
+
+
+def test_recipe_validation_and_register() -> None:
+    with pytest.raises(ValueError, match="param_dtype"):
+        Recipe("x", "d", param_dtype="fp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="autocast needs fp32"):
+        Recipe("x", "d", param_dtype="bf16", autocast="bf16")
+    with pytest.raises(ValueError, match="master_weights only"):
+        Recipe("x", "d", master_weights=True)
+    with pytest.raises(ValueError, match="already registered"):
+        register(Recipe("fp32", "again"))
+    with pytest.raises(ValueError, match="unknown keys"):
+        Recipe.from_dict({"name": "x", "description": "d", "bogus": 1})
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        prepare("model", "fp32")  # type: ignore[arg-type]
+
+
+def test_cli_lists_recipes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for name in REQUIRED:
+        assert name in out
