@@ -5,6 +5,7 @@ The foundation: number formats (:mod:`lowprec.formats`), scale selection
 """
 
 from lowprec.formats import Format, from_bits, get_format, quantize, to_bits
+from lowprec.recipes import Recipe, prepare
 from lowprec.scaling import (
     DelayedScaler,
     DynamicScaler,
@@ -19,11 +20,13 @@ __all__ = [
     "DynamicScaler",
     "Format",
     "Granularity",
+    "Recipe",
     "ScaledTensor",
     "StaticScaler",
     "compute_scale",
     "from_bits",
     "get_format",
+    "prepare",
     "quantize",
     "quantize_scaled",
     "to_bits",

@@ -26,6 +26,22 @@ def test_quick_start_runs(tmp_path: Path) -> None:
     assert (tmp_path / "scaler.pt").exists()
 
 
+def test_every_python_block_runs(tmp_path: Path) -> None:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 2
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for i, code in enumerate(blocks):
+        script = tmp_path / f"block{i}.py"
+        script.write_text(code)
+        out = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, f"README python block {i} failed:\n{out.stderr}"
+        if "StepRecord" in code:
+            assert out.stdout.strip() == "65536.0 StepRecord(scale=65536.0, skipped=False)"
+
+
 def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
