@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from lowprec.formats import quantize
@@ -348,22 +348,40 @@ def cross_entropy_fp32(logits: Tensor, targets: Tensor) -> Tensor:
 # FP16 matmuls on CPU
 # ---------------------------------------------------------------------------------------
 
-_aten = torch.ops.aten
-_MATMULS = {_aten.mm.default, _aten.bmm.default, _aten.addmm.default, _aten.baddbmm.default}
+_MATMULS = {
+    F.linear,
+    torch.matmul,
+    torch.mm,
+    torch.bmm,
+    torch.addmm,
+    torch.baddbmm,
+    Tensor.matmul,
+    Tensor.__matmul__,
+    Tensor.mm,
+    Tensor.bmm,
+}
 
 
-class Fp16MatmulInFp32(TorchDispatchMode):  # type: ignore[no-untyped-call]
+def _up(a: Any) -> Any:
+    return a.float() if isinstance(a, Tensor) and a.dtype == torch.float16 else a
+
+
+class Fp16MatmulInFp32(TorchFunctionMode):
     """Run FP16 matrix products as FP32 products rounded once to FP16.
 
-    Inside this context, ``mm``, ``bmm``, ``addmm`` and ``baddbmm`` on FP16 tensors upcast
-    their inputs (exactly), multiply in FP32 and round the result to FP16: the numerics of
-    an FP16 GEMM with FP32 accumulation, as on GPUs. Tensors stay FP16 everywhere, so
-    storage, activations and gradients keep FP16's range and underflow. It exists because
-    torch's CPU FP16 GEMM is an order of magnitude slower than FP32 on CPUs without
-    AVX512-FP16; on CUDA it is not needed.
+    Inside this context, ``F.linear``, ``matmul``/``@``, ``mm``, ``bmm``, ``addmm`` and
+    ``baddbmm`` on FP16 tensors upcast their inputs (exactly), multiply in FP32 and round the
+    result to FP16: the numerics of an FP16 GEMM with FP32 accumulation, as on GPUs. The
+    casts are part of the autograd graph, so the backward products run the same way and
+    the gradients arrive as FP16 tensors. Tensors stay FP16 everywhere: storage,
+    activations and gradients keep FP16's range, subnormals and underflow.
+
+    It exists because torch's CPU FP16 GEMM is an order of magnitude slower than FP32 on
+    CPUs without AVX512-FP16; on CUDA it is not needed. It is a torch *function* mode, so
+    ``torch.compile`` traces through it.
     """
 
-    def __torch_dispatch__(
+    def __torch_function__(
         self,
         func: Any,
         types: Any,
@@ -374,11 +392,7 @@ class Fp16MatmulInFp32(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if func in _MATMULS and any(
             isinstance(a, Tensor) and a.dtype == torch.float16 for a in args
         ):
-            up = tree_map(
-                lambda a: a.float() if isinstance(a, Tensor) and a.dtype == torch.float16 else a,
-                args,
-            )
-            return func(*up, **kwargs).half()
+            return func(*tree_map(_up, args), **tree_map(_up, kwargs)).half()
         return func(*args, **kwargs)
 
 

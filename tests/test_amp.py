@@ -236,3 +236,24 @@ def test_grad_stats() -> None:
     assert s["grad_zero_share"] == 5 / 8
     assert s["grad_nonfinite_share"] == 1 / 8
     assert s["grad_norm"] == 5.0, "non-finite values are left out of the norm"
+
+
+@pytest.mark.slow
+def test_fp16_matmul_mode_traces_under_compile() -> None:
+    """The mode is a torch function mode: torch.compile captures it in one graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4)).half()
+    x = torch.randn(8, 16).half()
+    counter = CompileCounter()
+    compiled = torch.compile(m, backend=counter, fullgraph=True)
+    with Fp16MatmulInFp32():
+        eager = m(x)
+        out = compiled(x)
+    assert counter.frame_count == 1
+    assert torch.equal(out, eager)
+    with Fp16MatmulInFp32():
+        ref = (x.float() @ m[0].weight.detach().float().T + m[0].bias.detach().float()).half()
+        assert torch.equal(m[0](x), ref)
