@@ -104,28 +104,46 @@ def results_table(results: list[dict[str, Any]], cfg: TrainConfig, seconds: floa
 
 
 def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
-    """Loss curves (train, smoothed, and val points) and the loss scale of several runs."""
+    """Four panels for several runs: loss curves (train EMA, val dots), the val-loss gap to
+    the first run, the share of activation gradients below their dtype's smallest normal,
+    and the loss scale."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.2), dpi=120)
+    fig = Figure(figsize=(12, 7.5), dpi=110)
     FigureCanvasAgg(fig)
-    ax, ax_s = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.2, 1]})
-    for run in runs:
+    (ax, ax_gap), (ax_uf, ax_s) = fig.subplots(2, 2)
+    ref: dict[int, float] = {}
+    for k, run in enumerate(runs):
         recs = read_metrics(run)
         name = Path(run).name
         steps = [r["step"] for r in recs]
-        smooth = _ema([r["loss"] for r in recs], 0.9)
-        (line,) = ax.plot(steps, smooth, lw=1.4, label=name)
-        vals = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+        (line,) = ax.plot(steps, _ema([r["loss"] for r in recs], 0.9), lw=1.3, label=name)
+        color = line.get_color()
+        vals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
         if vals:
-            ax.plot(*zip(*vals, strict=True), "o", ms=3.5, color=line.get_color())
-        ax_s.plot(steps, [r["loss_scale"] for r in recs], lw=1.4, label=name)
-    ax.set(xlabel="step", ylabel="loss (nats/char)", title="train loss (EMA 0.9), val (dots)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+            ax.plot(list(vals), list(vals.values()), "o", ms=3, color=color)
+        if k == 0:
+            ref = vals
+        common = [s for s in vals if s in ref]
+        ax_gap.plot(common, [100 * (vals[s] / ref[s] - 1) for s in common], "o-", ms=3,
+                    lw=1.2, color=color, label=name)
+        uf = [(r["step"], 100 * r["act_grad_underflow"]) for r in recs if "act_grad_underflow" in r]
+        if uf:
+            ax_uf.plot(*zip(*uf, strict=True), lw=1.2, color=color, label=name)
+        ax_s.plot(steps, [r["loss_scale"] for r in recs], lw=1.3, color=color, label=name)
+    first = Path(runs[0]).name if runs else ""
+    ax.set(xlabel="step", ylabel="loss (nats/char)", title="train loss (EMA 0.9) and val (dots)")
+    ax_gap.axhline(0.0, color="black", lw=0.8)
+    ax_gap.axhspan(-1.0, 1.0, color="green", alpha=0.08, label="±1%")
+    ax_gap.set(xlabel="step", ylabel="%", title=f"val loss gap to {first}")
+    ax_uf.set(xlabel="step", ylabel="% of values", ylim=(-2, 102),
+              title="activation gradients below the smallest normal (underflow)")
     ax_s.set(xlabel="step", ylabel="loss scale", yscale="log", title="loss scale")
-    ax_s.grid(alpha=0.3)
+    for a in (ax, ax_gap, ax_uf, ax_s):
+        a.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax_gap.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
 
