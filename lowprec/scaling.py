@@ -389,8 +389,18 @@ class Scaler(ABC):
             "power_of_two": self.power_of_two,
         }
 
+    # Attributes saved by state_dict(): optional tensors (cloned) and plain ints.
+    _STATE_TENSORS: tuple[str, ...] = ()
+    _STATE_INTS: tuple[str, ...] = ("nonfinite_count",)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"config": self.config(), "nonfinite_count": self.nonfinite_count}
+        sd: dict[str, Any] = {"config": self.config()}
+        for name in self._STATE_INTS:
+            sd[name] = getattr(self, name)
+        for name in self._STATE_TENSORS:
+            t = getattr(self, name)
+            sd[name] = None if t is None else t.clone()
+        return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or "config" not in state:
@@ -399,7 +409,11 @@ class Scaler(ABC):
             raise ValueError(
                 f"state: saved scaler config {state['config']} does not match {self.config()}"
             )
-        self.nonfinite_count = int(state["nonfinite_count"])
+        for name in self._STATE_INTS:
+            setattr(self, name, int(state[name]))
+        for name in self._STATE_TENSORS:
+            t = state.get(name)
+            setattr(self, name, None if t is None else t.clone())
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
@@ -414,6 +428,8 @@ class DynamicScaler(Scaler):
         >>> DynamicScaler("e4m3fn")(torch.tensor([1.0, -896.0])).item()
         2.0
     """
+
+    _STATE_TENSORS = ("last_amax",)
 
     def __init__(
         self,
@@ -430,15 +446,6 @@ class DynamicScaler(Scaler):
         self.last_amax = a
         return self._scale(a)
 
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["last_amax"] = None if self.last_amax is None else self.last_amax.clone()
-        return sd
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        la = state.get("last_amax")
-        self.last_amax = None if la is None else la.clone()
 
 
 class _HistoryScaler(Scaler):
@@ -478,6 +485,8 @@ class DelayedScaler(_HistoryScaler):
     A non-finite ``amax`` is not recorded: the slot repeats the previous value.
     """
 
+    _STATE_TENSORS = ("amax_history",)
+
     def __init__(
         self,
         fmt: str | Format,
@@ -515,16 +524,6 @@ class DelayedScaler(_HistoryScaler):
         self.amax_history = torch.cat([new.unsqueeze(0), hist[:-1]], dim=0)
         return scale
 
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        h = self.amax_history
-        sd["amax_history"] = None if h is None else h.clone()
-        return sd
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        h = state.get("amax_history")
-        self.amax_history = None if h is None else h.clone()
 
 
 class StaticScaler(_HistoryScaler):
@@ -535,6 +534,9 @@ class StaticScaler(_HistoryScaler):
     calls track the running maximum of ``amax`` and return the scale for it; then the scale
     freezes. :meth:`freeze` ends calibration early.
     """
+
+    _STATE_TENSORS = ("calib_amax", "scale")
+    _STATE_INTS = ("nonfinite_count", "steps")
 
     def __init__(
         self,
@@ -589,19 +591,6 @@ class StaticScaler(_HistoryScaler):
             self.scale = scale
         return scale
 
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["steps"] = self.steps
-        sd["calib_amax"] = None if self.calib_amax is None else self.calib_amax.clone()
-        sd["scale"] = None if self.scale is None else self.scale.clone()
-        return sd
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.steps = int(state["steps"])
-        ca, sc = state.get("calib_amax"), state.get("scale")
-        self.calib_amax = None if ca is None else ca.clone()
-        self.scale = None if sc is None else sc.clone()
 
 
 def _check_scale_value(scale: float | Tensor, arg: str) -> Tensor:

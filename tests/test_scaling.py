@@ -190,6 +190,9 @@ def test_dynamic_scaler() -> None:
     sc = DynamicScaler("e4m3fn")
     assert sc(_const(896.0)).item() == 2.0
     assert sc.last_amax is not None and sc.last_amax.item() == 896.0
+    restored = DynamicScaler("e4m3fn")
+    restored.load_state_dict(sc.state_dict())
+    assert restored.last_amax is not None and restored.last_amax.item() == 896.0
     row = DynamicScaler("e5m2", granularity="row")(torch.tensor([[1.0, -2.0], [57344.0, 0.0]]))
     # float32 result of one float32 division: within 2^-24 relative of the exact value.
     assert row.flatten().tolist() == pytest.approx([2.0 / 57344.0, 1.0], rel=2**-23)
