@@ -130,6 +130,26 @@ def write_json(record: dict[str, Any], path: str | Path) -> Path:
 # ---- timing -------------------------------------------------------------------------------
 
 
+def default_out(stem: str, quick: bool) -> str:
+    """Where a benchmark writes its JSON: ``results/<stem>.json``, or a temp-dir file for
+    ``--quick`` smoke runs (so they never overwrite the real results)."""
+    import tempfile
+
+    if quick:
+        return str(Path(tempfile.gettempdir()) / "lowprec_bench" / f"{stem}_quick.json")
+    return str(RESULTS_DIR / f"{stem}.json")
+
+
+def setup_torch(threads: int, cold_compile: bool) -> None:
+    """Set the CPU thread count; with ``cold_compile`` disable inductor's caches so compile
+    times are cold."""
+    torch.set_num_threads(threads)
+    if cold_compile:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.force_disable_caches = True
+
+
 def synchronize(device: str | torch.device) -> None:
     """Wait for queued work on ``device`` (no-op on CPU)."""
     dev = torch.device(device)

@@ -25,14 +25,20 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from _common import RESULTS_DIR, print_table, run_record, synchronize, time_many, write_json
+from _common import (
+    default_out,
+    print_table,
+    run_record,
+    setup_torch,
+    synchronize,
+    time_many,
+    write_json,
+)
 from torch import Tensor
 
 from lowprec.formats import get_format, to_format
@@ -189,18 +195,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available")
     if args.out is None:
-        folder = Path(tempfile.gettempdir()) / "lowprec_bench" if args.quick else RESULTS_DIR
-        args.out = str(folder / f"quantize_{args.device}{'_quick' if args.quick else ''}.json")
+        args.out = default_out(f"quantize_{args.device}", args.quick)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.cold_compile:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.force_disable_caches = True
+    setup_torch(args.threads, args.cold_compile)
     dev = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.numel, generator=gen).to(dev)

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import math
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -38,7 +37,7 @@ from typing import Any
 
 import torch
 import torch._dynamo
-from _common import RESULTS_DIR, print_table, run_record, time_many, write_json
+from _common import default_out, print_table, run_record, setup_torch, time_many, write_json
 from torch import Tensor
 from torch._dynamo.utils import counters
 
@@ -170,18 +169,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--steps, --warmup and --threads must be >= 1")
     args.config = replace(DEMO_CONFIG, **QUICK_SHAPE) if args.quick else DEMO_CONFIG
     if args.out is None:
-        folder = Path(tempfile.gettempdir()) / "lowprec_bench" if args.quick else RESULTS_DIR
-        args.out = str(folder / f"recipes_cpu{'_quick' if args.quick else ''}.json")
+        args.out = default_out("recipes_cpu", args.quick)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.cold_compile:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.force_disable_caches = True
+    setup_torch(args.threads, args.cold_compile)
     # CharGPT.forward is one code object compiled once per dtype / autocast / mode state.
     torch._dynamo.config.recompile_limit = 64
     cfg: TrainConfig = args.config
