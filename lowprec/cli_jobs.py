@@ -124,7 +124,7 @@ def _run_train(args: argparse.Namespace) -> int:
     except ValueError as e:
         parser.error(str(e))
     out = args.out or Path("runs") / f"{cfg.recipe}-{datetime.now():%Y%m%d-%H%M%S}"
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     try:
         summary = train(cfg, out, resume=args.resume, progress=not args.no_progress)
     except RunError as e:
@@ -134,13 +134,13 @@ def _run_train(args: argparse.Namespace) -> int:
         return 130
     table = Table(title=f"run {out}", title_justify="left")
     for col in ("recipe", "steps", "train loss", "val loss", "val bpc", "skipped",
-                "zero grads", "ms/step"):
+                "act-grad underflow", "act-grad zeros", "ms/step"):
         table.add_column(col, justify="right")
     table.add_row(
         summary["recipe"], str(summary["steps"]), f"{summary['train_loss']:.4f}",
         f"{summary['val_loss']:.4f}", f"{summary['val_bpc']:.3f}",
-        str(summary["skipped_steps"]), f"{100 * summary['grad_zero_share']:.2f}%",
-        f"{summary['step_time_ms']:.0f}",
+        str(summary["skipped_steps"]), f"{100 * summary['act_grad_underflow']:.1f}%",
+        f"{100 * summary['act_grad_zero']:.2f}%", f"{summary['step_time_ms']:.0f}",
     )
     console.print(table)
     return 0
