@@ -93,14 +93,15 @@ class LossScaler:
         if isinstance(optimizer, MasterWeights):
             optimizer.copy_grads()
         inv = 1.0 / self._scale
-        found = torch.zeros((), dtype=torch.bool)
+        found: Tensor | None = None  # accumulated on the gradients' device: one sync
         for p in _params(optimizer):
             if p.grad is None:
                 continue
             if inv != 1.0:
                 p.grad.mul_(inv)
-            found = found | ~torch.isfinite(p.grad).all().cpu()
-        self._found_inf = bool(found)
+            bad = ~torch.isfinite(p.grad).all()
+            found = bad if found is None else found | bad.to(found.device)
+        self._found_inf = found is not None and bool(found)
         self._unscaled.add(id(optimizer))
 
     def step(self, optimizer: Any) -> bool:
