@@ -229,7 +229,7 @@ def _canonical_name(f: Format) -> str:
     if f.bias != default_bias:
         name += f"b{f.bias}"
     if f.special != "ieee":
-        name += {"fn": "fn", "fnuz": "fnuz", "finite": "fn"}[f.special]
+        name += f.special  # "fn", "fnuz" or "finite" (e3m2/e2m3/e2m1 have built-in names)
     if not f.signed:
         name += "u"
     return name
@@ -281,7 +281,7 @@ _DTYPE_TO_FORMAT: dict[torch.dtype, Format] = {
     v: k for k, v in (_NATIVE | _STORAGE_ONLY).items()
 }
 
-_PATTERN = re.compile(r"^e(\d+)m(\d+)(?:b(\d+))?(fnuz|fnu|fn)?$")
+_PATTERN = re.compile(r"^e(\d+)m(\d+)(?:b(\d+))?(fnuz|fnu|fn|finite)?$")
 
 
 def format_names() -> list[str]:
@@ -319,7 +319,8 @@ def get_format(name: str | Format | torch.dtype) -> Format:
     if m is None:
         raise ValueError(
             f"name: unknown format {name!r}; valid names are {', '.join(format_names())} "
-            "or any 'eXmY' spelling such as 'e6m9', 'e4m3fn', 'e5m2fnuz', 'e4m3b11fnuz'"
+            "or any 'eXmY' spelling such as 'e6m9', 'e4m3fn', 'e5m2fnuz', 'e4m3b11fnuz', "
+            "'e3m3finite'"
         )
     e, mb, bias, suffix = int(m[1]), int(m[2]), m[3], m[4]
     special: Special = "ieee"
@@ -330,6 +331,8 @@ def get_format(name: str | Format | torch.dtype) -> Format:
         special, signed = "fn", False
     elif suffix == "fn":
         special = "fn"
+    elif suffix == "finite":
+        special = "finite"
     f = Format(e, mb, None if bias is None else int(bias), special, signed)
     for g in _REGISTRY.values():  # reuse the canonical name of a built-in twin
         if g == f:

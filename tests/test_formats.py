@@ -1302,3 +1302,12 @@ def test_to_format_equals_quantize(name: str) -> None:
 def test_docstring_examples() -> None:
     result = doctest.testmod(formats_module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_custom_finite_format_has_its_own_name() -> None:
+    """A custom format without Inf/NaN must not share a name with the 'fn' format."""
+    f = Format(4, 3, special="finite")
+    assert f.name == "e4m3finite" and get_format("e4m3finite") == f
+    assert get_format("e4m3fn") != f and get_format("e4m3fn").special == "fn"
+    # e4m3 without NaN: the all-ones code is a number, 2^8 * 1.875 = 480.
+    assert f.max == 480.0 and get_format("e2m1finite") is get_format("e2m1")
