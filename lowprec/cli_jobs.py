@@ -162,6 +162,8 @@ def add_demo(subparsers: Any) -> None:
     p.add_argument("--quick", action="store_true", help="a one-minute smoke run")
     p.add_argument("--recipes", type=_recipe_arg, nargs="+", default=list(DEMO_RECIPES),
                    metavar="NAME", help=f"default: {' '.join(DEMO_RECIPES)}")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of initialisation and data (default 0), to check run-to-run spread")
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default runs/demo-<time>); must not exist")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -169,12 +171,19 @@ def add_demo(subparsers: Any) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from lowprec.demo import run_demo
+    from dataclasses import replace
 
+    from lowprec.demo import DEMO_CONFIG, QUICK_CONFIG, run_demo
+
+    if args.seed is not None and args.seed < 0:
+        args.parser.error(f"--seed: must be >= 0, got {args.seed}")
+    config = None
+    if args.seed is not None:
+        config = replace(QUICK_CONFIG if args.quick else DEMO_CONFIG, seed=args.seed)
     out = args.out or Path("runs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
     try:
         run_demo(out, quick=args.quick, recipes=args.recipes, progress=not args.no_progress,
-                 console=Console(file=sys.stdout, width=140))
+                 console=Console(file=sys.stdout, width=140), config=config)
     except RunError as e:
         args.parser.error(str(e))
     return 0

@@ -62,3 +62,17 @@ def test_cli_demo_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     for name in DEMO_RECIPES:
         assert name in text
     assert (out / "loss_curves.png").is_file()
+
+
+def test_cli_demo_seed_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "seeded"
+    assert main(["demo", "--quick", "--seed", "3", "--recipes", "fp32", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert json.loads((out / "results.json").read_text())["config"]["seed"] == 3
+    for bad, msg in ((["--seed", "-1"], "--seed"), (["--recipes", "fp9"], "valid: fp32")):
+        with pytest.raises(SystemExit) as e:
+            main(["demo", "--quick", "--out", str(tmp_path / "x"), *bad])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--quick", "--recipes", "fp32", "--out", str(out)])
+    assert e.value.code == 2 and "already exists" in capsys.readouterr().err
