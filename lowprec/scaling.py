@@ -430,16 +430,7 @@ class DynamicScaler(Scaler):
     """
 
     _STATE_TENSORS = ("last_amax",)
-
-    def __init__(
-        self,
-        fmt: str | Format,
-        granularity: str | Granularity = "tensor",
-        margin: float = 0.0,
-        power_of_two: bool = False,
-    ) -> None:
-        super().__init__(fmt, granularity, margin, power_of_two)
-        self.last_amax: Tensor | None = None
+    last_amax: Tensor | None = None  # the amax of the latest tensor (set per call)
 
     def __call__(self, x: Tensor) -> Tensor:
         a = self._amax(x)
