@@ -473,16 +473,8 @@ def quantize(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     orig = x.dtype
-    native = _NATIVE.get(fmt)
-    # Under torch.compile fp16/bf16 use the bit path: inductor drops a cast round trip
-    # fp32 -> fp16/bf16 -> fp32 (unless emulate_precision_casts), which would skip the
-    # rounding. float8 round trips are kept (tests/test_formats.py checks both).
-    if (
-        rounding == "nearest"
-        and native is not None
-        and orig in _FLOAT_INPUTS[:3]
-        and not (torch.compiler.is_compiling() and native in _ELIDED)
-    ):
+    native = _native_for(x, fmt, rounding)
+    if native is not None:
         return _quantize_native(x, fmt, native, saturate)
     fdt, _, _ = _work_dtypes(orig)
     xf = x.to(fdt)
@@ -505,6 +497,24 @@ def quantize(
         r = torch.where(xf > 0, a, math.nan)
     r = torch.where(torch.isnan(xf), xf, r)
     return r.to(orig)
+
+
+def _native_for(x: Tensor, fmt: Format, rounding: str) -> torch.dtype | None:
+    """The torch dtype whose cast rounds ``x`` into ``fmt`` exactly, or None for the bit path.
+
+    Under torch.compile fp16/bf16 use the bit path: inductor drops a cast round trip
+    fp32 -> fp16/bf16 -> fp32 (unless emulate_precision_casts), which would skip the
+    rounding. float8 round trips are kept (tests/test_formats.py checks both).
+    """
+    native = _NATIVE.get(fmt)
+    if (
+        rounding != "nearest"
+        or native is None
+        or x.dtype not in _FLOAT_INPUTS[:3]
+        or (torch.compiler.is_compiling() and native in _ELIDED)
+    ):
+        return None
+    return native
 
 
 def _cast_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:
@@ -578,13 +588,8 @@ def to_format(
     """
     x = _check_input(x)
     fmt = get_format(fmt)
-    native = _NATIVE.get(fmt)
-    if (
-        rounding == "nearest"
-        and native is not None
-        and x.dtype in _FLOAT_INPUTS[:3]
-        and not (torch.compiler.is_compiling() and native in _ELIDED)  # see quantize
-    ):
+    native = _native_for(x, fmt, rounding)
+    if native is not None:
         return _cast_native(x, fmt, native, saturate)
     return quantize(x, fmt, rounding, saturate, generator).to(storage_dtype(fmt))
 
