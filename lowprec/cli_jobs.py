@@ -8,6 +8,7 @@ overwritten.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import fields
 from datetime import datetime
@@ -64,19 +65,15 @@ def _run_recipes(args: argparse.Namespace) -> int:
         table.add_column(col)
     for name in recipe_names():
         r = get_recipe(name)
-        ls = r.loss_scaling if r.loss_scaling == "none" else f"{r.loss_scaling} 2^{_log2(r)}"
+        ls: str = r.loss_scaling
+        if ls != "none":
+            ls += f" 2^{math.log2(r.loss_scale):g}"
         table.add_row(
             r.name, r.param_dtype, "fp32" if r.master_weights else "-", ls,
             r.autocast or "-", r.description,
         )
     Console(file=sys.stdout, width=160).print(table)
     return 0
-
-
-def _log2(r: Any) -> str:
-    import math
-
-    return f"{math.log2(r.loss_scale):g}"
 
 
 # ---- lowprec train -------------------------------------------------------------------------

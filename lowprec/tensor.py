@@ -221,9 +221,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Scaled
     if dtype not in _LOGICAL:
         raise ValueError(f"dtype: a ScaledTensor's logical dtype must be one of {_LOGICAL}")
     kw.pop("layout", None)
-    moved = _map_parts(x, lambda t: func(t, **kw))
-    moved = ScaledTensor._wrap(moved._data, moved._scale, dtype, x._fmt)
-    return moved
+    return ScaledTensor._wrap(func(x._data, **kw), func(x._scale, **kw), dtype, x._fmt)
 
 
 @register_rule(aten.is_same_size.default)
