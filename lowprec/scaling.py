@@ -59,7 +59,9 @@ __all__ = [
     "apply_scale",
     "as_granularity",
     "compute_scale",
+    "delayed_amax",
     "mx_scale",
+    "push_amax",
 ]
 
 log = logging.getLogger(__name__)
@@ -468,8 +470,9 @@ class DelayedScaler(_HistoryScaler):
 
     Each call returns the scale computed from the history *before* this tensor, then records
     this tensor's ``amax``. ``algo="max"`` uses the largest ``amax`` of the last
-    ``history_len`` calls, ``"most_recent"`` the previous call's. Warm-up: the first call,
-    with an empty history, uses the tensor's own ``amax`` (dynamic scaling). Because the
+    ``history_len`` calls, ``"most_recent"`` the previous call's. Warm-up: while the history
+    holds no positive ``amax`` (the first call), the tensor's own ``amax`` is used (dynamic
+    scaling); see :func:`delayed_amax`. Because the
     scale lags the data, use it with saturating casts: an outlier saturates for one step,
     then dominates the ``max`` history for ``history_len`` steps and drops out.
 
@@ -502,17 +505,12 @@ class DelayedScaler(_HistoryScaler):
     def __call__(self, x: Tensor) -> Tensor:
         cur = self._amax(x)
         hist = self.amax_history
-        if hist is None:  # warm-up: dynamic on the first call
-            scale = self._scale(cur)
-            prev = torch.where(torch.isfinite(cur), cur, 0.0)
+        if hist is None:
             hist = torch.zeros((self.history_len, *cur.shape), device=cur.device)
         else:
             self._check_shape(x, tuple(hist.shape[1:]), tuple(cur.shape))
-            ref = hist.amax(dim=0) if self.algo == "max" else hist[0]
-            scale = self._scale(ref)
-            prev = hist[0]
-        new = torch.where(torch.isfinite(cur), cur, prev)
-        self.amax_history = torch.cat([new.unsqueeze(0), hist[:-1]], dim=0)
+        scale = self._scale(delayed_amax(hist, cur, self.algo))
+        self.amax_history = push_amax(hist, cur)
         return scale
 
 
@@ -582,6 +580,26 @@ class StaticScaler(_HistoryScaler):
             self.scale = scale
         return scale
 
+
+
+def delayed_amax(history: Tensor, current: Tensor, algo: str = "max") -> Tensor:
+    """The ``amax`` a delayed scaler uses: the max (``algo="max"``) or the newest
+    (``"most_recent"``) entry of ``history`` (newest first, shape ``(L, *scale_shape)``).
+
+    Where that is not positive (an empty, all-zero history: warm-up) the ``current`` amax
+    is used instead, so the first step is scaled dynamically.
+    """
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"algo must be 'max' or 'most_recent', got {algo!r}")
+    ref = history.amax(dim=0) if algo == "max" else history[0]
+    return torch.where(ref > 0, ref, current)
+
+
+def push_amax(history: Tensor, current: Tensor) -> Tensor:
+    """``history`` with ``current`` prepended and the oldest entry dropped. A non-finite
+    ``current`` is not recorded: the newest entry is repeated in its place."""
+    new = torch.where(torch.isfinite(current), current, history[0])
+    return torch.cat([new.unsqueeze(0), history[:-1]], dim=0)
 
 
 def _check_scale_value(scale: float | Tensor, arg: str) -> Tensor:

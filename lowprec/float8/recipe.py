@@ -1,0 +1,276 @@
+"""Float8 recipes: per-role cast configurations and the named presets.
+
+A matmul ``y = x Wᵀ`` in training is three GEMMs, each with two operands:
+
+=========  ===========================  ==========================
+GEMM       operands                     contracted dimension
+=========  ===========================  ==========================
+forward    ``x (M×K) · Wᵀ (K×N)``       K (features in)
+dgrad      ``g (M×N) · W (N×K)``        N (features out)
+wgrad      ``gᵀ (N×M) · x (M×K)``       M (tokens)
+=========  ===========================  ==========================
+
+Each *role* (``input`` = x, ``weight`` = W, ``grad_output`` = g) has a :class:`CastConfig`:
+its format, how its scale is chosen over time (``dynamic``, ``delayed``, ``static``) and its
+granularity, which is stated *relative to the contracted dimension of the GEMM* (that is
+what a hardware kernel requires, and why an operand may be re-quantized per GEMM):
+
+* ``tensor``: one scale for the whole operand, reused by every GEMM;
+* ``axis``: one scale per index of the *non-contracted* dimension (row-wise scaling);
+* ``block:RxC``: blocks of ``R`` along the non-contracted and ``C`` along the contracted
+  dimension (``1x128`` for activations and gradients, ``128x128`` for weights);
+* ``mx:B``: OCP Microscaling, ``B`` consecutive elements along the contracted dimension
+  share an E8M0 (power of two) scale;
+* ``nv:B``: NVFP4-style two-level scaling: ``B`` elements along the contracted dimension
+  share an E4M3 scale, and one float32 scale per tensor maps the block scales into E4M3.
+
+Shapes that a block does not divide are *padded with zeros* inside the quantizer and the
+padding is dropped again. Zeros change neither a block's ``amax`` nor a dot product, so the
+result equals that of the unpadded tensor quantized with partial blocks.
+
+Example:
+    >>> r = Float8Recipe.from_name("delayed")
+    >>> r.input.scaling, r.input.history_len, r.grad_output.fmt
+    ('delayed', 16, 'e5m2')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lowprec.formats import get_format
+
+__all__ = ["CastConfig", "Float8Recipe", "recipe_names"]
+
+Scaling = Literal["dynamic", "delayed", "static"]
+ROLES = ("input", "weight", "grad_output")
+
+
+@dataclass(frozen=True)
+class GemmGranularity:
+    """Parsed granularity: ``kind`` and block ``(along non-contracted, along contracted)``."""
+
+    kind: Literal["tensor", "axis", "block", "mx", "nv"]
+    block: tuple[int, int] = (1, 1)
+
+
+def parse_granularity(name: str) -> GemmGranularity:
+    """Parse a granularity name (see the module docstring); ``ValueError`` lists valid names."""
+    if not isinstance(name, str):
+        raise TypeError(f"granularity must be a str, got {type(name).__name__}")
+    key = name.strip().lower()
+    if key in ("tensor", "tensorwise"):
+        return GemmGranularity("tensor")
+    if key in ("axis", "row", "rowwise", "axiswise"):
+        return GemmGranularity("axis")
+    m = re.fullmatch(r"(?:block:)?(\d+)x(\d+)", key)
+    if m and int(m[1]) >= 1 and int(m[2]) >= 1:
+        return GemmGranularity("block", (int(m[1]), int(m[2])))
+    m = re.fullmatch(r"(mx|nv)(?::(\d+))?", key)
+    if m:
+        size = int(m[2]) if m[2] else (32 if m[1] == "mx" else 16)
+        if size >= 1:
+            return GemmGranularity("mx" if m[1] == "mx" else "nv", (1, size))
+    raise ValueError(
+        f"granularity: unknown name {name!r}; valid: 'tensor', 'axis' (alias 'row'), "
+        "'block:RxC' (e.g. 'block:1x128', 'block:128x128'), 'mx' / 'mx:B', 'nv' / 'nv:B'"
+    )
+
+
+@dataclass(frozen=True)
+class CastConfig:
+    """How one operand role is cast to a narrow format.
+
+    ``scale = amax · 2^margin / fmt.max`` (rounded up to a power of two with
+    ``power_of_two``), where ``amax`` comes from:
+
+    * ``dynamic``: the tensor itself, every call;
+    * ``delayed``: the largest (``algo="max"``) or latest (``"most_recent"``) ``amax`` of the
+      previous ``history_len`` training steps. Warm-up: while the history holds no positive
+      ``amax`` (the first step), the tensor's own ``amax`` is used. The history is updated
+      in training mode only; a non-finite ``amax`` is not recorded;
+    * ``static``: a fixed scale, either ``static_scale`` or calibrated with
+      :func:`lowprec.float8.calibrate` (the running maximum of ``amax`` over the
+      calibration batches), then frozen. Using it before calibration is an error.
+
+    Delayed and static scaling keep one scale per tensor (``granularity="tensor"``): a
+    history of per-row scales would depend on the batch shape.
+    """
+
+    fmt: str = "e4m3fn"
+    granularity: str = "tensor"
+    scaling: Scaling = "dynamic"
+    margin: float = 0.0
+    power_of_two: bool = False
+    history_len: int = 16
+    algo: Literal["max", "most_recent"] = "max"
+    static_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        f = get_format(self.fmt)  # ValueError naming the format if unknown
+        object.__setattr__(self, "fmt", f.name)
+        g = parse_granularity(self.granularity)
+        if self.scaling not in ("dynamic", "delayed", "static"):
+            raise ValueError(
+                f"scaling must be 'dynamic', 'delayed' or 'static', got {self.scaling!r}"
+            )
+        if self.scaling != "dynamic" and g.kind != "tensor":
+            raise ValueError(
+                f"scaling={self.scaling!r} needs granularity='tensor', got "
+                f"{self.granularity!r} (a history of per-row or per-block scales would "
+                "depend on the batch shape)"
+            )
+        if g.kind == "nv" and f.name != "e2m1":
+            raise ValueError(f"granularity 'nv' (NVFP4) needs fmt 'e2m1', got {f.name!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)):
+            raise TypeError(f"margin must be a number, got {type(self.margin).__name__}")
+        if not isinstance(self.power_of_two, bool):
+            raise TypeError("power_of_two must be a bool")
+        if isinstance(self.history_len, bool) or not isinstance(self.history_len, int):
+            raise TypeError("history_len must be an int")
+        if self.history_len < 1:
+            raise ValueError(f"history_len must be >= 1, got {self.history_len}")
+        if self.algo not in ("max", "most_recent"):
+            raise ValueError(f"algo must be 'max' or 'most_recent', got {self.algo!r}")
+        if self.static_scale is not None:
+            if self.scaling != "static":
+                raise ValueError("static_scale is only used with scaling='static'")
+            s = self.static_scale
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < float("inf"):
+                raise ValueError(f"static_scale must be a finite number > 0, got {s!r}")
+
+    @property
+    def gemm_granularity(self) -> GemmGranularity:
+        return parse_granularity(self.granularity)
+
+    def describe(self) -> str:
+        """Short text such as ``dyn:tensor:e4m3fn``."""
+        return f"{self.scaling[:3]}:{self.granularity}:{self.fmt}"
+
+
+def _e4(**kw: Any) -> CastConfig:
+    return CastConfig("e4m3fn", **kw)
+
+
+def _e5(**kw: Any) -> CastConfig:
+    return CastConfig("e5m2", **kw)
+
+
+@dataclass(frozen=True)
+class Float8Recipe:
+    """A float8 training recipe: one :class:`CastConfig` per role plus matmul options.
+
+    * ``emulate``: ``None`` (default) uses the hardware FP8 kernel (``torch._scaled_mm``)
+      where it is fast — CUDA, compute capability 8.9 or newer, tensor or axis granularity,
+      E4M3/E5M2 operands, dimensions multiples of 16 — and the exact emulation elsewhere;
+      ``True`` always emulates.
+    * ``emulation_dtype``: ``"fp32"`` (default) multiplies the quantized values in float32,
+      which is exact for the products and accumulates in fp32 like the hardware; ``"bf16"``
+      is faster on some CPUs and rounds the dequantized operands and the output to bf16.
+    * ``fp8_saved_activations``: save the quantized input (1 byte per element for 8-bit
+      formats) for the backward pass instead of the high-precision input. For tensor
+      granularity the numerics are identical (backward uses the forward's quantized
+      input either way). For other granularities the weight-gradient GEMM then
+      re-quantizes the dequantized saved input along the token dimension: two roundings.
+
+    Use :meth:`from_name` for the presets (:func:`recipe_names`).
+    """
+
+    name: str = "custom"
+    input: CastConfig = field(default_factory=_e4)
+    weight: CastConfig = field(default_factory=_e4)
+    grad_output: CastConfig = field(default_factory=_e5)
+    emulate: bool | None = None
+    emulation_dtype: Literal["fp32", "bf16"] = "fp32"
+    fp8_saved_activations: bool = True
+
+    def __post_init__(self) -> None:
+        for role in ROLES:
+            c = getattr(self, role)
+            if not isinstance(c, CastConfig):
+                raise TypeError(f"{role} must be a CastConfig, got {type(c).__name__}")
+        if self.emulate not in (None, True, False):
+            raise TypeError("emulate must be None, True or False")
+        if self.emulation_dtype not in ("fp32", "bf16"):
+            raise ValueError(
+                f"emulation_dtype must be 'fp32' or 'bf16', got {self.emulation_dtype!r}"
+            )
+        if not isinstance(self.fp8_saved_activations, bool):
+            raise TypeError("fp8_saved_activations must be a bool")
+
+    def cast(self, role: str) -> CastConfig:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        c: CastConfig = getattr(self, role)
+        return c
+
+    def replace(self, **changes: Any) -> Float8Recipe:
+        """A copy with fields changed (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Float8Recipe:
+        d = dict(d)
+        for role in ROLES:
+            if isinstance(d.get(role), dict):
+                d[role] = CastConfig(**d[role])
+        return cls(**d)
+
+    @classmethod
+    def from_name(cls, name: str, **changes: Any) -> Float8Recipe:
+        """A preset by name, optionally with fields changed. Unknown names list the valid ones.
+
+        Example:
+            >>> Float8Recipe.from_name("rowwise").weight.granularity
+            'axis'
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"recipe name must be a str, got {type(name).__name__}")
+        key = name.strip().lower()
+        if key not in _PRESETS:
+            raise ValueError(f"unknown float8 recipe {name!r}; valid: {recipe_names()}")
+        r = _PRESETS[key]
+        return r.replace(**changes) if changes else r
+
+
+def _preset(name: str, inp: CastConfig, w: CastConfig, go: CastConfig, **kw: Any) -> None:
+    _PRESETS[name] = Float8Recipe(name, inp, w, go, **kw)
+
+
+_PRESETS: dict[str, Float8Recipe] = {}
+_preset("tensorwise", _e4(), _e4(), _e5())
+_preset(
+    "delayed",
+    _e4(scaling="delayed"),
+    _e4(scaling="delayed"),
+    _e5(scaling="delayed"),
+)
+# Weights move every step and their amax is cheap to take, so only the activations and
+# gradients are calibrated and frozen.
+_preset("static", _e4(scaling="static"), _e4(), _e5(scaling="static"))
+_preset("rowwise", _e4(granularity="axis"), _e4(granularity="axis"), _e5(granularity="axis"),
+        fp8_saved_activations=False)
+_preset(
+    "blockwise",
+    _e4(granularity="block:1x128"),
+    _e4(granularity="block:128x128"),
+    _e5(granularity="block:1x128"),
+    fp8_saved_activations=False,
+)
+_preset("mxfp8", _e4(granularity="mx:32"), _e4(granularity="mx:32"),
+        _e5(granularity="mx:32"), fp8_saved_activations=False, emulate=True)
+_fp4 = CastConfig("e2m1", granularity="mx:32")
+_preset("mxfp4", _fp4, _fp4, _fp4, fp8_saved_activations=False, emulate=True)
+_nv4 = CastConfig("e2m1", granularity="nv:16")
+_preset("nvfp4", _nv4, _nv4, _nv4, fp8_saved_activations=False, emulate=True)
+
+
+def recipe_names() -> list[str]:
+    """Names accepted by :meth:`Float8Recipe.from_name`."""
+    return list(_PRESETS)
