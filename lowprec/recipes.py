@@ -29,6 +29,7 @@ from lowprec.amp import (
     NoLossScaler,
     StaticLossScaler,
 )
+from lowprec.float8 import Float8Recipe, convert_to_float8
 
 __all__ = ["Prepared", "Recipe", "get_recipe", "prepare", "recipe_names", "register"]
 
@@ -54,6 +55,8 @@ class Recipe:
     autocast: DType | None = None
     stochastic_rounding: bool = False
     technique: str = "mixed-precision"
+    float8: str | None = None
+    float8_skip: tuple[str, ...] = ("head", "lm_head")
     options: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +78,10 @@ class Recipe:
             raise ValueError("master_weights only makes sense with bf16/fp16 parameters")
         if self.stochastic_rounding and not self.master_weights:
             raise ValueError("stochastic_rounding rounds the master-weight write-back")
+        if self.float8 is not None:
+            Float8Recipe.from_name(self.float8)  # ValueError listing the presets
+        if isinstance(self.float8_skip, list):
+            object.__setattr__(self, "float8_skip", tuple(self.float8_skip))  # from JSON
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -151,6 +158,33 @@ register(
     )
 )
 register(Recipe("amp-bf16", "FP32 params, torch.autocast to BF16 for compute", autocast="bf16"))
+for _name, _what in (
+    ("tensorwise", "dynamic per-tensor scales"),
+    ("delayed", "delayed per-tensor scales (amax history of 16, max)"),
+    ("rowwise", "dynamic per-row scales"),
+):
+    register(
+        Recipe(
+            f"fp8-{_name}",
+            f"BF16 params (FP32 master weights), float8 linears with {_what}; E4M3 forward, "
+            "E5M2 gradients; output head in BF16",
+            "bf16",
+            True,
+            technique="float8",
+            float8=_name,
+        )
+    )
+register(
+    Recipe(
+        "mxfp8",
+        "BF16 params (FP32 master weights), float8 linears with OCP MX scales (blocks of 32, "
+        "E8M0); E4M3 forward, E5M2 gradients; output head in BF16",
+        "bf16",
+        True,
+        technique="float8",
+        float8="mxfp8",
+    )
+)
 
 
 @dataclass
@@ -218,6 +252,8 @@ def prepare(
     """Apply ``recipe`` to ``model`` (in place: its parameters are cast) and build the
     optimizer (``optimizer_factory(params)``, default AdamW lr 1e-3) and the loss scaler.
 
+    With ``float8`` set, every ``nn.Linear`` whose name (last component) is not in
+    ``float8_skip`` becomes a :class:`~lowprec.float8.Float8Linear` with that preset.
     With ``master_weights`` the optimizer is a :class:`MasterWeights` around the factory's
     optimizer on FP32 copies. ``generator`` drives stochastic rounding, if the recipe uses it.
 
@@ -231,6 +267,9 @@ def prepare(
     r = get_recipe(recipe)
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     model.to(r.torch_dtype)
+    if r.float8 is not None:
+        skip = r.float8_skip
+        convert_to_float8(model, r.float8, lambda m, fqn: fqn.rsplit(".", 1)[-1] not in skip)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer: Any
     if r.master_weights:

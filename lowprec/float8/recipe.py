@@ -110,7 +110,10 @@ class CastConfig:
     static_scale: float | None = None
 
     def __post_init__(self) -> None:
-        f = get_format(self.fmt)  # ValueError naming the format if unknown
+        try:
+            f = get_format(self.fmt)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"fmt: {e}") from None
         object.__setattr__(self, "fmt", f.name)
         g = parse_granularity(self.granularity)
         if self.scaling not in ("dynamic", "delayed", "static"):
