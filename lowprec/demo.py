@@ -23,7 +23,10 @@ from lowprec.train import RunError, TrainConfig, read_metrics, train
 
 __all__ = ["DEMO_CONFIG", "DEMO_RECIPES", "QUICK_CONFIG", "plot_runs", "run_demo"]
 
-DEMO_RECIPES = ("fp32", "bf16", "amp-bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls")
+DEMO_RECIPES = (
+    "fp32", "bf16", "amp-bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls",
+    "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8",
+)
 
 # 4096 characters a batch: the mean loss makes each logit's gradient about p/4096, so
 # with a width of 64 most FP16 activation gradients are subnormal (see the README).
@@ -61,9 +64,10 @@ def run_demo(
     t0 = time.perf_counter()
     for r in recipes:
         results.append(train(replace(base, recipe=r), out / r, progress=progress))
-    ref = next((s["val_loss"] for s in results if s["recipe"] == "fp32"), None)
-    for s in results:
-        s["val_gap_to_fp32"] = None if ref is None else s["val_loss"] / ref - 1.0
+    for base_name in ("fp32", "bf16"):  # bf16 is the float8 recipes' reference
+        ref = next((s["val_loss"] for s in results if s["recipe"] == base_name), None)
+        for s in results:
+            s[f"val_gap_to_{base_name}"] = None if ref is None else s["val_loss"] / ref - 1.0
     console.print(results_table(results, base, time.perf_counter() - t0))
     png = out / "loss_curves.png"
     plot_runs([out / r for r in recipes], png)
@@ -83,18 +87,18 @@ def results_table(results: list[dict[str, Any]], cfg: TrainConfig, seconds: floa
         )
     )
     for col in (
-        "recipe", "train loss", "val loss", "val bpc", "gap to fp32", "skipped",
+        "recipe", "train loss", "val loss", "val bpc", "gap to fp32", "gap to bf16", "skipped",
         "act-grad underflow", "act-grad zeros", "ms/step",
     ):
         table.add_column(col, justify="left" if col == "recipe" else "right")
     for s in results:
-        gap = s.get("val_gap_to_fp32")
+        gaps = [s.get("val_gap_to_fp32"), s.get("val_gap_to_bf16")]
         table.add_row(
             s["recipe"],
             f"{s['train_loss']:.4f}",
             f"{s['val_loss']:.4f}",
             f"{s['val_bpc']:.3f}",
-            "-" if gap is None or not math.isfinite(gap) else f"{100 * gap:+.2f}%",
+            *("-" if g is None or not math.isfinite(g) else f"{100 * g:+.2f}%" for g in gaps),
             str(s["skipped_steps"]),
             f"{100 * s['act_grad_underflow']:.1f}%",
             f"{100 * s['act_grad_zero']:.2f}%",

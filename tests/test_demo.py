@@ -49,7 +49,8 @@ def test_demo_rejects_unknown_recipe(tmp_path: Path) -> None:
 
 def test_default_recipes_cover_the_issue() -> None:
     assert set(DEMO_RECIPES) == {
-        "fp32", "bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls", "amp-bf16"
+        "fp32", "bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls", "amp-bf16",
+        "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8",
     }
 
 

@@ -74,12 +74,15 @@ def quantize_operand(
     fmt = get_format(cast.fmt)
     g: GemmGranularity = cast.gemm_granularity
     shape = (int(t.shape[0]), int(t.shape[1]))
-    x = t.float()
     if g.kind == "tensor":
         s = scale if scale is not None else _tensor_scale(t, cast, fmt)
-        return Operand(to_format(x / s, fmt, saturate=True), s, "tensor", cd, shape)
+        # A 1-element (not 0-dim) float32 divisor makes the division itself run in float32
+        # for bf16/fp16 ``t``: one pass, no upcast copy, one rounding.
+        data = to_format(t / s.reshape(1, 1), fmt, saturate=True)
+        return Operand(data, s, "tensor", cd, shape)
     if scale is not None:
         raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
+    x = t.float()
     if g.kind == "axis":
         s = compute_scale(amax(x, Granularity.along(cd)), fmt, cast.margin, cast.power_of_two)
         return Operand(to_format(x / s, fmt, saturate=True), s, "axis", cd, shape)
@@ -175,8 +178,11 @@ def matmul(
     ed = emulation_dtype
     if a.kind in ("tensor", "axis") and b.kind in ("tensor", "axis"):
         # The hardware formula: integer-like products of the narrow values, scaled after.
-        raw = a.data.to(ed) @ b.data.to(ed)
-        out = (raw.float() * a.scale) * b.scale
+        raw = (a.data.to(ed) @ b.data.to(ed)).float()
+        if a.kind == b.kind == "tensor":  # one factor, as the hardware's alpha = s_A s_B
+            out = raw.mul_(a.scale * b.scale)
+        else:
+            out = raw.mul_(a.scale).mul_(b.scale)
     else:
         out = dequantize(a, ed) @ dequantize(b, ed)
     return out.to(out_dtype)
