@@ -16,6 +16,8 @@ import copy
 import doctest
 import io
 import math
+from dataclasses import replace
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -489,3 +491,18 @@ def test_compile_fullgraph_matches_eager(name: str) -> None:
         assert a.grad is not None and b.grad is not None
         assert sqnr(b.grad, a.grad) > 60  # same quantization; fp32 reassociation only
     assert math.isfinite(float(cm(x).sum()))
+
+
+@pytest.mark.slow
+def test_training_within_one_percent_of_bf16(tmp_path: Path) -> None:
+    """The reference task, same seed/data/steps: each float8 recipe (BF16 master compute)
+    ends within 1% of the BF16 val loss (the issue's bar; run-to-run spread at the demo
+    scale is about ±0.3%). The full-size numbers are in the README's demo table."""
+    from lowprec.train import TrainConfig, train
+
+    cfg = TrainConfig(steps=120, batch_size=16, seq_len=64, width=64, depth=2, heads=4,
+                      lr=3e-3, warmup=10, eval_every=120, eval_batches=8, ckpt_every=1000)
+    ref = train(replace(cfg, recipe="bf16"), tmp_path / "bf16", progress=False)["val_loss"]
+    for name in ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise"):
+        got = train(replace(cfg, recipe=name), tmp_path / name, progress=False)["val_loss"]
+        assert abs(got / ref - 1) < 0.01, (name, got, ref)
