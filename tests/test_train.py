@@ -29,7 +29,7 @@ def _model_state(out: Path) -> dict[str, torch.Tensor]:
     return model
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "bf16", "fp16-dynamic-ls", "amp-bf16"])
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "fp16-dynamic-ls", "amp-bf16", "fp8-delayed"])
 def test_resume_is_bit_exact(tmp_path: Path, recipe: str) -> None:
     """N steps straight == N/2 steps, stop, resume, N/2 steps: identical losses and weights."""
     cfg = replace(TINY, recipe=recipe)
