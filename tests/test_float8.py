@@ -456,10 +456,7 @@ def test_fp8_saved_activations_same_numerics_for_tensorwise() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_saved_tensor_bytes() -> None:
-    """FP8-saved activations: the input is kept in 1 byte per element, not 4."""
-    m = convert_to_float8(nn.Linear(256, 256), "tensorwise")
-    x = torch.randn(64, 256, requires_grad=True)
+def _saved_bytes(m: nn.Module, x: torch.Tensor) -> int:
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
     sizes: dict[int, int] = {}
 
@@ -470,8 +467,24 @@ def test_saved_tensor_bytes() -> None:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        m(x)
-    assert sum(sizes.values()) == pytest.approx(64 * 256 * 1, rel=0.01)
+        m(x).float().sum().backward()
+    return sum(sizes.values())
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_saved_activations_are_one_byte(compiled: bool) -> None:
+    """FP8-saved activations: each layer keeps its input in 1 byte per element (plus two
+    scalar scales), against 2 for the same BF16 stack. Compiled too: the partitioner
+    would otherwise keep a float32 intermediate and recompute the cast."""
+    torch._dynamo.reset()
+    stack = nn.Sequential(*[nn.Linear(256, 256) for _ in range(3)]).bfloat16()
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    bf16 = _saved_bytes(stack, x)
+    assert bf16 == 3 * 64 * 256 * 2
+    m: nn.Module = convert_to_float8(stack, "tensorwise")
+    if compiled:
+        m = torch.compile(m, fullgraph=True)
+    assert _saved_bytes(m, x) == 3 * (64 * 256 + 2 * 4)
 
 
 @pytest.mark.slow

@@ -64,6 +64,23 @@ def _stateful_scale(cast: CastConfig, state: Tensor | None, t: Tensor, update: b
     return _scale_from(cast, state)
 
 
+@torch.library.custom_op("lowprec::keep_for_backward", mutates_args=())
+def _keep_for_backward(t: Tensor) -> Tensor:
+    """A copy of ``t`` that ``torch.compile``'s partitioner must save, not recompute.
+
+    Left to itself, AOTAutograd's min-cut partitioner keeps a wider intermediate and
+    recomputes the FP8 cast in backward, which forfeits the memory saving. It does not
+    recompute ops outside its allow-list, so passing the 1-byte tensor through this opaque
+    op pins it as the saved value. Eager mode does not need (or use) it.
+    """
+    return t.clone()
+
+
+@_keep_for_backward.register_fake
+def _(t: Tensor) -> Tensor:
+    return torch.empty_like(t)
+
+
 def _retag(op: Operand, cd: int) -> Operand:
     """A tensor-scaled operand used transposed in another GEMM (same values, same scale)."""
     return Operand(op.data, op.scale, op.kind, cd, op.shape)
@@ -88,7 +105,8 @@ class _Float8MatmulFn(torch.autograd.Function):
         y = matmul(xq, wq, out_dtype, ed, r.emulate)
         w_used = wq.scale if wq.kind == "tensor" else None
         if r.fp8_saved_activations:
-            ctx.save_for_backward(None, xq.data, xq.scale, w, w_used, go_state)
+            kept = _keep_for_backward(xq.data) if torch.compiler.is_compiling() else xq.data
+            ctx.save_for_backward(None, kept, xq.scale, w, w_used, go_state)
         else:
             ctx.save_for_backward(x, None, None, w, w_used, go_state)
         ctx.spec, ctx.x_meta = spec, (xq.kind, xq.shape, x.dtype)
