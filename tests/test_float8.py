@@ -220,14 +220,19 @@ def test_emulation_matches_torch_scaled_mm_oracle() -> None:
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
 
 
-def test_cpu_never_calls_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_never_calls_scaled_mm(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def boom(*a: object, **k: object) -> None:
         raise AssertionError("torch._scaled_mm called on CPU")
 
     monkeypatch.setattr(torch, "_scaled_mm", boom)
     assert not hardware_fp8_available(torch.device("cpu"))
     m = convert_to_float8(nn.Linear(32, 32), Float8Recipe.from_name("tensorwise", emulate=False))
-    m(torch.randn(16, 32)).sum().backward()
+    f8q._warned.discard("hw-missing")
+    with caplog.at_level("WARNING", logger="lowprec.float8.quant"):
+        m(torch.randn(16, 32)).sum().backward()
+    assert caplog.text.count("emulate=False") == 1  # the fallback is reported, once
 
 
 def test_bf16_emulation_close_to_fp32() -> None:

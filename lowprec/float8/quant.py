@@ -169,11 +169,12 @@ def matmul(
         raise ValueError("matmul: a must be contracted over dim 1 and b over dim 0")
     if emulate is not True and _hardware_ok(a, b):
         return _hardware_mm(a, b, out_dtype)
-    if emulate is False and a.data.is_cuda:
+    if emulate is False:
         _warn_once(
             "hw-missing",
             "float8: emulate=False but the hardware FP8 GEMM does not apply to these "
-            "operands (device, granularity, format or alignment); emulating",
+            "operands (needs CUDA sm89+, tensor/axis scales, E4M3/E5M2, dims % 16 == 0); "
+            "emulating (reported once)",
         )
     ed = emulation_dtype
     if a.kind in ("tensor", "axis") and b.kind in ("tensor", "axis"):

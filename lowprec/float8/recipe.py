@@ -169,7 +169,8 @@ class Float8Recipe:
     * ``emulate``: ``None`` (default) uses the hardware FP8 kernel (``torch._scaled_mm``)
       where it is fast — CUDA, compute capability 8.9 or newer, tensor or axis granularity,
       E4M3/E5M2 operands, dimensions multiples of 16 — and the exact emulation elsewhere;
-      ``True`` always emulates.
+      ``True`` always emulates; ``False`` asks for the kernel and logs a warning (once)
+      where it cannot be used and the emulation runs instead.
     * ``emulation_dtype``: ``"fp32"`` (default) multiplies the quantized values in float32,
       which is exact for the products and accumulates in fp32 like the hardware; ``"bf16"``
       is faster on some CPUs and rounds the dequantized operands and the output to bf16.
