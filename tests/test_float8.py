@@ -146,6 +146,25 @@ def test_mx_operand_follows_ocp_mx() -> None:
     np.testing.assert_array_equal(op.data.double().numpy(), want)
 
 
+def test_mx_ceil_scale_never_saturates() -> None:
+    """``mx_scale="ceil"``: X = 2^ceil(log2(amax / 448)), so |data| <= 448 without clipping,
+    and a block whose amax has a mantissa >= 1.75 (clipped under OCP's floor) is exact."""
+    t = torch.tensor([[1.9 * 2.0**3] + [0.5] * 31])  # amax mantissa 1.9: floor clips it
+    floor = quantize_operand(t, CastConfig("e4m3fn", granularity="mx"), 1)
+    ceil = quantize_operand(t, CastConfig("e4m3fn", granularity="mx", mx_scale="ceil"), 1)
+    assert float(floor.scale) == 2.0**-5 and float(floor.data[0, 0].float()) == 448.0
+    assert float(ceil.scale) == 2.0**-4
+    assert float(dequantize(ceil)[0, 0]) == pytest.approx(1.9 * 8, rel=2**-4)
+    g = torch.Generator().manual_seed(1)
+    w = torch.empty(256, 256).uniform_(-1, 1, generator=g)
+    errs = [sqnr(dequantize(quantize_operand(w, CastConfig("e4m3fn", granularity="mx",
+                                                               mx_scale=m), 1)), w)
+            for m in ("floor", "ceil")]
+    assert errs[1] > errs[0] + 2  # uniform weights: floor clips many block maxima
+    with pytest.raises(ValueError, match="mx_scale only applies"):
+        CastConfig("e4m3fn", mx_scale="ceil")
+
+
 def test_nvfp4_two_level_scales() -> None:
     g = torch.Generator().manual_seed(2)
     t = torch.randn(8, 64, generator=g)

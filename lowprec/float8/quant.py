@@ -94,8 +94,8 @@ def quantize_operand(
     a = amax(xp, Granularity.blocks(br, bc))
     if g.kind == "block":
         s = compute_scale(a, fmt, cast.margin, cast.power_of_two)
-    elif g.kind == "mx":
-        s = mx_scale(a, fmt)
+    elif g.kind == "mx":  # E8M0: OCP's floor, or the power of two at or above amax/max
+        s = mx_scale(a, fmt) if cast.mx_scale == "floor" else compute_scale(a, fmt, 0.0, True)
     else:  # nv: E4M3 block scales under one float32 tensor scale
         t_amax = amax(x)  # maps to fmt.max * 448 (block scales then fill E4M3's range)
         ok = torch.isfinite(t_amax) & (t_amax > 0)

@@ -96,6 +96,12 @@ class CastConfig:
       :func:`lowprec.float8.calibrate` (the running maximum of ``amax`` over the
       calibration batches), then frozen. Using it before calibration is an error.
 
+    ``mx_scale`` picks the MX block scale: ``"floor"`` is the OCP MX v1.0 definition
+    ``2^(floor(log2 amax) - emax)``, which puts a block's ``amax`` in ``[2^emax, 2^(emax+1))``
+    so a maximum above ``fmt.max`` (E4M3: a mantissa above 1.75) saturates; ``"ceil"``
+    rounds ``amax / fmt.max`` up to a power of two (as NVIDIA's MXFP8 training recipe
+    does), so nothing saturates at the cost of up to one binade of headroom.
+
     Delayed and static scaling keep one scale per tensor (``granularity="tensor"``): a
     history of per-row scales would depend on the batch shape.
     """
@@ -108,6 +114,7 @@ class CastConfig:
     history_len: int = 16
     algo: Literal["max", "most_recent"] = "max"
     static_scale: float | None = None
+    mx_scale: Literal["floor", "ceil"] = "floor"
 
     def __post_init__(self) -> None:
         try:
@@ -126,6 +133,10 @@ class CastConfig:
                 f"{self.granularity!r} (a history of per-row or per-block scales would "
                 "depend on the batch shape)"
             )
+        if self.mx_scale not in ("floor", "ceil"):
+            raise ValueError(f"mx_scale must be 'floor' or 'ceil', got {self.mx_scale!r}")
+        if self.mx_scale != "floor" and g.kind != "mx":
+            raise ValueError("mx_scale only applies to granularity 'mx' / 'mx:B'")
         if g.kind == "nv" and f.name != "e2m1":
             raise ValueError(f"granularity 'nv' (NVFP4) needs fmt 'e2m1', got {f.name!r}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)):
