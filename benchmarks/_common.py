@@ -38,6 +38,7 @@ __all__ = [
     "git_revision",
     "machine_info",
     "print_table",
+    "ran_compiled",
     "run_record",
     "synchronize",
     "time_fn",
@@ -267,3 +268,17 @@ def _fmt_cell(v: object) -> str:
             return f"{v:.3e}"
         return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
     return str(v)
+
+
+def ran_compiled(out: torch.Tensor | None) -> bool:
+    """Whether ``out``'s autograd graph holds an AOTAutograd ``CompiledFunction`` node, i.e.
+    it came out of a compiled graph (a silent eager fall-back would not)."""
+    todo, seen = [out.grad_fn if out is not None else None], set()
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            if "CompiledFunction" in type(fn).__name__:
+                return True
+            seen.add(fn)
+            todo.extend(nxt for nxt, _ in fn.next_functions)
+    return False

@@ -11,7 +11,8 @@ full, eager and ``torch.compile(model)``, every variant side by side in one run:
   ``tensorwise`` (fp32 emulation, the default), ``tensorwise bf16-emu``
   (``emulation_dtype="bf16"``), ``rowwise``, ``rowwise fp8-saved``
   (``fp8_saved_activations=True``; the preset saves the high-precision input) and
-  ``mxfp8``;
+  ``mxfp8``; plus ``tensorwise bf16``: the default recipe on *bf16* parameters and input,
+  as the demo's fp8 recipes run (the like-for-like memory comparison with ``bf16``);
 * ``torchao tensorwise emulate``: the peer baseline,
   ``torchao.float8.convert_to_float8_training(model,
   config=Float8LinearConfig(emulate=True))`` on the fp32 model. Skipped, with a note, if
@@ -84,6 +85,7 @@ import torch._dynamo
 from _common import (
     default_out,
     print_table,
+    ran_compiled,
     run_record,
     setup_torch,
     synchronize,
@@ -145,6 +147,9 @@ def variant_specs(device: torch.device, torchao_ok: bool) -> list[Spec]:
         for n, r in lp
         if not (cuda and n == "tensorwise bf16-emu")
     ]
+    if not cuda:  # as the demo's fp8 recipes run: bf16 parameters and activations
+        specs.append(Spec("lowprec tensorwise bf16", "lowprec", torch.bfloat16,
+                          Float8Recipe.from_name("tensorwise")))
     if torchao_ok:
         specs.append(Spec(f"torchao tensorwise{'' if cuda else ' emulate'}", "torchao", master))
     return specs
@@ -211,19 +216,6 @@ def saved_activations(
 
 def _dynamo_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], counters["graph_break"].total()
-
-
-def _ran_compiled(y: Tensor) -> bool:
-    """Whether ``y``'s autograd graph holds an AOTAutograd ``CompiledFunction`` node."""
-    todo, seen = [y.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is not None and fn not in seen:
-            if "CompiledFunction" in type(fn).__name__:
-                return True
-            seen.add(fn)
-            todo.extend(nxt for nxt, _ in fn.next_functions)
-    return False
 
 
 @dataclass
@@ -323,7 +315,7 @@ def run_case(
                         "compile_s": first_s if mode == "compiled" else None,
                         "graphs": graphs1 - graphs0 if mode == "compiled" else None,
                         "graph_breaks": breaks1 - breaks0 if mode == "compiled" else None,
-                        "ran_compiled": _ran_compiled(y) if mode == "compiled" else None,
+                        "ran_compiled": ran_compiled(y) if mode == "compiled" else None,
                         "sqnr_y_db": sqnr_db(y.detach(), y_ref),
                         "sqnr_dx_db": sqnr_db(x.grad, dx_ref),
                         "sqnr_dw1_db": sqnr_db(w1.grad, dw_ref),

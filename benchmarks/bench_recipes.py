@@ -37,7 +37,15 @@ from typing import Any
 
 import torch
 import torch._dynamo
-from _common import default_out, print_table, run_record, setup_torch, time_many, write_json
+from _common import (
+    default_out,
+    print_table,
+    ran_compiled,
+    run_record,
+    setup_torch,
+    time_many,
+    write_json,
+)
 from torch import Tensor
 from torch._dynamo.utils import counters
 
@@ -68,15 +76,7 @@ class Variant:
 
     def ran_compiled(self) -> bool:
         """Whether the latest loss holds an AOT-autograd ``CompiledFunction`` node."""
-        todo, seen = [self.loss.grad_fn if self.loss is not None else None], set()
-        while todo:
-            fn = todo.pop()
-            if fn is not None and fn not in seen:
-                if "CompiledFunction" in type(fn).__name__:
-                    return True
-                seen.add(fn)
-                todo.extend(nxt for nxt, _ in fn.next_functions)
-        return False
+        return ran_compiled(self.loss)
 
 
 def _make_step(v: Variant, cfg: TrainConfig, batches: list[tuple[Tensor, Tensor]]) -> None:
