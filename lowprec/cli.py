@@ -26,7 +26,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lowprec import __version__
-from lowprec.cli_jobs import add_demo, add_recipes, add_train
+from lowprec.cli_jobs import add_demo, add_recipes, add_report, add_train
 from lowprec.formats import Format, format_names, get_format, snr_db
 
 __all__ = [
@@ -254,6 +254,7 @@ def _snr_table(curves: Sequence[SnrCurve]) -> RenderableType:
 _COMMANDS: tuple[Callable[[_SubParsers], None], ...] = (
     add_demo,
     add_train,
+    add_report,
     add_recipes,
     _add_formats,
 )

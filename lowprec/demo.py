@@ -19,9 +19,10 @@ from rich.console import Console
 from rich.table import Table
 
 from lowprec.recipes import get_recipe
-from lowprec.train import RunError, TrainConfig, read_metrics, train
+from lowprec.report import plot_runs, write_report
+from lowprec.train import RunError, TrainConfig, train
 
-__all__ = ["DEMO_CONFIG", "DEMO_RECIPES", "QUICK_CONFIG", "plot_runs", "run_demo"]
+__all__ = ["DEMO_CONFIG", "DEMO_RECIPES", "QUICK_CONFIG", "run_demo"]
 
 DEMO_RECIPES = (
     "fp32", "bf16", "amp-bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls",
@@ -47,7 +48,8 @@ def run_demo(
     progress: bool = True,
     config: TrainConfig | None = None,
 ) -> list[dict[str, Any]]:
-    """Train each recipe into ``out/<recipe>``; print the table, write the plot and JSON.
+    """Train each recipe into ``out/<recipe>``; print the table, write the plot, the JSON
+    and the HTML report (``out/report.html``, :func:`lowprec.report.write_report`).
 
     ``out`` must not exist or be empty (nothing on disk is overwritten). ``config``
     replaces the demo's configuration (its ``recipe`` field is ignored).
@@ -74,7 +76,10 @@ def run_demo(
     (out / "results.json").write_text(
         json.dumps({"config": base.to_dict(), "results": results}, indent=2)
     )
+    report = write_report([out / r for r in recipes], out / "report.html",
+                          title=f"lowprec demo ({len(recipes)} recipes)")
     console.print(f"loss curves: {png}\nresults: {out / 'results.json'}")
+    console.print(f"report: {report}  (open it in a browser)")
     return results
 
 
@@ -105,56 +110,3 @@ def results_table(results: list[dict[str, Any]], cfg: TrainConfig, seconds: floa
             f"{s['step_time_ms']:.0f}",
         )
     return table
-
-
-def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
-    """Four panels for several runs: loss curves (train EMA, val dots), the val-loss gap to
-    the first run, the share of activation gradients below their dtype's smallest normal,
-    and the loss scale."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(12, 7.5), dpi=110)
-    FigureCanvasAgg(fig)
-    (ax, ax_gap), (ax_uf, ax_s) = fig.subplots(2, 2)
-    ref: dict[int, float] = {}
-    for k, run in enumerate(runs):
-        recs = read_metrics(run)
-        name = Path(run).name
-        steps = [r["step"] for r in recs]
-        (line,) = ax.plot(steps, _ema([r["loss"] for r in recs], 0.9), lw=1.3, label=name)
-        color = line.get_color()
-        vals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
-        if vals:
-            ax.plot(list(vals), list(vals.values()), "o", ms=3, color=color)
-        if k == 0:
-            ref = vals
-        common = [s for s in vals if s in ref]
-        ax_gap.plot(common, [100 * (vals[s] / ref[s] - 1) for s in common], "o-", ms=3,
-                    lw=1.2, color=color, label=name)
-        uf = [(r["step"], 100 * r["act_grad_underflow"]) for r in recs if "act_grad_underflow" in r]
-        if uf:
-            ax_uf.plot(*zip(*uf, strict=True), lw=1.2, color=color, label=name)
-        ax_s.plot(steps, [r["loss_scale"] for r in recs], lw=1.3, color=color, label=name)
-    first = Path(runs[0]).name if runs else ""
-    ax.set(xlabel="step", ylabel="loss (nats/char)", title="train loss (EMA 0.9) and val (dots)")
-    ax_gap.axhline(0.0, color="black", lw=0.8)
-    ax_gap.axhspan(-1.0, 1.0, color="green", alpha=0.08, label="±1%")
-    ax_gap.set(xlabel="step", ylabel="%", title=f"val loss gap to {first}")
-    ax_uf.set(xlabel="step", ylabel="% of values", ylim=(-2, 102),
-              title="activation gradients below the smallest normal (underflow)")
-    ax_s.set(xlabel="step", ylabel="loss scale", yscale="log", title="loss scale")
-    for a in (ax, ax_gap, ax_uf, ax_s):
-        a.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax_gap.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-
-
-def _ema(xs: Sequence[float], beta: float) -> list[float]:
-    out, m = [], None
-    for x in xs:
-        m = x if m is None or not math.isfinite(m) else beta * m + (1 - beta) * x
-        out.append(m)
-    return out

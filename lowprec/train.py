@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lowprec.amp import grad_stats
+from lowprec.analysis.tracking import Tracker
 from lowprec.models import CharData, CharGPT, ModelConfig
 from lowprec.recipes import Prepared, get_recipe, prepare
 
@@ -34,6 +35,9 @@ CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 SUMMARY = "summary.json"
+NUMERICS = "numerics.jsonl"
+# Formats whose ranges the numerics records measure (lowprec.analysis.tracking).
+TRACK_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
 
 
 class RunError(ValueError):
@@ -195,6 +199,7 @@ def train(
         _set_rng_state(state["rng"])
         start = int(state["step"])
         _truncate_metrics(out / METRICS, start)
+        _truncate_numerics(out / NUMERICS, start)
     else:
         (out / CONFIG).write_text(
             json.dumps(
@@ -209,11 +214,19 @@ def train(
         )
     step = start
     meter = GradMeter(prepared.model)
+    # Numerics of every tensor at the first and the last training step (0-based index).
+    tracker = Tracker(prepared.model, TRACK_FORMATS, auto_step=False)
+    tracked = {0, cfg.steps - 1}
     bar = _Progress(cfg.steps, start, label or cfg.recipe, enabled=progress)
     try:
         with open(out / METRICS, "a") as log, bar:
             while step < (cfg.steps if stop_after is None else min(stop_after, cfg.steps)):
+                tracker.step, tracker.enabled = step, step in tracked
                 rec = _train_step(prepared, data, step, cfg, meter)
+                tracker.enabled = False
+                if tracker.records:
+                    tracker.save(out / NUMERICS)
+                    tracker.records.clear()
                 step += 1
                 rec["step"] = step
                 if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -226,6 +239,8 @@ def train(
     except KeyboardInterrupt:
         _save_checkpoint(out, prepared, step)
         raise
+    finally:
+        tracker.remove()
     _save_checkpoint(out, prepared, step)
     if step < cfg.steps:
         return {"stopped_at": step}
@@ -303,6 +318,14 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _truncate_numerics(path: Path, step: int) -> None:
+    """Drop numerics records of steps not completed before the checkpoint (index >= step)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] < step]
     path.write_text("".join(ln + "\n" for ln in keep))
 
 

@@ -1,0 +1,142 @@
+"""Pictures of tracked numerics (records from :mod:`lowprec.analysis.tracking`), as PNG files.
+
+* :func:`plot_scale_chart`: one row per tensor, a log2 magnitude axis, forward tensors as
+  circles and backward tensors (gradients) as triangles: a line from the smallest nonzero
+  magnitude's binade to ``amax``, a marker at the RMS. Each format's range is a band:
+  pale from its smallest subnormal to its smallest normal, darker over its normal range.
+* :func:`plot_exp_histograms`: exponent histograms of chosen tensors with the formats'
+  ranges shaded the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lowprec.analysis.tracking import BACKWARD_KINDS
+from lowprec.formats import get_format
+
+__all__ = ["plot_exp_histograms", "plot_scale_chart", "rows_at"]
+
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
+# Tensors a scale chart shows (inputs repeat the previous module's output).
+CHART_KINDS = ("output", "weight", "grad_output", "weight_grad")
+
+
+def rows_at(
+    records: Sequence[dict[str, Any]], step: int, kinds: Sequence[str] = CHART_KINDS
+) -> list[dict[str, Any]]:
+    """The records of ``step`` with a kind in ``kinds``, in model order, biases left out."""
+    out = [r for r in records if r["step"] == step and r["kind"] in kinds]
+    return [r for r in out if not r["name"].endswith(".bias")]
+
+
+def _bands(ax: Any, formats: Sequence[str], vertical: bool) -> None:
+    for i, name in enumerate(formats):
+        f = get_format(name)
+        c = _COLORS[i % len(_COLORS)]
+        sub, low, top = math.log2(f.min_subnormal), math.log2(f.min_normal), math.log2(f.max)
+        span = ax.axvspan if vertical else ax.axhspan
+        span(sub, low, color=c, alpha=0.06, lw=0)
+        span(low, top, color=c, alpha=0.12, lw=0, label=f"{f.name}: normal range (pale: subnormal)")
+        line = ax.axvline if vertical else ax.axhline
+        for v in (sub, top):
+            line(v, color=c, lw=0.8, ls="--", alpha=0.7)
+
+
+def _low_exponent(r: dict[str, Any]) -> float | None:
+    """The binade below which 1% of the nonzero values lie (from the exponent histogram)."""
+    h = r["exp_hist"]
+    counts = h["counts"]
+    total = sum(counts)
+    if not total:
+        return None
+    acc = 0
+    for i, c in enumerate(counts):
+        acc += c
+        if acc >= 0.01 * total:
+            return float(h["lo"] + i)
+    return float(h["lo"])
+
+
+def plot_scale_chart(
+    records: Sequence[dict[str, Any]],
+    step: int,
+    formats: Sequence[str],
+    path: str | Path,
+    title: str = "",
+) -> Path:
+    """Write the per-tensor scale chart of ``step`` to ``path`` (PNG); see the module doc."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = rows_at(records, step)
+    if not rows:
+        raise ValueError(f"records: nothing recorded at step {step}")
+    height = max(3.0, 0.2 * len(rows) + 1.6)
+    fig = Figure(figsize=(9.5, height), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    _bands(ax, formats, vertical=True)
+    for y, r in enumerate(rows):
+        back = r["kind"] in BACKWARD_KINDS
+        color = "#c03030" if back else "#303090"
+        lo, amax, rms = _low_exponent(r), r["amax"], r["rms"]
+        if amax > 0 and lo is not None:
+            ax.plot([lo, math.log2(amax)], [y, y], color=color, lw=1.2, alpha=0.7)
+            ax.plot(math.log2(amax), y, "|", color=color, ms=8)
+        if rms > 0:
+            ax.plot(math.log2(rms), y, "^" if back else "o", color=color, ms=5)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{r['name']} · {r['kind']}" for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("log2 |x|   (line: 1st percentile binade to amax; marker: RMS)")
+    ax.set_title(title or f"tensor scales at step {step}: forward ● (blue), backward ▲ (red)",
+                 fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
+
+
+def plot_exp_histograms(
+    records: Sequence[dict[str, Any]],
+    step: int,
+    names: Sequence[tuple[str, str]],
+    formats: Sequence[str],
+    path: str | Path,
+) -> Path:
+    """Exponent histograms of the ``(name, kind)`` tensors at ``step`` (share of nonzero
+    values per binade), the formats' ranges shaded; written to ``path`` (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    by = {(r["name"], r["kind"]): r for r in records if r["step"] == step}
+    chosen = [by[k] for k in names if k in by]
+    if not chosen:
+        raise ValueError(f"names: none of {list(names)[:4]} was recorded at step {step}")
+    cols = min(3, len(chosen))
+    nrows = math.ceil(len(chosen) / cols)
+    fig = Figure(figsize=(4.2 * cols, 2.6 * nrows), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, cols, squeeze=False)
+    for k, r in enumerate(chosen):
+        ax = axes[k // cols][k % cols]
+        _bands(ax, formats, vertical=True)
+        h = r["exp_hist"]
+        total = max(sum(h["counts"]), 1)
+        xs = [h["lo"] + i for i in range(len(h["counts"]))]
+        ax.bar(xs, [100 * c / total for c in h["counts"]], width=1.0, color="#404040")
+        ax.set_title(f"{r['name']} · {r['kind']}", fontsize=8)
+        ax.set_xlabel("floor(log2 |x|)", fontsize=7)
+        ax.set_ylabel("% of nonzero", fontsize=7)
+        ax.tick_params(labelsize=7)
+    for k in range(len(chosen), nrows * cols):
+        axes[k // cols][k % cols].axis("off")
+    axes[0][0].legend(fontsize=6, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
