@@ -73,22 +73,30 @@ def tensor_stats(x: Tensor, formats: Sequence[str | Format]) -> dict[str, Any]:
     finite = torch.isfinite(a)
     nonzero = a > 0
     af = torch.where(finite, a, 0.0)
+    # Every scalar in one tensor, read back with one synchronisation.
+    parts = [af.amax() if v.numel() else af.sum(), (af * af).sum(), af.sum(),
+             (a == 0).sum(), (~finite).sum()]
+    for f in fmts:
+        parts += [(nonzero & (a < f.min_subnormal)).sum(), (nonzero & (a < f.min_normal)).sum(),
+                  ((a > f.max) | ~finite).sum()]
+    vals = torch.stack([t.double() for t in parts]).tolist()
     out: dict[str, Any] = {
         "numel": v.numel(),
         "dtype": str(x.dtype).replace("torch.", ""),
-        "amax": float(af.max()) if v.numel() else 0.0,
-        "rms": math.sqrt(float((af * af).sum()) / n),
-        "mean_abs": float(af.sum()) / n,
-        "zero": float((a == 0).sum()) / n,
-        "nonfinite": float((~finite).sum()) / n,
+        "amax": vals[0],
+        "rms": math.sqrt(vals[1] / n),
+        "mean_abs": vals[2] / n,
+        "zero": vals[3] / n,
+        "nonfinite": vals[4] / n,
         "below_subnormal": {},
         "below_normal": {},
         "above_max": {},
     }
-    for f in fmts:
-        out["below_subnormal"][f.name] = float((nonzero & (a < f.min_subnormal)).sum()) / n
-        out["below_normal"][f.name] = float((nonzero & (a < f.min_normal)).sum()) / n
-        out["above_max"][f.name] = float(((a > f.max) | ~finite).sum()) / n
+    for i, f in enumerate(fmts):
+        sub, low, over = vals[5 + 3 * i: 8 + 3 * i]
+        out["below_subnormal"][f.name] = sub / n
+        out["below_normal"][f.name] = low / n
+        out["above_max"][f.name] = over / n
     e = torch.frexp(af[nonzero & finite])[1] - 1  # floor(log2 a) for a > 0
     if e.numel():
         lo = int(e.min())
