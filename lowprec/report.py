@@ -104,7 +104,11 @@ def load_run(path: str | Path) -> Run:
 
 
 def _worst(
-    run: Run, step: int, measure: str, kinds: Sequence[str] | None = None
+    run: Run,
+    step: int,
+    measure: str,
+    kinds: Sequence[str] | None = None,
+    formats: Sequence[str] | None = None,
 ) -> list[tuple[float, str, dict[str, Any]]]:
     """(share, format, record) of ``measure`` at ``step``, largest first."""
     out = []
@@ -112,8 +116,16 @@ def _worst(
         if r["step"] != step or (kinds is not None and r["kind"] not in kinds):
             continue
         for fmt, share in r[measure].items():
-            out.append((float(share), fmt, r))
+            if formats is None or fmt in formats:
+                out.append((float(share), fmt, r))
     return sorted(out, key=lambda t: -t[0])
+
+
+def _judged(run: Run, backward: bool) -> list[str]:
+    """The formats a run's tensors are judged against: its own storage format and the FP8
+    format of that pass (E5M2 for gradients; E4M3 and E5M2 for overflow)."""
+    want = (run.compute_format, "e5m2") if backward else (run.compute_format, "e4m3fn", "e5m2")
+    return [f for f in dict.fromkeys(want) if f in run.formats]
 
 
 def diagnose(run: Run) -> list[str]:
@@ -142,9 +154,9 @@ def diagnose(run: Run) -> list[str]:
         return notes
     last, own = run.tracked_steps[-1], run.compute_format
     found = False
-    for fmt in dict.fromkeys(f for f in (own, "e5m2") if f in run.formats):
-        bad = [t for t in _worst(run, last, "below_normal", BACKWARD_KINDS)
-               if t[1] == fmt and t[0] >= UNDERFLOW_ALERT]
+    for fmt in _judged(run, backward=True):
+        bad = [t for t in _worst(run, last, "below_normal", BACKWARD_KINDS, [fmt])
+               if t[0] >= UNDERFLOW_ALERT]
         if not bad:
             continue
         found = True
@@ -161,8 +173,8 @@ def diagnose(run: Run) -> list[str]:
             f"(below its smallest normal, {get_format(fmt).min_normal:.3g}) at step {last}"
             f"{more}: {fix}."
         )
-    for fmt in dict.fromkeys(f for f in (own, "e4m3fn", "e5m2") if f in run.formats):
-        bad = [t for t in _worst(run, last, "above_max") if t[1] == fmt and t[0] >= OVERFLOW_ALERT]
+    for fmt in _judged(run, backward=False):
+        bad = [t for t in _worst(run, last, "above_max", None, [fmt]) if t[0] >= OVERFLOW_ALERT]
         if not bad:
             continue
         found = True
@@ -174,7 +186,7 @@ def diagnose(run: Run) -> list[str]:
             "delayed scaling) or keep them in a wider format."
         )
     if not found:
-        checked = ", ".join(dict.fromkeys(f for f in (own, "e4m3fn", "e5m2") if f in run.formats))
+        checked = ", ".join(_judged(run, backward=False))
         notes.append(
             f"Healthy at step {last}: no gradient has {100 * UNDERFLOW_ALERT:.0f}% of its values "
             f"below the smallest normal, and nothing overflows ({checked})."
@@ -267,9 +279,9 @@ def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
         gap = None
         if ref and isinstance(s.get("val_loss"), float) and math.isfinite(s["val_loss"]):
             gap = 100 * (s["val_loss"] / ref - 1)
-        uf = _worst(run, run.tracked_steps[-1], "below_normal", BACKWARD_KINDS) if run.numerics \
-            else []
-        of = _worst(run, run.tracked_steps[-1], "above_max") if run.numerics else []
+        last = run.tracked_steps[-1] if run.numerics else -1
+        uf = _worst(run, last, "below_normal", BACKWARD_KINDS, _judged(run, backward=True))
+        of = _worst(run, last, "above_max", None, _judged(run, backward=False))
         rows.append([
             run.name,
             run.recipe,
@@ -322,8 +334,10 @@ def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -
              "skipped", "diverged", "worst gradient underflow", "worst overflow"],
             _summary_rows(loaded),
         ),
-        "<p>Underflow: share of a tensor's values below a format's smallest normal "
-        "(subnormal or lost), at the last tracked step; overflow: share above its max.</p>",
+        "<p>Underflow: share of a gradient's values below a format's smallest normal "
+        "(subnormal or lost), judged in the run's own format and E5M2; overflow: share "
+        "above a format's max, in the run's own format, E4M3 and E5M2; both at the last "
+        "tracked step.</p>",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)

@@ -56,6 +56,9 @@ def test_report_page(runs: dict[str, Path], tmp_path: Path) -> None:
     assert len(re.findall(r'<img src="data:image/png;base64,', page)) == 1 + 3 * 2
     assert "src=\"http" not in page and "<script" not in page  # self-contained, static
     assert "underflow in fp16" in page  # the fp16 run's own gradients
+    # the summary's worst gradient underflow uses the diagnosis' formats: own dtype, E5M2
+    worst = re.findall(r"<td>[\d.]+% \((\w+), [\w.]+\)</td>", page)
+    assert worst == ["e5m2", "fp16"], worst  # fp32 run: e5m2; fp16 run: its own fp16
     assert page.count('class="run"') == 2
 
 
