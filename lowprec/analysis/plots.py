@@ -33,7 +33,7 @@ def rows_at(
     return [r for r in out if not r["name"].endswith(".bias")]
 
 
-def _bands(ax: Any, formats: Sequence[str], vertical: bool) -> None:
+def _bands(ax: Any, formats: Sequence[str], vertical: bool, labels: bool = False) -> None:
     for i, name in enumerate(formats):
         f = get_format(name)
         c = _COLORS[i % len(_COLORS)]
@@ -42,8 +42,22 @@ def _bands(ax: Any, formats: Sequence[str], vertical: bool) -> None:
         span(sub, low, color=c, alpha=0.06, lw=0)
         span(low, top, color=c, alpha=0.12, lw=0, label=f"{f.name}: normal range (pale: subnormal)")
         line = ax.axvline if vertical else ax.axhline
-        for v in (sub, top):
+        for v, label in ((sub, "min sub"), (top, "max")):
             line(v, color=c, lw=0.8, ls="--", alpha=0.7)
+            if labels and vertical and abs(v) <= 64:  # name each bound along the top edge
+                ax.text(v, 1.0, f" {f.name} {label}", transform=ax.get_xaxis_transform(),
+                        rotation=90, va="bottom", ha="center", fontsize=6, color=c)
+
+
+def _xlim(ax: Any, formats: Sequence[str], lo: float, hi: float) -> None:
+    """Show the data and every format bound within 2^±64 (bf16/fp32 ranges are wider than
+    any tensor: their band then spans the whole axis instead of squashing it)."""
+    for name in formats:
+        f = get_format(name)
+        for b in (math.log2(f.min_subnormal), math.log2(f.max)):
+            if abs(b) <= 64:
+                lo, hi = min(lo, b), max(hi, b)
+    ax.set_xlim(lo - 2, hi + 2)
 
 
 def _low_exponent(r: dict[str, Any]) -> float | None:
@@ -79,7 +93,7 @@ def plot_scale_chart(
     fig = Figure(figsize=(9.5, height), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    _bands(ax, formats, vertical=True)
+    _bands(ax, formats, vertical=True, labels=True)
     for y, r in enumerate(rows):
         back = r["kind"] in BACKWARD_KINDS
         color = "#c03030" if back else "#303090"
@@ -89,12 +103,15 @@ def plot_scale_chart(
             ax.plot(math.log2(amax), y, "|", color=color, ms=8)
         if rms > 0:
             ax.plot(math.log2(rms), y, "^" if back else "o", color=color, ms=5)
+    lows = [x for x in (_low_exponent(r) for r in rows) if x is not None]
+    highs = [math.log2(r["amax"]) for r in rows if r["amax"] > 0]
+    _xlim(ax, formats, min(lows, default=-10.0), max(highs, default=10.0))
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{r['name']} · {r['kind']}" for r in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("log2 |x|   (line: 1st percentile binade to amax; marker: RMS)")
     ax.set_title(title or f"tensor scales at step {step}: forward ● (blue), backward ▲ (red)",
-                 fontsize=10)
+                 fontsize=10, pad=62)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -130,6 +147,7 @@ def plot_exp_histograms(
         total = max(sum(h["counts"]), 1)
         xs = [h["lo"] + i for i in range(len(h["counts"]))]
         ax.bar(xs, [100 * c / total for c in h["counts"]], width=1.0, color="#404040")
+        _xlim(ax, formats, min(xs, default=-10), max(xs, default=10))
         ax.set_title(f"{r['name']} · {r['kind']}", fontsize=8)
         ax.set_xlabel("floor(log2 |x|)", fontsize=7)
         ax.set_ylabel("% of nonzero", fontsize=7)
