@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lowprec.analysis.plots import plot_exp_histograms, plot_scale_chart
-from lowprec.analysis.tracking import BACKWARD_KINDS
+from lowprec.analysis.tracking import BACKWARD_KINDS, KINDS
 from lowprec.formats import get_format
 from lowprec.train import CONFIG, METRICS, NUMERICS, RunError, read_metrics, summarize
 
@@ -67,6 +67,12 @@ class Run:
     def formats(self) -> list[str]:
         first = self.numerics[0] if self.numerics else {}
         return list(first.get("below_normal", {}))
+
+    @property
+    def float8(self) -> str | None:
+        """The float8 preset of the run's recipe, if any."""
+        f8 = self.config.get("recipe", {}).get("float8")
+        return None if f8 is None else str(f8)
 
     @property
     def tracked_steps(self) -> list[int]:
@@ -123,9 +129,19 @@ def _worst(
 
 def _judged(run: Run, backward: bool) -> list[str]:
     """The formats a run's tensors are judged against: its own storage format and the FP8
-    format of that pass (E5M2 for gradients; E4M3 and E5M2 for overflow)."""
-    want = (run.compute_format, "e5m2") if backward else (run.compute_format, "e4m3fn", "e5m2")
+    format of that pass (E5M2 for gradients, E4M3 for activations and weights)."""
+    want: tuple[str, ...] = (run.compute_format, "e5m2" if backward else "e4m3fn")
+    if run.float8 is not None:  # its FP8 operands are scaled first: unscaled shares mislead
+        want = (run.compute_format,)
     return [f for f in dict.fromkeys(want) if f in run.formats]
+
+
+def _worst_overflow(run: Run, step: int) -> list[tuple[float, str, dict[str, Any]]]:
+    """Overflow shares at ``step``: forward tensors in their formats, gradients in theirs."""
+    fwd = [k for k in KINDS if k not in BACKWARD_KINDS]
+    out = _worst(run, step, "above_max", fwd, _judged(run, backward=False))
+    out += _worst(run, step, "above_max", BACKWARD_KINDS, _judged(run, backward=True))
+    return sorted(out, key=lambda t: -t[0])
 
 
 def diagnose(run: Run) -> list[str]:
@@ -154,6 +170,12 @@ def diagnose(run: Run) -> list[str]:
         return notes
     last, own = run.tracked_steps[-1], run.compute_format
     found = False
+    if run.float8 is not None:
+        notes.append(
+            f"Float8 recipe {run.float8!r}: each linear layer scales its GEMM operands before "
+            "the cast to E4M3/E5M2, so its tensors are judged in the run's own format "
+            f"({own}) only."
+        )
     for fmt in _judged(run, backward=True):
         bad = [t for t in _worst(run, last, "below_normal", BACKWARD_KINDS, [fmt])
                if t[0] >= UNDERFLOW_ALERT]
@@ -173,8 +195,8 @@ def diagnose(run: Run) -> list[str]:
             f"(below its smallest normal, {get_format(fmt).min_normal:.3g}) at step {last}"
             f"{more}: {fix}."
         )
-    for fmt in _judged(run, backward=False):
-        bad = [t for t in _worst(run, last, "above_max", None, [fmt]) if t[0] >= OVERFLOW_ALERT]
+    for fmt in dict.fromkeys(_judged(run, backward=False) + _judged(run, backward=True)):
+        bad = [t for t in _worst_overflow(run, last) if t[1] == fmt and t[0] >= OVERFLOW_ALERT]
         if not bad:
             continue
         found = True
@@ -186,7 +208,7 @@ def diagnose(run: Run) -> list[str]:
             "delayed scaling) or keep them in a wider format."
         )
     if not found:
-        checked = ", ".join(_judged(run, backward=False))
+        checked = ", ".join(dict.fromkeys(_judged(run, False) + _judged(run, True)))
         notes.append(
             f"Healthy at step {last}: no gradient has {100 * UNDERFLOW_ALERT:.0f}% of its values "
             f"below the smallest normal, and nothing overflows ({checked})."
@@ -271,6 +293,11 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return f"<table><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _cell(t: tuple[float, str, dict[str, Any]]) -> str:
+    share, fmt, r = t
+    return f"{100 * share:.3g}% ({fmt}, {r['name']} {_KIND_TEXT[r['kind']]})"
+
+
 def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
     ref = runs[0].summary.get("val_loss")
     rows = []
@@ -281,7 +308,7 @@ def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
             gap = 100 * (s["val_loss"] / ref - 1)
         last = run.tracked_steps[-1] if run.numerics else -1
         uf = _worst(run, last, "below_normal", BACKWARD_KINDS, _judged(run, backward=True))
-        of = _worst(run, last, "above_max", None, _judged(run, backward=False))
+        of = _worst_overflow(run, last)
         rows.append([
             run.name,
             run.recipe,
@@ -291,8 +318,8 @@ def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
             _num(gap, "{:+.2f}%"),
             str(s.get("skipped_steps", 0)),
             "–" if s.get("diverged_at") is None else f"step {s['diverged_at']}",
-            f"{100 * uf[0][0]:.1f}% ({uf[0][1]}, {uf[0][2]['name']})" if uf else "–",
-            f"{100 * of[0][0]:.2g}% ({of[0][1]}, {of[0][2]['name']})" if of and of[0][0] else "0",
+            _cell(uf[0]) if uf else "–",
+            _cell(of[0]) if of and of[0][0] else "0",
         ])
     return rows
 
@@ -335,9 +362,9 @@ def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -
             _summary_rows(loaded),
         ),
         "<p>Underflow: share of a gradient's values below a format's smallest normal "
-        "(subnormal or lost), judged in the run's own format and E5M2; overflow: share "
-        "above a format's max, in the run's own format, E4M3 and E5M2; both at the last "
-        "tracked step.</p>",
+        "(subnormal or lost); overflow: share of a tensor's values above a format's max. "
+        "Each is judged in the run's own format and the FP8 format of its pass (E4M3 for "
+        "activations and weights, E5M2 for gradients), at the last tracked step.</p>",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)

@@ -57,7 +57,7 @@ def test_report_page(runs: dict[str, Path], tmp_path: Path) -> None:
     assert "src=\"http" not in page and "<script" not in page  # self-contained, static
     assert "underflow in fp16" in page  # the fp16 run's own gradients
     # the summary's worst gradient underflow uses the diagnosis' formats: own dtype, E5M2
-    worst = re.findall(r"<td>[\d.]+% \((\w+), [\w.]+\)</td>", page)
+    worst = re.findall(r"<td>[\d.]+% \((\w+), [\w.]+ [a-z ]+\)</td>", page)
     assert worst == ["e5m2", "fp16"], worst  # fp32 run: e5m2; fp16 run: its own fp16
     assert page.count('class="run"') == 2
 
@@ -80,6 +80,7 @@ def test_healthy_run_says_so(runs: dict[str, Path]) -> None:
     notes = diagnose(Run(run.path, run.config, run.metrics, run.summary, calm))
     assert notes == [f"Healthy at step {TINY.steps - 1}: no gradient has 25% of its values "
                      "below the smallest normal, and nothing overflows (e4m3fn, e5m2)."]
+    assert "gradients" in diagnose(load_run(runs["fp16"]))[0]
 
 
 def test_diverged_run_is_reported_with_its_step(runs: dict[str, Path], tmp_path: Path) -> None:
@@ -121,3 +122,14 @@ def test_cli_report(runs: dict[str, Path], tmp_path: Path,
         with pytest.raises(SystemExit) as e:
             main(["report", *argv])
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_float8_run_is_judged_in_its_own_format(tmp_path: Path) -> None:
+    """A float8 recipe scales its GEMM operands before the FP8 cast: the unscaled E4M3/E5M2
+    shares would mislead, so only the run's own format (bf16) is judged, and it says so."""
+    train(replace(TINY, recipe="fp8-tensorwise"), tmp_path / "f8", progress=False)
+    run = load_run(tmp_path / "f8")
+    assert run.float8 == "tensorwise"
+    notes = diagnose(run)
+    assert notes[0].startswith("Float8 recipe 'tensorwise'")
+    assert not any("e5m2" in n or "e4m3fn" in n for n in notes[1:])
