@@ -154,7 +154,7 @@ def add_demo(subparsers: Any) -> None:
         help="train the reference model once per recipe and compare (the main job)",
         description="Train the reference char-LM with each recipe (same seed, data and "
         "steps), print a comparison table, write loss curves and the HTML numerics report. "
-        "Default: about 8 minutes on 2 CPU cores; --quick: under 1 minute.",
+        "Default: about 6-7 minutes on 2 CPU cores; --quick: under 1 minute.",
     )
     p.add_argument("--quick", action="store_true", help="a one-minute smoke run")
     p.add_argument("--recipes", type=_recipe_arg, nargs="+", default=list(DEMO_RECIPES),

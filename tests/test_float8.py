@@ -380,7 +380,7 @@ def _steps(m: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int) -> list[
         opt.zero_grad()
         loss.backward()
         opt.step()
-        out.append(float(loss))
+        out.append(float(loss.detach()))
     return out
 
 
