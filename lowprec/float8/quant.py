@@ -82,7 +82,7 @@ def quantize_operand(
         return Operand(data, s, "tensor", cd, shape)
     if scale is not None:
         raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
-    x = t.float()
+    x = t if t.dtype == torch.float64 else t.float()  # float64 is rounded once, directly
     if g.kind == "axis":
         s = compute_scale(amax(x, Granularity.along(cd)), fmt, cast.margin, cast.power_of_two)
         return Operand(to_format(x / s, fmt, saturate=True), s, "axis", cd, shape)
