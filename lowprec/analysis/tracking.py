@@ -50,6 +50,7 @@ from lowprec.tensor import ScaledTensor
 __all__ = ["KINDS", "Tracker", "tensor_stats", "track"]
 
 KINDS = ("input", "output", "weight", "grad_output", "weight_grad")
+_EXP_OFFSET = 1100  # float64 exponents of nonzero finite values lie in [-1074, 1023]
 BACKWARD_KINDS = ("grad_output", "weight_grad")
 
 
@@ -67,44 +68,45 @@ def tensor_stats(x: Tensor, formats: Sequence[str | Format]) -> dict[str, Any]:
     if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}")
     fmts = [get_format(f) for f in formats]
-    v = x.detach().reshape(-1).float()
+    v = x.detach().reshape(-1)
+    if v.dtype not in (torch.float32, torch.float64):
+        v = v.float()
     n = max(v.numel(), 1)
     a = v.abs()
     finite = torch.isfinite(a)
-    nonzero = a > 0
     af = torch.where(finite, a, 0.0)
-    # Every scalar in one tensor, read back with one synchronisation.
-    parts = [af.amax() if v.numel() else af.sum(), (af * af).sum(), af.sum(),
-             (a == 0).sum(), (~finite).sum()]
-    for f in fmts:
-        parts += [(nonzero & (a < f.min_subnormal)).sum(), (nonzero & (a < f.min_normal)).sum(),
-                  ((a > f.max) | ~finite).sum()]
+    # floor(log2 a) of every nonzero finite value, shifted into bins >= 1 (bin 0: zero or
+    # non-finite); one bincount gives the histogram, and since a format's smallest
+    # subnormal and smallest normal are powers of two, the shares below them too.
+    e = torch.where(af > 0, torch.frexp(af)[1] - 1 + _EXP_OFFSET, 0)
+    counts_t = torch.bincount(e, minlength=2 * _EXP_OFFSET)
+    parts = [af.amax() if v.numel() else af.sum(), (af * af).sum(), af.sum(), (~finite).sum(),
+             torch.isnan(a).sum()]
+    parts += [(a > f.max).sum() for f in fmts]  # +Inf included; NaN compares False
     vals = torch.stack([t.double() for t in parts]).tolist()
-    out: dict[str, Any] = {
+    counts = counts_t.tolist()
+    nonfinite = vals[3]
+    zero = counts[0] - nonfinite
+
+    def below(bound: float) -> float:
+        k = int(math.log2(bound)) + _EXP_OFFSET  # exponents < log2(bound): bins 1 .. k-1
+        return float(sum(counts[1:max(k, 1)])) / n
+
+    used = [i for i, c in enumerate(counts) if c and i > 0]
+    lo, hi = (used[0], used[-1]) if used else (0, -1)
+    return {
         "numel": v.numel(),
         "dtype": str(x.dtype).replace("torch.", ""),
         "amax": vals[0],
         "rms": math.sqrt(vals[1] / n),
         "mean_abs": vals[2] / n,
-        "zero": vals[3] / n,
-        "nonfinite": vals[4] / n,
-        "below_subnormal": {},
-        "below_normal": {},
-        "above_max": {},
+        "zero": zero / n,
+        "nonfinite": nonfinite / n,
+        "below_subnormal": {f.name: below(f.min_subnormal) for f in fmts},
+        "below_normal": {f.name: below(f.min_normal) for f in fmts},
+        "above_max": {f.name: (vals[5 + i] + vals[4]) / n for i, f in enumerate(fmts)},
+        "exp_hist": {"lo": lo - _EXP_OFFSET if used else 0, "counts": counts[lo:hi + 1]},
     }
-    for i, f in enumerate(fmts):
-        sub, low, over = vals[5 + 3 * i: 8 + 3 * i]
-        out["below_subnormal"][f.name] = sub / n
-        out["below_normal"][f.name] = low / n
-        out["above_max"][f.name] = over / n
-    e = torch.frexp(af[nonzero & finite])[1] - 1  # floor(log2 a) for a > 0
-    if e.numel():
-        lo = int(e.min())
-        counts = torch.bincount(e - lo).tolist()
-    else:
-        lo, counts = 0, []
-    out["exp_hist"] = {"lo": lo, "counts": counts}
-    return out
 
 
 def _first_tensor(args: Any) -> Tensor | None:
