@@ -569,3 +569,92 @@ def test_compile_under_autocast() -> None:
         assert sqnr(y, ref) > 22
     assert comp[0].weight.grad is not None and comp[0].weight.grad.dtype == torch.float32
     torch.testing.assert_close(comp[0].input_amax_history, eager[0].input_amax_history)
+
+
+# ---- regressions found in review ---------------------------------------------------------
+
+
+def test_delayed_layer_backward_twice_in_one_graph() -> None:
+    """Weight sharing and retain_graph: the grad_output history is updated once per
+    backward of the layer (not saved for backward, so no version-check failure)."""
+    m = convert_to_float8(nn.Linear(16, 16), "delayed")
+    x = torch.randn(4, 16)
+    m(m(x)).sum().backward()  # the layer's backward runs twice
+    assert bool((m.grad_output_amax_history[:2] > 0).all())
+    y = m(x)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("name", ["delayed", "static"])
+def test_wgrad_uses_the_forward_scale_without_fp8_saving(name: str) -> None:
+    """With the high-precision input saved, the weight-gradient GEMM still quantizes it
+    with the forward's delayed/static scale: same gradients as with FP8 saving."""
+    grads = []
+    for saved in (True, False):
+        torch.manual_seed(0)
+        m = convert_to_float8(nn.Linear(16, 16), Float8Recipe.from_name(
+            name, fp8_saved_activations=saved))
+        x = torch.randn(8, 16)
+        if name == "static":
+            with calibrate(m):
+                m(x).sum().backward()
+        else:
+            m(x).sum().backward()  # warm-up: the history now holds amax(x)
+        m.weight.grad = None
+        m(10 * x).sum().backward()  # beyond the delayed/static scale: saturates
+        grads.append(m.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4"])
+def test_empty_batch(name: str) -> None:
+    m = convert_to_float8(nn.Linear(16, 8), name)
+    x = torch.randn(0, 16, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == (0, 8) and x.grad is not None and x.grad.shape == (0, 16)
+    assert m.weight.grad is not None and not m.weight.grad.any()
+
+
+def test_shared_subclassed_and_hooked_linears() -> None:
+    class Doubled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    lin = nn.Linear(8, 8)
+    calls: list[int] = []
+    lin.register_forward_hook(lambda *a: calls.append(1))
+    m = convert_to_float8(nn.Sequential(lin, nn.ReLU(), lin, Doubled(8, 8)))
+    assert isinstance(m[0], Float8Linear) and m[0] is m[2]  # one module at both places
+    assert type(m[3]) is Doubled  # its own forward would be lost: left, with a warning
+    m(torch.randn(2, 8))
+    assert len(calls) == 2  # the hook carried over
+    back = convert_back(m)
+    assert type(back[0]) is nn.Linear and back[0] is back[2]
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4"])
+def test_inf_reads_nan_in_its_block(name: str) -> None:
+    """OCP MX: a block holding Inf/NaN gets a NaN scale. E2M1 has no Inf: saturating it
+    would hide an overflow from a loss scaler. Other rows stay finite."""
+    m = convert_to_float8(nn.Linear(64, 16), name)
+    x = torch.randn(4, 64, requires_grad=True)
+    xi = x.detach().clone()
+    xi[0, 3] = math.inf
+    y = m(xi)
+    assert not bool(torch.isfinite(y[0]).any()) and bool(torch.isfinite(y[1:]).all())
+    g = torch.randn(4, 16)
+    g[2, 5] = math.inf
+    m(x).backward(g)
+    assert x.grad is not None and not bool(torch.isfinite(x.grad[2]).any())
+
+
+def test_recalibration_starts_fresh() -> None:
+    m = convert_to_float8(nn.Linear(8, 8), "static")
+    with calibrate(m):
+        m(100 * torch.randn(4, 8)).sum().backward()
+    x = torch.randn(4, 8)
+    with calibrate(m):
+        m(x).sum().backward()
+    assert float(m.input_static_amax) == pytest.approx(float(x.abs().max()))

@@ -15,12 +15,14 @@ fresh.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from lowprec.float8.quant import Operand, dequantize, matmul, quantize_operand
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
@@ -30,6 +32,7 @@ from lowprec.scaling import amax, compute_scale, delayed_amax, push_amax
 __all__ = ["Float8Linear", "calibrate", "convert_back", "convert_to_float8"]
 
 _EDTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,15 +109,20 @@ class _Float8MatmulFn(torch.autograd.Function):
         w_used = wq.scale if wq.kind == "tensor" else None
         if r.fp8_saved_activations:
             kept = _keep_for_backward(xq.data) if torch.compiler.is_compiling() else xq.data
-            ctx.save_for_backward(None, kept, xq.scale, w, w_used, go_state)
-        else:
-            ctx.save_for_backward(x, None, None, w, w_used, go_state)
+            ctx.save_for_backward(None, kept, xq.scale, w, w_used)
+        else:  # the forward's scale too: delayed/static scales must not become dynamic
+            ctx.save_for_backward(x, None, xq.scale, w, w_used)
+        # The grad_output state is updated in place in backward, so it is held on ctx, not
+        # saved: a saved tensor modified in place fails autograd's version check when a
+        # layer's backward runs twice in one graph (weight sharing, retain_graph).
+        ctx.go_state = go_state
         ctx.spec, ctx.x_meta = spec, (xq.kind, xq.shape, x.dtype)
         return y
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, xq_data, xq_scale, w, w_scale, go_state = ctx.saved_tensors
+        x, xq_data, xq_scale, w, w_scale = ctx.saved_tensors
+        go_state = ctx.go_state
         spec: _Spec = ctx.spec
         r = spec.recipe
         ed = _EDTYPE[r.emulation_dtype]
@@ -136,8 +144,8 @@ class _Float8MatmulFn(torch.autograd.Function):
                     xq = _retag(saved, 0)
                 else:  # re-quantize along the token dimension (documented double rounding)
                     xq = quantize_operand(dequantize(saved), r.input, 0)
-            else:
-                xq = quantize_operand(x, r.input, 0)
+            else:  # tensor scale: the forward's (delayed/static/dynamic alike)
+                xq = quantize_operand(x, r.input, 0, xq_scale if x_kind == "tensor" else None)
             dw = matmul(gq_t, xq, w.dtype, ed, r.emulate)
         return dx, dw, None, None, None, None, None
 
@@ -204,6 +212,7 @@ class Float8Linear(nn.Linear):
         new.bias = mod.bias
         new._setup(recipe)  # buffers on the parameters' device
         new.train(mod.training)
+        _carry_hooks(mod, new)
         return new
 
     def _state(self, role: str) -> Tensor | None:
@@ -258,6 +267,21 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={r.name}, {casts}"
 
 
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """The replacement runs the hooks registered on the replaced module (the same dicts,
+    so their handles still remove them)."""
+    for name in _HOOK_DICTS:
+        if hasattr(old, name):
+            setattr(new, name, getattr(old, name))
+
+
 def _after_load(module: nn.Module, incompatible: Any) -> None:
     assert isinstance(module, Float8Linear)
     static = [module._state(r) for r in ROLES if module.recipe.cast(r).scaling == "static"]
@@ -277,6 +301,9 @@ def convert_to_float8(
     """Swap every ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear`.
 
     ``module_filter(module, fqn)`` returns True for the layers to convert (default: all).
+    A linear used at several places becomes one ``Float8Linear`` used at all of them; its
+    hooks carry over. Subclasses of ``nn.Linear`` and parametrized linears (e.g.
+    ``weight_norm``) are left unchanged, named in a warning: their own forward would be lost.
     Returns ``model`` (or the new module if ``model`` itself is an ``nn.Linear``).
 
     Example:
@@ -296,11 +323,16 @@ def convert_to_float8(
     if module_filter is not None and not callable(module_filter):
         raise TypeError("module_filter must be a callable (module, fqn) -> bool")
 
+    left: list[str] = []
+
     def wanted(mod: nn.Module, fqn: str) -> bool:
         if not isinstance(mod, nn.Linear) or isinstance(mod, Float8Linear):
             return False
         if module_filter is not None and not module_filter(mod, fqn):
             return False
+        if type(mod) is not nn.Linear or parametrize.is_parametrized(mod):
+            left.append(f"{fqn or 'the model'} ({type(mod).__name__})")
+            return False  # its own forward or parametrization would be lost
         if not mod.weight.dtype.is_floating_point:
             raise TypeError(
                 f"model: {fqn or 'the model'}.weight has dtype {mod.weight.dtype}; float8 "
@@ -311,13 +343,33 @@ def convert_to_float8(
     if wanted(model, ""):
         assert isinstance(model, nn.Linear)
         return Float8Linear.from_linear(model, recipe)
-    for fqn, mod in list(model.named_modules()):
-        for name, child in list(mod.named_children()):
-            full = f"{fqn}.{name}" if fqn else name
-            if wanted(child, full):
-                assert isinstance(child, nn.Linear)
-                setattr(mod, name, Float8Linear.from_linear(child, recipe))
+    done: dict[int, Float8Linear] = {}
+    _convert_children(model, wanted, done, recipe)
+    if left:
+        log.warning(
+            "convert_to_float8: left unchanged (nn.Linear subclasses or parametrized "
+            "linears, whose own forward would be lost): %s", ", ".join(dict.fromkeys(left))
+        )
     return model
+
+
+def _convert_children(
+    model: nn.Module,
+    wanted: Callable[[nn.Module, str], bool],
+    done: dict[int, Float8Linear],
+    recipe: Float8Recipe,
+) -> None:  # a module used at several places stays one module
+    for fqn, mod in list(model.named_modules(remove_duplicate=False)):
+        for name, child in list(mod._modules.items()):
+            full = f"{fqn}.{name}" if fqn else name
+            if child is None:
+                continue
+            if id(child) in done:
+                setattr(mod, name, done[id(child)])
+            elif wanted(child, full):
+                assert isinstance(child, nn.Linear)
+                done[id(child)] = Float8Linear.from_linear(child, recipe)
+                setattr(mod, name, done[id(child)])
 
 
 def convert_back(model: nn.Module) -> nn.Module:
@@ -332,10 +384,13 @@ def convert_back(model: nn.Module) -> nn.Module:
 
     if isinstance(model, Float8Linear):
         return plain(model)
-    for mod in list(model.modules()):
-        for name, child in list(mod.named_children()):
+    done: dict[int, nn.Linear] = {}
+    for mod in list(model.modules(remove_duplicate=False)):
+        for name, child in list(mod._modules.items()):
             if isinstance(child, Float8Linear):
-                setattr(mod, name, plain(child))
+                if id(child) not in done:
+                    done[id(child)] = plain(child)
+                setattr(mod, name, done[id(child)])
     return model
 
 
@@ -359,8 +414,12 @@ def calibrate(model: nn.Module) -> Iterator[None]:
     static = [m for m in layers if any(m.recipe.cast(r).scaling == "static" for r in ROLES)]
     if not static:
         raise ValueError("model: no Float8Linear with a static role to calibrate")
-    for m in static:
+    for m in static:  # a new calibration starts from scratch (it may lower a scale)
         m._calibrating = True
+        for r in ROLES:
+            t = m._state(r)
+            if t is not None and t.dim() == 0:
+                t.zero_()
     try:
         yield
     finally:

@@ -83,6 +83,8 @@ def quantize_operand(
     if scale is not None:
         raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
     x = t if t.dtype == torch.float64 else t.float()  # float64 is rounded once, directly
+    if x.numel() == 0:  # e.g. an expert that got no tokens: nothing to scale
+        return _empty_operand(x, cast, g, cd, shape)
     if g.kind == "axis":
         s = compute_scale(amax(x, Granularity.along(cd)), fmt, cast.margin, cast.power_of_two)
         return Operand(to_format(x / s, fmt, saturate=True), s, "axis", cd, shape)
@@ -96,17 +98,35 @@ def quantize_operand(
         s = compute_scale(a, fmt, cast.margin, cast.power_of_two)
     elif g.kind == "mx":  # E8M0: OCP's floor, or the power of two at or above amax/max
         s = mx_scale(a, fmt) if cast.mx_scale == "floor" else compute_scale(a, fmt, 0.0, True)
+        # OCP MX: a block holding Inf/NaN gets the NaN scale, so the whole block reads NaN
+        # (E2M1 has no Inf/NaN code: saturating would hide an overflow from loss scaling).
+        s = torch.where(torch.isfinite(a), s, torch.nan)
     else:  # nv: E4M3 block scales under one float32 tensor scale
-        t_amax = amax(x)  # maps to fmt.max * 448 (block scales then fill E4M3's range)
-        ok = torch.isfinite(t_amax) & (t_amax > 0)
-        s_t = torch.where(ok, t_amax / (fmt.max * _E4M3.max), 1.0)
-        s_b = quantize(a / (fmt.max * s_t), _E4M3, saturate=True)
+        fin = torch.where(torch.isfinite(a), a, 0.0)
+        t_amax = fin.amax()  # finite amax -> fmt.max * 448: block scales fill E4M3's range
+        s_t = torch.where(t_amax > 0, t_amax / (fmt.max * _E4M3.max), 1.0)
+        s_b = quantize(fin / (fmt.max * s_t), _E4M3, saturate=True)
         s = torch.where(s_b > 0, s_b, _E4M3.min_subnormal) * s_t
+        s = torch.where(torch.isfinite(a), s, torch.nan)  # as MX: Inf/NaN blocks read NaN
     # Round in the blocked 4-D layout, so no kernel indexes a scale by ``column // block``.
     rows, cols = xp.shape
     xb = xp.reshape(rows // br, br, cols // bc, bc) / s.reshape(rows // br, 1, cols // bc, 1)
     data = to_format(xb, fmt, saturate=True).reshape(rows, cols)
     return Operand(data, s, g.kind, cd, shape)
+
+
+def _empty_operand(
+    x: Tensor, cast: CastConfig, g: GemmGranularity, cd: int, shape: tuple[int, int]
+) -> Operand:
+    """An operand of a matrix with no elements (scales of the right shape, all 1)."""
+    fmt = get_format(cast.fmt)
+    if g.kind == "axis":
+        s_shape = (shape[0], 1) if cd == 1 else (1, shape[1])
+        return Operand(to_format(x, fmt), x.new_ones(s_shape), "axis", cd, shape)
+    br, bc = g.block if cd == 1 else (g.block[1], g.block[0])
+    xp = _pad_to(x, (br, bc))
+    s = x.new_ones((xp.shape[0] // br, xp.shape[1] // bc))
+    return Operand(to_format(xp, fmt), s, g.kind, cd, shape)
 
 
 def dequantize(op: Operand, dtype: torch.dtype = torch.float32) -> Tensor:
