@@ -105,7 +105,10 @@ def load_run(path: str | Path) -> Run:
         raise RunError(f"{p}: the run has no recorded steps yet ({METRICS} is empty)")
     numerics: list[dict[str, Any]] = []
     if (p / NUMERICS).is_file():
-        numerics = [json.loads(ln) for ln in (p / NUMERICS).read_text().splitlines() if ln]
+        try:
+            numerics = [json.loads(ln) for ln in (p / NUMERICS).read_text().splitlines() if ln]
+        except json.JSONDecodeError as e:
+            raise RunError(f"{p}: {NUMERICS} is corrupt or truncated ({e})") from None
     return Run(p, config, metrics, summarize(p), numerics)
 
 
@@ -299,13 +302,16 @@ def _cell(t: tuple[float, str, dict[str, Any]]) -> str:
 
 
 def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
-    ref = runs[0].summary.get("val_loss")
+    def val(run: Run) -> float | None:  # None: no evaluation yet (or not finite)
+        v = run.summary.get("val_loss")
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+    ref = val(runs[0])
     rows = []
     for run in runs:
         s = run.summary
-        gap = None
-        if ref and isinstance(s.get("val_loss"), float) and math.isfinite(s["val_loss"]):
-            gap = 100 * (s["val_loss"] / ref - 1)
+        v = val(run)
+        gap = None if ref is None or v is None else 100 * (v / ref - 1)
         last = run.tracked_steps[-1] if run.numerics else -1
         uf = _worst(run, last, "below_normal", BACKWARD_KINDS, _judged(run, backward=True))
         of = _worst_overflow(run, last)
@@ -314,7 +320,7 @@ def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
             run.recipe,
             str(s.get("steps")),
             _num(s.get("train_loss")),
-            _num(s.get("val_loss")),
+            _num(v),
             _num(gap, "{:+.2f}%"),
             str(s.get("skipped_steps", 0)),
             "–" if s.get("diverged_at") is None else f"step {s['diverged_at']}",

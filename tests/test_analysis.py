@@ -166,3 +166,33 @@ def test_plots_write_pngs(tmp_path: Path) -> None:
         plot_scale_chart(t.records, 7, t.formats, tmp_path / "x.png")
     with pytest.raises(ValueError, match="names"):
         plot_exp_histograms(t.records, 0, [("nope", "output")], t.formats, tmp_path / "y.png")
+
+
+def test_rms_of_huge_values_and_finite_only_moments() -> None:
+    x = torch.tensor([1e20, 3e38, math.inf, math.nan], dtype=torch.bfloat16)
+    s = tensor_stats(x, ["bf16"])
+    vals = x.double()[:2]  # the finite ones
+    assert s["rms"] == pytest.approx(math.sqrt(float((vals**2).sum()) / 4), rel=1e-6)
+    assert s["amax"] == pytest.approx(float(vals.max())) and s["nonfinite"] == 0.5
+
+
+def test_parameters_of_non_leaf_modules_and_eval_between_passes() -> None:
+    class Gain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.gain = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.gain
+
+    m = Gain()
+    with track(m, ["fp16"]) as t:
+        loss = m(torch.randn(3, 4)).sum()
+        m.eval()
+        with torch.no_grad():
+            m(torch.randn(3, 4))  # an evaluation pass between forward and backward
+        m.train()
+        loss.backward()
+    kinds = {(r["name"], r["kind"]) for r in t.records}
+    assert {("gain", "weight"), ("gain", "weight_grad"), ("lin.weight", "weight_grad")} <= kinds

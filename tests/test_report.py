@@ -133,3 +133,18 @@ def test_float8_run_is_judged_in_its_own_format(tmp_path: Path) -> None:
     notes = diagnose(run)
     assert notes[0].startswith("Float8 recipe 'tensorwise'")
     assert not any("e5m2" in n or "e4m3fn" in n for n in notes[1:])
+
+
+def test_truncated_numerics_and_runs_without_evaluation(runs: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(runs["fp32"], bad)
+    text = (bad / NUMERICS).read_text()
+    (bad / NUMERICS).write_text(text[: len(text) // 2])  # killed mid-write
+    with pytest.raises(RunError, match="corrupt or truncated"):
+        load_run(bad)
+    early = tmp_path / "early"
+    train(replace(TINY, recipe="fp32"), early, progress=False, stop_after=2)  # no eval yet
+    page = write_report([early, runs["fp32"]], tmp_path / "r.html").read_text()
+    row = re.findall(r"<tr><td>early</td>.*?</tr>", page)[0]
+    assert "NaN" not in page.split("<h2>Loss curves")[0] and "<td>–</td>" in row

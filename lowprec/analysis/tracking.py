@@ -18,7 +18,8 @@ For a :class:`~lowprec.ScaledTensor` the stored narrow data (``.qdata``) is meas
 that is what must fit the format. Statistics (:func:`tensor_stats`) of ``x`` with
 ``n`` elements, ``a = |x|``:
 
-* ``amax = max a``, ``rms = sqrt(Σx²/n)``, ``mean_abs = Σa/n``, ``zero`` = share of exact
+* over the finite values (Inf/NaN are counted in ``nonfinite`` instead): ``amax = max a``,
+  ``rms = sqrt(Σx²/n)``, ``mean_abs = Σa/n`` (sums in float64); ``zero`` = share of exact
   zeros, ``nonfinite`` = share of Inf/NaN;
 * per format ``f``: ``below_subnormal[f]`` = share with ``0 < a < f.min_subnormal`` (these
   round to zero or to the smallest subnormal: their value is lost), ``below_normal[f]`` =
@@ -80,8 +81,9 @@ def tensor_stats(x: Tensor, formats: Sequence[str | Format]) -> dict[str, Any]:
     # subnormal and smallest normal are powers of two, the shares below them too.
     e = torch.where(af > 0, torch.frexp(af)[1] - 1 + _EXP_OFFSET, 0)
     counts_t = torch.bincount(e, minlength=2 * _EXP_OFFSET)
-    parts = [af.amax() if v.numel() else af.sum(), (af * af).sum(), af.sum(), (~finite).sum(),
-             torch.isnan(a).sum()]
+    sq = torch.linalg.vector_norm(af, dtype=torch.float64) ** 2  # no float32 overflow
+    parts = [af.amax() if v.numel() else af.sum(), sq, af.sum(dtype=torch.float64),
+             (~finite).sum(), torch.isnan(a).sum()]
     parts += [(a > f.max).sum() for f in fmts]  # +Inf included; NaN compares False
     vals = torch.stack([t.double() for t in parts]).tolist()
     counts = counts_t.tolist()
@@ -141,6 +143,8 @@ class Tracker:
         self.formats = [get_format(f).name for f in formats]
         self.every = every
         self.enabled = True
+        self._auto = auto_step
+        self._grads_step: int | None = None
         self.records: list[dict[str, Any]] = []
         self._handles: list[RemovableHandle] = []
         if auto_step:  # a step is one forward call of the model in training mode
@@ -151,9 +155,10 @@ class Tracker:
         names = {m: n for n, m in model.named_modules()}
         for mod, name in names.items():
             leaf = not any(True for _ in mod.children())
-            if not leaf:
-                continue
-            self._handles.append(mod.register_forward_hook(self._forward_hook(name or "model")))
+            own = any(True for _ in mod.parameters(recurse=False))
+            if leaf or own:  # non-leaf modules: only their own parameters are recorded
+                hook = self._forward_hook(name or "model", activations=leaf)
+                self._handles.append(mod.register_forward_hook(hook))
             for pname, p in mod.named_parameters(recurse=False):
                 if p.requires_grad:
                     full = f"{name}.{pname}" if name else pname
@@ -169,15 +174,20 @@ class Tracker:
         self.enabled = module.training  # evaluation passes are neither counted nor recorded
         if module.training:
             self.step += 1
+            self._grads_step = self.step if self.sampling else None
 
     def _record(self, name: str, kind: str, x: Tensor) -> None:
         self.records.append(
             {"step": self.step, "name": name, "kind": kind, **tensor_stats(x, self.formats)}
         )
 
-    def _forward_hook(self, name: str) -> Any:
+    def _forward_hook(self, name: str, activations: bool = True) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.sampling or torch.compiler.is_compiling():
+                return
+            for pname, p in module.named_parameters(recurse=False):
+                self._record(f"{name}.{pname}" if name != "model" else pname, "weight", p)
+            if not activations:
                 return
             x = _first_tensor(args)
             if x is not None:
@@ -190,8 +200,6 @@ class Tracker:
                     y.register_hook(  # type: ignore[no-untyped-call]
                         lambda g: self._on_grad_output(name, step, g)
                     )
-            for pname, p in module.named_parameters(recurse=False):
-                self._record(f"{name}.{pname}", "weight", p)
 
         return hook
 
@@ -201,7 +209,10 @@ class Tracker:
 
     def _grad_hook(self, name: str) -> Any:
         def hook(p: Tensor) -> None:
-            if self.sampling and p.grad is not None:
+            # auto_step: the latest sampled training forward, even if an eval pass came
+            # between it and this backward; otherwise whatever the caller enabled
+            on = self._grads_step == self.step if self._auto else self.sampling
+            if on and p.grad is not None:
                 self._record(name, "weight_grad", p.grad)
 
         return hook
