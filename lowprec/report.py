@@ -54,10 +54,21 @@ class Run:
     metrics: list[dict[str, Any]]
     summary: dict[str, Any]
     numerics: list[dict[str, Any]] = field(default_factory=list)
+    label: str = ""  # the name shown; write_report makes it unique among the runs
 
     @property
     def name(self) -> str:
-        return self.path.name
+        return self.label or self.path.name
+
+    @property
+    def planned_steps(self) -> int | None:
+        steps = self.config.get("train", {}).get("steps")
+        return int(steps) if isinstance(steps, int) else None
+
+    @property
+    def stopped_early(self) -> bool:
+        planned = self.planned_steps
+        return planned is not None and int(self.summary.get("steps", 0)) < planned
 
     @property
     def recipe(self) -> str:
@@ -162,6 +173,11 @@ def diagnose(run: Run) -> list[str]:
         notes.append(
             f"The loss became NaN/Inf at step {s['diverged_at']}: the run diverged. Look for "
             "overflow below, lower the learning rate, or use loss scaling with skipped steps."
+        )
+    if run.stopped_early:
+        notes.append(
+            f"The run stopped at step {s.get('steps')} of {run.planned_steps} (interrupted?): "
+            "its numbers are not final; `lowprec train --resume` continues it exactly."
         )
     if s.get("skipped_steps"):
         notes.append(
@@ -318,7 +334,7 @@ def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
         rows.append([
             run.name,
             run.recipe,
-            str(s.get("steps")),
+            str(s.get("steps")) + (f" of {run.planned_steps}" if run.stopped_early else ""),
             _num(s.get("train_loss")),
             _num(v),
             _num(gap, "{:+.2f}%"),
@@ -352,12 +368,25 @@ img{max-width:100%;border:1px solid #eee;margin:.4em 0}
 """
 
 
+def _unique_labels(runs: Sequence[Run]) -> None:
+    """Label runs by directory name, adding parent folders where names repeat."""
+    paths = [r.path.resolve() for r in runs]
+    distinct = len(set(paths))  # the same directory given twice keeps one label
+    for depth in range(1, 8):
+        labels = ["/".join(p.parts[-depth:]) for p in paths]
+        if len(set(labels)) == distinct:
+            break
+    for r, lab in zip(runs, labels, strict=True):
+        r.label = lab
+
+
 def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -> Path:
     """Write the HTML report comparing ``runs`` (run directories) to ``out``; see the
     module docstring. Raises :class:`RunError` naming any directory that is not a run."""
     if not runs:
         raise ValueError("runs: give at least one run directory")
     loaded = [load_run(r) for r in runs]
+    _unique_labels(loaded)
     out = Path(out)
     parts = [
         f"<h1>{html.escape(title or 'lowprec numerics report')}</h1>",

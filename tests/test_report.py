@@ -148,3 +148,16 @@ def test_truncated_numerics_and_runs_without_evaluation(runs: dict[str, Path],
     page = write_report([early, runs["fp32"]], tmp_path / "r.html").read_text()
     row = re.findall(r"<tr><td>early</td>.*?</tr>", page)[0]
     assert "NaN" not in page.split("<h2>Loss curves")[0] and "<td>–</td>" in row
+
+
+def test_stopped_runs_and_same_named_runs(runs: dict[str, Path], tmp_path: Path) -> None:
+    stopped = tmp_path / "a" / "fp32"
+    train(replace(TINY, recipe="fp32"), stopped, progress=False, stop_after=4)
+    run = load_run(stopped)
+    assert run.stopped_early and run.planned_steps == TINY.steps
+    assert any(n.startswith("The run stopped at step 4 of 6") for n in diagnose(run))
+    page = write_report([runs["fp32"], stopped], tmp_path / "r.html").read_text()
+    assert "<td>4 of 6</td>" in page and "<td>6</td>" in page
+    # two directories both named fp32 get told apart by their parent folder
+    assert f"<td>{runs['fp32'].parent.name}/fp32</td>" in page and "<td>a/fp32</td>" in page
+    assert not load_run(runs["fp32"]).stopped_early
