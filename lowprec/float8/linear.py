@@ -26,8 +26,7 @@ from torch.nn.utils import parametrize
 
 from lowprec.float8.quant import Operand, dequantize, matmul, quantize_operand
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
-from lowprec.formats import get_format
-from lowprec.scaling import amax, compute_scale, delayed_amax, push_amax
+from lowprec.scaling import amax, delayed_amax, push_amax
 
 __all__ = ["Float8Linear", "calibrate", "convert_back", "convert_to_float8"]
 
@@ -44,10 +43,6 @@ class _Spec:
     calibrating: bool  # record the grad_output amax for static calibration
 
 
-def _scale_from(cast: CastConfig, ref_amax: Tensor) -> Tensor:
-    return compute_scale(ref_amax, get_format(cast.fmt), cast.margin, cast.power_of_two)
-
-
 def _stateful_scale(cast: CastConfig, state: Tensor | None, t: Tensor, update: bool,
                     calibrating: bool) -> Tensor | None:
     """The scale of a delayed/static role (``None`` for dynamic), updating ``state`` in place."""
@@ -58,13 +53,13 @@ def _stateful_scale(cast: CastConfig, state: Tensor | None, t: Tensor, update: b
     assert state is not None
     cur = amax(t)
     if cast.scaling == "delayed":
-        scale = _scale_from(cast, delayed_amax(state, cur, cast.algo))
+        scale = cast.scale_for(delayed_amax(state, cur, cast.algo))
         if update:
             state.copy_(push_amax(state, cur))
         return scale
     if calibrating:  # static: running max of amax while calibrating
         state.copy_(torch.maximum(state, torch.where(torch.isfinite(cur), cur, 0.0)))
-    return _scale_from(cast, state)
+    return cast.scale_for(state)
 
 
 @torch.library.custom_op("lowprec::keep_for_backward", mutates_args=())

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lowprec.float8.recipe import CastConfig, GemmGranularity
-from lowprec.formats import Format, get_format, quantize, to_format
+from lowprec.formats import get_format, quantize, to_format
 from lowprec.scaling import Granularity, amax, apply_scale, compute_scale, mx_scale
 from lowprec.tensor import ScaledTensor
 
@@ -56,10 +56,6 @@ def _pad_to(t: Tensor, mult: tuple[int, int]) -> Tensor:
     return F.pad(t, (0, pc, 0, pr)) if pr or pc else t
 
 
-def _tensor_scale(t: Tensor, cast: CastConfig, fmt: Format) -> Tensor:
-    return compute_scale(amax(t), fmt, cast.margin, cast.power_of_two)
-
-
 def quantize_operand(
     t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = None
 ) -> Operand:
@@ -75,7 +71,7 @@ def quantize_operand(
     g: GemmGranularity = cast.gemm_granularity
     shape = (int(t.shape[0]), int(t.shape[1]))
     if g.kind == "tensor":
-        s = scale if scale is not None else _tensor_scale(t, cast, fmt)
+        s = scale if scale is not None else cast.scale_for(amax(t))
         # A 1-element (not 0-dim) float32 divisor makes the division itself run in float32
         # for bf16/fp16 ``t``: one pass, no upcast copy, one rounding.
         data = to_format(t / s.reshape(1, 1), fmt, saturate=True)
@@ -86,7 +82,7 @@ def quantize_operand(
     if x.numel() == 0:  # e.g. an expert that got no tokens: nothing to scale
         return _empty_operand(x, cast, g, cd, shape)
     if g.kind == "axis":
-        s = compute_scale(amax(x, Granularity.along(cd)), fmt, cast.margin, cast.power_of_two)
+        s = cast.scale_for(amax(x, Granularity.along(cd)))
         return Operand(to_format(x / s, fmt, saturate=True), s, "axis", cd, shape)
     if cd == 0:  # block kinds: quantize the transpose (contracted dim last), transpose back
         op = quantize_operand(t.t(), cast, 1)
@@ -95,7 +91,7 @@ def quantize_operand(
     xp = _pad_to(x, (br, bc))
     a = amax(xp, Granularity.blocks(br, bc))
     if g.kind == "block":
-        s = compute_scale(a, fmt, cast.margin, cast.power_of_two)
+        s = cast.scale_for(a)
     elif g.kind == "mx":  # E8M0: OCP's floor, or the power of two at or above amax/max
         s = mx_scale(a, fmt) if cast.mx_scale == "floor" else compute_scale(a, fmt, 0.0, True)
         # OCP MX: a block holding Inf/NaN gets the NaN scale, so the whole block reads NaN

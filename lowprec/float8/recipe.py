@@ -41,7 +41,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from torch import Tensor
+
 from lowprec.formats import get_format
+from lowprec.scaling import compute_scale
 
 __all__ = ["CastConfig", "Float8Recipe", "recipe_names"]
 
@@ -159,6 +162,11 @@ class CastConfig:
     @property
     def gemm_granularity(self) -> GemmGranularity:
         return parse_granularity(self.granularity)
+
+    def scale_for(self, amax: Tensor) -> Tensor:
+        """``amax · 2^margin / fmt.max``, a power of two with ``power_of_two``
+        (:func:`lowprec.scaling.compute_scale`)."""
+        return compute_scale(amax, self.fmt, self.margin, self.power_of_two)
 
     def describe(self) -> str:
         """Short text such as ``dyn:tensor:e4m3fn``."""
