@@ -30,7 +30,7 @@ from typing import Any
 from lowprec.analysis.plots import plot_exp_histograms, plot_scale_chart
 from lowprec.analysis.tracking import BACKWARD_KINDS, KINDS
 from lowprec.formats import get_format
-from lowprec.train import CONFIG, METRICS, NUMERICS, RunError, read_metrics, summarize
+from lowprec.train import CONFIG, METRICS, NUMERICS, RunError, read_metrics, summary_of
 
 __all__ = ["Run", "diagnose", "load_run", "plot_runs", "write_report"]
 
@@ -120,7 +120,7 @@ def load_run(path: str | Path) -> Run:
             numerics = [json.loads(ln) for ln in (p / NUMERICS).read_text().splitlines() if ln]
         except json.JSONDecodeError as e:
             raise RunError(f"{p}: {NUMERICS} is corrupt or truncated ({e})") from None
-    return Run(p, config, metrics, summarize(p), numerics)
+    return Run(p, config, metrics, summary_of(metrics, config), numerics)
 
 
 def _worst(

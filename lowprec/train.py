@@ -198,8 +198,8 @@ def train(
         prepared.load_state_dict(state["run"])
         _set_rng_state(state["rng"])
         start = int(state["step"])
-        _truncate_metrics(out / METRICS, start)
-        _truncate_numerics(out / NUMERICS, start)
+        _truncate_jsonl(out / METRICS, start)  # metrics: "step" = steps done (1-based)
+        _truncate_jsonl(out / NUMERICS, start - 1)  # numerics: 0-based step index
     else:
         (out / CONFIG).write_text(
             json.dumps(
@@ -313,19 +313,12 @@ class GradMeter:
         return {"act_grad_underflow": self.counts[1] / n, "act_grad_zero": self.counts[2] / n}
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines after ``step`` (written after the checkpoint we resume from)."""
+def _truncate_jsonl(path: Path, last: int) -> None:
+    """Drop JSON lines whose ``step`` is after ``last`` (written after the checkpoint we
+    resume from)."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-    path.write_text("".join(ln + "\n" for ln in keep))
-
-
-def _truncate_numerics(path: Path, step: int) -> None:
-    """Drop numerics records of steps not completed before the checkpoint (index >= step)."""
-    if not path.exists():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] < step]
+    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last]
     path.write_text("".join(ln + "\n" for ln in keep))
 
 
@@ -337,8 +330,11 @@ def read_metrics(out: str | Path) -> list[dict[str, Any]]:
 def summarize(out: str | Path) -> dict[str, Any]:
     """Final numbers of a run directory: losses, bits per character, skipped steps, the
     mean share of zero gradient values, the median step time, and divergence."""
-    recs = read_metrics(out)
-    cfg = json.loads((Path(out) / CONFIG).read_text())
+    return summary_of(read_metrics(out), json.loads((Path(out) / CONFIG).read_text()))
+
+
+def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
+    """:func:`summarize` of metrics records and a run's ``config.json`` already read."""
     vals = [r for r in recs if "val_loss" in r]
     tail = [r["loss"] for r in recs[-10:]]
     diverged = next((r["step"] for r in recs if not math.isfinite(r["loss"])), None)
