@@ -155,15 +155,15 @@ class Tracker:
         names = {m: n for n, m in model.named_modules()}
         for mod, name in names.items():
             leaf = not any(True for _ in mod.children())
-            own = any(True for _ in mod.parameters(recurse=False))
+            own = list(mod.named_parameters(recurse=False))
+            prefix = f"{name}." if name else ""  # a parameter is recorded as prefix + name
             if leaf or own:  # non-leaf modules: only their own parameters are recorded
-                hook = self._forward_hook(name or "model", activations=leaf)
+                hook = self._forward_hook(name or "model", prefix, activations=leaf)
                 self._handles.append(mod.register_forward_hook(hook))
-            for pname, p in mod.named_parameters(recurse=False):
+            for pn, p in own:
                 if p.requires_grad:
-                    full = f"{name}.{pname}" if name else pname
                     self._handles.append(
-                        p.register_post_accumulate_grad_hook(self._grad_hook(full))
+                        p.register_post_accumulate_grad_hook(self._grad_hook(prefix + pn))
                     )
 
     @property
@@ -181,12 +181,12 @@ class Tracker:
             {"step": self.step, "name": name, "kind": kind, **tensor_stats(x, self.formats)}
         )
 
-    def _forward_hook(self, name: str, activations: bool = True) -> Any:
+    def _forward_hook(self, name: str, prefix: str, activations: bool) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.sampling or torch.compiler.is_compiling():
                 return
-            for pname, p in module.named_parameters(recurse=False):
-                self._record(f"{name}.{pname}" if name != "model" else pname, "weight", p)
+            for pn, p in module.named_parameters(recurse=False):
+                self._record(prefix + pn, "weight", p)
             if not activations:
                 return
             x = _first_tensor(args)
