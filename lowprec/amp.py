@@ -231,6 +231,8 @@ class MasterWeights:
     """FP32 master copies of low-precision parameters around an inner optimizer.
 
     ``optimizer_factory(master_params)`` builds the inner optimizer on the FP32 copies.
+    ``params`` may also be parameter groups (dicts with ``"params"`` and per-group options
+    such as ``"lr"``): the factory then gets the same groups over the FP32 copies.
     ``step()`` copies the model's gradients to FP32 (if not yet done), runs the inner step,
     and writes the FP32 result back into the model's parameters: rounded to nearest, or
     with ``stochastic_rounding=True`` stochastically (unbiased; for BF16/FP16 parameters).
@@ -244,18 +246,37 @@ class MasterWeights:
 
     def __init__(
         self,
-        params: Iterable[nn.Parameter],
-        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
+        optimizer_factory: Callable[[list[Any]], torch.optim.Optimizer],
         stochastic_rounding: bool = False,
         generator: torch.Generator | None = None,
     ) -> None:
-        self.model_params = list(params)
+        given = list(params)
+        groups: list[dict[str, Any]] | None = None
+        if given and all(isinstance(g, dict) for g in given):
+            groups = [dict(g) for g in given]  # type: ignore[arg-type]
+            for i, g in enumerate(groups):
+                if "params" not in g:
+                    raise ValueError(f"params: group {i} has no 'params' key")
+                g["params"] = list(g["params"])
+            self.model_params = [p for g in groups for p in g["params"]]
+        elif any(isinstance(g, dict) for g in given):
+            raise TypeError("params: mix of parameter groups (dicts) and parameters")
+        else:
+            self.model_params = given  # type: ignore[assignment]
         if not self.model_params:
             raise ValueError("params: no parameters given")
         self.master_params = [
             nn.Parameter(p.detach().to(torch.float32).clone()) for p in self.model_params
         ]
-        self.optimizer = optimizer_factory(self.master_params)
+        if groups is None:
+            self.optimizer = optimizer_factory(self.master_params)
+        else:
+            it = iter(self.master_params)
+            master_groups = [
+                {**g, "params": [next(it) for _ in g["params"]]} for g in groups
+            ]
+            self.optimizer = optimizer_factory(master_groups)
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator
         self._grads_copied = False

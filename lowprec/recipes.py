@@ -34,6 +34,9 @@ from lowprec.float8 import Float8Recipe, convert_to_float8
 __all__ = ["Prepared", "Recipe", "get_recipe", "prepare", "recipe_names", "register"]
 
 DType = Literal["fp32", "bf16", "fp16"]
+Technique = Literal["mixed-precision", "float8", "unit", "scalify"]
+_TECHNIQUES = ("mixed-precision", "float8", "unit", "scalify")
+_SCALIFY_FORMATS = ("fp16", "fp8")
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -54,9 +57,11 @@ class Recipe:
     growth_interval: int = 2000
     autocast: DType | None = None
     stochastic_rounding: bool = False
-    technique: str = "mixed-precision"
+    technique: Technique = "mixed-precision"
     float8: str | None = None
     float8_skip: tuple[str, ...] = ("head", "lm_head")
+    unit_fp8: bool = False
+    scalify_format: str | None = None
     options: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -78,8 +83,29 @@ class Recipe:
             raise ValueError("master_weights only makes sense with bf16/fp16 parameters")
         if self.stochastic_rounding and not self.master_weights:
             raise ValueError("stochastic_rounding rounds the master-weight write-back")
+        if self.technique not in _TECHNIQUES:
+            raise ValueError(
+                f"technique must be one of {list(_TECHNIQUES)}, got {self.technique!r}"
+            )
         if self.float8 is not None:
             Float8Recipe.from_name(self.float8)  # ValueError listing the presets
+        if (self.technique == "float8") != (self.float8 is not None):
+            raise ValueError("float8 (a preset name) is set exactly when technique='float8'")
+        if self.unit_fp8 and self.technique != "unit":
+            raise ValueError("unit_fp8 needs technique='unit'")
+        if self.technique == "scalify":
+            if self.scalify_format not in _SCALIFY_FORMATS:
+                raise ValueError(
+                    f"scalify_format must be one of {list(_SCALIFY_FORMATS)} with "
+                    f"technique='scalify', got {self.scalify_format!r}"
+                )
+            if self.param_dtype != "fp32" or self.loss_scaling != "none":
+                raise ValueError(
+                    "technique='scalify' keeps fp32 parameters (the scales carry the range) "
+                    "and needs no loss scaling"
+                )
+        elif self.scalify_format is not None:
+            raise ValueError("scalify_format needs technique='scalify'")
         if isinstance(self.float8_skip, list):
             object.__setattr__(self, "float8_skip", tuple(self.float8_skip))  # from JSON
 
@@ -185,6 +211,50 @@ register(
         float8="mxfp8",
     )
 )
+for _dt, _what in (
+    ("fp32", "FP32 params and compute"),
+    ("fp16", "FP16 params and compute (FP32 master weights), no loss scaling"),
+    ("bf16", "BF16 params and compute (FP32 master weights), no loss scaling"),
+):
+    register(
+        Recipe(
+            f"{_dt}-unit",
+            f"Unit-scaled model (lowprec.unit.unit_scale) with u-muP learning rates; {_what}",
+            _dt,  # type: ignore[arg-type]
+            _dt != "fp32",
+            technique="unit",
+        )
+    )
+register(
+    Recipe(
+        "fp8-unit",
+        "Unit-scaled model with u-muP learning rates; every matmul's inputs rounded to E4M3 "
+        "in forward and its gradients to E5M2 in backward, with no per-tensor scales and no "
+        "loss scaling (BF16 params, FP32 master weights)",
+        "bf16",
+        True,
+        technique="unit",
+        unit_fp8=True,
+    )
+)
+register(
+    Recipe(
+        "fp16-scalify",
+        "Scaled arithmetic (lowprec.scalify): FP16 data with FP32 scales propagated through "
+        "every op of forward and backward; FP32 params; no unit scaling, no loss scaling",
+        technique="scalify",
+        scalify_format="fp16",
+    )
+)
+register(
+    Recipe(
+        "fp8-scalify",
+        "Scaled arithmetic: matmul inputs in FP8 (E4M3 forward, E5M2 backward) with "
+        "propagated scales, FP16 data elsewhere; FP32 params; no loss scaling",
+        technique="scalify",
+        scalify_format="fp8",
+    )
+)
 
 
 @dataclass
@@ -235,12 +305,18 @@ class Prepared:
         self.scaler.load_state_dict(state["scaler"])
 
 
+def _factory_lr(factory: OptimizerFactory) -> float:
+    """The learning rate ``factory`` gives its optimizer (the base of u-μP's groups)."""
+    probe = factory([nn.Parameter(torch.zeros(1))])
+    return float(probe.param_groups[0]["lr"])
+
+
 def _on_cpu(model: nn.Module) -> bool:
     p = next(model.parameters(), None)
     return p is not None and p.device.type == "cpu"
 
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[list[Any]], torch.optim.Optimizer]
 
 
 def prepare(
@@ -254,6 +330,12 @@ def prepare(
 
     With ``float8`` set, every ``nn.Linear`` whose name (last component) is not in
     ``float8_skip`` becomes a :class:`~lowprec.float8.Float8Linear` with that preset.
+    With technique ``"unit"`` the model is first made unit-scaled
+    (:func:`lowprec.unit.unit_scale`, with FP8 matmul operands if ``unit_fp8``) and the
+    optimizer gets u-μP parameter groups: each group's ``"lr_mult"`` times the factory's
+    learning rate (a loop that schedules the lr sets ``group["lr"] = lr_now * lr_mult``).
+    With technique ``"scalify"`` the model is wrapped by :func:`lowprec.scalify.scalify`
+    (its state_dict keys gain the wrapper's prefix).
     With ``master_weights`` the optimizer is a :class:`MasterWeights` around the factory's
     optimizer on FP32 copies. ``generator`` drives stochastic rounding, if the recipe uses it.
 
@@ -266,11 +348,23 @@ def prepare(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     r = get_recipe(recipe)
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    params: list[Any] | None = None
+    if r.technique == "unit":
+        from lowprec.unit.recipe import apply_unit  # the techniques load on demand
+
+        lr = _factory_lr(factory)
+        model, params = apply_unit(model, float8=r.unit_fp8, lr=lr)
+    elif r.technique == "scalify":
+        from lowprec.scalify.recipe import apply_scalify
+
+        assert r.scalify_format is not None
+        model = apply_scalify(model, data_format=r.scalify_format)
     model.to(r.torch_dtype)
     if r.float8 is not None:
         skip = r.float8_skip
         convert_to_float8(model, r.float8, lambda m, fqn: fqn.rsplit(".", 1)[-1] not in skip)
-    params = [p for p in model.parameters() if p.requires_grad]
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
     optimizer: Any
     if r.master_weights:
         optimizer = MasterWeights(params, factory, r.stochastic_rounding, generator)

@@ -253,8 +253,9 @@ def _train_step(
     prepared: Prepared, data: CharData, step: int, cfg: TrainConfig, meter: GradMeter
 ) -> dict[str, Any]:
     x, y = data.batch("train", step)
-    for group in prepared.optimizer.param_groups:
-        group["lr"] = cfg.lr_at(step)
+    lr = cfg.lr_at(step)
+    for group in prepared.optimizer.param_groups:  # u-μP groups carry their own multiplier
+        group["lr"] = lr * group.get("lr_mult", 1.0)
     meter.reset()
     t0 = time.perf_counter()
     with prepared.compute():

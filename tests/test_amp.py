@@ -257,3 +257,28 @@ def test_fp16_matmul_mode_traces_under_compile() -> None:
     with Fp16MatmulInFp32():
         ref = (x.float() @ m[0].weight.detach().float().T + m[0].bias.detach().float()).half()
         assert torch.equal(m[0](x), ref)
+
+
+def test_master_weights_with_parameter_groups() -> None:
+    # u-μP hands per-group learning rates: each FP32 master must be stepped with its own
+    # group's lr. SGD on a gradient of exactly 1 moves a weight by exactly -lr.
+    model = nn.Linear(4, 2).bfloat16()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(1.0)
+    groups = [
+        {"params": [model.weight], "lr": 0.25, "lr_mult": 0.5},
+        {"params": [model.bias], "lr": 0.5, "lr_mult": 1.0},
+    ]
+    opt = MasterWeights(groups, lambda gs: torch.optim.SGD(gs, lr=1.0))
+    assert [g["lr_mult"] for g in opt.param_groups] == [0.5, 1.0]
+    model.weight.grad = torch.ones_like(model.weight)
+    model.bias.grad = torch.ones_like(model.bias)
+    opt.step()
+    assert torch.equal(model.weight, torch.full_like(model.weight, 0.75))
+    assert torch.equal(model.bias, torch.full_like(model.bias, 0.5))
+    with pytest.raises(ValueError, match="no 'params'"):
+        MasterWeights([{"lr": 1.0}], lambda gs: torch.optim.SGD(gs, lr=1.0))
+    with pytest.raises(TypeError, match="mix of parameter groups"):
+        MasterWeights([{"params": [model.bias]}, model.weight],  # type: ignore[list-item]
+                      lambda gs: torch.optim.SGD(gs, lr=1.0))
