@@ -1,0 +1,46 @@
+"""Unit scaling and u-μP (Blake et al., ICML 2023; Blake et al. 2024).
+
+A unit-scaled model multiplies each op's output and each input gradient by fixed factors
+so that, at initialisation, activations, activation gradients and weight gradients all
+have ~unit variance: they sit in the middle of FP8/FP16's range without loss scaling or
+per-tensor scales. u-μP adds learning-rate rules that make the optimal global learning
+rate independent of width (and depth).
+
+* :mod:`~lowprec.unit.core`: ``scale_fwd``, ``scale_bwd``, ``apply_constraint``.
+* :mod:`~lowprec.unit.functional`: unit-scaled ops (``linear``, ``matmul``, ``softmax``,
+  ``cross_entropy``, ``scaled_dot_product_attention``, ``residual_split/add``, ...).
+* :mod:`~lowprec.unit.nn`: modules (``Linear``, ``MLP``, ``TransformerDecoder``, ...).
+* :func:`unit_scale`: convert a standard model (module-level rewrite of residuals with
+  ``torch.fx``, op conversion with a torch function mode, unit-variance re-init).
+* :mod:`~lowprec.unit.umup`: ``umup_param_groups`` and the residual τ rule.
+* :func:`~lowprec.unit.recipe.apply_unit`: the hook used by ``lowprec.recipes``.
+
+Example:
+    >>> import torch
+    >>> from lowprec.models import CharGPT, ModelConfig
+    >>> from lowprec.unit import unit_scale, umup_param_groups
+    >>> model = unit_scale(CharGPT(ModelConfig(vocab_size=16, width=32, depth=1, heads=2)))
+    >>> opt = torch.optim.AdamW(umup_param_groups(model, lr=1.0))
+    >>> idx = torch.randint(0, 16, (4, 64))
+    >>> logits, loss = model(idx, idx)        # the true mean cross-entropy
+    >>> loss.backward(); opt.step()
+    >>> round(loss.item(), 1)                 # ln(16) = 2.77: near-uniform logits at init
+    2.8
+"""
+
+from lowprec.unit.core import CONSTRAINTS, Constraint, apply_constraint, scale_bwd, scale_fwd
+from lowprec.unit.transform import UnitConfig, unit_scale
+from lowprec.unit.umup import tag_params, umup_param_groups, umup_taus
+
+__all__ = [
+    "CONSTRAINTS",
+    "Constraint",
+    "UnitConfig",
+    "apply_constraint",
+    "scale_bwd",
+    "scale_fwd",
+    "tag_params",
+    "umup_param_groups",
+    "umup_taus",
+    "unit_scale",
+]

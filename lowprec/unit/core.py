@@ -1,0 +1,194 @@
+"""Unit-scaling primitives: ``scale_fwd``, ``scale_bwd``, constraints, FP8 operand casts.
+
+A unit-scaled op multiplies its forward output by a fixed ``α`` and, independently, the
+gradients of its inputs by fixed ``β_i``, chosen at build time so that each is ~unit
+variance when the inputs and the incoming gradient are unit variance (Blake et al. 2023):
+
+* ``scale_fwd(x, s)``: forward ``y = s·x``; backward ``∂L/∂x = ∂L/∂y`` (unscaled).
+* ``scale_bwd(x, s)``: forward ``y = x``; backward ``∂L/∂x = s·∂L/∂y``.
+
+Scaling the two passes differently makes the computed gradient differ from the true one of
+the computed forward by fixed per-tensor factors. That is harmless *only at cut edges*
+(a weight, or a variable whose gradient is not used to compute another op's gradient),
+so the cut-edge rule is: the output and the non-cut-edge inputs of an op must share one
+scale; each weight gradient gets its own. Constraints pick that shared scale:
+
+* ``"gmean"``: ``(α·Πβ_i)^(1/(n+1))``; ``"hmean"``: ``(n+1) / (1/α + Σ 1/β_i)``;
+* ``"to_output_scale"``: all ``= α``; ``"to_grad_input_scale"``: all ``= gmean(β_i)``;
+* ``None``: no constraint (each scale ideal; use where every input is a cut edge).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, Literal, ParamSpec, TypeVar, cast
+
+import torch
+from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function
+
+from lowprec.formats import quantize
+
+__all__ = [
+    "CONSTRAINTS",
+    "Constraint",
+    "apply_constraint",
+    "fp8_grad",
+    "fp8_operand",
+    "scale_bwd",
+    "scale_fwd",
+    "unit_op",
+]
+
+Constraint = Literal["gmean", "hmean", "to_output_scale", "to_grad_input_scale"] | None
+CONSTRAINTS: tuple[str | None, ...] = (
+    "gmean",
+    "hmean",
+    "to_output_scale",
+    "to_grad_input_scale",
+    None,
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def unit_op(fn: Callable[P, R]) -> Callable[P, R]:
+    """Make ``fn`` overridable by torch function modes, like ``torch.nn.functional`` ops.
+
+    Inside :func:`lowprec.unit.unit_scale`'s mode a unit op is seen as *one* call and run
+    as it is, so the standard torch ops it calls inside are not converted a second time.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        tensors = tuple(a for a in args if isinstance(a, Tensor))
+        if has_torch_function(tensors):
+            return cast(R, handle_torch_function(wrapper, tensors, *args, **kwargs))
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _ScaleFwd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, s: float) -> Tensor:
+        return x * s
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return g, None
+
+
+class _ScaleBwd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, s: float) -> Tensor:
+        ctx.s = s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return g * ctx.s, None
+
+
+def _check_scale(s: object) -> float:
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+        raise TypeError(f"s must be a finite Python float, got {s!r}")
+    return float(s)
+
+
+@unit_op
+def scale_fwd(x: Tensor, s: float) -> Tensor:
+    """Forward ``y = s·x``; backward passes ``∂L/∂y`` through unscaled.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y = scale_fwd(x, 3.0); y.sum().backward()
+        >>> y.tolist(), x.grad.tolist()
+        ([3.0, 3.0], [1.0, 1.0])
+    """
+    s = _check_scale(s)
+    return x if s == 1.0 else cast(Tensor, _ScaleFwd.apply(x, s))
+
+
+@unit_op
+def scale_bwd(x: Tensor, s: float) -> Tensor:
+    """Forward ``y = x``; backward ``∂L/∂x = s·∂L/∂y``.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y = scale_bwd(x, 3.0); y.sum().backward()
+        >>> y.tolist(), x.grad.tolist()
+        ([1.0, 1.0], [3.0, 3.0])
+    """
+    s = _check_scale(s)
+    return x if s == 1.0 else cast(Tensor, _ScaleBwd.apply(x, s))
+
+
+def apply_constraint(
+    constraint: str | None, output_scale: float, *grad_input_scales: float
+) -> tuple[float, ...]:
+    """Return ``(α, β_1, ..., β_n)`` after applying ``constraint`` (see the module doc).
+
+    Only the scales of the output and of the *non-cut-edge* inputs are passed here; weight
+    gradient scales are left out and stay ideal.
+
+    Example:
+        >>> apply_constraint("gmean", 4.0, 1.0)
+        (2.0, 2.0)
+        >>> apply_constraint(None, 4.0, 1.0)
+        (4.0, 1.0)
+    """
+    if constraint not in CONSTRAINTS:
+        raise ValueError(
+            f"constraint must be one of {list(CONSTRAINTS)}, got {constraint!r}"
+        )
+    scales = (output_scale, *grad_input_scales)
+    if constraint is None or not grad_input_scales:
+        return scales
+    n = len(scales)
+    if constraint == "gmean":
+        s = math.exp(sum(math.log(v) for v in scales) / n)
+    elif constraint == "hmean":
+        s = n / sum(1.0 / v for v in scales)
+    elif constraint == "to_output_scale":
+        s = output_scale
+    else:  # to_grad_input_scale
+        s = math.exp(sum(math.log(v) for v in grad_input_scales) / len(grad_input_scales))
+    return (s,) * n
+
+
+# ---- FP8 casts (the paper's FP8 setting: no per-tensor scales, no loss scaling) ---------
+
+
+class _Fp8Operand(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return quantize(x, "e4m3fn", saturate=True)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        return g
+
+
+class _Fp8Grad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: Tensor) -> Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        return quantize(g, "e5m2", saturate=True)
+
+
+def fp8_operand(x: Tensor) -> Tensor:
+    """Forward: round ``x`` to E4M3 (saturating, no scale); backward: straight through."""
+    return cast(Tensor, _Fp8Operand.apply(x))
+
+
+def fp8_grad(y: Tensor) -> Tensor:
+    """Forward: identity; backward: round the gradient flowing into ``y``'s producer (a
+    matmul output) to E5M2 (saturating, no scale)."""
+    return cast(Tensor, _Fp8Grad.apply(y))

@@ -1,0 +1,389 @@
+"""Unit-scaled ops: same maths as ``torch.nn.functional`` up to fixed forward factors, with
+fixed backward factors, chosen so outputs and gradients are ~unit variance at init.
+
+Each op reads: compute ideal scales → apply the constraint (``lowprec.unit.core``) →
+``scale_bwd`` the inputs → the standard op → ``scale_fwd`` the output. "Ideal" scales
+assume unit-normal, independent inputs and a unit-normal incoming gradient ``g``; ``B``
+below is the number of rows a weight gradient sums over (all leading dims).
+Activation constants are ``E[·]`` under ``X ~ N(0, 1)``, computed by Gauss–Hermite
+quadrature (:func:`gauss_moment`).
+
+Example:
+    >>> import torch
+    >>> from lowprec.unit import functional as U
+    >>> x, w = torch.randn(4096, 256), torch.randn(512, 256)
+    >>> round(U.linear(x, w).std().item(), 1)
+    1.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lowprec.unit.core import apply_constraint, fp8_grad, fp8_operand, scale_bwd, scale_fwd
+from lowprec.unit.core import unit_op as _unit_op
+
+__all__ = [
+    "add", "conv1d", "cross_entropy", "dropout", "embedding", "gauss_moment", "gelu",
+    "layer_norm", "linear", "linear_readout", "log_softmax", "matmul", "relu",
+    "residual_add", "residual_split", "residual_taus", "rms_norm",
+    "scaled_dot_product_attention", "silu", "silu_glu", "softmax",
+]  # fmt: skip
+
+_NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(160)
+_WEIGHTS = _WEIGHTS / math.sqrt(2 * math.pi)
+_ERF = np.vectorize(math.erf)
+
+
+def gauss_moment(f: Callable[[np.ndarray], np.ndarray], centred: bool = False) -> float:
+    """``E[f(X)^2]`` (or ``Var f(X)`` if ``centred``) for ``X ~ N(0, 1)``."""
+    v = f(_NODES)
+    m2 = float(np.sum(_WEIGHTS * v * v))
+    return m2 - float(np.sum(_WEIGHTS * v)) ** 2 if centred else m2
+
+
+def _phi(x: np.ndarray) -> np.ndarray:
+    return np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+
+
+def _Phi(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1 + _ERF(x / math.sqrt(2)))
+
+
+def _sig(x: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-x))
+
+
+# std of f(X) and root-mean-square of f'(X): the forward and backward gains of each map.
+_GELU = (gauss_moment(lambda x: x * _Phi(x), True), gauss_moment(lambda x: _Phi(x) + x * _phi(x)))
+_SILU = (gauss_moment(lambda x: x * _sig(x), True),
+         gauss_moment(lambda x: _sig(x) * (1 + x * (1 - _sig(x)))))  # fmt: skip
+_SILU_M2 = gauss_moment(lambda x: x * _sig(x))  # E[silu(X)^2] (uncentred)
+_RELU = (0.5 - 1 / (2 * math.pi), 0.5)  # exact (the kink defeats quadrature)
+
+
+def _fp8(x: Tensor, on: bool) -> Tensor:
+    return fp8_operand(x) if on else x
+
+
+@_unit_op
+def matmul(
+    a: Tensor, b: Tensor, *, constraint: str | None = "to_output_scale", float8: bool = False
+) -> Tensor:
+    """``a @ b`` for ``a (..., M, K)``, ``b (..., K, N)`` (both activations: no cut edge).
+
+    Forward ``y = (a @ b) / √K``; backward ``∂a = (g bᵀ)/√N``, ``∂b = (aᵀ g)/√M'`` with
+    ``M'`` the rows ``aᵀ g`` sums over; the three scales are tied by ``constraint``.
+    ``float8``: operands rounded to E4M3, the gradient into the product to E5M2.
+    """
+    if a.dim() < 2 or b.dim() < 2:
+        raise ValueError(f"a, b: need >= 2 dims, got shapes {tuple(a.shape)}, {tuple(b.shape)}")
+    k, n = b.shape[-2], b.shape[-1]
+    m = max(1, a.numel() // k // max(1, b.numel() // (k * n)))
+    s_out, s_a, s_b = apply_constraint(constraint, k**-0.5, n**-0.5, m**-0.5)
+    a, b = _fp8(scale_bwd(a, s_a), float8), _fp8(scale_bwd(b, s_b), float8)
+    y = torch.matmul(a, b)
+    return scale_fwd(fp8_grad(y) if float8 else y, s_out)
+
+
+def _linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    constraint: str | None = "to_output_scale",
+    float8: bool = False,
+) -> Tensor:
+    """``x Wᵀ + b`` for ``x (..., fan_in)``, ``W (fan_out, fan_in)``.
+
+    Forward ``y = x Wᵀ/√fan_in + b``; backward ``∂x = (g W)/√fan_out`` (tied to the output
+    scale by ``constraint``), ``∂W = (gᵀ x)/√B`` and ``∂b = Σ_B g/√B`` (cut edges, ideal).
+    """
+    fan_out, fan_in = weight.shape
+    batch = max(1, x.numel() // fan_in)
+    s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
+    x = _fp8(scale_bwd(x, s_x), float8)
+    w = _fp8(scale_bwd(weight, batch**-0.5), float8)
+    y = F.linear(x, w)
+    y = scale_fwd(fp8_grad(y) if float8 else y, s_out)
+    return y if bias is None else y + scale_bwd(bias, batch**-0.5)
+
+
+linear = _unit_op(_linear)
+
+
+@_unit_op
+def linear_readout(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    constraint: str | None = "to_output_scale",
+    float8: bool = False,
+) -> Tensor:
+    """The output layer (u-μP): ``y = x Wᵀ/fan_in + b`` — :func:`linear` with a further
+    forward-only ``1/√fan_in`` (μP's readout multiplier), so ``std(y) = 1/√fan_in`` at init;
+    backward as :func:`linear` (``∂x`` at the linear's output scale, ``∂W`` unit).
+    """
+    y = _linear(x, weight, None, constraint=constraint, float8=float8)
+    y = scale_fwd(y, weight.shape[1] ** -0.5)
+    return y if bias is None else y + scale_bwd(bias, max(1, x.numel() // weight.shape[1]) ** -0.5)
+
+
+@_unit_op
+def add(a: Tensor, b: Tensor, weights: tuple[float, float] = (1.0, 1.0)) -> Tensor:
+    """Weighted sum of two independent unit tensors (inputs are cut edges).
+
+    Forward ``y = (w_a a + w_b b)/√(w_a² + w_b²)`` (unit variance); backward
+    ``∂a = ∂b = g`` (each unit). Broadcasting is allowed; the gradient of a broadcast
+    input sums over the broadcast dims as usual.
+    """
+    wa, wb = (float(w) for w in weights)
+    norm = math.hypot(wa, wb)
+    if norm == 0.0:
+        raise ValueError(f"weights: need a non-zero weight, got {weights!r}")
+    return scale_fwd(a, wa / norm) + scale_fwd(b, wb / norm)
+
+
+@_unit_op
+def residual_split(x: Tensor, tau: float) -> tuple[Tensor, Tensor]:
+    """Split the residual stream into ``(residual, skip)`` for a branch weighted by ``τ``.
+
+    Forward: both are ``x``. Backward: ``∂x = √τ·∂residual + √(1-τ)·∂skip``, unit when
+    both incoming gradients are unit and independent. Pair with :func:`residual_add`.
+    """
+    if not 0.0 < tau < 1.0:
+        raise ValueError(f"tau must be in (0, 1), got {tau!r}")
+    return scale_bwd(x, tau**0.5), scale_bwd(x, (1.0 - tau) ** 0.5)
+
+
+@_unit_op
+def residual_add(residual: Tensor, skip: Tensor, tau: float) -> Tensor:
+    """Forward ``y = √τ·residual + √(1-τ)·skip`` (unit if both are); backward passes
+    ``g`` unscaled to both (the weights are applied in :func:`residual_split`'s backward)."""
+    if not 0.0 < tau < 1.0:
+        raise ValueError(f"tau must be in (0, 1), got {tau!r}")
+    return scale_fwd(residual, tau**0.5) + scale_fwd(skip, (1.0 - tau) ** 0.5)
+
+
+def residual_taus(
+    n: int, scheme: str = "running-mean", tau: float = 0.5, weight: float | None = None
+) -> list[float]:
+    """``τ_l`` of ``n`` residual branches, in order.
+
+    * ``"fixed"``: ``τ_l = tau`` (every branch the same share of the stream it joins);
+    * ``"running-mean"``: ``τ_l = 1/(l+2)``: the stream after branch ``l`` is the mean of
+      the embedding and branches ``0..l``, all with the same weight ``1/(n+1)`` at the end;
+    * ``"weighted"``: embedding weight 1, each branch ``weight`` (default ``1/n``):
+      ``τ_l = w/(1 + (l+1)w)`` (u-μP's depth rule, :func:`lowprec.unit.umup.umup_taus`).
+
+    Example:
+        >>> residual_taus(3)
+        [0.5, 0.3333333333333333, 0.25]
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if scheme == "fixed":
+        if not 0.0 < tau < 1.0:
+            raise ValueError(f"tau must be in (0, 1), got {tau!r}")
+        return [tau] * n
+    if scheme == "running-mean":
+        return [1.0 / (i + 2) for i in range(n)]
+    if scheme == "weighted":
+        w = 1.0 / max(n, 1) if weight is None else weight
+        if w <= 0:
+            raise ValueError(f"weight must be > 0, got {weight!r}")
+        return [w / (1.0 + (i + 1) * w) for i in range(n)]
+    raise ValueError(f"scheme must be one of ['fixed', 'running-mean', 'weighted'], got {scheme!r}")
+
+
+def _pointwise(
+    x: Tensor, f: Callable[[Tensor], Tensor], gains: tuple[float, float], constraint: str | None
+) -> Tensor:
+    s_out, s_in = apply_constraint(constraint, gains[0] ** -0.5, gains[1] ** -0.5)
+    return scale_fwd(f(scale_bwd(x, s_in)), s_out)
+
+
+@_unit_op
+def gelu(x: Tensor, approximate: str = "none", *, mult: float = 1.0,
+         constraint: str | None = "gmean") -> Tensor:  # fmt: skip
+    """Forward ``y = gelu(mult·x)/σ_f``, ``σ_f² = Var gelu(X) ≈ 0.3456``; backward
+    ``∂x = mult·gelu'(mult·x)·g/σ_b``, ``σ_b² = E[gelu'(X)²] ≈ 0.4559`` (at ``mult=1``); tied
+    by ``constraint`` (input and output are not cut edges)."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    return _pointwise(x, lambda t: F.gelu(t * mult, approximate=approximate), _GELU, constraint)
+
+
+@_unit_op
+def silu(x: Tensor, *, mult: float = 1.0, constraint: str | None = "gmean") -> Tensor:
+    """Forward ``y = silu(mult·x)/σ_f`` (``σ_f² = Var silu(X) ≈ 0.3131``); backward
+    ``∂x = mult·silu'(mult·x)·g/σ_b`` (``σ_b² = E[silu'(X)²] ≈ 0.3795``); tied by
+    ``constraint``."""
+    return _pointwise(x, lambda t: F.silu(t * mult), _SILU, constraint)
+
+
+@_unit_op
+def relu(x: Tensor, *, constraint: str | None = "gmean") -> Tensor:
+    """Forward ``y = relu(x)/σ_f`` (``σ_f² = ½ - 1/(2π)``); backward ``∂x = 1[x>0]·g·√2``
+    (``E[1[X>0]] = ½``); tied by ``constraint``."""
+    return _pointwise(x, F.relu, _RELU, constraint)
+
+
+@_unit_op
+def silu_glu(x: Tensor, gate: Tensor, *, constraint: str | None = "gmean") -> Tensor:
+    """SwiGLU's product ``y = x·silu(gate)/√E[silu(G)²]`` (``E[silu(G)²] ≈ 0.3558``);
+    backward ``∂x = silu(gate)·g/√E[silu²]``, ``∂gate = x·silu'(gate)·g/√E[silu'²]``; the
+    three scales are tied by ``constraint``."""
+    s_out, s_x, s_g = apply_constraint(constraint, _SILU_M2**-0.5, _SILU_M2**-0.5, _SILU[1] ** -0.5)
+    return scale_fwd(scale_bwd(x, s_x) * F.silu(scale_bwd(gate, s_g)), s_out)
+
+
+@_unit_op
+def softmax(x: Tensor, dim: int = -1, *, mult: float = 1.0,
+            constraint: str | None = "to_output_scale") -> Tensor:  # fmt: skip
+    """Forward ``y = n·softmax(mult·x)/√(e-1)`` along ``dim`` of size ``n``: for unit-normal
+    logits ``p_i ≈ e^{x_i}/(n√e)`` so ``Var p = (e²-e)/(n²e)``; backward
+    ``∂x = p⊙(g - Σp g)·n/√e`` (``E[p²] ≈ e/n²``); tied by ``constraint``."""
+    n = x.shape[dim]
+    s_out, s_in = apply_constraint(constraint, n / math.sqrt(math.e - 1), n / math.sqrt(math.e))
+    return scale_fwd(torch.softmax(scale_bwd(x, s_in) * mult, dim=dim), s_out)
+
+
+@_unit_op
+def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """``y = x - logsumexp(x)`` is already unit: a shift of ``x`` (``Var y = Var x``), and
+    ``∂x = g - p·Σg ≈ g``. Scales 1; here for completeness and the transform."""
+    return torch.log_softmax(x, dim=dim)
+
+
+@_unit_op
+def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of ``logits (N, V)`` (or ``(N, V, ...)``) and class ``targets``.
+
+    Forward: the TRUE loss (same value as ``F.cross_entropy``). Backward:
+    ``∂logits = (p - onehot)·c/N_red`` times ``N_red·√V/√(1 + (e-2)/V)``, where ``N_red`` is
+    the mean's divisor (1 for ``"sum"``): for unit-normal logits
+    ``E[(p - onehot)²] ≈ 1/V + (e-2)/V²`` per element, so the gradient is unit.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if targets.is_floating_point():
+        raise TypeError("targets: class-probability targets are not supported; pass class ids")
+    v = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+    n = targets.numel() if reduction == "mean" else 1
+    s = n * math.sqrt(v) / math.sqrt(1.0 + (math.e - 2.0) / v)
+    return F.cross_entropy(scale_bwd(logits, s), targets, reduction=reduction)
+
+
+@_unit_op
+def layer_norm(
+    x: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """LayerNorm is unit in both passes (``y = (x-μ)/σ`` and ``∂x ≈ g/σ``): scales 1.
+    The affine's gradients are cut edges summing over ``B`` rows: ``∂w, ∂b`` scaled by
+    ``1/√B``."""
+    batch = max(1, x.numel() // max(1, math.prod(normalized_shape)))
+    w = None if weight is None else scale_bwd(weight, batch**-0.5)
+    b = None if bias is None else scale_bwd(bias, batch**-0.5)
+    return F.layer_norm(x, tuple(normalized_shape), w, b, eps)
+
+
+@_unit_op
+def rms_norm(
+    x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
+    eps: float | None = None,
+) -> Tensor:  # fmt: skip
+    """RMSNorm ``y = x/rms(x)·w``: unit both ways (as :func:`layer_norm`); ``∂w`` by ``1/√B``."""
+    batch = max(1, x.numel() // max(1, math.prod(normalized_shape)))
+    w = None if weight is None else scale_bwd(weight, batch**-0.5)
+    return F.rms_norm(x, tuple(normalized_shape), w, eps)
+
+
+@_unit_op
+def embedding(idx: Tensor, weight: Tensor) -> Tensor:
+    """``y = W[idx]`` is unit for a unit-variance ``W``; backward: row ``v`` of ``∂W`` sums
+    ``count(v)`` gradients, ``E[count] = B/V`` for ``B`` lookups, so ``∂W`` is scaled by
+    ``√(V/B)``."""
+    if idx.is_floating_point():
+        raise TypeError(f"idx: need integer indices, got {idx.dtype}")
+    return F.embedding(idx, scale_bwd(weight, math.sqrt(weight.shape[0] / max(1, idx.numel()))))
+
+
+@_unit_op
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    """Inverted dropout multiplies kept values by ``1/(1-p)``: ``Var y = Var x/(1-p)`` and
+    likewise ``∂x``; both passes are scaled by ``√(1-p)`` (one scale: a plain multiply)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"p must be in [0, 1), got {p!r}")
+    if not training or p == 0.0:
+        return x
+    return F.dropout(x, p, training=True) * math.sqrt(1.0 - p)
+
+
+@_unit_op
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+) -> Tensor:  # fmt: skip
+    """``softmax(q kᵀ·scale [+ causal mask]) v`` with the output and ``∂v`` scaled by
+    ``1/√E[Σ_j p_ij²]`` and ``∂q, ∂k`` by that over ``σ = scale·√d`` (the logits' std for
+    unit ``q, k``): with ``p_ij ≈ e^{x_ij}/(m e^{σ²/2})`` over a row of ``m`` keys,
+    ``Var y_i = Σ_j p_ij² ≈ min(1, e^{σ²}/m)`` and ``Var ∂q_i ≈ σ²·Σ_j p_ij²``; averaged over
+    rows (``m = n`` without, ``m = i+1`` with ``is_causal``). Only ``attn_mask=None`` and
+    ``dropout_p=0`` are supported.
+    """
+    if attn_mask is not None:
+        raise ValueError("attn_mask: only None is supported (use is_causal=True for causal)")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: only 0.0 is supported, got {dropout_p!r}")
+    if enable_gqa:
+        raise ValueError("enable_gqa: grouped-query attention is not supported")
+    d, n = q.shape[-1], k.shape[-2]
+    sigma2 = (d**-0.5 if scale is None else scale) ** 2 * d
+    g = math.exp(sigma2)
+    if is_causal:
+        p2 = sum(min(1.0, g / (i + 1)) for i in range(q.shape[-2])) / q.shape[-2]
+    else:
+        p2 = min(1.0, g / n)
+    s = p2**-0.5
+    s_qk = s / max(sigma2, 1e-12) ** 0.5
+    q, k, v = scale_bwd(q, s_qk), scale_bwd(k, s_qk), scale_bwd(v, s)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    return scale_fwd(y, s)
+
+
+@_unit_op
+def conv1d(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int = 1,
+    padding: int | str = 0, dilation: int = 1, groups: int = 1,
+    *, constraint: str | None = "to_output_scale",
+) -> Tensor:  # fmt: skip
+    """``conv1d`` with ``W (C_out, C_in/groups, k)``: a matmul of fan-in ``C_in/groups·k``.
+    Forward ``/√fan_in``; ``∂x`` by ``1/√(C_out·k/(groups·stride))`` (the outputs each input
+    feeds), tied by ``constraint``; ``∂W, ∂b`` by ``1/√(B·L_out)`` (cut edges)."""
+    c_out, c_in_g, ksz = weight.shape
+    fan_in = c_in_g * ksz
+    fan_out = max(1.0, c_out * ksz / (groups * stride))
+    s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
+    if isinstance(padding, str):
+        if padding not in ("same", "valid"):
+            raise ValueError(f"padding must be an int, 'same' or 'valid', got {padding!r}")
+        l_out = x.shape[-1] if padding == "same" else x.shape[-1] - dilation * (ksz - 1)
+    else:
+        l_out = (x.shape[-1] + 2 * padding - dilation * (ksz - 1) - 1) // stride + 1
+    w_s = max(1, x.numel() // x.shape[-1] // x.shape[-2] * l_out) ** -0.5
+    x = scale_bwd(x, s_x)
+    y = F.conv1d(x, scale_bwd(weight, w_s), None, stride, padding, dilation, groups)
+    y = scale_fwd(y, s_out)
+    return y if bias is None else y + scale_bwd(bias, w_s).view(1, -1, 1)

@@ -1,0 +1,178 @@
+"""Unit-scaled modules built on :mod:`lowprec.unit.functional`, unit-variance init.
+
+``Linear``, ``LinearReadout``, ``Embedding``, ``LayerNorm``, ``RMSNorm`` subclass their
+``torch.nn`` namesakes (same parameters and ``state_dict``; weights ``N(0, 1)``, biases 0,
+gains 1); ``MLP`` (GELU or SwiGLU), ``MultiHeadAttention``, ``TransformerLayer`` (pre-norm,
+residual τ), ``TransformerDecoder`` (a causal LM: ``forward(idx, targets=None) ->
+(logits, loss)`` as :class:`lowprec.models.CharGPT`) and ``CrossEntropyLoss``.
+
+Example:
+    >>> import torch
+    >>> m = TransformerDecoder(vocab_size=11, width=32, depth=2, heads=2, seq_len=8)
+    >>> idx = torch.randint(0, 11, (2, 8))
+    >>> logits, loss = m(idx, idx)
+    >>> logits.shape, round(loss.item()) == 2  # ln(11) = 2.4 at init
+    (torch.Size([2, 8, 11]), True)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lowprec.unit import functional as U
+from lowprec.unit.umup import umup_taus
+
+__all__ = [
+    "MLP", "CrossEntropyLoss", "Embedding", "LayerNorm", "Linear", "LinearReadout",
+    "MultiHeadAttention", "RMSNorm", "TransformerDecoder", "TransformerLayer",
+]  # fmt: skip
+
+
+class Linear(nn.Linear):
+    """:func:`~lowprec.unit.functional.linear`; weight ``N(0, 1)``, bias 0."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 constraint: str | None = "to_output_scale", float8: bool = False) -> None:  # fmt: skip
+        self.constraint, self.float8 = constraint, float8
+        super().__init__(in_features, out_features, bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return U.linear(x, self.weight, self.bias, constraint=self.constraint, float8=self.float8)
+
+
+class LinearReadout(Linear):
+    """:func:`~lowprec.unit.functional.linear_readout` (forward ``1/fan_in``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return U.linear_readout(
+            x, self.weight, self.bias, constraint=self.constraint, float8=self.float8
+        )
+
+
+class Embedding(nn.Embedding):
+    """:func:`~lowprec.unit.functional.embedding`; weight ``N(0, 1)`` (nn.Embedding's)."""
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return U.embedding(idx, self.weight)
+
+
+class LayerNorm(nn.LayerNorm):
+    """:func:`~lowprec.unit.functional.layer_norm` (gain 1, bias 0)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return U.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """:func:`~lowprec.unit.functional.rms_norm` (gain 1)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return U.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """``down(act(up(x)))`` with ``act`` GELU, or SwiGLU ``down(up(x)·silu(gate(x)))``."""
+
+    def __init__(self, width: int, hidden: int | None = None, kind: str = "gelu",
+                 float8: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        if kind not in ("gelu", "swiglu"):
+            raise ValueError(f"kind must be 'gelu' or 'swiglu', got {kind!r}")
+        hidden = hidden or 4 * width
+        self.kind = kind
+        self.up = Linear(width, hidden, float8=float8)
+        self.gate = Linear(width, hidden, float8=float8) if kind == "swiglu" else None
+        self.down = Linear(hidden, width, float8=float8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.up(x)
+        h = U.gelu(h) if self.gate is None else U.silu_glu(h, self.gate(x))
+        return self.down(h)  # type: ignore[no-any-return]
+
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention: ``qkv`` projection, unit SDPA (causal or not), output projection."""
+
+    def __init__(self, width: int, heads: int, causal: bool = True, float8: bool = False) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width ({width}) must be divisible by heads ({heads})")
+        self.heads, self.causal = heads, causal
+        self.qkv = Linear(width, 3 * width, float8=float8)
+        self.proj = Linear(width, width, float8=float8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = (
+            z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for z in self.qkv(x).split(c, dim=-1)
+        )
+        y = U.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))  # type: ignore[no-any-return]
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer: ``x ← residual_add(attn(ln(x)), x, τ_a)``, then the MLP with ``τ_m``."""
+
+    def __init__(self, width: int, heads: int, tau: tuple[float, float] = (0.5, 0.5),
+                 mlp: str = "gelu", causal: bool = True, float8: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        self.tau = tau
+        self.ln1, self.ln2 = LayerNorm(width), LayerNorm(width)
+        self.attn = MultiHeadAttention(width, heads, causal, float8)
+        self.mlp = MLP(width, kind=mlp, float8=float8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        r, s = U.residual_split(x, self.tau[0])
+        x = U.residual_add(self.attn(self.ln1(r)), s, self.tau[0])
+        r, s = U.residual_split(x, self.tau[1])
+        return U.residual_add(self.mlp(self.ln2(r)), s, self.tau[1])
+
+
+class CrossEntropyLoss(nn.Module):
+    """:func:`~lowprec.unit.functional.cross_entropy` (true loss forward, unit backward)."""
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.reduction = reduction
+
+    def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return U.cross_entropy(logits, targets, self.reduction)
+
+
+class TransformerDecoder(nn.Module):
+    """Causal LM: token + position embeddings (unit ``add``), ``depth`` layers with u-μP's
+    residual τ, final LayerNorm, readout; ``forward(idx, targets=None) -> (logits, loss)``."""
+
+    def __init__(self, vocab_size: int, width: int, depth: int, heads: int, seq_len: int,
+                 mlp: str = "gelu", float8: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        self.seq_len = seq_len
+        self.tok, self.pos = Embedding(vocab_size, width), Embedding(seq_len, width)
+        taus = umup_taus(2 * depth)
+        self.layers = nn.ModuleList(
+            TransformerLayer(width, heads, (taus[2 * i], taus[2 * i + 1]), mlp, True, float8)
+            for i in range(depth)
+        )
+        self.ln_f = LayerNorm(width)
+        self.head = LinearReadout(width, vocab_size, bias=False, float8=float8)
+        self.loss = CrossEntropyLoss()
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        t = idx.shape[1]
+        if t > self.seq_len:
+            raise ValueError(f"idx: sequence length {t} exceeds seq_len {self.seq_len}")
+        x = U.add(self.tok(idx), self.pos(torch.arange(t, device=idx.device)))
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.ln_f(x))
+        loss = None if targets is None else self.loss(logits.flatten(0, -2), targets.flatten())
+        return logits, loss

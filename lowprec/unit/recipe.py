@@ -1,0 +1,43 @@
+"""The hook the recipes call: a unit-scaled model and its u-μP AdamW parameter groups.
+
+Base lr mapping: recipes pass the learning rate tuned for the standard model (the demo's
+``3e-3``). u-μP's global ``η`` lives on another scale (unit-variance weights: O(1)); we use
+``η = UMUP_LR_PER_LR · lr``, with ``UMUP_LR_PER_LR`` chosen by an η sweep of the
+unit-scaled CharGPT at the demo config (see the constant). Each group's ``"lr_mult"`` is
+relative to the *caller's* ``lr``, so ``group["lr"] = lr_now * group["lr_mult"]`` keeps the
+caller's schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lowprec.unit.transform import UnitConfig, unit_scale
+from lowprec.unit.umup import umup_param_groups, umup_taus
+
+__all__ = ["UMUP_LR_PER_LR", "apply_unit"]
+
+# η = UMUP_LR_PER_LR · lr: the demo's lr 3e-3 maps to η = 1.0 (best of the sweep
+# {0.25, 0.5, 1, 2, 4} at width 64, depth 2, 300 steps; see the report in the commit log).
+UMUP_LR_PER_LR = 1.0 / 3e-3
+
+
+def apply_unit(model: nn.Module, *, float8: bool, lr: float) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """Return ``(unit_scale(model), u-μP AdamW parameter groups)`` for the caller's ``lr``.
+
+    Residual τ by u-μP's depth rule (:func:`lowprec.unit.umup.umup_taus`), mults 1. The
+    model is a new module (``model`` is not changed); cast it afterwards as usual.
+
+    Example:
+        >>> from lowprec.models import CharGPT, ModelConfig
+        >>> m, groups = apply_unit(CharGPT(ModelConfig(width=32, depth=1, heads=2)), float8=False, lr=3e-3)
+        >>> sorted(round(g["lr_mult"], 1) for g in groups)  # η/lr · (1/√fan_in, 1/√width, 1)
+        [29.5, 58.9, 333.3]
+    """  # noqa: E501
+    unit = unit_scale(model, residual=umup_taus, config=UnitConfig(float8=float8))
+    groups = umup_param_groups(unit, UMUP_LR_PER_LR * lr, optimizer="adamw")
+    for g in groups:
+        g["lr_mult"] = g["lr"] / lr
+    return unit, groups

@@ -1,0 +1,140 @@
+"""u-μP (Blake et al. 2024): per-parameter learning rates for a unit-scaled model.
+
+With unit scaling every weight starts at unit variance and every weight gradient has unit
+scale, so the μP learning-rate rules become plain fan-in factors of one global ``η``
+(AdamW/Adam; the u-μP table), for a parameter ``W`` of shape ``(fan_out, fan_in)``:
+
+=============  ====================================  ===============================
+role           found as                               learning rate
+=============  ====================================  ===============================
+``embedding``  ``nn.Embedding.weight``                ``η / √fan_out`` (fan_out: width)
+``weight``     hidden ``nn.Linear``/``Conv1d`` weight ``η / √fan_in · depth^-½``
+``readout``    the readout ``nn.Linear`` weight       ``η`` (its forward has ``1/fan_in``)
+``bias``       any bias                               ``η``
+``norm``       LayerNorm/RMSNorm gains and biases     ``η``
+=============  ====================================  ===============================
+
+``depth`` (optional, the number of residual layers): depth-μP's ``1/√depth`` on hidden
+weights, paired with the residual rule of :func:`umup_taus`: the embedding carries weight
+1 and each of the ``n`` residual branches ``mult²/n`` of the stream, so a branch's share
+shrinks as ``1/n`` when the model deepens. The hyperparameter ``mult``\\ s (``act_mult``,
+``softmax_mult``, ``output_mult`` of :class:`lowprec.unit.transform.UnitConfig`, and
+``residual_mult`` here) are the only other knobs; at 1 they are near-optimal, so
+**sweeping only η** is enough (``tests/test_unit_umup.py`` checks this on CharGPT at two
+widths). SGD gets the same factors: with unit-scaled gradients an SGD step has the size of
+an Adam step at initialisation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from torch import nn
+
+from lowprec.unit.functional import residual_taus
+
+__all__ = ["ROLES", "Role", "tag_params", "umup_param_groups", "umup_taus"]
+
+Role = Literal["embedding", "weight", "readout", "bias", "norm"]
+ROLES: tuple[Role, ...] = ("embedding", "weight", "readout", "bias", "norm")
+_OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+def umup_taus(n: int, residual_mult: float = 1.0) -> list[float]:
+    """``τ_l`` of ``n`` residual branches under u-μP's depth rule (embedding weight 1, each
+    branch ``residual_mult²/n``: ``τ_l = w/(1 + (l+1)w)``).
+
+    Example:
+        >>> [round(t, 3) for t in umup_taus(4)]
+        [0.2, 0.167, 0.143, 0.125]
+    """
+    if residual_mult <= 0:
+        raise ValueError(f"residual_mult must be > 0, got {residual_mult!r}")
+    return residual_taus(n, "weighted", weight=residual_mult**2 / max(n, 1))
+
+
+def _readout_name(model: nn.Module) -> str | None:
+    report = getattr(model, "unit_report", None)
+    if isinstance(report, dict) and "readout" in report:
+        return report["readout"]  # type: ignore[no-any-return]
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return names[-1] if names else None
+
+
+def tag_params(model: nn.Module) -> dict[str, Role]:
+    """The u-μP role of each trainable parameter, by name (see the module table).
+
+    Parameters of other module types count as ``"weight"`` if 2-D or more, else ``"bias"``.
+
+    Example:
+        >>> tag_params(nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4), nn.Linear(4, 10)))
+        {'0.weight': 'embedding', '1.weight': 'norm', '1.bias': 'norm', '2.weight': 'readout', '2.bias': 'bias'}
+    """  # noqa: E501
+    head = _readout_name(model)
+    roles: dict[str, Role] = {}
+    for mname, m in model.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            full = f"{mname}.{pname}" if mname else pname
+            role: Role
+            if isinstance(m, nn.Embedding):
+                role = "embedding"
+            elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+                role = "norm"
+            elif pname == "bias" or p.dim() < 2:
+                role = "bias"
+            elif mname == head and isinstance(m, nn.Linear):
+                role = "readout"
+            else:
+                role = "weight"
+            roles[full] = role
+    return roles
+
+
+def umup_param_groups(
+    model: nn.Module,
+    lr: float,
+    *,
+    optimizer: str = "adamw",
+    depth: int | None = None,
+    weight_decay: float = 0.0,
+) -> list[dict[str, Any]]:
+    """Parameter groups with u-μP learning rates for global ``lr`` (``η``).
+
+    Every group has ``"params"``, ``"lr"`` (absolute), ``"lr_mult"`` (``lr / η``) and
+    ``"weight_decay"`` (``weight_decay`` for weights, readout and embedding; 0 for biases
+    and norms); parameters with the same settings share a group. A loop that schedules
+    ``η`` sets ``group["lr"] = η_now * group["lr_mult"]``.
+
+    Example:
+        >>> gs = umup_param_groups(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)), 1.0)
+        >>> [(round(g["lr_mult"], 3), len(g["params"])) for g in gs]
+        [(0.25, 1), (1.0, 3)]
+    """
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {list(_OPTIMIZERS)}, got {optimizer!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a positive float, got {lr!r}")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+        raise ValueError(f"depth must be a positive int or None, got {depth!r}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    roles = tag_params(model)
+    params = dict(model.named_parameters())
+    groups: dict[tuple[float, float], dict[str, Any]] = {}
+    for name, role in roles.items():
+        p = params[name]
+        if role == "embedding":
+            mult = p.shape[1] ** -0.5
+        elif role == "weight":
+            mult = (p.numel() // p.shape[0]) ** -0.5 * (1.0 if depth is None else depth**-0.5)
+        else:
+            mult = 1.0
+        wd = weight_decay if role in ("embedding", "weight", "readout") else 0.0
+        g = groups.setdefault(
+            (mult, wd), {"params": [], "lr": lr * mult, "lr_mult": mult, "weight_decay": wd}
+        )
+        g["params"].append(p)
+    return list(groups.values())
