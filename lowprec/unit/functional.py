@@ -49,15 +49,15 @@ def gauss_moment(f: Callable[[np.ndarray], np.ndarray], centred: bool = False) -
 
 
 def _phi(x: np.ndarray) -> np.ndarray:
-    return np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+    return np.exp(-x * x / 2) / math.sqrt(2 * math.pi)  # type: ignore[no-any-return]
 
 
 def _Phi(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1 + _ERF(x / math.sqrt(2)))
+    return 0.5 * (1 + _ERF(x / math.sqrt(2)))  # type: ignore[no-any-return]
 
 
 def _sig(x: np.ndarray) -> np.ndarray:
-    return 1 / (1 + np.exp(-x))
+    return 1 / (1 + np.exp(-x))  # type: ignore[no-any-return]
 
 
 # std of f(X) and root-mean-square of f'(X): the forward and backward gains of each map.

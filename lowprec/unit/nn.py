@@ -32,8 +32,14 @@ __all__ = [
 class Linear(nn.Linear):
     """:func:`~lowprec.unit.functional.linear`; weight ``N(0, 1)``, bias 0."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 constraint: str | None = "to_output_scale", float8: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        constraint: str | None = "to_output_scale",
+        float8: bool = False,
+    ) -> None:
         self.constraint, self.float8 = constraint, float8
         super().__init__(in_features, out_features, bias)
 

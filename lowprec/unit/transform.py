@@ -194,10 +194,11 @@ class _UnitMode(TorchFunctionMode):
 
 def _unit_forward_class(cls: type[nn.Module]) -> type[nn.Module]:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with _UnitMode(self._unit_config):
-            return super(new_cls, self).forward(*args, **kwargs)
+        with _UnitMode(cast(UnitConfig, self._unit_config)):
+            return super(new_cls, self).forward(*args, **kwargs)  # type: ignore[arg-type]
 
-    new_cls = type(f"Unit{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+    attrs = {"forward": forward, "__module__": cls.__module__}
+    new_cls = type(f"Unit{cls.__name__}", (cls,), attrs)
     return new_cls
 
 
@@ -242,7 +243,9 @@ def _find_residuals(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
     return found
 
 
-def _rewrite_residual(graph: fx.Graph, add: fx.Node, skip: fx.Node, out: fx.Node, tau: float) -> None:
+def _rewrite_residual(
+    graph: fx.Graph, add: fx.Node, skip: fx.Node, out: fx.Node, tau: float
+) -> None:
     branch = _ancestors(out) | {out}
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((u for u in skip.users if u in branch), key=order.__getitem__)
@@ -269,13 +272,13 @@ def _reinit(model: nn.Module) -> list[str]:
         for name, m in model.named_modules():
             if isinstance(m, (nn.Linear, nn.Embedding, nn.Conv1d)):
                 nn.init.normal_(m.weight)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
+                if isinstance(getattr(m, "bias", None), Tensor):
+                    nn.init.zeros_(cast(Tensor, m.bias))
             elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
                 if m.weight is not None:
                     nn.init.ones_(m.weight)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
+                if isinstance(getattr(m, "bias", None), Tensor):
+                    nn.init.zeros_(cast(Tensor, m.bias))
             elif any(True for _ in m.parameters(recurse=False)):
                 left.append(f"{name or '<root>'} ({type(m).__name__})")
     return left
@@ -290,7 +293,7 @@ def _residual_modules(
             continue
         try:
             graph = _LeafTracer().trace(m)
-        except Exception as e:  # noqa: BLE001 - any trace failure: leave the module as is
+        except Exception as e:
             untraced.append(f"{name or '<root>'} ({type(m).__name__}: {type(e).__name__})")
             continue
         res = _find_residuals(graph)
@@ -343,7 +346,7 @@ def unit_scale(
     if len(taus) != n:
         raise ValueError(f"residual: {n} residual adds found, got {len(taus)} taus")
     i, residual_names = 0, []
-    for name, m, graph, res in found:
+    for name, _m, graph, res in found:
         for add, skip, out in res:
             _rewrite_residual(graph, add, skip, out, taus[i])
             residual_names.append(f"{name or '<root>'}.{add.name} (tau={taus[i]:.4g})")
@@ -367,13 +370,13 @@ def unit_scale(
             ", ".join(bad + left),
         )
     model.__class__ = _unit_forward_class(type(model))
-    model._unit_config = cfg
-    model.unit_report = {
+    object.__setattr__(model, "_unit_config", cfg)
+    object.__setattr__(model, "unit_report", {
         "residual_adds": residual_names,
         "readout": head,
         "untraced_modules": untraced,
         "unsupported": bad + left,
-    }
+    })
     return model
 
 

@@ -1,0 +1,285 @@
+"""Unit scaling ops and modules (lowprec.unit.core/functional/nn).
+
+Scale checks: unit-normal inputs, a unit-normal ``grad_output``, seed fixed; output,
+input-gradient and weight-gradient std each in [0.9, 1.1]. Why the sizes are tight enough:
+each std is estimated from >= 1e5 elements (sampling error ~1/sqrt(2n) < 0.3%); the laws
+are exact in expectation or hold up to O(1/n) terms in the reduced dimension, which is
+>= 256 here (softmax/attention: >= 256 keys), so the deviation is a few percent at most
+and a band of ±10% cannot be met by a wrong scale (the smallest wrong factor in play,
+a mis-chosen fan, is >= 2x).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lowprec.unit import CONSTRAINTS, apply_constraint, scale_bwd, scale_fwd
+from lowprec.unit import functional as U
+from lowprec.unit import nn as unn
+
+LO, HI = 0.9, 1.1
+
+
+def _unit(x: float) -> bool:
+    return LO <= x <= HI
+
+
+def _run(f: Callable[..., Tensor], *xs: Tensor, seed: int = 0) -> tuple[float, list[float]]:
+    """std of ``f(*xs)`` and of each floating input's gradient for a unit-normal grad."""
+    ins = [x.detach().requires_grad_(x.is_floating_point()) for x in xs]
+    y = f(*ins)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1000))
+    y.backward(g)
+    return y.std().item(), [x.grad.std().item() for x in ins if x.grad is not None]
+
+
+def _randn(*shape: int, seed: int = 0) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- primitives ---------------------------------------------------------------------------
+
+
+def test_scale_fwd_bwd_values_and_grads() -> None:
+    x = torch.tensor([1.0, -2.0], requires_grad=True)
+    y = scale_fwd(x, 3.0)
+    y.backward(torch.tensor([1.0, 1.0]))
+    assert y.tolist() == [3.0, -6.0] and x.grad is not None and x.grad.tolist() == [1.0, 1.0]
+    x.grad = None
+    y = scale_bwd(x, 0.5)
+    y.backward(torch.tensor([1.0, 4.0]))
+    assert y.tolist() == [1.0, -2.0] and x.grad.tolist() == [0.5, 2.0]
+    with pytest.raises(TypeError, match="s must be"):
+        scale_fwd(x, float("nan"))
+
+
+def test_constraints() -> None:
+    assert apply_constraint("gmean", 4.0, 1.0) == pytest.approx((2.0, 2.0))
+    assert apply_constraint("hmean", 4.0, 1.0) == pytest.approx((1.6, 1.6))
+    assert apply_constraint("to_output_scale", 4.0, 1.0) == (4.0, 4.0)
+    assert apply_constraint("to_grad_input_scale", 4.0, 1.0, 4.0) == pytest.approx((2.0,) * 3)
+    assert apply_constraint(None, 4.0, 1.0) == (4.0, 1.0)
+    assert set(CONSTRAINTS) == {"gmean", "hmean", "to_output_scale", "to_grad_input_scale", None}
+    with pytest.raises(ValueError, match="constraint must be one of.*gmean.*hmean"):
+        apply_constraint("mean", 1.0, 1.0)
+    with pytest.raises(ValueError, match="constraint must be one of"):
+        U.matmul(_randn(4, 4), _randn(4, 4), constraint="bogus")
+
+
+@pytest.mark.slow
+def test_scale_ops_compile_fullgraph() -> None:
+    def f(x: Tensor) -> Tensor:
+        return scale_bwd(scale_fwd(x, 2.0), 3.0).sum()
+
+    x = torch.ones(3, requires_grad=True)
+    out = torch.compile(f, fullgraph=True)(x)
+    out.backward()
+    assert out.item() == 6.0 and x.grad is not None and x.grad.tolist() == [3.0] * 3
+
+
+# ---- ops: unit scale with constraint=None, values = standard op x fixed scale -------------
+
+
+def test_matmul_unit_and_constraint() -> None:
+    a, b = _randn(512, 256), _randn(256, 1024, seed=1)
+    out, (ga, gb) = _run(lambda x, y: U.matmul(x, y, constraint=None), a, b)
+    assert _unit(out) and _unit(ga) and _unit(gb)
+    # default to_output_scale: grad_a uses 1/sqrt(K=256), not 1/sqrt(N=1024) -> std ~2
+    out, (ga, gb) = _run(U.matmul, a, b)
+    assert _unit(out) and ga == pytest.approx(2.0, rel=0.1) and gb == pytest.approx(
+        math.sqrt(512 / 256), rel=0.1
+    )
+    ref = (a.double() @ b.double()) / 16.0
+    torch.testing.assert_close(U.matmul(a, b).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_and_readout() -> None:
+    x, w, b = _randn(4096, 256), _randn(2048, 256, seed=1), torch.zeros(2048)
+    out, (gx, gw, gb) = _run(lambda *t: U.linear(*t, constraint=None), x, w, b)
+    assert all(map(_unit, (out, gx, gw, gb)))
+    ref = F.linear(x.double(), w.double()) / 16.0
+    torch.testing.assert_close(U.linear(x, w).double(), ref, rtol=1e-5, atol=1e-5)
+    # readout: forward 1/fan_in (std 1/16), backward as linear
+    out, (gx, gw) = _run(lambda *t: U.linear_readout(*t, constraint=None), x, w)
+    assert out == pytest.approx(1 / 16, rel=0.1) and _unit(gx) and _unit(gw)
+
+
+@pytest.mark.parametrize(
+    ("op", "ref"),
+    [
+        (U.gelu, F.gelu),
+        (U.silu, F.silu),
+        (U.relu, F.relu),
+    ],
+)
+def test_pointwise(op: Callable[..., Tensor], ref: Callable[[Tensor], Tensor]) -> None:
+    x = _randn(512, 512)
+    out, (gx,) = _run(lambda t: op(t, constraint=None), x)
+    assert _unit(out) and _unit(gx)
+    y = op(x, constraint=None).double()
+    k = (y / ref(x.double())).nanmedian()  # one fixed forward factor
+    torch.testing.assert_close(y, k * ref(x.double()), rtol=1e-4, atol=1e-5)  # fp32 op
+
+
+def test_gelu_gmean_shows_non_unit_side() -> None:
+    # gelu's ideal forward (1/sqrt .3456) and backward (1/sqrt .4559) scales differ;
+    # gmean puts the output at (.3456/.4559)^(1/4) = 0.933 and the gradient at 1/0.933.
+    out, (gx,) = _run(U.gelu, _randn(512, 512))
+    assert out == pytest.approx(0.933, rel=0.02) and gx == pytest.approx(1 / 0.933, rel=0.02)
+
+
+def test_silu_glu() -> None:
+    x, gate = _randn(512, 512), _randn(512, 512, seed=1)
+    out, (gx, gg) = _run(lambda a, b: U.silu_glu(a, b, constraint=None), x, gate)
+    assert _unit(out) and _unit(gx) and _unit(gg)
+
+
+def test_softmax_log_softmax() -> None:
+    x = _randn(512, 1024)
+    out, (gx,) = _run(lambda t: U.softmax(t, -1, constraint=None), x)
+    assert _unit(out) and _unit(gx)
+    torch.testing.assert_close(
+        U.softmax(x, -1).double(),
+        torch.softmax(x.double(), -1) * 1024 / math.sqrt(math.e - 1),
+        rtol=1e-5, atol=1e-6,
+    )
+    # to_output_scale: the gradient is off unit by sqrt(e/(e-1)) = 1.26
+    _, (gx,) = _run(lambda t: U.softmax(t, -1), x)
+    assert gx == pytest.approx(math.sqrt(math.e / (math.e - 1)), rel=0.05)
+    out, (gx,) = _run(lambda t: U.log_softmax(t, -1), x)
+    assert _unit(out) and _unit(gx)
+
+
+def test_cross_entropy_true_value_unit_grad() -> None:
+    logits, t = _randn(4096, 65), torch.randint(0, 65, (4096,), generator=torch.Generator())
+    torch.testing.assert_close(U.cross_entropy(logits, t), F.cross_entropy(logits, t))
+    torch.testing.assert_close(U.cross_entropy(logits, t, "sum"), F.cross_entropy(logits, t, reduction="sum"))
+    x = logits.clone().requires_grad_()
+    U.cross_entropy(x, t).backward()
+    assert x.grad is not None and _unit(x.grad.std().item())
+    with pytest.raises(ValueError, match="reduction must be"):
+        U.cross_entropy(logits, t, "none")
+
+
+def test_norms() -> None:
+    # 4096 gain elements: the gain gradient's std is estimated to ~1.1%
+    x, w, b = _randn(256, 4096), torch.ones(4096), torch.zeros(4096)
+    out, (gx, gw, gb) = _run(lambda *t: U.layer_norm(t[0], (4096,), t[1], t[2]), x, w, b)
+    assert all(map(_unit, (out, gx, gw, gb)))
+    torch.testing.assert_close(U.layer_norm(x, (4096,), w, b), F.layer_norm(x, (4096,), w, b))
+    out, (gx, gw) = _run(lambda *t: U.rms_norm(t[0], (4096,), t[1]), x, w)
+    assert all(map(_unit, (out, gx, gw)))
+
+
+def test_embedding() -> None:
+    w = _randn(65, 256)
+    idx = torch.randint(0, 65, (64, 128), generator=torch.Generator().manual_seed(2))
+    out, (gw,) = _run(lambda ww: U.embedding(idx, ww), w)
+    assert _unit(out) and _unit(gw)
+    with pytest.raises(TypeError, match="idx"):
+        U.embedding(w, w)
+
+
+def test_dropout_add_residual() -> None:
+    x = _randn(512, 512)
+    torch.manual_seed(0)
+    out, (gx,) = _run(lambda t: U.dropout(t, 0.3), x)
+    assert _unit(out) and _unit(gx)
+    out, (ga, gb) = _run(lambda a, b: U.add(a, b, (1.0, 3.0)), x, _randn(512, 512, seed=1))
+    assert _unit(out) and _unit(ga) and _unit(gb)
+
+    def block(t: Tensor) -> Tensor:
+        r, s = U.residual_split(t, 0.2)
+        return U.residual_add(U.linear(r, w, constraint=None), s, 0.2)
+
+    w = _randn(512, 512, seed=3)
+    out, (gx,) = _run(block, x)
+    assert _unit(out) and _unit(gx)
+    assert U.residual_taus(3, "fixed", 0.3) == [0.3] * 3
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        U.residual_taus(3, "mean")
+    with pytest.raises(ValueError, match="tau"):
+        U.residual_split(x, 1.5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa(causal: bool) -> None:
+    q, k, v = (_randn(4, 4, 256, 64, seed=s) for s in range(3))
+    out, (gq, gk, gv) = _run(
+        lambda a, b, c: U.scaled_dot_product_attention(a, b, c, is_causal=causal), q, k, v
+    )
+    # causal rows 0..255 see 1..256 keys: the min(1, e/m) law is rough for short rows, and
+    # gq, gk have an extra centring term: allow ±20% (a wrong law is off by sqrt(n) ~ 10x)
+    tol = 0.1 if not causal else 0.2
+    assert all(1 - tol <= s <= 1 + tol for s in (out, gv)), (out, gv)
+    assert all(0.7 <= s <= 1.3 for s in (gq, gk)), (gq, gk)
+    y = U.scaled_dot_product_attention(q, k, v, is_causal=causal).double()
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    k_ = (y / ref).median()
+    torch.testing.assert_close(y, k_ * ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="attn_mask"):
+        U.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(256, 256, dtype=torch.bool))
+
+
+def test_conv1d() -> None:
+    x, w = _randn(32, 64, 128), _randn(128, 64, 3, seed=1)
+    out, (gx, gw) = _run(lambda a, b: U.conv1d(a, b, padding=1, constraint=None), x, w)
+    assert all(map(_unit, (out, gx, gw))), (out, gx, gw)
+    ref = F.conv1d(x.double(), w.double(), padding=1) / math.sqrt(64 * 3)
+    torch.testing.assert_close(U.conv1d(x, w, padding=1).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- modules --------------------------------------------------------------------------------
+
+
+def _module_scales(m: torch.nn.Module, x: Tensor) -> tuple[float, float, list[float]]:
+    x = x.detach().requires_grad_()
+    y = m(x)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9)))
+    assert x.grad is not None
+    return y.std().item(), x.grad.std().item(), [
+        p.grad.std().item() for n, p in m.named_parameters() if n.endswith("weight") and p.dim() > 1
+    ]
+
+
+def test_modules_unit_at_init() -> None:
+    torch.manual_seed(0)
+    x = _randn(16, 128, 256)
+    out, gx, gws = _module_scales(unn.Linear(256, 512, constraint=None), x)
+    assert _unit(out) and _unit(gx) and all(map(_unit, gws))
+    # MLPs: gelu's gmean (0.93 / 1.07) and its non-zero mean (the down projection sees
+    # RMS, not std: sqrt(.4252/.3456) = 1.11) compound: allow [0.75, 1.33] end to end.
+    # The up-projection's weight gradient is the non-unit side of the down projection's
+    # to_output_scale constraint: sqrt(width/hidden) = 0.5, times gelu's 1.07.
+    # SwiGLU's x feeds two unit linears whose gradients add: sqrt(2) at x.
+    for kind, gx_law in (("gelu", 1.0), ("swiglu", math.sqrt(2))):
+        out, gx, gws = _module_scales(unn.MLP(256, kind=kind), x)
+        assert all(0.75 <= s <= 1.33 for s in (out, gx / gx_law, gws[-1])), (kind, out, gx, gws)
+        assert gws[0] == pytest.approx(0.5, rel=0.2), (kind, gws)
+    out, gx, _ = _module_scales(unn.LayerNorm(256), x)
+    assert _unit(out) and _unit(gx)
+    out, _, _ = _module_scales(unn.MultiHeadAttention(256, 4), x)
+    assert 0.7 <= out <= 1.3
+    out, gx, _ = _module_scales(unn.TransformerLayer(256, 4, (0.2, 0.2)), x)
+    assert 0.8 <= out <= 1.25 and 0.7 <= gx <= 1.3
+
+
+def test_decoder_and_loss() -> None:
+    torch.manual_seed(0)
+    m = unn.TransformerDecoder(vocab_size=65, width=64, depth=2, heads=4, seq_len=32)
+    idx = torch.randint(0, 65, (8, 32))
+    logits, loss = m(idx, idx)
+    assert loss is not None
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), idx.flatten()))
+    assert abs(loss.item() - math.log(65)) < 0.1  # readout 1/fan_in: near-uniform at init
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    assert m.tok.weight.std().item() == pytest.approx(1.0, rel=0.05)
+    with pytest.raises(ValueError, match="kind"):
+        unn.MLP(8, kind="relu2")
