@@ -40,7 +40,7 @@ def test_chargpt_loss_is_true_ce_and_structure_kept() -> None:
     # unit variance weights, original untouched
     assert u.blocks[0].fc.weight.std().item() == pytest.approx(1.0, rel=0.05)
     assert m.blocks[0].fc.weight.std().item() == pytest.approx(0.02, rel=0.1)
-    with pytest.raises(ValueError, match="already unit-scaled"):
+    with pytest.raises(ValueError, match=r"already unit-scaled"):
         unit_scale(u)
 
 
@@ -112,7 +112,8 @@ def test_plain_mlp() -> None:
 class _SDPABlock(nn.Module):
     def __init__(self, w: int, heads: int) -> None:
         super().__init__()
-        self.heads, self.ln, self.qkv, self.proj = heads, nn.LayerNorm(w), nn.Linear(w, 3 * w), nn.Linear(w, w)
+        self.heads, self.ln = heads, nn.LayerNorm(w)
+        self.qkv, self.proj = nn.Linear(w, 3 * w), nn.Linear(w, w)
 
     def attn(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
@@ -124,7 +125,8 @@ class _SDPABlock(nn.Module):
 class _SDPAModel(nn.Module):
     def __init__(self, w: int = 128, heads: int = 4) -> None:
         super().__init__()
-        self.emb, self.blocks = nn.Embedding(65, w), nn.ModuleList(_Wrap(w, heads) for _ in range(2))
+        self.emb = nn.Embedding(65, w)
+        self.blocks = nn.ModuleList(_Wrap(w, heads) for _ in range(2))
         self.head = nn.Linear(w, 65)
 
     def forward(self, idx: Tensor) -> Tensor:
@@ -170,7 +172,7 @@ def test_unsupported_ops_reported(caplog: pytest.LogCaptureFixture) -> None:
     assert "BatchNorm1d" in text and "left unchanged" in text and "tanh" in text
     with pytest.raises(NotImplementedError, match="BatchNorm1d"):
         unit_scale(m, strict=True)
-    with pytest.raises(TypeError, match="model must be an nn.Module"):
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         unit_scale("model")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="readout"):
         unit_scale(m, readout="1")
@@ -224,10 +226,12 @@ def test_umup_groups_and_apply_unit() -> None:
     n_params = sum(len(g["params"]) for g in groups)
     assert n_params == len(list(u.parameters()))
     for g in groups:
-        assert {"params", "lr", "lr_mult"} <= set(g) and g["lr"] == pytest.approx(3e-3 * g["lr_mult"])
+        assert {"params", "lr", "lr_mult"} <= set(g)
+        assert g["lr"] == pytest.approx(3e-3 * g["lr_mult"])
     # fc (fan_in 64) vs fc_out (fan_in 256): the hidden rule 1/sqrt(fan_in) -> ratio 2
     by_param = {id(p): g["lr_mult"] for g in groups for p in g["params"]}
-    assert by_param[id(u.blocks[0].fc.weight)] / by_param[id(u.blocks[0].fc_out.weight)] == pytest.approx(2.0)
+    ratio = by_param[id(u.blocks[0].fc.weight)] / by_param[id(u.blocks[0].fc_out.weight)]
+    assert ratio == pytest.approx(2.0)
     deep = umup_param_groups(u, 1.0, depth=4)
     d = {id(p): g["lr_mult"] for g in deep for p in g["params"]}
     assert d[id(u.blocks[0].fc.weight)] == pytest.approx(64**-0.5 / 2)
