@@ -140,6 +140,29 @@ def test_tracks_a_float8_model() -> None:
     assert ("0", "grad_output") in names and ("2.weight", "weight_grad") in names
 
 
+def test_tracks_a_unit_scaled_model() -> None:
+    """The tracker sees what a unit-scaled model computes: its hooks sit on the swapped
+    modules, and the numbers are those of the unit-scaled tensors (about unit RMS at
+    init, where the standard model's hidden activations are ~0.5)."""
+    import lowprec.unit.functional as U
+    from lowprec.unit import unit_scale
+
+    torch.manual_seed(0)
+    m = unit_scale(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)))
+    x = torch.randn(512, 256)
+    with track(m, ["e4m3fn", "e5m2"]) as t:
+        m(x).backward(torch.randn(512, 256))
+    h = U.linear(x, m[0].weight, m[0].bias).detach()  # the first layer's op, as an oracle
+    by = {(r["name"], r["kind"]): r for r in t.records}
+    assert {k for k in by if k[0] == "0"} == {("0", "input"), ("0", "output"),
+                                              ("0", "grad_output")}
+    assert by[("0", "output")]["rms"] == pytest.approx(float(h.pow(2).mean().sqrt()), rel=1e-5)
+    # unit scaling: weight N(0, 1) and unit-RMS activations (512·256 samples: ±1%)
+    assert by[("0.weight", "weight")]["rms"] == pytest.approx(1.0, abs=0.02)
+    assert by[("0", "output")]["rms"] == pytest.approx(1.0, abs=0.05)
+    assert by[("0.weight", "weight_grad")]["rms"] > 0.1
+
+
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="every"):
         track(_mlp(), every=0).__enter__()
