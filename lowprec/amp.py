@@ -251,10 +251,10 @@ class MasterWeights:
         stochastic_rounding: bool = False,
         generator: torch.Generator | None = None,
     ) -> None:
-        given = list(params)
+        given: list[Any] = list(params)
         groups: list[dict[str, Any]] | None = None
         if given and all(isinstance(g, dict) for g in given):
-            groups = [dict(g) for g in given]  # type: ignore[arg-type]
+            groups = [dict(g) for g in given]
             for i, g in enumerate(groups):
                 if "params" not in g:
                     raise ValueError(f"params: group {i} has no 'params' key")
