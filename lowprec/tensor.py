@@ -16,6 +16,12 @@ Ops: a ScaledTensor supports ``detach``, ``clone`` and ``.to(...)`` (``.to(devic
 data and scale; ``.to(dtype)`` changes the logical dtype and leaves the payload alone). Any
 other op raises ``NotImplementedError`` naming the op: call ``.dequantize()`` first, or add a
 rule with :func:`register_rule` (the float8 and scalify layers do).
+
+Domains: a ScaledTensor may carry a ``domain`` name (``None`` by default). Rules registered
+with ``register_rule(..., domain="name")`` (and a fallback set by :func:`register_fallback`)
+apply only when an argument of the op belongs to that domain, so one technique's rules (e.g.
+:mod:`lowprec.scalify`'s arithmetic) never change how another technique's tensors behave.
+Lookup order: the domain's rule, the shared rule, the domain's fallback, else the error.
 """
 
 from __future__ import annotations
@@ -40,16 +46,21 @@ from lowprec.scaling import (
     mx_scale,
 )
 
-__all__ = ["ScaledTensor", "quantize_scaled", "register_rule"]
+__all__ = ["ScaledTensor", "quantize_scaled", "register_fallback", "register_rule"]
 
 aten = torch.ops.aten
 Rule = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 _RULES: dict[Any, Rule] = {}
+_DOMAIN_RULES: dict[str, dict[Any, Rule]] = {}
+_FALLBACKS: dict[str, Rule] = {}
 _LOGICAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def register_rule(*ops: Any) -> Callable[[Rule], Rule]:
+def register_rule(*ops: Any, domain: str | tuple[str, ...] | None = None) -> Callable[[Rule], Rule]:
     """Register ``fn(func, args, kwargs)`` as the ScaledTensor rule for aten ``ops``.
+
+    With ``domain`` (a name or several) the rule applies only to ops on tensors of that
+    domain (see the module docstring); without, to every ScaledTensor.
 
     Example:
         >>> @register_rule(torch.ops.aten.neg.default)
@@ -58,12 +69,35 @@ def register_rule(*ops: Any) -> Callable[[Rule], Rule]:
         ...     return ScaledTensor(-x.qdata, x.scale, dtype=x.dtype, fmt=x.fmt)
     """
 
+    domains = (domain,) if isinstance(domain, str) else domain
+
     def deco(fn: Rule) -> Rule:
         for op in ops:
-            _RULES[op] = fn
+            if domains is None:
+                _RULES[op] = fn
+            for d in domains or ():
+                _DOMAIN_RULES.setdefault(d, {})[op] = fn
         return fn
 
     return deco
+
+
+def register_fallback(domain: str, fn: Rule) -> None:
+    """Use ``fn(func, args, kwargs)`` for every op without a rule on ``domain``'s tensors."""
+    _FALLBACKS[domain] = fn
+
+
+def _domain_of(args: tuple[Any, ...]) -> str | None:
+    """The domain of the first ScaledTensor argument (lists one level deep included)."""
+    for a in args:
+        if isinstance(a, ScaledTensor):
+            if a._domain is not None:
+                return a._domain
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, ScaledTensor) and b._domain is not None:
+                    return b._domain
+    return None
 
 
 def _validate(
@@ -97,6 +131,7 @@ class ScaledTensor(Tensor):
     _data: Tensor
     _scale: Tensor
     _fmt: str | None
+    _domain: str | None
 
     @staticmethod
     def __new__(
@@ -107,6 +142,7 @@ class ScaledTensor(Tensor):
         fmt: str | Format | None = None,
         requires_grad: bool = False,
         *,
+        domain: str | None = None,
         _trusted: bool = False,
     ) -> ScaledTensor:
         if _trusted:  # built by lowprec from a scale it computed: skip the checks
@@ -120,14 +156,20 @@ class ScaledTensor(Tensor):
         out._data = data
         out._scale = scale
         out._fmt = fmt_name
+        out._domain = domain
         return out
 
     @classmethod
     def _wrap(
-        cls, data: Tensor, scale: Tensor, dtype: torch.dtype, fmt: str | None
+        cls,
+        data: Tensor,
+        scale: Tensor,
+        dtype: torch.dtype,
+        fmt: str | None,
+        domain: str | None = None,
     ) -> ScaledTensor:
         """Build without validation (rules and internal use: the scale is already checked)."""
-        return ScaledTensor(data, scale, dtype, fmt, _trusted=True)
+        return ScaledTensor(data, scale, dtype, fmt, domain=domain, _trusted=True)
 
     # ---- accessors -------------------------------------------------------------------
     @property
@@ -139,6 +181,11 @@ class ScaledTensor(Tensor):
     def scale(self) -> Tensor:
         """The float32 scale; block-broadcastable to ``qdata``."""
         return self._scale
+
+    @property
+    def domain(self) -> str | None:
+        """The name of the rule set that applies to this tensor (``None``: shared rules)."""
+        return self._domain
 
     @property
     def fmt(self) -> Format | None:
@@ -154,21 +201,23 @@ class ScaledTensor(Tensor):
         return out
 
     # ---- torch subclass protocol -------------------------------------------------------
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, str | None]]:
-        return ["_data", "_scale"], (self.dtype, self._fmt)
+    def __tensor_flatten__(
+        self,
+    ) -> tuple[list[str], tuple[torch.dtype, str | None, str | None]]:
+        return ["_data", "_scale"], (self.dtype, self._fmt, self._domain)
 
     @staticmethod
     def __tensor_unflatten__(
         inner: dict[str, Tensor],
-        meta: tuple[torch.dtype, str | None],
+        meta: tuple[torch.dtype, str | None, str | None],
         outer_size: Any,
         outer_stride: Any,
     ) -> ScaledTensor:
-        return ScaledTensor._wrap(inner["_data"], inner["_scale"], meta[0], meta[1])
+        return ScaledTensor._wrap(inner["_data"], inner["_scale"], meta[0], meta[1], meta[2])
 
     def _stable_hash_for_caching(self) -> str:
         """Identity of the non-tensor metadata, for torch.compile's AOT autograd cache."""
-        return f"lowprec.ScaledTensor:{self.dtype}:{self._fmt}"
+        return f"lowprec.ScaledTensor:{self.dtype}:{self._fmt}:{self._domain}"
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -178,7 +227,12 @@ class ScaledTensor(Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        rule = _RULES.get(func)
+        domain = _domain_of(args)
+        if domain is None:
+            rule = _RULES.get(func)
+        else:
+            rule = _DOMAIN_RULES.get(domain, {}).get(func) or _RULES.get(func)
+            rule = rule or _FALLBACKS.get(domain)
         if rule is None:
             raise NotImplementedError(
                 f"ScaledTensor has no rule for {func}; call .dequantize() first, or register "
@@ -192,7 +246,8 @@ class ScaledTensor(Tensor):
         return (
             f"ScaledTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"data_dtype={self._data.dtype}, scale_shape={tuple(self._scale.shape)}, "
-            f"fmt={self._fmt}, device={self.device})"
+            f"fmt={self._fmt}, device={self.device}"
+            + (f", domain={self._domain})" if self._domain else ")")
         )
 
 
@@ -200,7 +255,7 @@ class ScaledTensor(Tensor):
 
 
 def _map_parts(x: ScaledTensor, fn: Callable[[Tensor], Tensor]) -> ScaledTensor:
-    return ScaledTensor._wrap(fn(x._data), fn(x._scale), x.dtype, x._fmt)
+    return ScaledTensor._wrap(fn(x._data), fn(x._scale), x.dtype, x._fmt, x._domain)
 
 
 @register_rule(aten.detach.default, aten.alias.default)
@@ -221,7 +276,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Scaled
     if dtype not in _LOGICAL:
         raise ValueError(f"dtype: a ScaledTensor's logical dtype must be one of {_LOGICAL}")
     kw.pop("layout", None)
-    return ScaledTensor._wrap(func(x._data, **kw), func(x._scale, **kw), dtype, x._fmt)
+    return ScaledTensor._wrap(func(x._data, **kw), func(x._scale, **kw), dtype, x._fmt, x._domain)
 
 
 @register_rule(aten.is_same_size.default)
