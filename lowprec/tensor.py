@@ -151,7 +151,12 @@ class ScaledTensor(Tensor):
         else:
             scale, dtype, fmt_name = _validate(data, scale, dtype, fmt)
         out: ScaledTensor = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, data.shape, dtype=dtype, device=data.device, requires_grad=requires_grad
+            cls,
+            data.shape,
+            strides=data.stride(),
+            dtype=dtype,
+            device=data.device,
+            requires_grad=requires_grad,
         )
         out._data = data
         out._scale = scale

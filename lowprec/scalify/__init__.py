@@ -1,0 +1,57 @@
+"""Scaled arithmetic ("scalify"): every tensor is ``data × scale``, scales propagate.
+
+:func:`scalify` runs an unchanged PyTorch module or function with its inputs, parameters
+and gradients as :class:`~lowprec.tensor.ScaledTensor` (domain ``"scalify"``): narrow data
+(FP16, BF16, or FP8 matmul inputs) times an FP32 scale that carries the range. Each aten op
+has a local rule that computes the output's data from the inputs' data and picks its
+scale from their scales (see :mod:`lowprec.scalify.rules` and ``rules_nn``), in forward
+and backward. This subsumes loss scaling (the ``1/N`` of a mean lands in the scale),
+unit scaling (the ``√K`` of a matmul) and automatic bias selection, without changing the
+model's maths. Ops without a rule fall back to ``dequantize -> op -> scale 1`` and are
+reported by :func:`coverage`.
+
+Example:
+    >>> import torch
+    >>> from lowprec.scalify import scalify, coverage, reset_coverage
+    >>> torch.manual_seed(0) and None
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    >>> x = torch.randn(4, 8) * 2.0**-30  # FP16 would flush this to zero
+    >>> reset_coverage()
+    >>> y = scalify(mlp, data_format="fp16")(x)
+    >>> y.sum().backward()
+    >>> ref = mlp(x)
+    >>> bool(torch.allclose(y, ref, rtol=1e-2, atol=0)), coverage().fallbacks
+    (True, {})
+"""
+
+from lowprec.scalify.config import (
+    Coverage,
+    ScalifyConfig,
+    config,
+    coverage,
+    current_config,
+    reset_coverage,
+    set_config,
+)
+from lowprec.scalify.ops import as_scaled, dynamic_rescale, rebalance, scaled, unscale
+from lowprec.scalify.recipe import apply_scalify
+from lowprec.scalify.transform import Scalified, resolve_config, scalify
+
+__all__ = [
+    "Coverage",
+    "ScalifyConfig",
+    "Scalified",
+    "apply_scalify",
+    "as_scaled",
+    "config",
+    "coverage",
+    "current_config",
+    "dynamic_rescale",
+    "rebalance",
+    "reset_coverage",
+    "resolve_config",
+    "scaled",
+    "scalify",
+    "set_config",
+    "unscale",
+]

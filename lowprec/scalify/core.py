@@ -1,0 +1,253 @@
+"""Shared machinery of the scale-propagation rules: operands, scale choice, output wrapping.
+
+Notation in the rule docstrings: an operand is ``x = d_x · s_x`` (data ``d_x``, scale
+``s_x``, block-broadcast); a plain tensor operand has ``s = 1``; ``c(n)`` is ``√n`` rounded
+to a power of two as the active ``pow2`` mode says. Rules compute in float32 (float64 for
+float64 tensors) from the stored data and round the output data to the storage format once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lowprec.scaling import apply_scale, check_scale_shape
+from lowprec.scalify.config import ScalifyConfig, count_rule, current_config
+from lowprec.tensor import ScaledTensor, register_rule
+
+__all__ = ["DOMAINS", "FWD", "GRAD", "Pair", "rule"]
+
+FWD, GRAD = "scalify", "scalify.grad"
+DOMAINS = (FWD, GRAD)
+Pair = tuple[Tensor, Tensor]  # (data in working precision, scale)
+Rule = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+
+
+def rule(*ops: Any) -> Callable[[Rule], Rule]:
+    """Register a scalify rule for ``ops`` (both domains), counted by ``coverage()``."""
+
+    def deco(fn: Rule) -> Rule:
+        def counted(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            count_rule(str(func))
+            return fn(func, args, kwargs)
+
+        counted.__doc__ = fn.__doc__
+        register_rule(*ops, domain=DOMAINS)(counted)
+        return fn
+
+    return deco
+
+
+def compiling() -> bool:
+    return bool(torch.compiler.is_compiling())
+
+
+def is_st(x: object) -> bool:
+    return isinstance(x, ScaledTensor)
+
+
+def first_st(args: Any) -> ScaledTensor:
+    for a in args:
+        if isinstance(a, ScaledTensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, ScaledTensor):
+                    return b
+    raise TypeError("scalify rule called without a ScaledTensor argument")
+
+
+def out_domain(args: Any) -> str:
+    """``GRAD`` if any ScaledTensor argument is a gradient (its descendants are too)."""
+    for a in args:
+        if isinstance(a, ScaledTensor) and a.domain == GRAD:
+            return GRAD
+        if isinstance(a, (list, tuple)) and any(
+            isinstance(b, ScaledTensor) and b.domain == GRAD for b in a
+        ):
+            return GRAD
+    return FWD
+
+
+def work_dtype(*xs: Any) -> torch.dtype:
+    return (
+        torch.float64
+        if any(getattr(x, "dtype", None) == torch.float64 for x in xs)
+        else (torch.float32)
+    )
+
+
+def check_compatible(*xs: Any) -> None:
+    """``ValueError`` if tensor operands mix devices or ScaledTensors mix logical dtypes."""
+    dev = None
+    dtype = None
+    for x in xs:
+        if not isinstance(x, Tensor):
+            continue
+        if dev is None:
+            dev = x.device
+        elif x.device != dev and x.dim() > 0:
+            raise ValueError(
+                f"scalify: operands on different devices ({dev} and {x.device}); move them to "
+                "one device"
+            )
+        if isinstance(x, ScaledTensor):
+            if dtype is None:
+                dtype = x.dtype
+            elif x.dtype != dtype:
+                raise ValueError(
+                    f"scalify: ScaledTensors of logical dtypes {dtype} and {x.dtype} in one op; "
+                    "cast one with .to(dtype) first"
+                )
+
+
+def one(ref: Tensor) -> Tensor:
+    return torch.ones((), device=ref.device)
+
+
+def pair(x: Any, work: torch.dtype) -> Pair:
+    """``(d_x, s_x)`` in working precision; a plain tensor is its own data at scale 1."""
+    if isinstance(x, ScaledTensor):
+        return x.qdata.to(work), x.scale
+    return x.to(work), one(x)
+
+
+def deq(x: Any, work: torch.dtype) -> Tensor:
+    """``d_x · s_x`` as a plain tensor (a unit scale short-circuits the multiply)."""
+    if not isinstance(x, ScaledTensor):
+        return x.to(work) if isinstance(x, Tensor) and x.is_floating_point() else x
+    d, s = x.qdata.to(work), x.scale
+    f = fscale(s)
+    if f is not None:
+        return d if f == 1.0 else d * f
+    return apply_scale(d, s.to(work))
+
+
+def is_zero(x: Any) -> bool:
+    """A ScaledTensor with the special scale 0 (all zeros): eager only."""
+    return (
+        isinstance(x, ScaledTensor)
+        and x.scale.numel() == 1
+        and not compiling()
+        and float(x.scale) == 0.0
+    )
+
+
+def fscale(s: Tensor) -> float | None:
+    """A per-tensor scale as a Python float in eager mode (fast paths), else ``None``."""
+    return float(s) if s.numel() == 1 and not compiling() else None
+
+
+def scalar(s: Tensor) -> bool:
+    return s.numel() == 1
+
+
+def pad(s: Tensor, ndim: int) -> Tensor:
+    """``s`` with leading 1-dims up to ``ndim`` dims."""
+    return s.reshape((1,) * (ndim - s.dim()) + tuple(s.shape)) if s.dim() < ndim else s
+
+
+def full_scale(d: Tensor, s: Tensor) -> Tensor:
+    """The elementwise scale of data ``d`` (block-broadcast ``s`` materialised)."""
+    return apply_scale(torch.ones(d.shape, device=d.device), s)
+
+
+def pow2(s: Tensor, cfg: ScalifyConfig | None = None) -> Tensor:
+    """``s`` rounded to a power of two per ``cfg.pow2`` (``none`` leaves it)."""
+    mode = (cfg or current_config()).pow2
+    if mode == "none":
+        return s
+    e = torch.log2(s)
+    return torch.exp2(torch.floor(e) if mode == "down" else torch.ceil(e))
+
+
+def pow2_float(c: float, cfg: ScalifyConfig | None = None) -> float:
+    mode = (cfg or current_config()).pow2
+    if mode == "none" or c <= 0 or not math.isfinite(c):
+        return c
+    e = math.log2(c)
+    return float(2.0 ** (math.floor(e) if mode == "down" else math.ceil(e)))
+
+
+def sqrt_factor(n: int) -> float:
+    """``c(n) = √n`` (power-of-two rounded per the config): the growth of a sum of n terms."""
+    return pow2_float(math.sqrt(max(n, 1)))
+
+
+def combine(s_a: Tensor, s_b: Tensor, shape: tuple[int, ...], how: str = "") -> Tensor:
+    """Output scale of a two-operand elementwise op: ``max(s_a, s_b)``, or ``√(s_a²+s_b²)``
+    with the ``unit`` add rule (``how="add"``); elementwise scales if blocks disagree."""
+    cfg = current_config()
+    nd = len(shape)
+    try:
+        a, b = pad(s_a, nd), pad(s_b, nd)
+        if how == "add" and cfg.add_rule == "unit":
+            s = pow2(torch.sqrt(a * a + b * b), cfg)
+        else:
+            s = torch.maximum(a, b)
+        check_scale_shape(tuple(s.shape), shape)
+        return s
+    except (RuntimeError, ValueError):
+        ones = torch.ones(shape, device=s_a.device)
+        return combine(apply_scale(ones, s_a), apply_scale(ones, s_b), shape, how)
+
+
+def stat(d: Tensor, how: str) -> Tensor:
+    a = d.detach().abs()
+    if how == "max":
+        return a.amax() if a.numel() else torch.zeros((), device=d.device)
+    if how == "l1":
+        return a.mean()
+    return a.square().mean().sqrt()
+
+
+def wrap(
+    d: Tensor, s: Tensor, like: ScaledTensor, domain: str, op: Any, dtype: Any = None
+) -> ScaledTensor:
+    """Round data ``d`` (working precision) to the storage format at scale ``s``.
+
+    With ``rescale`` set, first ``s ← s·r``, ``d ← d / r`` with ``r`` the data's max / mean
+    |.| / RMS (power-of-two rounded; 1 if zero or non-finite). A non-finite or negative
+    scale raises ``ValueError`` naming ``op`` (checked eagerly when ``check_scales``).
+    """
+    cfg = current_config()
+    if cfg.rescale != "none" and d.numel() > 1:
+        r = stat(d, cfg.rescale).float()
+        r = torch.where(torch.isfinite(r) & (r > 0), pow2(r, cfg), 1.0)
+        d, s = d / r.to(d.dtype), s * r
+    if s.numel() == 1 and s.dim():
+        s = s.reshape(())
+    s = s.float()
+    if cfg.check_scales and not compiling():
+        if s.numel() == 1:
+            f = float(s)
+            ok = math.isfinite(f) and f >= 0
+        else:
+            ok = bool((torch.isfinite(s) & (s >= 0)).all())
+        if not ok:
+            bad = ~(torch.isfinite(s) & (s >= 0))
+            raise ValueError(
+                f"scalify: {op} created a non-finite or negative scale "
+                f"({s[bad].flatten()[:4].tolist()}); its inputs' scales were too large or "
+                "too small for float32 (rebalance them first)"
+            )
+    # One-element results (losses, norms) keep their working precision: free, and exact.
+    store = cfg.storage_dtype if d.numel() > 1 else d.dtype
+    return ScaledTensor._wrap(d.to(store), s, dtype or like.dtype, _FMT[store], domain)
+
+
+_FMT: dict[torch.dtype, str | None] = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: None,
+}
+
+
+def out(func: Any, args: Any, d: Tensor, s: Tensor) -> ScaledTensor:
+    """Wrap ``(d, s)`` as the result of ``func`` on ``args`` (dtype and domain from them)."""
+    return wrap(d, s, first_st(args), out_domain(args), func)

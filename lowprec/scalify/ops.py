@@ -1,0 +1,196 @@
+"""Entering, leaving and rebalancing scaled arithmetic.
+
+* :func:`as_scaled` / :func:`scaled`: plain tensor -> scalify ``ScaledTensor``.
+* :func:`unscale`: ``ScaledTensor`` -> plain ``d·s`` (its gradient re-enters as a scaled
+  gradient).
+* :func:`rebalance` and :func:`dynamic_rescale` (``max``, ``l1``, ``l2``): same value,
+  new scale; place them in a model by hand where a tensor's range drifts.
+
+All are differentiable: the gradient of a rebalance is the incoming gradient (the value is
+unchanged), optionally rebalanced too (``grad=True``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lowprec.scalify.config import ScalifyConfig, current_config
+from lowprec.scalify.core import FWD, GRAD, compiling, pow2, stat, work_dtype
+from lowprec.tensor import ScaledTensor
+
+__all__ = ["as_scaled", "dynamic_rescale", "rebalance", "scaled", "unscale"]
+
+Stat = Literal["max", "l1", "l2"]
+
+
+def _check_scale(s: Tensor, what: str) -> None:
+    if not compiling() and not bool((torch.isfinite(s) & (s > 0)).all()):
+        raise ValueError(
+            f"{what} must be finite and > 0 everywhere, got {s.flatten()[:4].tolist()}"
+        )
+
+
+def _entry_scale(x: Tensor, cfg: ScalifyConfig) -> Tensor:
+    """Scale of a tensor entering scaled arithmetic: ``max |x|`` rounded per ``pow2`` (1 for
+    zero tensors); ``ValueError`` if x holds NaN/Inf (the scale would be non-finite)."""
+    a = stat(x, "max").float()
+    _check_scale(torch.where(a > 0, a, 1.0), "the entry scale (max |x|) of an input")
+    return torch.where(a > 0, pow2(a, cfg), 1.0)
+
+
+def _to_st(x: Tensor, s: Tensor, domain: str, cfg: ScalifyConfig) -> ScaledTensor:
+    work = work_dtype(x)
+    d = (x.detach().to(work) / s.to(work)).to(cfg.storage_dtype)
+    fmt = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(cfg.storage_dtype, "fp32")
+    return ScaledTensor._wrap(d, s, x.dtype, fmt, domain)
+
+
+class _ToScaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: Tensor | None) -> ScaledTensor:
+        cfg = current_config()
+        s = _entry_scale(x, cfg) if scale is None else scale.float()
+        ctx.dtype = x.dtype
+        return _to_st(x, s, FWD, cfg)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        if isinstance(g, ScaledTensor):
+            g = g.dequantize(ctx.dtype)
+        return g.to(ctx.dtype), None
+
+
+class _ToPlain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: ScaledTensor) -> Tensor:
+        return x.dequantize()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> ScaledTensor:
+        if isinstance(g, ScaledTensor):
+            return g
+        cfg = current_config()
+        return _to_st(g, _entry_scale(g, cfg), GRAD, cfg)
+
+
+def as_scaled(x: Tensor, scale: Tensor | float | None = None) -> ScaledTensor:
+    """``x`` as a scalify ``ScaledTensor`` (data in the active config's format).
+
+    ``scale`` defaults to ``max |x|`` (power-of-two rounded per the config), so the data
+    lies in [-1, 1]. Differentiable: ``x``'s gradient is the plain ``d_g·s_g``.
+
+    Example:
+        >>> import torch
+        >>> t = as_scaled(torch.tensor([1e-30, -3e-30]))
+        >>> t.qdata.tolist(), unscale(t * 2.0).tolist()
+        ([0.333251953125, -1.0], [2.0000000233721948e-30, -6.000000069116584e-30])
+    """
+    if not isinstance(x, Tensor) or isinstance(x, ScaledTensor):
+        raise TypeError(f"x must be a plain torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    s = None
+    if scale is not None:
+        s = scale if isinstance(scale, Tensor) else torch.tensor(float(scale))
+        _check_scale(s.float(), "scale")
+        s = s.to(x.device)
+    out: ScaledTensor = _ToScaled.apply(x, s)  # type: ignore[no-untyped-call]
+    return out
+
+
+def scaled(data: Tensor, scale: Tensor | float) -> ScaledTensor:
+    """The scalify ``ScaledTensor`` ``data × scale`` with ``data`` stored as given (no
+    rounding); ``ValueError`` names a NaN, Inf or non-positive ``scale``.
+
+    Example:
+        >>> import torch
+        >>> scaled(torch.ones(2, dtype=torch.float16), 2.0**-40).dequantize().tolist()
+        [9.094947017729282e-13, 9.094947017729282e-13]
+    """
+    return ScaledTensor(data, scale, domain=FWD)
+
+
+def unscale(x: Tensor) -> Tensor:
+    """The plain value ``d·s`` (a plain tensor is returned as is); its gradient enters
+    scaled arithmetic again with scale ``max |g|``."""
+    if not isinstance(x, ScaledTensor):
+        return x
+    out: Tensor = _ToPlain.apply(x)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _Rebalance(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: ScaledTensor, s: Tensor, grad_stat: str | None) -> ScaledTensor:
+        ctx.grad_stat = grad_stat
+        return _set_scale(x, s)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        if ctx.grad_stat is not None and isinstance(g, ScaledTensor):
+            g = _set_scale(g, _new_scale(g, ctx.grad_stat, None))
+        return g, None, None
+
+
+def _set_scale(x: ScaledTensor, s: Tensor) -> ScaledTensor:
+    work = work_dtype(x)
+    r = (x.scale / s).to(work)
+    d = (x.qdata.to(work) * r).to(x.qdata.dtype)
+    return ScaledTensor._wrap(d, s, x.dtype, x._fmt, x.domain)
+
+
+def _new_scale(x: ScaledTensor, how: str, pow2_mode: str | None) -> Tensor:
+    if how not in ("max", "l1", "l2"):
+        raise ValueError(f"how must be 'max', 'l1' or 'l2', got {how!r}")
+    r = stat(x.qdata.float(), how)
+    if not compiling() and not bool(torch.isfinite(r)):
+        raise ValueError(f"dynamic_rescale: the {how} statistic of x's data is {float(r)}")
+    cfg = current_config()
+    if pow2_mode is not None:
+        cfg = ScalifyConfig(cfg.data_format, pow2_mode)  # type: ignore[arg-type]
+    return x.scale * torch.where(r > 0, pow2(r, cfg), 1.0)
+
+
+def rebalance(x: ScaledTensor, s: Tensor | float) -> ScaledTensor:
+    """The same value at scale ``s``: ``d ← d·(s_x/s)``; ``ValueError`` for a NaN/Inf/≤0
+    ``s``. The gradient passes unchanged.
+
+    Example:
+        >>> import torch
+        >>> t = rebalance(scaled(torch.tensor([1.0, 2.0]), 1.0), 4.0)
+        >>> t.qdata.tolist(), t.scale.item()
+        ([0.25, 0.5], 4.0)
+    """
+    if not isinstance(x, ScaledTensor):
+        raise TypeError(f"x must be a ScaledTensor, got {type(x).__name__}")
+    st = s if isinstance(s, Tensor) else torch.tensor(float(s))
+    st = st.float().to(x.device)
+    _check_scale(st, "s")
+    out: ScaledTensor = _Rebalance.apply(x, st, None)  # type: ignore[no-untyped-call]
+    return out
+
+
+def dynamic_rescale(
+    x: ScaledTensor, how: Stat = "max", *, pow2: str | None = None, grad: bool = False
+) -> ScaledTensor:
+    """Rebalance ``x`` to the scale ``s_x·r(d_x)``: ``r`` the ``max`` |d|, mean |d| (``l1``)
+    or RMS (``l2``) of the data, rounded per ``pow2`` (``"none"``, ``"down"``, ``"up"``;
+    default: the config's). So the data's max / mean |.| / RMS becomes ≈ 1. With
+    ``grad=True`` the gradient is rescaled the same way in backward.
+
+    Example:
+        >>> import torch
+        >>> t = dynamic_rescale(scaled(torch.tensor([3.0, -6.0]), 0.5), "max", pow2="up")
+        >>> t.qdata.tolist(), t.scale.item()
+        ([0.375, -0.75], 4.0)
+    """
+    if not isinstance(x, ScaledTensor):
+        raise TypeError(f"x must be a ScaledTensor, got {type(x).__name__}")
+    if pow2 not in (None, "none", "down", "up"):
+        raise ValueError(f"pow2 must be None, 'none', 'down' or 'up', got {pow2!r}")
+    s = _new_scale(x, how, pow2)
+    out: ScaledTensor = _Rebalance.apply(x, s, how if grad else None)  # type: ignore[no-untyped-call]
+    return out

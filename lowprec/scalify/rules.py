@@ -1,0 +1,392 @@
+"""Scale-propagation rules: arithmetic, activations, matmuls, reductions, the fallback.
+
+Each rule states its maths as ``(data, scale)`` of the output from ``x = d_x·s_x`` (see
+:mod:`lowprec.scalify.core`). Scalar (per-tensor) scales take the data-space fast path;
+broadcastable (per-row, per-block) scales compute ``d_x·s_x`` in float32 and divide by the
+chosen output scale, which is still block-broadcast. An output's value never depends on the
+chosen scale (up to the final rounding): only its range does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from lowprec.formats import get_format
+from lowprec.scaling import apply_scale, compute_scale
+from lowprec.scalify.config import count_fallback, current_config
+from lowprec.scalify.core import (
+    DOMAINS,
+    GRAD,
+    Pair,
+    check_compatible,
+    combine,
+    fscale,
+    deq,
+    first_st,
+    is_st,
+    is_zero,
+    one,
+    out,
+    out_domain,
+    pad,
+    pair,
+    pow2_float,
+    rule,
+    scalar,
+    sqrt_factor,
+    work_dtype,
+    wrap,
+)
+from lowprec.tensor import ScaledTensor, register_fallback
+
+aten = torch.ops.aten
+__all__: list[str] = []
+
+
+# ---- add / sub --------------------------------------------------------------------------
+
+
+def add_pairs(a: Pair, b: Pair, alpha: float, shape: tuple[int, ...]) -> Pair:
+    """``a + α·b``: ``s = max(s_a, s_b)`` (or ``√(s_a²+s_b²)``), ``d = (a + α·b) / s``.
+
+    Scalar scales stay in data space, ``d = d_a·(s_a/s) + α·d_b·(s_b/s)`` (ratios ≤ 1 with
+    the max rule), so no intermediate leaves the range whatever the absolute scales.
+    """
+    (da, sa), (db, sb) = a, b
+    fa, fb = fscale(sa), fscale(sb)
+    if fa is not None and fb is not None and current_config().add_rule == "max":
+        f = max(fa, fb)
+        if f == 0.0:
+            return torch.zeros(shape, dtype=da.dtype, device=da.device), sa.reshape(())
+        da = da if fa == f else da * (fa / f)
+        return torch.add(da, db, alpha=alpha * fb / f), sa.new_tensor(f)
+    s = combine(sa, sb, shape, "add")
+    if scalar(sa) and scalar(sb):
+        w = da.dtype
+        safe = torch.where(s > 0, s, 1.0)
+        return da * (sa / safe).to(w) + db * (alpha * sb / safe).to(w), s
+    v = apply_scale(da, sa.to(da.dtype)) + alpha * apply_scale(db, sb.to(db.dtype))
+    return apply_scale(v, torch.where(s > 0, s, 1.0).to(v.dtype), "div"), s
+
+
+@rule(aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar)
+def _add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``a ± α·b``: :func:`add_pairs`; a zero-scale operand short-circuits to the other."""
+    a, b = args[0], args[1]
+    alpha = float(kwargs.get("alpha", args[2] if len(args) > 2 else 1))
+    if func in (aten.sub.Tensor, aten.sub.Scalar):
+        alpha = -alpha
+    check_compatible(a, b)
+    if is_zero(b) and isinstance(a, ScaledTensor) and tuple(a.shape) == tuple(b.shape):
+        return a
+    if is_zero(a) and alpha == 1.0 and is_st(b) and tuple(a.shape) == tuple(b.shape):
+        return b
+    work = work_dtype(a, b)
+    ref = first_st((a, b))
+    pa = pair(a if isinstance(a, Tensor) else torch.tensor(a, device=ref.device), work)
+    pb = pair(b if isinstance(b, Tensor) else torch.tensor(b, device=ref.device), work)
+    shape = tuple(torch.broadcast_shapes(pa[0].shape, pb[0].shape))
+    d, s = add_pairs(pa, pb, alpha, shape)
+    return out(func, args, d, s)
+
+
+# ---- mul / div --------------------------------------------------------------------------
+
+
+def _times_number(func: Any, args: Any, x: ScaledTensor, c: float) -> ScaledTensor:
+    """``x·c`` for a number ``c``: ``s = s_x·p``, ``d = d_x·(c/p)`` with ``p = |c|`` rounded
+    per ``pow2`` (``none``: the data only changes sign, exactly). ``c = 0``: the zero scale."""
+    work = work_dtype(x)
+    d = x.qdata.to(work)
+    if c == 0.0:
+        return out(func, args, torch.zeros_like(d), torch.zeros((), device=d.device))
+    if not math.isfinite(c):
+        return out(func, args, deq(x, work) * c, one(d))
+    p = pow2_float(abs(c))
+    return out(func, args, d * (c / p) if c / p != 1.0 else d, x.scale * p)
+
+
+@rule(aten.mul.Tensor, aten.mul.Scalar)
+def _mul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``a·b``: ``d = d_a·d_b``, ``s = s_a·s_b`` (a plain operand has ``s = 1``); a number
+    goes to the scale (:func:`_times_number`)."""
+    a, b = args[0], args[1]
+    if not isinstance(a, Tensor):
+        a, b = b, a
+    if not isinstance(b, Tensor):
+        return _times_number(func, args, a, float(b))
+    check_compatible(a, b)
+    if is_zero(a) or is_zero(b):
+        z = a if is_zero(a) else b
+        shape = torch.broadcast_shapes(a.shape, b.shape)
+        return out(func, args, torch.zeros(shape, device=z.device), z.scale)
+    work = work_dtype(a, b)
+    (da, sa), (db, sb) = pair(a, work), pair(b, work)
+    d = da * db
+    try:
+        s = pad(sa, d.dim()) * pad(sb, d.dim())
+        return out(func, args, d, s)
+    except (RuntimeError, ValueError):  # block layouts that do not combine: elementwise
+        s = torch.ones(d.shape, device=d.device)
+        return out(func, args, d, apply_scale(apply_scale(s, sa), sb))
+
+
+@rule(aten.div.Tensor, aten.div.Scalar)
+def _div(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``a / b``: ``d = d_a / d_b``, ``s = s_a / s_b``; by a number: ``x·(1/c)``."""
+    a, b = args[0], args[1]
+    if not isinstance(b, Tensor):
+        return _times_number(func, args, a, 1.0 / float(b))
+    check_compatible(a, b)
+    work = work_dtype(a, b)
+    if not isinstance(a, Tensor):
+        a = torch.tensor(float(a), device=b.device)
+    (da, sa), (db, sb) = pair(a, work), pair(b, work)
+    d = da / db
+    try:
+        return out(func, args, d, pad(sa, d.dim()) / pad(sb, d.dim()))
+    except (RuntimeError, ValueError):
+        return out(func, args, deq(a, work) / deq(b, work), one(d))
+
+
+# ---- unary ---------------------------------------------------------------------------------
+
+
+@rule(aten.neg.default, aten.abs.default, aten.relu.default)
+def _equivariant(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``f(x)`` with ``f(s·d) = s·f(d)`` for ``s > 0`` (neg, abs, relu): ``d = f(d_x)``, ``s_x``."""
+    x = args[0]
+    return out(func, args, func(x.qdata.to(work_dtype(x))), x.scale)
+
+
+@rule(aten.gelu.default, aten.silu.default, aten.maximum.default, aten.minimum.default)
+def _like_input(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """gelu, silu (``|f(x)| ≲ |x|``), maximum, minimum: ``v = f(d_x·s_x)`` in float32,
+    ``s = s_x`` (two operands: ``max(s_a, s_b)``), ``d = v / s``."""
+    check_compatible(*args)
+    work = work_dtype(*args)
+    v = func(*(deq(a, work) for a in args), **kwargs)
+    scales = [a.scale for a in args if isinstance(a, ScaledTensor)]
+    s = scales[0] if len(scales) == 1 else combine(scales[0], scales[1], tuple(v.shape))
+    return out(func, args, apply_scale(v, torch.where(s > 0, s, 1.0).to(work), "div"), s)
+
+
+@rule(aten.gelu_backward.default, aten.silu_backward.default, aten.threshold_backward.default)
+def _act_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``g·f'(x)`` (linear in the gradient): ``d = d_g·f'(d_x·s_x)``, ``s = s_g``."""
+    g, x = args[0], args[1]
+    work = work_dtype(g, x)
+    dg, sg = pair(g, work)
+    xv = deq(x, work)
+    if isinstance(g, ScaledTensor) and not scalar(sg):
+        m = sg.amax()
+        return out(func, args, func(deq(g, work), xv, *args[2:], **kwargs) / m.to(work), m)
+    return out(func, args, func(dg, xv, *args[2:], **kwargs), sg)
+
+
+@rule(aten.exp.default, aten.log.default, aten.tanh.default, aten.sigmoid.default)
+def _unscale(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """exp, tanh, sigmoid: ``v = f(d_x·s_x)``, ``s = 1`` (the scale leaves).
+    log: ``d = log d_x + log s_x``, ``s = 1`` (exact for any scale)."""
+    x = args[0]
+    work = work_dtype(x)
+    if func is aten.log.default:
+        d, s = pair(x, work)
+        return out(func, args, torch.log(d) + torch.log(s.to(work)), one(d))
+    return out(func, args, func(deq(x, work)), one(x))
+
+
+@rule(aten.pow.Tensor_Scalar, aten.sqrt.default, aten.rsqrt.default)
+def _power(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x^p`` (sqrt: p = ½, rsqrt: p = -½): ``d = d_x^p``, ``s = s_x^p``."""
+    x = args[0]
+    p = {aten.sqrt.default: 0.5, aten.rsqrt.default: -0.5}.get(func)
+    p = float(args[1]) if p is None else p
+    d = x.qdata.to(work_dtype(x))
+    return out(func, args, d.pow(p) if p != 2.0 else d * d, x.scale.pow(p))
+
+
+# ---- matmul ------------------------------------------------------------------------------
+
+
+def _fp8(d: Tensor, s: Tensor, grad: bool) -> Pair:
+    """Round data to E5M2 (gradients) or E4M3 (the rest) at a power-of-two scale
+    ``r = 2^⌈log2(amax(d)/fmt.max)⌉``: ``d ← r·q(d / r)`` (exact in float32), ``s`` kept:
+    the matmul then multiplies FP8 values, as a scaled FP8 GEMM does."""
+    fmt = get_format("e5m2" if grad else "e4m3fn")
+    r = compute_scale(d.detach().abs().amax(), fmt, power_of_two=True).to(d.dtype)
+    assert fmt.torch_dtype is not None
+    q = (d / r).clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).to(d.dtype)
+    return q * r, s
+
+
+def matmul_pair(a: Any, b: Any, op: Any) -> Pair:
+    """``a @ b`` (mm/bmm) with K the contracted size: ``d = (d_a @ d_b) / c(K)``,
+    ``s = s_a·s_b·c(K)`` when both scales are constant along K (per-tensor, per-row of
+    ``a``, per-column of ``b``); otherwise ``v = (d_a·s_a) @ (d_b·s_b)`` and
+    ``s = max s_a · max s_b · c(K)``. FP8 data format: operands cast by :func:`_fp8` first."""
+    check_compatible(a, b)
+    work = work_dtype(a, b)
+    (da, sa), (db, sb) = pair(a, work), pair(b, work)
+    if current_config().fp8_matmul:
+        da, sa = _fp8(da, sa, is_st(a) and a.domain == GRAD)
+        db, sb = _fp8(db, sb, is_st(b) and b.domain == GRAD)
+    c = sqrt_factor(da.shape[-1])
+    pa, pb = pad(sa, da.dim()), pad(sb, db.dim())
+    if pa.shape[-1] == 1 and pb.shape[-2] == 1:
+        try:
+            s = pa * pb * c
+            return _mm_scaled(op, da, db, 1.0 / c), s
+        except RuntimeError:
+            pass
+    s = sa.amax() * sb.amax() * c
+    v = op(apply_scale(da, sa.to(work)), apply_scale(db, sb.to(work)))
+    return v / s.to(work), s
+
+
+def _mm_scaled(op: Any, a: Tensor, b: Tensor, alpha: float) -> Tensor:
+    """``alpha·(a @ b)`` with ``alpha`` applied inside the GEMM (no extra pass)."""
+    zero = torch.zeros((), dtype=a.dtype, device=a.device)
+    if op is aten.mm.default:
+        return torch.addmm(zero, a, b, beta=0, alpha=alpha)
+    return torch.baddbmm(zero, a, b, beta=0, alpha=alpha)
+
+
+@rule(aten.mm.default, aten.bmm.default)
+def _mm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """mm, bmm: :func:`matmul_pair`."""
+    d, s = matmul_pair(args[0], args[1], func)
+    return out(func, args, d, s)
+
+
+@rule(aten.addmm.default, aten.baddbmm.default)
+def _addmm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``β·bias + α·(a @ b)``: :func:`matmul_pair`, then :func:`add_pairs` (one rounding)."""
+    bias, a, b = args[:3]
+    beta, alpha = float(kwargs.get("beta", 1)), float(kwargs.get("alpha", 1))
+    op = aten.mm.default if func is aten.addmm.default else aten.bmm.default
+    fast = _addmm_fast(func, args, bias, a, b, beta, alpha)
+    if fast is not None:
+        return fast
+    dm, sm = matmul_pair(a, b, op)
+    work = dm.dtype
+    db, sb = pair(bias, work)
+    d, s = add_pairs((dm, sm * alpha), (db, sb * beta), 1.0, tuple(dm.shape))
+    return out(func, args, d, s)
+
+
+def _addmm_fast(
+    func: Any, args: Any, bias: Any, a: Any, b: Any, beta: float, alpha: float
+) -> ScaledTensor | None:
+    """Per-tensor scales, eager, max add rule, no FP8: one GEMM,
+    ``d = (β·s_bias/s)·d_bias + (α·s_a·s_b/s)·(d_a @ d_b)``, ``s = max(α·s_a·s_b·c(K), β·s_bias)``."""
+    cfg = current_config()
+    if cfg.fp8_matmul or cfg.add_rule != "max" or not all(is_st(t) for t in (bias, a, b)):
+        return None
+    fs = [fscale(t.scale) for t in (bias, a, b)]
+    if any(f is None for f in fs):
+        return None
+    check_compatible(bias, a, b)
+    fbias, fa, fb = (float(f) for f in fs)  # type: ignore[arg-type]
+    work = work_dtype(a, b)
+    c = sqrt_factor(a.shape[-1])
+    fm = alpha * fa * fb * c
+    s = max(fm, beta * fbias)
+    if s == 0.0 or not math.isfinite(s):
+        return None
+    d = func(bias.qdata.to(work), a.qdata.to(work), b.qdata.to(work),
+             beta=beta * fbias / s, alpha=fm / (c * s))  # fmt: skip
+    return out(func, args, d, bias.scale.new_tensor(s))
+
+
+# ---- reductions --------------------------------------------------------------------------
+
+
+def _reduced(x: ScaledTensor, dims: Any) -> int:
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return x.numel()
+    dims = [dims] if isinstance(dims, int) else dims
+    return math.prod(x.shape[d] for d in dims)
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default)
+def _sum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``Σ x`` over n elements: ``d = Σ d_x / c(n)``, ``s = s_x·c(n)`` (scalar scale); else
+    ``v = Σ d_x·s_x``, ``s = max s_x · c(n)``."""
+    x = args[0]
+    kw = {k: v for k, v in kwargs.items() if k != "dtype"}
+    dims = args[1] if len(args) > 1 else kw.get("dim")
+    c = sqrt_factor(_reduced(x, dims if func is aten.sum.dim_IntList else None))
+    work = work_dtype(x)
+    rest = args[1:3] if func is aten.sum.dim_IntList else ()
+    if scalar(x.scale):
+        return out(func, args, func(x.qdata.to(work), *rest, **kw) / c, x.scale * c)
+    s = x.scale.amax() * c
+    return out(func, args, func(deq(x, work), *rest, **kw) / s.to(work), s)
+
+
+@rule(aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default)
+def _mean(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """mean, amax, amin (``f(s·d) = s·f(d)``): ``d = f(d_x)``, ``s = s_x`` (scalar scale);
+    else ``v = f(d_x·s_x)``, ``s = max s_x``."""
+    x = args[0]
+    kw = {k: v for k, v in kwargs.items() if k != "dtype"}
+    work = work_dtype(x)
+    if scalar(x.scale):
+        return out(func, args, func(x.qdata.to(work), *args[1:], **kw), x.scale)
+    s = x.scale.amax()
+    return out(func, args, func(deq(x, work), *args[1:], **kw) / s.to(work), s)
+
+
+# ---- the fallback and in-place ops -------------------------------------------------------
+
+
+def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Any other op: ``dequantize -> op -> wrap at scale 1`` (counted, warned once)."""
+    schema = func._schema
+    if (
+        schema.arguments
+        and schema.arguments[0].alias_info is not None
+        and (schema.arguments[0].alias_info.is_write)
+        and isinstance(args[0], ScaledTensor)
+    ):
+        return _inplace(func, args, kwargs)
+    count_fallback(str(func))
+    ref = first_st(tuple(args) + tuple(kwargs.values()))
+    work = work_dtype(ref)
+    dom = out_domain(args)
+    plain = tree_map(lambda t: deq(t, work) if isinstance(t, ScaledTensor) else t, (args, kwargs))
+    res = func(*plain[0], **plain[1])
+
+    def back(t: Any) -> Any:
+        if isinstance(t, Tensor) and t.is_floating_point():
+            return wrap(t.to(work), one(t), ref, dom, func)
+        return t
+
+    return tree_map(back, res)
+
+
+def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x.op_(...)``: the out-of-place op's rule, its data and scale put into ``x``."""
+    name = func._schema.name.split("::")[1].rstrip("_")
+    functional = getattr(getattr(aten, name), func._overloadname)
+    res = functional(*args, **kwargs)
+    x = args[0]
+    if isinstance(res, ScaledTensor):
+        x._data, x._scale = res.qdata, res.scale
+    else:
+        x._data, x._scale = res.to(x.qdata.dtype), one(res)
+    return x
+
+
+for _d in DOMAINS:
+    register_fallback(_d, _fallback)
+
+_INPLACE = [aten.add_.Tensor, aten.add_.Scalar, aten.mul_.Tensor, aten.mul_.Scalar,
+            aten.div_.Tensor, aten.div_.Scalar, aten.sub_.Tensor]  # fmt: skip
+rule(*_INPLACE)(_inplace)

@@ -1,0 +1,357 @@
+"""Scale-propagation rules: shape ops, selection, softmax, norms, embedding, loss, casts.
+
+Shape ops move the data and transform the scale the same way (a per-tensor scale is kept
+as is; a block-broadcast scale is transposed/permuted/sliced with the data, or, for a view
+that mixes dims, materialised elementwise first). See :mod:`lowprec.scalify.core` for the
+notation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lowprec.scaling import apply_scale
+from lowprec.scalify.core import (
+    check_compatible,
+    combine,
+    deq,
+    first_st,
+    fscale,
+    full_scale,
+    one,
+    out,
+    pad,
+    pair,
+    rule,
+    scalar,
+    sqrt_factor,
+    work_dtype,
+)
+from lowprec.tensor import _LOGICAL, ScaledTensor
+
+aten = torch.ops.aten
+__all__: list[str] = []
+
+
+def _same(x: ScaledTensor, d: Tensor, s: Tensor, func: Any, args: Any) -> ScaledTensor:
+    """Shape ops keep the data exactly: no rounding, no rescale."""
+    return ScaledTensor._wrap(d, s.reshape(()) if s.numel() == 1 else s, x.dtype, x._fmt,
+                              x.domain)  # fmt: skip
+
+
+# ---- shape ops ----------------------------------------------------------------------------
+
+
+@rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+      aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
+      aten.unflatten.int)  # fmt: skip
+def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """View/reshape: ``d = view(d_x)``; ``s = s_x`` if per-tensor, else ``view`` of the
+    materialised elementwise scale."""
+    x: ScaledTensor = args[0]
+    d = func(x.qdata, *args[1:], **kwargs)
+    s = x.scale if scalar(x.scale) else func(full_scale(x.qdata, x.scale), *args[1:], **kwargs)
+    return _same(x, d, s, func, args)
+
+
+@rule(aten.t.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
+      aten.expand.default)  # fmt: skip
+def _dimwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """t, transpose, permute, unsqueeze, expand: the same op on the data and on the scale
+    (padded to the data's dims: block-broadcasting is per dim, so it commutes)."""
+    x: ScaledTensor = args[0]
+    d = func(x.qdata, *args[1:], **kwargs)
+    s = x.scale
+    if not scalar(s):
+        s = pad(s, x.dim())
+        s = s.contiguous() if func is aten.expand.default else func(s, *args[1:], **kwargs)
+    return _same(x, d, s, func, args)
+
+
+def _dim_arg(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    if func in (aten.split.Tensor, aten.split_with_sizes.default):
+        return int(args[2] if len(args) > 2 else kwargs.get("dim", 0))
+    return int(args[1] if len(args) > 1 else kwargs.get("dim", 0))
+
+
+@rule(aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
+      aten.index.Tensor, aten.index_select.default, aten.narrow.default,
+      aten.unbind.int)  # fmt: skip
+def _select(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """slice, select, split, index, index_select, narrow, unbind: the op on the data; the
+    scale kept (per-tensor, or 1 along the dim) or put through the same op (materialised
+    first when it is blocked along that dim)."""
+    x: ScaledTensor = args[0]
+    d = func(x.qdata, *args[1:], **kwargs)
+    s = x.scale
+    if scalar(s):
+        ss: Any = s
+    else:
+        s = pad(s, x.dim())
+        if func is aten.index.Tensor:
+            s = full_scale(x.qdata, s)
+        else:
+            dim = _dim_arg(func, args, kwargs) % x.dim()
+            if s.shape[dim] != x.shape[dim]:
+                s = s if s.shape[dim] == 1 else full_scale(x.qdata, s)
+            if s.shape[dim] == 1:
+                ss = s.squeeze(dim) if func in (aten.select.int, aten.unbind.int) else s
+                if isinstance(d, (list, tuple)):
+                    ss = [ss] * len(d)
+                return _pack(x, d, ss, func, args)
+        ss = func(s, *args[1:], **kwargs)
+    if isinstance(d, (list, tuple)) and not isinstance(ss, (list, tuple)):
+        ss = [ss] * len(d)
+    return _pack(x, d, ss, func, args)
+
+
+def _pack(x: ScaledTensor, d: Any, s: Any, func: Any, args: Any) -> Any:
+    if isinstance(d, (list, tuple)):
+        return [_same(x, di, si, func, args) for di, si in zip(d, s, strict=True)]
+    return _same(x, d, s, func, args)
+
+
+@rule(aten.cat.default, aten.stack.default)
+def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """cat/stack of ``x_i``: per-tensor scales give ``s = max s_i``, ``d = cat(d_i·s_i/s)``;
+    otherwise ``s = cat`` of the materialised elementwise scales."""
+    xs = list(args[0])
+    check_compatible(*xs)
+    ref = first_st(xs)
+    work = work_dtype(*xs)
+    pairs = [pair(x, work) for x in xs]
+    if all(scalar(s) for _, s in pairs):
+        s = torch.stack([p[1].reshape(()) for p in pairs]).amax()
+        safe = torch.where(s > 0, s, 1.0)
+        d = func([di * (si / safe).to(work) for di, si in pairs], *args[1:], **kwargs)
+        return out(func, args, d, s)
+    fulls = [full_scale(di, si) for di, si in pairs]
+    d = func([di.to(work) for di, _ in pairs], *args[1:], **kwargs)
+    s = func(fulls, *args[1:], **kwargs)
+    return ScaledTensor._wrap(d.to(ref.qdata.dtype), s, ref.dtype, ref._fmt, ref.domain)
+
+
+# ---- selection ---------------------------------------------------------------------------
+
+
+@rule(aten.where.self)
+def _where(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``where(c, a, b)``: ``s = max(s_a, s_b)``, ``d = where(c, a, b) / s``."""
+    c, a, b = args
+    check_compatible(a, b)
+    work = work_dtype(a, b)
+    ref = first_st((a, b))
+    a = a if isinstance(a, Tensor) else torch.tensor(float(a), device=ref.device)
+    b = b if isinstance(b, Tensor) else torch.tensor(float(b), device=ref.device)
+    v = torch.where(c, deq(a, work), deq(b, work))
+    sa, sb = pair(a, work)[1], pair(b, work)[1]
+    s = combine(sa, sb, tuple(v.shape))
+    return out(func, args, apply_scale(v, torch.where(s > 0, s, 1.0).to(work), "div"), s)
+
+
+@rule(aten.masked_fill.Scalar)
+def _masked_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``masked_fill(x, m, v)``: ``d = masked_fill(d_x, m, v / s_x)``, ``s = s_x`` (±inf
+    stays ±inf)."""
+    x, mask, v = args
+    work = work_dtype(x)
+    f = fscale(x.scale)
+    if f is not None and f > 0:
+        return out(func, args, x.qdata.to(work).masked_fill(mask, float(v) / f), x.scale)
+    s = x.scale.amax()
+    return out(func, args, deq(x, work).masked_fill(mask, float(v)) / s.to(work), s)
+
+
+# ---- softmax -----------------------------------------------------------------------------
+
+
+@rule(aten._softmax.default, aten._log_softmax.default)
+def _softmax(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """softmax / log_softmax: ``v = f(d_x·s_x)`` in float32 (not scale-invariant), ``s = 1``."""
+    x, dim = args[0], args[1]
+    v = func(deq(x, work_dtype(x)), dim, False)
+    return out(func, args, v, one(v))
+
+
+@rule(aten._softmax_backward_data.default)
+def _softmax_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``y ⊙ (g − Σ g⊙y)`` (y = softmax output): ``d = y ⊙ (d_g − Σ d_g⊙y)``, ``s = s_g``."""
+    g, y, dim = args[0], args[1], args[2]
+    work = work_dtype(g, y)
+    dg, sg = pair(g, work)
+    if not scalar(sg):
+        sg = sg.amax()
+        dg = deq(g, work) / sg.to(work)
+    return out(func, args, func(dg, deq(y, work), dim, work), sg)
+
+
+@rule(aten._log_softmax_backward_data.default)
+def _log_softmax_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``g − exp(y)·Σ g`` (y = log_softmax output): ``d = d_g − exp(y)·Σ d_g``, ``s = s_g``."""
+    g, y, dim = args[0], args[1], args[2]
+    work = work_dtype(g, y)
+    dg, sg = pair(g, work)
+    if not scalar(sg):
+        sg = sg.amax()
+        dg = deq(g, work) / sg.to(work)
+    return out(func, args, func(dg, deq(y, work), dim, work), sg)
+
+
+# ---- norms ----------------------------------------------------------------------------------
+
+
+@rule(aten.native_layer_norm.default)
+def _layer_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``n = (x − μ)/√(σ² + ε)`` from ``v = d_x·s_x`` in float32; ``y = n·w + b`` with
+    ``s = max(s_w, s_b)`` (1 without affine). Mean and rstd return as plain float32."""
+    x, shape, w, b, eps = args
+    work = work_dtype(x)
+    n, mean, rstd = func(deq(x, work), shape, None, None, eps)
+    y = n
+    scales = [t.scale.amax() for t in (w, b) if isinstance(t, ScaledTensor)]
+    s = torch.stack(scales).amax() if scales else one(n)
+    if w is not None:
+        y = y * deq(w, work)
+    if b is not None:
+        y = y + deq(b, work)
+    return out(func, args, y / torch.where(s > 0, s, 1.0).to(work), s), mean, rstd
+
+
+@rule(aten.native_layer_norm_backward.default)
+def _layer_norm_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Linear in ``g``: aten's backward on ``d_g`` (and float32 ``x``, ``w``) gives
+    ``dx`` at ``s = s_g``; ``dw``, ``db`` (sums over r rows) at ``s_g·c(r)``, data ``/c(r)``."""
+    g, x, shape, mean, rstd, w, b, mask = args
+    work = work_dtype(g, x)
+    dg, sg = pair(g, work)
+    if not scalar(sg):
+        sg = sg.amax()
+        dg = deq(g, work) / sg.to(work)
+    wv, bv = deq(w, work), deq(b, work)
+    dx, dw, db = func(dg, deq(x, work), shape, mean, rstd, wv, bv, mask)
+    numel = 1
+    for k in shape:
+        numel *= k
+    c = sqrt_factor(dg.numel() // max(numel, 1))
+    res = [out(func, args, dx, sg) if dx is not None else None]
+    res += [out(func, args, t / c, sg * c) if t is not None else None for t in (dw, db)]
+    return tuple(res)
+
+
+# ---- embedding and loss ----------------------------------------------------------------------
+
+
+@rule(aten.embedding.default)
+def _embedding(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``W[idx]``: ``d = d_W[idx]``; ``s = s_W`` per-tensor, ``s_W[idx]`` per-row, else the
+    materialised scale gathered."""
+    w, idx = args[0], args[1]
+    d = func(w.qdata, idx, *args[2:], **kwargs)
+    s = w.scale
+    if not scalar(s):
+        s = pad(s, 2)
+        s = s[idx] if s.shape[1] == 1 and s.shape[0] == w.shape[0] else full_scale(w.qdata, s)[idx]
+    return _same(w, d, s, func, args)
+
+
+@rule(aten.embedding_dense_backward.default)
+def _embedding_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Scatter-add of ``g`` rows (about n/V per row): ``d = scatter(d_g)/c(n/V)``,
+    ``s = s_g·c(n/V)``."""
+    g, idx, num = args[0], args[1], int(args[2])
+    work = work_dtype(g)
+    dg, sg = pair(g, work)
+    if not scalar(sg):
+        sg = sg.amax()
+        dg = deq(g, work) / sg.to(work)
+    c = sqrt_factor(max(idx.numel() // max(num, 1), 1))
+    return out(func, args, func(dg, *args[1:], **kwargs) / c, sg * c)
+
+
+@rule(aten.nll_loss_forward.default)
+def _nll(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``−mean x[target]`` (linear): ``d = nll(d_x)``, ``s = s_x`` (per-tensor scale)."""
+    x = args[0]
+    work = work_dtype(x)
+    if scalar(x.scale):
+        v, tw = func(x.qdata.to(work), *args[1:], **kwargs)
+        return out(func, args, v, x.scale), tw
+    v, tw = func(deq(x, work), *args[1:], **kwargs)
+    return out(func, args, v, one(v)), tw
+
+
+@rule(aten.nll_loss_backward.default)
+def _nll_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Mean reduction: ``d = −d_g`` at the targets (the sum's gradient) and
+    ``s = s_g / total_weight``: the ``1/N`` of the mean goes into the scale."""
+    g, x, target, weight, reduction, ignore, tw = args
+    work = work_dtype(g, x)
+    dg, sg = pair(g, work)
+    xd = x.qdata if isinstance(x, ScaledTensor) else x
+    if reduction == 1:
+        d = func(dg, xd.to(work), target, weight, 2, ignore, tw)
+        return out(func, args, d, sg / tw.to(sg.dtype))
+    return out(func, args, func(dg, xd.to(work), target, weight, reduction, ignore, tw), sg)
+
+
+# ---- casts, creation, scalars ------------------------------------------------------------
+
+
+@rule(aten._to_copy.default)
+def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Cast: a float dtype changes the logical dtype only (data and scale untouched, moved
+    to a device if asked); a non-float dtype returns the plain ``d_x·s_x`` cast."""
+    x: ScaledTensor = args[0]
+    kw = dict(kwargs)
+    dtype = kw.pop("dtype", None) or x.dtype
+    kw.pop("layout", None)
+    if dtype not in _LOGICAL:
+        return deq(x, work_dtype(x)).to(dtype)
+    return ScaledTensor._wrap(func(x.qdata, **kw), func(x.scale, **kw), dtype, x._fmt, x.domain)
+
+
+@rule(aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
+      aten.full_like.default)  # fmt: skip
+def _like(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """New tensors shaped like ``x``: the op on the data, at scale 1."""
+    x: ScaledTensor = args[0]
+    kw = {k: v for k, v in kwargs.items() if k not in ("dtype", "layout")}
+    d = func(x.qdata.float(), *args[1:], **kw)
+    return out(func, args, d, one(d))
+
+
+@rule(aten._local_scalar_dense.default)
+def _item(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x.item()``: of ``d_x·s_x``."""
+    return func(deq(args[0], work_dtype(args[0])))
+
+
+@rule(aten.isfinite.default, aten.isnan.default, aten.isinf.default)
+def _test(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """isfinite, isnan, isinf: of ``d_x`` (scales are finite and > 0 or zero)."""
+    return func(args[0].qdata)
+
+
+@rule(aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar,
+      aten.le.Scalar, aten.eq.Tensor, aten.ne.Tensor, aten.gt.Tensor, aten.lt.Tensor,
+      aten.ge.Tensor, aten.le.Tensor)  # fmt: skip
+def _compare(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Comparisons: of the values ``d·s`` (a plain bool tensor)."""
+    work = work_dtype(*args)
+    return func(*(deq(a, work) for a in args), **kwargs)
+
+
+@rule(aten.copy_.default)
+def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``dst.copy_(src)``: a ScaledTensor ``dst`` takes ``src``'s data and scale; a plain
+    ``dst`` gets ``d·s``."""
+    dst, src = args[0], args[1]
+    if isinstance(dst, ScaledTensor):
+        d, s = pair(src, work_dtype(src))
+        dst._data = d.to(dst.qdata.dtype).expand(dst.shape).clone()
+        dst._scale = s
+        return dst
+    return dst.copy_(deq(src, work_dtype(src)))
