@@ -35,7 +35,7 @@ __all__ = ["Prepared", "Recipe", "get_recipe", "prepare", "recipe_names", "regis
 
 DType = Literal["fp32", "bf16", "fp16"]
 Technique = Literal["mixed-precision", "float8", "unit", "scalify"]
-_TECHNIQUES = ("mixed-precision", "float8", "unit")
+_TECHNIQUES = ("mixed-precision", "float8", "unit", "scalify")
 _SCALIFY_FORMATS = ("fp16", "fp8")
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -237,6 +237,25 @@ register(
         unit_fp8=True,
     )
 )
+register(
+    Recipe(
+        "fp16-scalify",
+        "Scaled arithmetic (lowprec.scalify): FP16 data with FP32 scales propagated through "
+        "every op of forward and backward; FP32 params; no unit scaling, no loss scaling",
+        technique="scalify",
+        scalify_format="fp16",
+    )
+)
+register(
+    Recipe(
+        "fp8-scalify",
+        "Scaled arithmetic: matmul inputs in FP8 (E4M3 forward, E5M2 backward) with "
+        "propagated scales, FP16 data elsewhere; FP32 params; no loss scaling",
+        technique="scalify",
+        scalify_format="fp8",
+    )
+)
+
 
 @dataclass
 class Prepared:
@@ -335,6 +354,11 @@ def prepare(
 
         lr = _factory_lr(factory)
         model, params = apply_unit(model, float8=r.unit_fp8, lr=lr)
+    elif r.technique == "scalify":
+        from lowprec.scalify.recipe import apply_scalify
+
+        assert r.scalify_format is not None
+        model = apply_scalify(model, data_format=r.scalify_format)
     model.to(r.torch_dtype)
     if r.float8 is not None:
         skip = r.float8_skip

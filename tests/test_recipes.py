@@ -90,8 +90,13 @@ def test_technique_validation() -> None:
         Recipe("x", "d", technique="float8")
     with pytest.raises(ValueError, match="unit_fp8 needs"):
         Recipe("x", "d", unit_fp8=True)
+    with pytest.raises(ValueError, match="scalify_format must be one of"):
+        Recipe("x", "d", technique="scalify", scalify_format="e4m3")
+    with pytest.raises(ValueError, match="keeps fp32 parameters"):
+        Recipe("x", "d", "bf16", True, technique="scalify", scalify_format="fp16")
     with pytest.raises(ValueError, match="scalify_format needs"):
         Recipe("x", "d", scalify_format="fp16")
-    for name in ("fp32-unit", "fp16-unit", "bf16-unit", "fp8-unit"):
+    for name in ("fp32-unit", "fp16-unit", "bf16-unit", "fp8-unit", "fp16-scalify",
+                 "fp8-scalify"):
         r = get_recipe(name)
         assert Recipe.from_dict(r.to_dict()) == r
