@@ -163,6 +163,32 @@ def test_tracks_a_unit_scaled_model() -> None:
     assert by[("0.weight", "weight_grad")]["rms"] > 0.1
 
 
+def test_tracks_a_scalify_model() -> None:
+    """On a scalify'd model the hooks see ScaledTensors: the records measure their narrow
+    FP16 data (what must fit the format), and that data times its scale is the input."""
+    from lowprec import ScaledTensor
+    from lowprec.scalify import scalify
+
+    torch.manual_seed(0)
+    s = scalify(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)),
+                data_format="fp16")
+    seen: list[ScaledTensor] = []
+    s.module[0].register_forward_hook(lambda m, a, o: seen.append(a[0]))
+    x = torch.randn(32, 64)
+    with track(s, ["fp16", "e5m2"]) as t:
+        y = s(x)
+        y.backward(torch.randn_like(y))
+    by = {(r["name"], r["kind"]): r for r in t.records}
+    kinds = {k for n, k in by if n == "module.0"}
+    assert kinds == {"input", "output", "grad_output"}
+    assert ("module.2.weight", "weight_grad") in by
+    (inp,) = seen
+    assert isinstance(inp, ScaledTensor) and by[("module.0", "input")]["dtype"] == "float16"
+    torch.testing.assert_close(inp.dequantize(), x, rtol=2**-10, atol=0)  # FP16 rounding
+    rms = float(inp.qdata.float().pow(2).mean().sqrt())
+    assert by[("module.0", "input")]["rms"] == pytest.approx(rms, rel=1e-6)
+
+
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="every"):
         track(_mlp(), every=0).__enter__()
