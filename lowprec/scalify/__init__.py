@@ -39,8 +39,8 @@ from lowprec.scalify.transform import Scalified, resolve_config, scalify
 
 __all__ = [
     "Coverage",
-    "ScalifyConfig",
     "Scalified",
+    "ScalifyConfig",
     "apply_scalify",
     "as_scaled",
     "config",

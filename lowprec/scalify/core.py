@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.scaling import apply_scale, check_scale_shape
 from lowprec.scalify.config import ScalifyConfig, count_rule, current_config
+from lowprec.scaling import apply_scale, check_scale_shape
 from lowprec.tensor import ScaledTensor, register_rule
 
 __all__ = ["DOMAINS", "FWD", "GRAD", "Pair", "rule"]

@@ -34,16 +34,17 @@ def _check_scale(s: Tensor, what: str) -> None:
 
 
 def _entry_scale(x: Tensor, cfg: ScalifyConfig) -> Tensor:
-    """Scale of a tensor entering scaled arithmetic: ``max |x|`` rounded per ``pow2`` (1 for
-    zero tensors); ``ValueError`` if x holds NaN/Inf (the scale would be non-finite)."""
+    """Scale of a tensor entering scaled arithmetic: ``max |x|`` rounded per ``pow2``; the
+    special scale 0 for an all-zero tensor (a known zero: rules short-circuit it);
+    ``ValueError`` if x holds NaN/Inf (the scale would be non-finite)."""
     a = stat(x, "max").float()
-    _check_scale(torch.where(a > 0, a, 1.0), "the entry scale (max |x|) of an input")
-    return torch.where(a > 0, pow2(a, cfg), 1.0)
+    _check_scale(torch.where(a == 0, 1.0, a), "the entry scale (max |x|) of an input")
+    return torch.where(a > 0, pow2(a, cfg), 0.0)
 
 
 def _to_st(x: Tensor, s: Tensor, domain: str, cfg: ScalifyConfig) -> ScaledTensor:
     work = work_dtype(x)
-    d = (x.detach().to(work) / s.to(work)).to(cfg.storage_dtype)
+    d = (x.detach().to(work) / torch.where(s > 0, s, 1.0).to(work)).to(cfg.storage_dtype)
     fmt = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(cfg.storage_dtype, "fp32")
     return ScaledTensor._wrap(d, s, x.dtype, fmt, domain)
 

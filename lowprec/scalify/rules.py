@@ -17,7 +17,6 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from lowprec.formats import get_format
-from lowprec.scaling import apply_scale, compute_scale
 from lowprec.scalify.config import count_fallback, current_config
 from lowprec.scalify.core import (
     DOMAINS,
@@ -25,9 +24,9 @@ from lowprec.scalify.core import (
     Pair,
     check_compatible,
     combine,
-    fscale,
     deq,
     first_st,
+    fscale,
     is_st,
     is_zero,
     one,
@@ -42,6 +41,7 @@ from lowprec.scalify.core import (
     work_dtype,
     wrap,
 )
+from lowprec.scaling import apply_scale, compute_scale
 from lowprec.tensor import ScaledTensor, register_fallback
 
 aten = torch.ops.aten

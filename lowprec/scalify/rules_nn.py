@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.scaling import apply_scale
 from lowprec.scalify.core import (
     check_compatible,
     combine,
@@ -30,6 +29,7 @@ from lowprec.scalify.core import (
     sqrt_factor,
     work_dtype,
 )
+from lowprec.scaling import apply_scale
 from lowprec.tensor import _LOGICAL, ScaledTensor
 
 aten = torch.ops.aten
