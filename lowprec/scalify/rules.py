@@ -90,7 +90,7 @@ def _add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ref = first_st((a, b))
     pa = pair(a if isinstance(a, Tensor) else torch.tensor(a, device=ref.device), work)
     pb = pair(b if isinstance(b, Tensor) else torch.tensor(b, device=ref.device), work)
-    shape = tuple(torch.broadcast_shapes(pa[0].shape, pb[0].shape))
+    shape = tuple(torch.broadcast_shapes(pa[0].shape, pb[0].shape))  # type: ignore[no-untyped-call]
     d, s = add_pairs(pa, pb, alpha, shape)
     return out(func, args, d, s)
 
@@ -122,8 +122,8 @@ def _mul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return _times_number(func, args, a, float(b))
     check_compatible(a, b)
     if is_zero(a) or is_zero(b):
-        z = a if is_zero(a) else b
-        shape = torch.broadcast_shapes(a.shape, b.shape)
+        z: Any = a if is_zero(a) else b
+        shape = torch.broadcast_shapes(a.shape, b.shape)  # type: ignore[no-untyped-call]
         return out(func, args, torch.zeros(shape, device=z.device), z.scale)
     work = work_dtype(a, b)
     (da, sa), (db, sb) = pair(a, work), pair(b, work)
@@ -284,7 +284,8 @@ def _addmm_fast(
     func: Any, args: Any, bias: Any, a: Any, b: Any, beta: float, alpha: float
 ) -> ScaledTensor | None:
     """Per-tensor scales, eager, max add rule, no FP8: one GEMM,
-    ``d = (β·s_bias/s)·d_bias + (α·s_a·s_b/s)·(d_a @ d_b)``, ``s = max(α·s_a·s_b·c(K), β·s_bias)``."""
+    ``d = (β·s_bias/s)·d_bias + (α·s_a·s_b/s)·(d_a @ d_b)``,
+    ``s = max(α·s_a·s_b·c(K), β·s_bias)``."""
     cfg = current_config()
     if cfg.fp8_matmul or cfg.add_rule != "max" or not all(is_st(t) for t in (bias, a, b)):
         return None

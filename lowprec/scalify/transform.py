@@ -27,7 +27,7 @@ from lowprec.tensor import ScaledTensor
 
 __all__ = ["Scalified", "resolve_config", "scalify"]
 
-_POLICIES = {
+_POLICIES: dict[str, dict[str, Any]] = {
     "static": {"rescale": "none"},
     "dynamic": {"rescale": "max", "pow2": "up"},
     "dynamic-l2": {"rescale": "l2", "pow2": "up"},
@@ -67,7 +67,7 @@ class Scalified(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         set_config(self.config)
-        params = {n: as_scaled(p) for n, p in self.module.named_parameters()}
+        params: dict[str, Tensor] = {n: as_scaled(p) for n, p in self.module.named_parameters()}
         args, kwargs = tree_map(_enter, (args, kwargs))
         out = torch.func.functional_call(self.module, params, args, kwargs, strict=False)
         return tree_map(_leave, out)
