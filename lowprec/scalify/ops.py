@@ -85,9 +85,9 @@ def as_scaled(x: Tensor, scale: Tensor | float | None = None) -> ScaledTensor:
 
     Example:
         >>> import torch
-        >>> t = as_scaled(torch.tensor([1e-30, -3e-30]))
-        >>> t.qdata.tolist(), unscale(t * 2.0).tolist()
-        ([0.333251953125, -1.0], [2.0000000233721948e-30, -6.000000069116584e-30])
+        >>> t = as_scaled(torch.tensor([1e-30, -4e-30]))
+        >>> t.qdata.tolist(), [f"{v:.4g}" for v in unscale(t * 3.0).tolist()]
+        ([0.25, -1.0], ['3e-30', '-1.2e-29'])
     """
     if not isinstance(x, Tensor) or isinstance(x, ScaledTensor):
         raise TypeError(f"x must be a plain torch.Tensor, got {type(x).__name__}")
@@ -102,16 +102,19 @@ def as_scaled(x: Tensor, scale: Tensor | float | None = None) -> ScaledTensor:
     return out
 
 
-def scaled(data: Tensor, scale: Tensor | float) -> ScaledTensor:
+def scaled(
+    data: Tensor, scale: Tensor | float, dtype: torch.dtype = torch.float32
+) -> ScaledTensor:
     """The scalify ``ScaledTensor`` ``data × scale`` with ``data`` stored as given (no
-    rounding); ``ValueError`` names a NaN, Inf or non-positive ``scale``.
+    rounding) and logical ``dtype`` (what it dequantizes to); ``ValueError`` names a NaN,
+    Inf or non-positive ``scale``.
 
     Example:
         >>> import torch
         >>> scaled(torch.ones(2, dtype=torch.float16), 2.0**-40).dequantize().tolist()
         [9.094947017729282e-13, 9.094947017729282e-13]
     """
-    return ScaledTensor(data, scale, domain=FWD)
+    return ScaledTensor(data, scale, dtype, domain=FWD)
 
 
 def unscale(x: Tensor) -> Tensor:
