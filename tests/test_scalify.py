@@ -53,7 +53,7 @@ def val(x: torch.Tensor) -> torch.Tensor:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((val(a) - val(b)).norm() / val(b).norm().clamp_min(1e-300))
+    return float(((val(a) - val(b)).norm() / val(b).norm().clamp_min(1e-300)).detach())
 
 
 A, B = st((8, 16), 2.0, 1), st((8, 16), 4.0, 2)
