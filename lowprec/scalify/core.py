@@ -109,10 +109,38 @@ def one(ref: Tensor) -> Tensor:
     return torch.ones((), device=ref.device)
 
 
+_CACHE: list[tuple[tuple[Any, ...], Tensor, Tensor]] = []  # (key, source, upcast)
+_CACHE_SIZE, _CACHE_MIN = 4, 1 << 16
+
+
+def upcast(d: Tensor, work: torch.dtype) -> Tensor:
+    """``d.to(work)``, reusing a recent upcast of the same data (eager, large tensors only).
+
+    Backward ops read one gradient or activation several times, often through different
+    views (``g`` and ``gᵀ``): the whole base tensor is upcast once and viewed with the
+    same strides. The key holds the base's address, layout and version counter (an
+    in-place change misses), and the entry keeps the base alive (no address reuse).
+    """
+    if d.dtype == work or d.numel() < _CACHE_MIN or compiling():
+        return d.to(work)
+    base = d._base if d._base is not None else d
+    if not base.is_contiguous():
+        return d.to(work)
+    key = (base.data_ptr(), tuple(base.shape), base.dtype, work, base._version)
+    hit = [u for k, _, u in _CACHE if k == key]
+    if hit:
+        up = hit[0]
+    else:
+        up = base.to(work)
+        _CACHE.insert(0, (key, base, up))
+        del _CACHE[_CACHE_SIZE:]
+    return up.as_strided(d.shape, d.stride(), d.storage_offset() - base.storage_offset())
+
+
 def pair(x: Any, work: torch.dtype) -> Pair:
     """``(d_x, s_x)`` in working precision; a plain tensor is its own data at scale 1."""
     if isinstance(x, ScaledTensor):
-        return x.qdata.to(work), x.scale
+        return upcast(x.qdata, work), x.scale
     return x.to(work), one(x)
 
 
@@ -120,7 +148,7 @@ def deq(x: Any, work: torch.dtype) -> Tensor:
     """``d_x · s_x`` as a plain tensor (a unit scale short-circuits the multiply)."""
     if not isinstance(x, ScaledTensor):
         return x.to(work) if isinstance(x, Tensor) and x.is_floating_point() else x
-    d, s = x.qdata.to(work), x.scale
+    d, s = upcast(x.qdata, work), x.scale
     f = fscale(s)
     if f is not None:
         return d if f == 1.0 else d * f

@@ -102,9 +102,7 @@ def as_scaled(x: Tensor, scale: Tensor | float | None = None) -> ScaledTensor:
     return out
 
 
-def scaled(
-    data: Tensor, scale: Tensor | float, dtype: torch.dtype = torch.float32
-) -> ScaledTensor:
+def scaled(data: Tensor, scale: Tensor | float, dtype: torch.dtype = torch.float32) -> ScaledTensor:
     """The scalify ``ScaledTensor`` ``data × scale`` with ``data`` stored as given (no
     rounding) and logical ``dtype`` (what it dequantizes to); ``ValueError`` names a NaN,
     Inf or non-positive ``scale``.

@@ -8,6 +8,7 @@ notation.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -160,7 +161,11 @@ def _masked_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     work = work_dtype(x)
     f = fscale(x.scale)
     if f is not None and f > 0:
-        return out(func, args, x.qdata.to(work).masked_fill(mask, float(v) / f), x.scale)
+        fill = float(v) / f
+        if not math.isfinite(fill) or abs(fill) <= torch.finfo(x.qdata.dtype).max:
+            # in the storage format directly: no casts; only the fill value is rounded
+            return _same(x, x.qdata.masked_fill(mask, fill), x.scale, func, args)
+        return out(func, args, x.qdata.to(work).masked_fill(mask, fill), x.scale)
     s = x.scale.amax()
     return out(func, args, deq(x, work).masked_fill(mask, float(v)) / s.to(work), s)
 
