@@ -150,6 +150,20 @@ def test_backward_rules_values_and_scales() -> None:
         assert rel(got, ref) < 2 * FP16_TOL, name  # x rounded to FP16 too: two roundings
 
 
+def test_dropout_values_and_coverage() -> None:
+    x = st((64, 64), 0.5).requires_grad_()
+    reset_coverage()
+    y = F.dropout(x, p=0.25, training=True)
+    kept = val(y) != 0
+    # kept values are x/(1-p), within FP16 rounding (1/0.75 is not a power of two)
+    assert rel(val(y)[kept], val(x)[kept] / 0.75) < FP16_TOL
+    assert 0.6 < float(kept.double().mean()) < 0.9  # keep rate 0.75, 4096 draws: ±0.03 (5σ)
+    (g,) = torch.autograd.grad(y, x, scaled(torch.ones(64, 64).half(), 2.0))
+    want = torch.full((int(kept.sum()),), 2.0 / 0.75, dtype=torch.float64)
+    assert torch.equal(val(g) != 0, kept) and rel(val(g)[kept], want) < FP16_TOL
+    assert coverage().fallbacks == {}
+
+
 def test_nll_backward_moves_the_mean_into_the_scale() -> None:
     logits = scaled(torch.randn(64, 5).half(), 1.0).requires_grad_()
     target = torch.randint(0, 5, (64,))
@@ -181,7 +195,9 @@ def test_scalify_chargpt_matches_plain_autograd() -> None:
     logits, loss = s(idx, tgt)
     assert type(logits) is torch.Tensor and type(loss) is torch.Tensor
     assert loss.dtype == torch.float32
-    assert float(loss.detach()) == pytest.approx(float(loss_ref.detach()), rel=1e-3)  # the true loss
+    assert float(loss.detach()) == pytest.approx(
+        float(loss_ref.detach()), rel=1e-3
+    )  # the true loss
     loss.backward()
     assert coverage().fallbacks == {}
     for n, p in m.named_parameters():
@@ -266,7 +282,9 @@ def test_dynamic_policy_matches_static() -> None:
     idx = torch.randint(0, 20, (2, 16))
     _, a = scalify(m, "fp16", policy="static")(idx, idx)
     _, b = scalify(m, "fp16", policy="dynamic")(idx, idx)
-    assert float(a.detach()) == pytest.approx(float(b.detach()), rel=2e-3)  # different roundings, same maths
+    assert float(a.detach()) == pytest.approx(
+        float(b.detach()), rel=2e-3
+    )  # different roundings, same maths
 
 
 def test_apply_scalify_fp8_and_bad_format() -> None:

@@ -375,9 +375,15 @@ def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``x.op_(...)``: the out-of-place op's rule, its data and scale put into ``x``."""
     name = func._schema.name.split("::")[1].rstrip("_")
-    functional = getattr(getattr(aten, name), func._overloadname)
-    res = functional(*args, **kwargs)
+    functional = getattr(getattr(aten, name, None), func._overloadname, None)
     x = args[0]
+    if functional is None:  # no out-of-place twin: run it on a dequantized copy
+        count_fallback(str(func))
+        v = deq(x, work_dtype(x)).clone()
+        func(v, *args[1:], **kwargs)
+        x._data, x._scale = v.to(x.qdata.dtype), one(v)
+        return x
+    res = functional(*args, **kwargs)
     if isinstance(res, ScaledTensor):
         x._data, x._scale = res.qdata, res.scale
     else:
@@ -391,3 +397,24 @@ for _d in DOMAINS:
 _INPLACE = [aten.add_.Tensor, aten.add_.Scalar, aten.mul_.Tensor, aten.mul_.Scalar,
             aten.div_.Tensor, aten.div_.Scalar, aten.sub_.Tensor]  # fmt: skip
 rule(*_INPLACE)(_inplace)
+
+
+# ---- dropout -------------------------------------------------------------------------------
+
+
+@rule(aten.native_dropout.default)
+def _dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x·m/(1−p)`` (m the Bernoulli keep-mask): ``d = d_x·m`` (exact), ``s = s_x/(1−p)``
+    in training, ``s_x`` otherwise."""
+    x, p, train = args[0], float(args[1]), args[2]
+    _, mask = func(x.qdata, p, train)
+    s = x.scale / (1.0 - p) if train and p < 1.0 else x.scale
+    d = x.qdata * mask
+    return ScaledTensor._wrap(d, s, x.dtype, x._fmt, x.domain), mask
+
+
+@rule(aten.native_dropout_backward.default)
+def _dropout_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``g·m·c`` (c = 1/(1−p)): ``d = d_g·m`` (exact), ``s = s_g·c``."""
+    g, mask, c = args[0], args[1], float(args[2])
+    return ScaledTensor._wrap(g.qdata * mask, g.scale * c, g.dtype, g._fmt, g.domain)

@@ -321,11 +321,12 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 @rule(aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
       aten.full_like.default)  # fmt: skip
 def _like(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """New tensors shaped like ``x``: the op on the data, at scale 1."""
+    """New tensors shaped like ``x``: plain tensors (of ``x``'s logical dtype unless given);
+    nothing to scale yet. Mixed with ScaledTensors later they count as scale 1."""
     x: ScaledTensor = args[0]
-    kw = {k: v for k, v in kwargs.items() if k not in ("dtype", "layout")}
-    d = func(x.qdata.float(), *args[1:], **kw)
-    return out(func, args, d, one(d))
+    kw = dict(kwargs)
+    kw["dtype"] = kw.get("dtype") or x.dtype
+    return func(x.qdata, *args[1:], **kw)
 
 
 @rule(aten._local_scalar_dense.default)
