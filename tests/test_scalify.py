@@ -122,6 +122,16 @@ def test_unit_add_rule_and_pow2_modes() -> None:
         assert torch.equal(y.qdata, (A.qdata.float() * d).half())  # exact: d is k/2^n
 
 
+def test_numbers_bring_their_own_scale() -> None:
+    tiny = st((4, 4), 2.0**-40)
+    y = tiny + 1e-5  # max(2^-40, 1e-5): both terms survive FP16 (scale 1 would flush x)
+    assert float(y.scale) == pytest.approx(1e-5)
+    assert rel(y, val(tiny) + 1e-5) < FP16_TOL
+    w = torch.where(tiny.abs() > 0, tiny, 0.0)
+    assert float(w.scale) == 2.0**-40 and rel(w, val(tiny)) < FP16_TOL
+    assert (tiny + 0.0) is tiny
+
+
 def test_special_scales_short_circuit() -> None:
     z = A * 0.0
     assert float(z.scale) == 0.0 and not z.qdata.any()

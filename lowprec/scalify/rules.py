@@ -38,6 +38,7 @@ from lowprec.scalify.core import (
     rule,
     scalar,
     sqrt_factor,
+    upcast,
     work_dtype,
     wrap,
 )
@@ -74,6 +75,20 @@ def add_pairs(a: Pair, b: Pair, alpha: float, shape: tuple[int, ...]) -> Pair:
     return apply_scale(v, torch.where(s > 0, s, 1.0).to(v.dtype), "div"), s
 
 
+def number_pair(x: Any, ref: Tensor, work: torch.dtype) -> Pair:
+    """A number ``c`` (Python, or a plain 0-dim tensor) as ``(c/|c|, |c|)``: its own
+    scale, so ``x + ε`` with a tiny ``s_x`` gets ``s = max(s_x, ε)``, not 1 (which would
+    flush ``x`` in FP16). Zero has the scale 0 (it never wins a max); ±inf/NaN scale 1."""
+    if isinstance(x, ScaledTensor) or (isinstance(x, Tensor) and x.dim() > 0):
+        return pair(x, work)
+    t = x.to(work) if isinstance(x, Tensor) else torch.tensor(float(x), dtype=work,
+                                                              device=ref.device)  # fmt: skip
+    mag = t.abs()
+    fin = torch.isfinite(mag)
+    d = torch.where(fin & (mag > 0), t / torch.where(mag > 0, mag, 1.0), t)
+    return d, torch.where(fin, mag, 1.0).float()
+
+
 @rule(aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar)
 def _add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``a ± α·b``: :func:`add_pairs`; a zero-scale operand short-circuits to the other."""
@@ -86,10 +101,11 @@ def _add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return a
     if is_zero(a) and alpha == 1.0 and is_st(b) and tuple(a.shape) == tuple(b.shape):
         return b
+    if not isinstance(b, Tensor) and float(b) * alpha == 0.0 and isinstance(a, ScaledTensor):
+        return a
     work = work_dtype(a, b)
     ref = first_st((a, b))
-    pa = pair(a if isinstance(a, Tensor) else torch.tensor(a, device=ref.device), work)
-    pb = pair(b if isinstance(b, Tensor) else torch.tensor(b, device=ref.device), work)
+    pa, pb = number_pair(a, ref, work), number_pair(b, ref, work)
     shape = tuple(torch.broadcast_shapes(pa[0].shape, pb[0].shape))  # type: ignore[no-untyped-call]
     d, s = add_pairs(pa, pb, alpha, shape)
     return out(func, args, d, s)
@@ -219,10 +235,14 @@ def _fp8(d: Tensor, s: Tensor, grad: bool) -> Pair:
     ``r = 2^⌈log2(amax(d)/fmt.max)⌉``: ``d ← r·q(d / r)`` (exact in float32), ``s`` kept:
     the matmul then multiplies FP8 values, as a scaled FP8 GEMM does."""
     fmt = get_format("e5m2" if grad else "e4m3fn")
-    r = compute_scale(d.detach().abs().amax(), fmt, power_of_two=True).to(d.dtype)
     assert fmt.torch_dtype is not None
-    q = (d / r).clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).to(d.dtype)
-    return q * r, s
+    if d.numel() == 0:
+        return d, s
+    lo, hi = torch.aminmax(d.detach())  # one pass (no |d| temporary)
+    r = compute_scale(torch.maximum(hi, -lo), fmt, power_of_two=True).to(d.dtype)
+    # |d/r| <= fmt.max by the power-of-two-up scale: the cast needs no clamp
+    q = (d * (1.0 / r)).to(fmt.torch_dtype).to(d.dtype)  # 1/r: exact (a power of two)
+    return q.mul_(r), s
 
 
 def matmul_pair(a: Any, b: Any, op: Any) -> Pair:
@@ -283,11 +303,11 @@ def _addmm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _addmm_fast(
     func: Any, args: Any, bias: Any, a: Any, b: Any, beta: float, alpha: float
 ) -> ScaledTensor | None:
-    """Per-tensor scales, eager, max add rule, no FP8: one GEMM,
+    """Per-tensor scales, eager, max add rule: one GEMM (after the FP8 casts, if any),
     ``d = (β·s_bias/s)·d_bias + (α·s_a·s_b/s)·(d_a @ d_b)``,
     ``s = max(α·s_a·s_b·c(K), β·s_bias)``."""
     cfg = current_config()
-    if cfg.fp8_matmul or cfg.add_rule != "max" or not all(is_st(t) for t in (bias, a, b)):
+    if cfg.add_rule != "max" or not all(is_st(t) for t in (bias, a, b)):
         return None
     fs = [fscale(t.scale) for t in (bias, a, b)]
     if any(f is None for f in fs):
@@ -300,8 +320,10 @@ def _addmm_fast(
     s = max(fm, beta * fbias)
     if s == 0.0 or not math.isfinite(s):
         return None
-    d = func(bias.qdata.to(work), a.qdata.to(work), b.qdata.to(work),
-             beta=beta * fbias / s, alpha=fm / (c * s))  # fmt: skip
+    da, db = upcast(a.qdata, work), upcast(b.qdata, work)
+    if cfg.fp8_matmul:
+        da, db = _fp8(da, a.scale, a.domain == GRAD)[0], _fp8(db, b.scale, b.domain == GRAD)[0]
+    d = func(bias.qdata.to(work), da, db, beta=beta * fbias / s, alpha=fm / (c * s))
     return out(func, args, d, bias.scale.new_tensor(s))
 
 

@@ -30,6 +30,7 @@ from lowprec.scalify.core import (
     sqrt_factor,
     work_dtype,
 )
+from lowprec.scalify.rules import number_pair
 from lowprec.scaling import apply_scale
 from lowprec.tensor import _LOGICAL, ScaledTensor
 
@@ -140,15 +141,14 @@ def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 @rule(aten.where.self)
 def _where(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``where(c, a, b)``: ``s = max(s_a, s_b)``, ``d = where(c, a, b) / s``."""
+    """``where(c, a, b)``: ``s = max(s_a, s_b)``, ``d = where(c, a, b) / s`` (a number c
+    counts as scale |c|)."""
     c, a, b = args
     check_compatible(a, b)
-    work = work_dtype(a, b)
     ref = first_st((a, b))
-    a = a if isinstance(a, Tensor) else torch.tensor(float(a), device=ref.device)
-    b = b if isinstance(b, Tensor) else torch.tensor(float(b), device=ref.device)
-    v = torch.where(c, deq(a, work), deq(b, work))
-    sa, sb = pair(a, work)[1], pair(b, work)[1]
+    work = work_dtype(a, b)
+    (da, sa), (db, sb) = number_pair(a, ref, work), number_pair(b, ref, work)
+    v = torch.where(c, apply_scale(da, sa.to(work)), apply_scale(db, sb.to(work)))
     s = combine(sa, sb, tuple(v.shape))
     return out(func, args, apply_scale(v, torch.where(s > 0, s, 1.0).to(work), "div"), s)
 
