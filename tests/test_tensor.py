@@ -229,3 +229,38 @@ def test_compile_fullgraph(x: torch.Tensor) -> None:
     assert isinstance(out, ScaledTensor)
     ref = quantize_scaled(x, "e4m3fn")
     assert torch.equal(out.qdata.view(torch.uint8), ref.qdata.view(torch.uint8))
+
+
+def test_domain_rules_and_fallback_apply_to_their_domain_only() -> None:
+    from lowprec.tensor import _DOMAIN_RULES, _FALLBACKS, register_fallback
+
+    neg = torch.ops.aten.neg.default
+    seen: list[str] = []
+
+    @register_rule(neg, domain="test-domain")
+    def _neg(func: object, args: tuple[ScaledTensor, ...], kwargs: dict[str, object]) -> object:
+        t = args[0]
+        return ScaledTensor(-t.qdata, t.scale, dtype=t.dtype, domain=t.domain)
+
+    def _fallback(func: object, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
+        seen.append(str(func))
+        return args[0]
+
+    register_fallback("test-domain", _fallback)
+    try:
+        st = ScaledTensor(torch.tensor([1.0, -3.0]), 0.5, domain="test-domain")
+        assert (-st).dequantize().tolist() == [-0.5, 1.5] and (-st).domain == "test-domain"
+        assert torch.abs(st) is st and seen == ["aten.abs.default"]
+        plain = ScaledTensor(torch.tensor([1.0]), 0.5)  # no domain: neither applies
+        with pytest.raises(NotImplementedError, match=r"aten\.neg"):
+            torch.neg(plain)
+        assert st.detach().domain == "test-domain"  # shared rules keep the domain
+    finally:
+        del _DOMAIN_RULES["test-domain"]
+        del _FALLBACKS["test-domain"]
+
+
+def test_wrapper_has_the_data_strides() -> None:
+    data = torch.randn(4, 6).t()
+    st = ScaledTensor(data, 2.0)
+    assert st.stride() == data.stride() and not st.is_contiguous()
