@@ -19,11 +19,12 @@ from lowprec.unit.umup import umup_param_groups, umup_taus
 
 __all__ = ["UMUP_LR_PER_LR", "apply_unit"]
 
-# η = UMUP_LR_PER_LR · lr: the demo's lr 3e-3 maps to η = 0.125. Measured (unit-scaled
-# CharGPT, fp32, demo config: width 64, depth 2, 300 steps, AdamW, warm-up 20 + cosine),
-# val loss by η: 2.0 -> 2.956, 1.0 -> 2.681, 0.5 -> 2.532, 0.25 -> 2.481, 0.125 -> 2.478
-# (the standard fp32 model at lr 3e-3: ~2.30). Best of the sweep; the gap is not closed.
-UMUP_LR_PER_LR = 0.125 / 3e-3
+# η = UMUP_LR_PER_LR · lr: the demo's lr 3e-3 maps to η = 1.0. Measured (unit-scaled
+# CharGPT, fp32, demo config: width 64, depth 2, 300 steps, batch 32x128, AdamW, warm-up 20
+# + cosine, the lr rules of lowprec.unit.umup), val loss by η: 0.25 -> 2.279, 0.5 -> 2.162,
+# 1.0 -> 2.123, 2.0 -> 2.141 (the standard fp32 model at lr 3e-3: 2.301). At the 120-step
+# test config η 0.5 and 1.0 tie (2.487, 2.483).
+UMUP_LR_PER_LR = 1.0 / 3e-3
 
 
 def apply_unit(
@@ -37,8 +38,8 @@ def apply_unit(
     Example:
         >>> from lowprec.models import CharGPT, ModelConfig
         >>> m, groups = apply_unit(CharGPT(ModelConfig(width=32, depth=1, heads=2)), float8=False, lr=3e-3)
-        >>> sorted(round(g["lr_mult"], 1) for g in groups)  # η/lr · (1/√fan_in, 1/√width, 1)
-        [3.7, 7.4, 41.7]
+        >>> sorted(round(g["lr_mult"], 1) for g in groups)  # η/lr · (1/√128, 1/√32, 1)
+        [29.5, 58.9, 333.3]
     """  # noqa: E501
     unit = unit_scale(model, residual=umup_taus, config=UnitConfig(float8=float8))
     groups = umup_param_groups(unit, UMUP_LR_PER_LR * lr, optimizer="adamw")
