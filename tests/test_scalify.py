@@ -217,6 +217,19 @@ def test_scalify_chargpt_matches_plain_autograd() -> None:
     assert next(iter(s.state_dict())) == "module.tok.weight"
 
 
+def test_bf16_data_format() -> None:
+    m = small_gpt()
+    idx = torch.randint(0, 20, (4, 16), generator=torch.Generator().manual_seed(1))
+    _, ref = m(idx, idx)
+    s = scalify(m, data_format="bf16")
+    logits, loss = s(idx, idx)
+    assert ref is not None
+    # BF16's unit roundoff is 2^-8 (3.9e-3): the loss agrees within ~2 roundings
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-2)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
+
+
 @pytest.mark.parametrize("exp", [-40, 40])
 def test_extreme_input_scales_stay_finite_and_correct(exp: int) -> None:
     torch.manual_seed(0)

@@ -10,6 +10,26 @@ unit scaling (the ``√K`` of a matmul) and automatic bias selection, without ch
 model's maths. Ops without a rule fall back to ``dequantize -> op -> scale 1`` and are
 reported by :func:`coverage`.
 
+API:
+
+* :func:`scalify` (module or function), :class:`Scalified` (the module wrapper: the
+  original is ``.module``, so state_dict keys gain the prefix ``"module."``),
+  :func:`apply_scalify` (the recipes' hook: ``"fp16"`` or ``"fp8"``).
+* :class:`ScalifyConfig` (data format, power-of-two rounding ``none``/``down``/``up``,
+  ``max``/``unit`` add rule, automatic rescale before each cast), :func:`config` (context),
+  :func:`current_config`, :func:`set_config`. One config is active at a time: a scalify'd
+  module activates its own on each forward, for that forward and the backward after it.
+* :func:`as_scaled`, :func:`scaled`, :func:`unscale`, :func:`rebalance`,
+  :func:`dynamic_rescale` (``max``/``l1``/``l2``): by hand, inside a model.
+* :func:`coverage` / :func:`reset_coverage`: op calls by rule and by fallback.
+
+Inside a scalify'd module every submodule sees ScaledTensors (domain ``"scalify"``; their
+gradients domain ``"scalify.grad"``) as inputs, outputs, parameters and output gradients:
+forward hooks and ``Tensor.register_hook`` callbacks receive ScaledTensors (read
+``.qdata`` for the stored data, ``.dequantize()`` for the value). Under ``torch.compile``
+the rules are traced; set ``torch._inductor.config.emulate_precision_casts = True`` for
+the eager roundings (inductor otherwise keeps fused FP16 round trips in FP32).
+
 Example:
     >>> import torch
     >>> from lowprec.scalify import scalify, coverage, reset_coverage
