@@ -26,8 +26,11 @@ unsupported types are named in a WARNING at transform time, functions at their f
 are kept as they are: CharGPT's ``q kᵀ·d^-½`` after the unit matmul's own ``d^-½`` gives
 u-μP's ``1/d`` attention-logit scale.
 
-``float8=True``: every matmul (``F.linear``, ``matmul``) rounds its operands to E4M3 and the
-gradient flowing into its output to E5M2, saturating, with no scales (the paper's setting).
+``float8=True``: every matmul (``F.linear``, ``matmul``) but the readout's rounds its operands
+to E4M3 and the gradient flowing into its output to E5M2, saturating, with no scales (the
+paper's setting). The readout stays in the model's dtype unless ``UnitConfig.float8_readout``
+(as the float8 recipes keep the head in BF16: in FP8 it cost CharGPT about 1% of val loss
+at the 120-step test config, the rest of the model in FP8 under 0.2%).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import copy
 import logging
 import math
 import operator
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -58,10 +62,12 @@ class UnitConfig:
     """Run-time settings of a unit-scaled model (u-μP's hyperparameter ``mult``s included).
 
     ``act_mult`` multiplies the input of gelu/silu; ``softmax_mult`` the softmax logits;
-    ``output_mult`` the readout's forward.
+    ``output_mult`` the readout's forward. ``float8_readout``: with ``float8``, round the
+    readout's matmul to FP8 too (default: it runs in the model's dtype).
     """
 
     float8: bool = False
+    float8_readout: bool = False
     strict: bool = False
     act_mult: float = 1.0
     softmax_mult: float = 1.0
@@ -361,9 +367,10 @@ def unit_scale(
     head = _find_readout(model, readout)
     if head is not None:
         fan_in = cast(nn.Linear, model.get_submodule(head)).in_features
-        model.get_submodule(head).register_forward_hook(
-            _ReadoutScale(cfg.output_mult / math.sqrt(fan_in))
-        )
+        head_module = model.get_submodule(head)
+        head_module.register_forward_hook(_ReadoutScale(cfg.output_mult / math.sqrt(fan_in)))
+        if cfg.float8 and not cfg.float8_readout:
+            head_module.forward = types.MethodType(_readout_forward, head_module)  # type: ignore[method-assign]
     if bad or left:
         log.warning(
             "unit_scale: no unit-scaling rule for %s; left unchanged (standard init and ops)",
@@ -388,6 +395,11 @@ class _ReadoutScale:
 
     def __call__(self, module: nn.Module, args: Any, out: Tensor) -> Tensor:
         return scale_fwd(out, self.factor)
+
+
+def _readout_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    """The readout's forward under ``float8``: the unit linear without FP8 rounding."""
+    return U.linear(x, self.weight, self.bias)
 
 
 def _find_readout(model: nn.Module, readout: str | None) -> str | None:
