@@ -370,7 +370,8 @@ def unit_scale(
         head_module = model.get_submodule(head)
         head_module.register_forward_hook(_ReadoutScale(cfg.output_mult / math.sqrt(fan_in)))
         if cfg.float8 and not cfg.float8_readout:
-            head_module.forward = types.MethodType(_readout_forward, head_module)  # type: ignore[method-assign]
+            fwd = types.MethodType(_readout_forward, head_module)
+            head_module.forward = fwd  # type: ignore[method-assign]
     if bad or left:
         log.warning(
             "unit_scale: no unit-scaling rule for %s; left unchanged (standard init and ops)",
