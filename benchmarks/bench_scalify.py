@@ -7,7 +7,9 @@ Eager scalify runs every aten op through a Python ``__torch_dispatch__`` rule an
 each output to FP16 (CPU GEMMs run in FP32 on the FP16 values), so its overhead is the
 dispatch plus the casts; compiled, the rules are traced away and inductor fuses the casts.
 ``--threads`` defaults to 1 (shared 2-core machine); ``--quick``: tiny shape, temp JSON;
-``--no-compile`` skips the compiled rows. Compiled models are compiled (and checked to run
+``--no-compile`` skips the compiled rows; ``--train-steps 300`` also trains FP32,
+fp16-scalify and fp8-scalify at the demo config and records their val losses (issue 6's
+goal: within 1% of FP32). Compiled models are compiled (and checked to run
 their compiled graph) before timing: their "first call" column excludes compilation,
 recorded as ``compile_s``.
 """
@@ -47,6 +49,34 @@ def _step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[A
     return step
 
 
+def train_val_loss(fmt: str, steps: int) -> dict[str, Any]:
+    """Train CharGPT at the demo config (lowprec.demo.DEMO_CONFIG: width 64, depth 2,
+    heads 4, seq 128, batch 32, AdamW lr 3e-3, warm-up 20 + cosine; ``steps`` steps) with
+    lowprec.train's data, seed and schedule; FP32 (``fmt="fp32"``) or ``apply_scalify``."""
+    from lowprec.demo import DEMO_CONFIG as cfg
+
+    data = CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = CharGPT(cfg.model_config(data.vocab_size))
+    run = model if fmt == "fp32" else apply_scalify(model, data_format=fmt)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    times = []
+    for step in range(steps):
+        x, y = data.batch("train", step)
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr_at(step) if steps == cfg.steps else cfg.lr
+        t0 = time.perf_counter()
+        _, loss = run(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    with torch.no_grad():
+        val = [float(run(*data.batch("val", i))[1]) for i in range(cfg.eval_batches)]
+    return {"val_loss": sum(val) / len(val), "train_loss": float(loss.detach()),
+            "median_ms_per_step": 1e3 * sorted(times)[len(times) // 2]}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -54,6 +84,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="also train fp32/fp16/fp8 at the demo config (300: the demo)")  # fmt: skip
     a = ap.parse_args()
     setup_torch(a.threads, cold_compile=False)
     import torch._inductor.config as inductor_config
@@ -104,6 +136,16 @@ def main() -> None:
     rec["inductor_emulate_precision_casts"] = True
     rec["fallbacks"] = coverage().fallbacks
     print({k: round(v, 3) for k, v in rec.items() if k.startswith("ratio_")})
+    if a.train_steps:
+        runs = {f: train_val_loss(f, a.train_steps) for f in ("fp32", "fp16", "fp8")}
+        ref = runs["fp32"]["val_loss"]
+        for r in runs.values():
+            r["val_gap_vs_fp32"] = r["val_loss"] / ref - 1.0
+        rec["demo_training"] = {"steps": a.train_steps, "goal_val_gap": 0.01, "runs": runs}
+        print_table(f"demo-config training, {a.train_steps} steps",
+                    ["run", "val loss", "gap vs fp32", "ms/step"],
+                    [[f, r["val_loss"], r["val_gap_vs_fp32"], r["median_ms_per_step"]]
+                     for f, r in runs.items()])  # fmt: skip
     write_json(rec, a.out or default_out("scalify_cpu", a.quick))
 
 
