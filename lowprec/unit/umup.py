@@ -21,12 +21,13 @@ is the *relative* step of a tensor whose scale is 1 (all are, at unit-scaled ini
   up to ``η`` (aligned update, ``fan_in`` terms of ``η/fan_in``): μP's rule, width-stable.
 * bias and norm gain/bias: they enter a unit-scale activation directly, so we give them the
   per-entry step of the weights of their layer, ``η/√fan_in`` (a norm: ``η/√width``).
-  u-μP itself has no biases and non-parametric norms; with the u-μP ``η`` they would move
-  ``√fan_in`` times faster than a weight entry (8x at width 64, 40x the standard model's
-  relative step), which measured as the largest loss of the unit-scaled CharGPT.
+  u-μP itself has no biases and non-parametric norms; at ``η`` they would move ``√fan_in``
+  times faster than a weight entry (8x at width 64). Measured on CharGPT (120-step test
+  config, width 64, η 0.5): val loss 2.624 with ``η``, 2.487 with ``η/√fan_in``, 2.491
+  with them frozen (u-μP's choice).
 * embedding: a unit-variance table read out as it is: μP's input-weight rule ``η``
-  (constant in width). u-μP's ``η/√fan_out`` trained CharGPT markedly worse (val loss
-  +0.14 at the 120-step test config, width 64), so we keep μP's.
+  (constant in width). u-μP's ``η/√fan_out`` trained CharGPT markedly worse (2.628 against
+  2.487 at the same config), so we keep μP's.
 * readout: forward ``1/fan_in`` (μP), entries step ``η``: the logits move by up to ``η``.
 
 ``depth`` (optional, the number of residual layers): depth-μP's ``1/√depth`` on hidden
@@ -35,8 +36,9 @@ weights, paired with the residual rule of :func:`umup_taus`: the embedding carri
 shrinks as ``1/n`` when the model deepens. The hyperparameter ``mult``\\ s (``act_mult``,
 ``softmax_mult``, ``output_mult`` of :class:`lowprec.unit.transform.UnitConfig`, and
 ``residual_mult`` here) are the only other knobs; at 1 they are near-optimal, so
-**sweeping only η** is enough (``tests/test_unit_umup.py`` checks this on CharGPT at two
-widths). SGD gets the same factors: with unit-scaled gradients an SGD step has the size of
+**sweeping only η** is enough: the best η of CharGPT at widths 32 and 128 agrees
+(``tests/test_unit_umup.py``, cheap; ``benchmarks/bench_umup_sweep.py``, the 120-step
+config). SGD gets the same factors: with unit-scaled gradients an SGD step has the size of
 an Adam step at initialisation.
 """
 
