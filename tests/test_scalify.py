@@ -393,3 +393,18 @@ def test_torch_compile_scalified_module() -> None:
     assert torch.allclose(y, y_eager, rtol=1e-5, atol=1e-6)
     for p, g in zip(mlp.parameters(), g_eager, strict=True):
         assert p.grad is not None and torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6)
+
+
+def test_config_validation_and_presets() -> None:
+    with pytest.raises(ValueError, match=r"unknown scalify preset 'fp7'; valid: \["):
+        ScalifyConfig.from_name("fp7")
+    with pytest.raises(ValueError, match="pow2 must be one of"):
+        ScalifyConfig(pow2="nearest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="data_format must be one of"):
+        ScalifyConfig(data_format="fp4")
+    assert ScalifyConfig.from_name("fp8").storage_dtype == torch.float16  # FP8 only in GEMMs
+    with config(rescale="max", pow2="up"):
+        y = F.gelu(st((16, 16), 2.0**-30)) * 1000.0
+    # the automatic rescale puts each output's max |data| in (1/2, 1]: power of two up
+    assert 0.5 < float(y.qdata.abs().max()) <= 1.0
+    assert rel(y, F.gelu(val(st((16, 16), 2.0**-30))) * 1000.0) < FP16_TOL
