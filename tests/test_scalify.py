@@ -333,6 +333,7 @@ def test_fp8_matmul_rounds_operands_to_fp8_grids() -> None:
         q, s = _fp8(d, torch.ones(()), grad)
         r = compute_scale(d.abs().amax(), "e5m2" if grad else "e4m3fn", power_of_two=True)
         assert torch.equal(q / r, (q / r).to(dt).float()) and float(s) == 1.0  # on the grid
+        assert torch.equal(q, (d / r).to(dt).float() * r)  # torch's own rounding, exactly
         eps = 2.0**-3 if grad else 2.0**-4  # unit roundoff of E5M2 / E4M3
         assert float(((q - d).abs() / d.abs().clamp_min(1e-2)).max()) <= eps * 1.01
 
