@@ -14,6 +14,7 @@ from lowprec.formats import quantize
 from lowprec.models import CharGPT, ModelConfig
 from lowprec.unit import umup_param_groups, unit_scale
 from lowprec.unit.recipe import apply_unit
+from lowprec.unit.transform import UnitConfig
 from lowprec.unit.umup import tag_params
 
 CFG = ModelConfig(vocab_size=65, width=64, depth=2, heads=4, seq_len=64)
@@ -182,7 +183,7 @@ def test_unsupported_ops_reported(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_float8_rounds_operands_and_grads() -> None:
     torch.manual_seed(0)
-    u = unit_scale(CharGPT(CFG), float8=True)
+    u = unit_scale(CharGPT(CFG), config=UnitConfig(float8=True, float8_readout=True))
     seen_in: list[Tensor] = []
     seen_grad: list[Tensor] = []
 
@@ -215,6 +216,28 @@ def test_float8_rounds_operands_and_grads() -> None:
     u32 = unit_scale(CharGPT(CFG))
     x = u32.tok.weight.detach()
     assert not torch.equal(quantize(x, "e4m3fn"), x)
+
+
+def test_float8_leaves_the_readout_unrounded() -> None:
+    """Default ``float8``: the readout's matmul sees unrounded operands (its output is the
+    plain unit linear with the readout's 1/√fan_in); every other linear is FP8."""
+    torch.manual_seed(0)
+    u = unit_scale(CharGPT(CFG), float8=True)
+    seen: dict[str, tuple[Tensor, Tensor]] = {}
+    for name in ("head", "blocks.0.fc"):
+        u.get_submodule(name).register_forward_hook(
+            lambda m, a, o, name=name: seen.__setitem__(name, (a[0], o))
+        )
+    u(_idx(), _idx())
+    x, out = seen["head"]
+    assert not torch.equal(quantize(x.detach(), "e4m3fn", saturate=True), x.detach())
+    ref = F.linear(x, u.head.weight) / u.head.in_features  # fwd 1/√fan_in twice, exact here
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    x, out = seen["blocks.0.fc"]
+    xq = quantize(x, "e4m3fn", saturate=True)
+    wq = quantize(u.blocks[0].fc.weight, "e4m3fn", saturate=True)
+    ref = F.linear(xq, wq) / math.sqrt(x.shape[-1]) + u.blocks[0].fc.bias
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_umup_groups_and_apply_unit() -> None:
