@@ -68,8 +68,24 @@ _SILU_M2 = gauss_moment(lambda x: x * _sig(x))  # E[silu(X)^2] (uncentred)
 _RELU = (0.5 - 1 / (2 * math.pi), 0.5)  # exact (the kink defeats quadrature)
 
 
-def _fp8(x: Tensor, on: bool) -> Tensor:
-    return fp8_operand(x) if on else x
+def _product(
+    f: Callable[[Tensor, Tensor], Tensor], a: Tensor, b: Tensor, s_out: float, s_a: float,
+    s_b: float, float8: bool,
+) -> Tensor:  # fmt: skip
+    """``y = s_out·f(a, b)`` with ``∂a = s_a·(∂f/∂a)ᵀg``, ``∂b = s_b·(∂f/∂b)ᵀg`` (``f``
+    bilinear: a matmul). Without ``float8`` every scale is applied to an operand or to the
+    incoming gradient, never to a product: ``f(scale_fwd(a, s_out), b)``, ``s_a·g`` into
+    ``f``'s backward, and ``b``'s gradient corrected by ``s_b/(s_out·s_a)``. So neither
+    pass materialises an unscaled product, ``√K`` times the unit output (``K`` the summed
+    dim; in FP16 that lost ``√K`` of headroom was the first overflow of fp16-unit at a high
+    learning rate). With ``float8`` the operands are E4M3 values (rounded, unscaled) and
+    the product, in a wide-range dtype, is scaled as the maths reads.
+    """
+    if float8:
+        a, b = fp8_operand(scale_bwd(a, s_a)), fp8_operand(scale_bwd(b, s_b))
+        return scale_fwd(fp8_grad(f(a, b)), s_out)
+    y = f(scale_fwd(a, s_out), scale_bwd(b, s_b / (s_out * s_a)))
+    return scale_bwd(y, s_a)
 
 
 @_unit_op
@@ -87,9 +103,7 @@ def matmul(
     k, n = b.shape[-2], b.shape[-1]
     m = max(1, a.numel() // k // max(1, b.numel() // (k * n)))
     s_out, s_a, s_b = apply_constraint(constraint, k**-0.5, n**-0.5, m**-0.5)
-    a, b = _fp8(scale_bwd(a, s_a), float8), _fp8(scale_bwd(b, s_b), float8)
-    y = torch.matmul(a, b)
-    return scale_fwd(fp8_grad(y) if float8 else y, s_out)
+    return _product(torch.matmul, a, b, s_out, s_a, s_b, float8)
 
 
 def _linear(
@@ -108,10 +122,7 @@ def _linear(
     fan_out, fan_in = weight.shape
     batch = max(1, x.numel() // fan_in)
     s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
-    x = _fp8(scale_bwd(x, s_x), float8)
-    w = _fp8(scale_bwd(weight, batch**-0.5), float8)
-    y = F.linear(x, w)
-    y = scale_fwd(fp8_grad(y) if float8 else y, s_out)
+    y = _product(F.linear, x, weight, s_out, s_x, batch**-0.5, float8)
     return y if bias is None else y + scale_bwd(bias, batch**-0.5)
 
 
