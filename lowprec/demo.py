@@ -22,12 +22,17 @@ from lowprec.recipes import get_recipe
 from lowprec.report import plot_runs, write_report
 from lowprec.train import RunError, TrainConfig, train
 
-__all__ = ["DEMO_CONFIG", "DEMO_RECIPES", "QUICK_CONFIG", "run_demo"]
+__all__ = ["DEMO_CONFIG", "DEMO_RECIPES", "GAP_REFERENCES", "QUICK_CONFIG", "run_demo"]
 
 DEMO_RECIPES = (
     "fp32", "bf16", "amp-bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls",
     "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8",
+    "fp32-unit", "fp16-unit", "bf16-unit", "fp8-unit",
+    "fp16-scalify", "fp8-scalify",
 )
+# Each recipe's loss gap is shown against these references, where the run has them: fp32
+# for all, bf16 for the float8 recipes (BF16 master compute), fp32-unit for the unit-scaled.
+GAP_REFERENCES = ("fp32", "bf16", "fp32-unit")
 
 # 4096 characters a batch: the mean loss makes each logit's gradient about p/4096, so
 # with a width of 64 most FP16 activation gradients are subnormal (see the README).
@@ -66,7 +71,7 @@ def run_demo(
     t0 = time.perf_counter()
     for r in recipes:
         results.append(train(replace(base, recipe=r), out / r, progress=progress))
-    for base_name in ("fp32", "bf16"):  # bf16 is the float8 recipes' reference
+    for base_name in GAP_REFERENCES:
         ref = next((s["val_loss"] for s in results if s["recipe"] == base_name), None)
         for s in results:
             s[f"val_gap_to_{base_name}"] = None if ref is None else s["val_loss"] / ref - 1.0
@@ -92,12 +97,16 @@ def results_table(results: list[dict[str, Any]], cfg: TrainConfig, seconds: floa
         )
     )
     for col in (
-        "recipe", "train loss", "val loss", "val bpc", "gap to fp32", "gap to bf16", "skipped",
+        "recipe", "train loss", "val loss", "val bpc",
+        *(f"gap to {r}" for r in GAP_REFERENCES), "skipped",
         "act-grad underflow", "act-grad zeros", "ms/step",
     ):
-        table.add_column(col, justify="left" if col == "recipe" else "right")
+        if col == "recipe":  # never wrapped or cut: the name is what a reader looks for
+            table.add_column(col, no_wrap=True, min_width=max(len(s["recipe"]) for s in results))
+        else:
+            table.add_column(col, justify="right")
     for s in results:
-        gaps = [s.get("val_gap_to_fp32"), s.get("val_gap_to_bf16")]
+        gaps = [s.get(f"val_gap_to_{r}") for r in GAP_REFERENCES]
         table.add_row(
             s["recipe"],
             f"{s['train_loss']:.4f}",

@@ -228,9 +228,10 @@ for _dt, _what in (
 register(
     Recipe(
         "fp8-unit",
-        "Unit-scaled model with u-muP learning rates; every matmul's inputs rounded to E4M3 "
-        "in forward and its gradients to E5M2 in backward, with no per-tensor scales and no "
-        "loss scaling (BF16 params, FP32 master weights)",
+        "Unit-scaled model with u-muP learning rates; every hidden matmul's inputs rounded "
+        "to E4M3 in forward and its gradients to E5M2 in backward, with no per-tensor scales "
+        "and no loss scaling; the readout matmul stays in BF16 (BF16 params, FP32 "
+        "master weights)",
         "bf16",
         True,
         technique="unit",

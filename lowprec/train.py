@@ -28,6 +28,7 @@ from lowprec.amp import grad_stats
 from lowprec.analysis.tracking import Tracker
 from lowprec.models import CharData, CharGPT, ModelConfig
 from lowprec.recipes import Prepared, get_recipe, prepare
+from lowprec.tensor import ScaledTensor
 
 __all__ = ["RunError", "TrainConfig", "evaluate", "train"]
 
@@ -301,9 +302,13 @@ class GradMeter:
             output.register_hook(self._on_grad)  # type: ignore[no-untyped-call]
 
     def _on_grad(self, grad: torch.Tensor) -> None:
-        a = grad.detach().abs()
+        # A scalify gradient is ``qdata * scale``: what underflows is the stored payload,
+        # in its storage dtype (the scale carries the range), not the dequantized value.
+        data = grad.qdata if isinstance(grad, ScaledTensor) else grad
+        tiny = torch.finfo(data.dtype).tiny
+        a = data.detach().float().abs()
         self.counts[0] += a.numel()
-        self.counts[1] += int((a < torch.finfo(a.dtype).tiny).sum())
+        self.counts[1] += int((a < tiny).sum())
         self.counts[2] += int((a == 0).sum())
 
     def reset(self) -> None:

@@ -51,6 +51,7 @@ def test_default_recipes_cover_the_issue() -> None:
     assert set(DEMO_RECIPES) == {
         "fp32", "bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls", "amp-bf16",
         "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8",
+        "fp32-unit", "fp16-unit", "bf16-unit", "fp8-unit", "fp16-scalify", "fp8-scalify",
     }
 
 

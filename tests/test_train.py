@@ -151,3 +151,20 @@ def test_cli_train_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
             main(["train", *bad])
         assert e.value.code == 2
         assert msg in capsys.readouterr().err
+
+
+def test_grad_meter_counts_stored_payload_of_scaled_gradients() -> None:
+    """Underflow is judged in the dtype the gradient is stored in. A plain FP16 gradient of
+    magnitude 2^-20 (an FP16 subnormal: below the smallest normal, 2^-14) counts; the same
+    values as a scalify ScaledTensor (FP16 payload 1.0, scale 2^-20) are stored exactly and
+    do not. Zeros count as zeros either way."""
+    from lowprec.tensor import ScaledTensor
+
+    meter = train_mod.GradMeter(torch.nn.Identity())
+    vals = torch.tensor([2.0**-20, -(2.0**-20), 0.0, 2.0**-20])
+    meter._on_grad(vals.to(torch.float16))
+    assert meter.result() == {"act_grad_underflow": 1.0, "act_grad_zero": 0.25}
+    meter.reset()
+    payload = torch.tensor([1.0, -1.0, 0.0, 1.0], dtype=torch.float16)
+    meter._on_grad(ScaledTensor(payload, torch.tensor(2.0**-20)))
+    assert meter.result() == {"act_grad_underflow": 0.25, "act_grad_zero": 0.25}
