@@ -26,8 +26,10 @@ from lowprec.amp import (
     Fp16MatmulInFp32,
     LossScaler,
     MasterWeights,
+    MatmulInFp32,
     NoLossScaler,
     StaticLossScaler,
+    native_bf16_matmul,
 )
 from lowprec.float8 import Float8Recipe, convert_to_float8
 
@@ -273,7 +275,7 @@ class Prepared:
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
-        """Context for forward and backward: autocast and/or CPU FP16 matmul handling."""
+        """Context for forward and backward: autocast and/or CPU FP16/BF16 matmul handling."""
         with contextlib.ExitStack() as stack:
             if self.recipe.autocast is not None:
                 device = next(self.model.parameters()).device.type
@@ -282,6 +284,12 @@ class Prepared:
                 )
             if self.recipe.param_dtype == "fp16" and _on_cpu(self.model):
                 stack.enter_context(Fp16MatmulInFp32())  # type: ignore[no-untyped-call]
+            elif (
+                self.recipe.param_dtype == "bf16"
+                and _on_cpu(self.model)
+                and not native_bf16_matmul()
+            ):
+                stack.enter_context(MatmulInFp32(torch.bfloat16))  # type: ignore[no-untyped-call]
             yield
 
     def zero_grad(self) -> None:

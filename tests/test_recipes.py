@@ -100,3 +100,32 @@ def test_technique_validation() -> None:
                  "fp8-scalify"):
         r = get_recipe(name)
         assert Recipe.from_dict(r.to_dict()) == r
+
+
+@pytest.mark.parametrize("name", ["bf16", "amp-bf16"])
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_recipes_use_fp32_products_without_native_bf16(
+    monkeypatch: pytest.MonkeyPatch, name: str, native: bool
+) -> None:
+    """On a CPU without BF16 instructions the bf16 recipe takes its products in FP32 and
+    rounds once (lowprec.amp.MatmulInFp32); with them, torch's own BF16 GEMM runs.
+    amp-bf16 always leaves its products to autocast."""
+    import lowprec.amp
+    import lowprec.recipes
+
+    monkeypatch.setattr(lowprec.recipes, "native_bf16_matmul", lambda: native)
+    seen: list[torch.dtype] = []
+    real = lowprec.amp.MatmulInFp32.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        seen.append(self.dtype)
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(lowprec.amp.MatmulInFp32, "__torch_function__", spy)
+    torch.manual_seed(0)
+    run = prepare(nn.Linear(8, 4), name, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    x = torch.randn(2, 8, dtype=torch.bfloat16 if name == "bf16" else torch.float32)
+    with run.compute():
+        y = run.model(x)
+    assert y.dtype == torch.bfloat16
+    assert (torch.bfloat16 in seen) is (not native and name == "bf16")
