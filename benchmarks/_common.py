@@ -282,3 +282,21 @@ def ran_compiled(out: torch.Tensor | None) -> bool:
             seen.add(fn)
             todo.extend(nxt for nxt, _ in fn.next_functions)
     return False
+
+
+def lm_step_fn(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[Any]
+) -> Callable[[], None]:
+    """One training step of a ``model(x, y) -> (logits, loss)`` language model per call,
+    cycling through ``batches``: forward, backward, optimizer step, zero_grad."""
+    i = [0]
+
+    def step() -> None:
+        x, y = batches[i[0] % len(batches)]
+        i[0] += 1
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step

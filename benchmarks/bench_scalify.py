@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from _common import (
     default_out,
+    lm_step_fn,
     print_table,
     ran_compiled,
     run_record,
@@ -33,20 +34,6 @@ from _common import (
 
 from lowprec.models import CharData, CharGPT, ModelConfig
 from lowprec.scalify import apply_scalify, coverage, reset_coverage
-
-
-def _step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[Any]) -> Any:
-    i = [0]
-
-    def step() -> None:
-        x, y = batches[i[0] % len(batches)]
-        i[0] += 1
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 def train_val_loss(fmt: str, steps: int) -> dict[str, Any]:
@@ -109,7 +96,7 @@ def main() -> None:
             m = base if name == "plain" else apply_scalify(base, data_format=name.split("-")[0])
             opt = torch.optim.AdamW(base.parameters(), lr=3e-3)
             run = torch.compile(m) if mode == "compiled" else m
-            calls[f"{name}/{mode}"] = _step_fn(run, opt, batches)
+            calls[f"{name}/{mode}"] = lm_step_fn(run, opt, batches)
             if mode == "compiled":  # compile now, and check the graph really is used
                 t0 = time.perf_counter()
                 _, loss = run(*batches[0])

@@ -15,24 +15,18 @@ import argparse
 from typing import Any
 
 import torch
-from _common import default_out, print_table, run_record, setup_torch, time_many, write_json
+from _common import (
+    default_out,
+    lm_step_fn,
+    print_table,
+    run_record,
+    setup_torch,
+    time_many,
+    write_json,
+)
 
 from lowprec.models import CharData, CharGPT, ModelConfig
 from lowprec.unit import umup_param_groups, unit_scale
-
-
-def _step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[Any]) -> Any:
-    i = [0]
-
-    def step() -> None:
-        x, y = batches[i[0] % len(batches)]
-        i[0] += 1
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 def _peer_step(shape: dict[str, int], batches: list[Any], compiled: bool) -> Any:
@@ -107,7 +101,7 @@ def main() -> None:
             else:
                 opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
             run = torch.compile(m) if mode == "compiled" else m
-            calls[f"{name}/{mode}"] = _step_fn(run, opt, batches)
+            calls[f"{name}/{mode}"] = lm_step_fn(run, opt, batches)
     peer = _peer_status()
     if peer.endswith("importable"):
         for mode in ("eager", "compiled"):

@@ -181,21 +181,11 @@ def _softmax(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return out(func, args, v, one(v))
 
 
-@rule(aten._softmax_backward_data.default)
+@rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
 def _softmax_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``y ⊙ (g − Σ g⊙y)`` (y = softmax output): ``d = y ⊙ (d_g − Σ d_g⊙y)``, ``s = s_g``."""
-    g, y, dim = args[0], args[1], args[2]
-    work = work_dtype(g, y)
-    dg, sg = pair(g, work)
-    if not scalar(sg):
-        sg = sg.amax()
-        dg = deq(g, work) / sg.to(work)
-    return out(func, args, func(dg, deq(y, work), dim, work), sg)
-
-
-@rule(aten._log_softmax_backward_data.default)
-def _log_softmax_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``g − exp(y)·Σ g`` (y = log_softmax output): ``d = d_g − exp(y)·Σ d_g``, ``s = s_g``."""
+    """softmax: ``y ⊙ (g − Σ g⊙y)``; log_softmax: ``g − exp(y)·Σ g`` (``y`` the forward
+    output). Both are linear in ``g``: ``d`` = the same formula on ``d_g``, ``s = s_g``
+    (a non-scalar ``s_g`` is folded to its max first, as the sum mixes rows)."""
     g, y, dim = args[0], args[1], args[2]
     work = work_dtype(g, y)
     dg, sg = pair(g, work)
