@@ -258,6 +258,18 @@ def print_table(
     Console(width=max(140, len(title))).print(table)
 
 
+def print_mode_ratio_table(
+    title: str, timings: Mapping[str, Timing], baseline: str, ratio_header: str
+) -> None:
+    """Print step times keyed ``"<variant>/<mode>"`` with each one's ratio to
+    ``"<baseline>/<mode>"`` (the same mode: eager against eager, compiled against compiled)."""
+    rows = []
+    for k, v in timings.items():
+        base_ms = timings[f"{baseline}/{k.split('/')[1]}"].median_ms
+        rows.append([k, v.median_ms, v.median_ms / base_ms, v.first_call_ms / 1e3])
+    print_table(title, ["variant", "ms/step", ratio_header, "first call s"], rows)
+
+
 def _fmt_cell(v: object) -> str:
     if v is None:
         return "-"

@@ -24,6 +24,7 @@ import torch
 from _common import (
     default_out,
     lm_step_fn,
+    print_mode_ratio_table,
     print_table,
     ran_compiled,
     run_record,
@@ -104,12 +105,8 @@ def main() -> None:
                 compiled_ok[name] = ran_compiled(loss)
     reset_coverage()
     t = time_many(calls, repeats=a.repeats, warmup=3, min_repeat_s=0.3)
-    rows = []
-    for k, v in t.items():
-        base_ms = t[f"plain/{k.split('/')[1]}"].median_ms
-        rows.append([k, v.median_ms, v.median_ms / base_ms, v.first_call_ms / 1e3])
-    print_table("scalify'd vs plain FP32 CharGPT step (fwd+bwd+AdamW)",
-                ["variant", "ms/step", "x plain (same mode)", "first call s"], rows)  # fmt: skip
+    print_mode_ratio_table("scalify'd vs plain FP32 CharGPT step (fwd+bwd+AdamW)", t,
+                           "plain", "x plain (same mode)")  # fmt: skip
     rec = run_record("bench_scalify", "cpu", shape=shape, threads=a.threads)
     rec["timings"] = {k: v.as_dict() for k, v in t.items()}
     for fmt in ("fp16", "fp8"):

@@ -18,7 +18,7 @@ import torch
 from _common import (
     default_out,
     lm_step_fn,
-    print_table,
+    print_mode_ratio_table,
     run_record,
     setup_torch,
     time_many,
@@ -107,12 +107,8 @@ def main() -> None:
         for mode in ("eager", "compiled"):
             calls[f"unit-scaling pkg/{mode}"] = _peer_step(shape, batches, mode == "compiled")
     t = time_many(calls, repeats=a.repeats, warmup=3, min_repeat_s=0.3)
-    rows = []
-    for k, v in t.items():
-        base = t[f"standard/{k.split('/')[1]}"].median_ms
-        rows.append([k, v.median_ms, v.median_ms / base, v.first_call_ms / 1e3])
-    print_table("unit-scaled vs standard CharGPT step (fwd+bwd+AdamW)",
-                ["variant", "ms/step", "x standard (same mode)", "first call s"], rows)  # fmt: skip
+    print_mode_ratio_table("unit-scaled vs standard CharGPT step (fwd+bwd+AdamW)", t,
+                           "standard", "x standard (same mode)")  # fmt: skip
     rec = run_record("bench_unit", "cpu", shape=shape, threads=a.threads)
     rec["timings"] = {k: v.as_dict() for k, v in t.items()}
     rec["ratio_eager"] = t["unit/eager"].median_ms / t["standard/eager"].median_ms

@@ -239,6 +239,7 @@ def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
     """Four panels for several runs: loss curves (train EMA, val dots), the val-loss gap to
     the first run, the share of activation gradients below their dtype's smallest normal,
     and the loss scale."""
+    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -246,24 +247,29 @@ def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
     FigureCanvasAgg(fig)
     (ax, ax_gap), (ax_uf, ax_s) = fig.subplots(2, 2)
     ref: dict[int, float] = {}
+    # Up to 10 runs: matplotlib's tab10 cycle. More (the demo has 16): tab20's 20 colours,
+    # runs after the 10th dashed, so that no two runs share a colour and a line style.
+    palette = matplotlib.colormaps["tab10" if len(runs) <= 10 else "tab20"]
     for k, run in enumerate(runs):
         recs = read_metrics(run)
         name = Path(run).name
         steps = [r["step"] for r in recs]
-        (line,) = ax.plot(steps, _ema([r["loss"] for r in recs], 0.9), lw=1.3, label=name)
-        color = line.get_color()
+        color = palette(k % palette.N)
+        ls = "-" if k < 10 else "--"
+        ax.plot(steps, _ema([r["loss"] for r in recs], 0.9), lw=1.3, ls=ls, color=color,
+                label=name)
         vals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
         if vals:
             ax.plot(list(vals), list(vals.values()), "o", ms=3, color=color)
         if k == 0:
             ref = vals
         common = [s for s in vals if s in ref]
-        ax_gap.plot(common, [100 * (vals[s] / ref[s] - 1) for s in common], "o-", ms=3,
-                    lw=1.2, color=color, label=name)
+        ax_gap.plot(common, [100 * (vals[s] / ref[s] - 1) for s in common], marker="o", ms=3,
+                    lw=1.2, ls=ls, color=color, label=name)
         uf = [(r["step"], 100 * r["act_grad_underflow"]) for r in recs if "act_grad_underflow" in r]
         if uf:
-            ax_uf.plot(*zip(*uf, strict=True), lw=1.2, color=color, label=name)
-        ax_s.plot(steps, [r["loss_scale"] for r in recs], lw=1.3, color=color, label=name)
+            ax_uf.plot(*zip(*uf, strict=True), lw=1.2, ls=ls, color=color, label=name)
+        ax_s.plot(steps, [r["loss_scale"] for r in recs], lw=1.3, ls=ls, color=color, label=name)
     first = Path(runs[0]).name if runs else ""
     ax.set(xlabel="step", ylabel="loss (nats/char)", title="train loss (EMA 0.9) and val (dots)")
     ax_gap.axhline(0.0, color="black", lw=0.8)
