@@ -312,3 +312,17 @@ def lm_step_fn(
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def reference_lm_setup(quick: bool) -> tuple[dict[str, int], Any, list[Any]]:
+    """The reference CharGPT at the demo's training shape (batch 32 x 128, width 64, depth 2,
+    4 heads; ``quick``: a tiny one): ``(shape, ModelConfig, four training batches)``."""
+    from lowprec.models import CharData, ModelConfig
+
+    shape = dict(batch=32, seq=128, width=64, depth=2, heads=4)
+    if quick:
+        shape = dict(batch=4, seq=16, width=32, depth=1, heads=2)
+    cfg = ModelConfig(width=shape["width"], depth=shape["depth"], heads=shape["heads"],
+                      seq_len=shape["seq"])  # fmt: skip
+    data = CharData(shape["seq"], shape["batch"])
+    return shape, cfg, [data.batch("train", i) for i in range(4)]

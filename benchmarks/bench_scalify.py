@@ -27,13 +27,14 @@ from _common import (
     print_mode_ratio_table,
     print_table,
     ran_compiled,
+    reference_lm_setup,
     run_record,
     setup_torch,
     time_many,
     write_json,
 )
 
-from lowprec.models import CharData, CharGPT, ModelConfig
+from lowprec.models import CharData, CharGPT
 from lowprec.scalify import apply_scalify, coverage, reset_coverage
 
 
@@ -81,13 +82,7 @@ def main() -> None:
     # Compiled scalify rounds every op's output to FP16 as eager does (inductor otherwise
     # keeps fused FP16 round trips in FP32: faster, but not the numerics of the format).
     inductor_config.emulate_precision_casts = True
-    shape = dict(batch=32, seq=128, width=64, depth=2, heads=4)
-    if a.quick:
-        shape = dict(batch=4, seq=16, width=32, depth=1, heads=2)
-    cfg = ModelConfig(width=shape["width"], depth=shape["depth"], heads=shape["heads"],
-                      seq_len=shape["seq"])  # fmt: skip
-    data = CharData(shape["seq"], shape["batch"])
-    batches = [data.batch("train", i) for i in range(4)]
+    shape, cfg, batches = reference_lm_setup(a.quick)
     modes = ("eager",) if a.no_compile else ("eager", "compiled")
     calls, compiled_ok, compile_s = {}, {}, {}
     for name in ("plain", "fp16-scalify", "fp8-scalify"):

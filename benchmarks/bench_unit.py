@@ -19,13 +19,14 @@ from _common import (
     default_out,
     lm_step_fn,
     print_mode_ratio_table,
+    reference_lm_setup,
     run_record,
     setup_torch,
     time_many,
     write_json,
 )
 
-from lowprec.models import CharData, CharGPT, ModelConfig
+from lowprec.models import CharGPT, ModelConfig
 from lowprec.unit import umup_param_groups, unit_scale
 
 
@@ -83,13 +84,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     setup_torch(a.threads, cold_compile=False)
-    shape = dict(batch=32, seq=128, width=64, depth=2, heads=4)
-    if a.quick:
-        shape = dict(batch=4, seq=16, width=32, depth=1, heads=2)
-    cfg = ModelConfig(width=shape["width"], depth=shape["depth"], heads=shape["heads"],
-                      seq_len=shape["seq"])  # fmt: skip
-    data = CharData(shape["seq"], shape["batch"])
-    batches = [data.batch("train", i) for i in range(4)]
+    shape, cfg, batches = reference_lm_setup(a.quick)
     calls = {}
     for name in ("standard", "unit"):
         for mode in ("eager", "compiled"):
