@@ -430,10 +430,9 @@ class MatmulInFp32(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in _MATMULS:
             return func(*args, **kwargs)
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == self.dtype:
             return func(*args, **kwargs)  # autocast would cast the FP32 inputs back anyway
-        if any(t.dtype == self.dtype for t in tensors):
+        if any(isinstance(a, Tensor) and a.dtype == self.dtype for a in (*args, *kwargs.values())):
             return func(*tree_map(self._up, args), **tree_map(self._up, kwargs)).to(self.dtype)
         return func(*args, **kwargs)
 
@@ -446,16 +445,12 @@ class Fp16MatmulInFp32(MatmulInFp32):
         super().__init__(torch.float16)
 
 
+@functools.lru_cache(maxsize=1)
 def native_bf16_matmul() -> bool:
     """Whether this CPU has BF16 matrix instructions (x86 ``avx512_bf16``/``amx_bf16``,
-    Arm ``bf16``), read from ``/proc/cpuinfo``; ``True`` where it cannot be read (then
+    Arm ``bf16``), read once from ``/proc/cpuinfo``; ``True`` where it cannot be read (then
     torch's own kernels are used). Without them torch's CPU BF16 GEMM is emulated and slow,
     and the recipes run BF16 products with :class:`MatmulInFp32` instead."""
-    return _native_bf16()
-
-
-@functools.lru_cache(maxsize=1)
-def _native_bf16() -> bool:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

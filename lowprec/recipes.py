@@ -23,7 +23,6 @@ from torch import nn
 
 from lowprec.amp import (
     DynamicLossScaler,
-    Fp16MatmulInFp32,
     LossScaler,
     MasterWeights,
     MatmulInFp32,
@@ -282,14 +281,11 @@ class Prepared:
                 stack.enter_context(
                     torch.autocast(device, dtype=_DTYPES[self.recipe.autocast])
                 )
-            if self.recipe.param_dtype == "fp16" and _on_cpu(self.model):
-                stack.enter_context(Fp16MatmulInFp32())  # type: ignore[no-untyped-call]
-            elif (
-                self.recipe.param_dtype == "bf16"
-                and _on_cpu(self.model)
-                and not native_bf16_matmul()
+            dtype = self.recipe.param_dtype
+            if _on_cpu(self.model) and (
+                dtype == "fp16" or (dtype == "bf16" and not native_bf16_matmul())
             ):
-                stack.enter_context(MatmulInFp32(torch.bfloat16))  # type: ignore[no-untyped-call]
+                stack.enter_context(MatmulInFp32(_DTYPES[dtype]))  # type: ignore[no-untyped-call]
             yield
 
     def zero_grad(self) -> None:

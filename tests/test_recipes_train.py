@@ -1,8 +1,12 @@
 """End-to-end: the unit-scaled and scalify recipes train the reference task.
 
 Same seed, data, steps and learning rate for every recipe of a comparison. The bar is the
-issues' 1% of val loss; run-to-run spread at the demo scale is about ±0.3% (README), so a
-recipe that loses signal systematically shows up as a gap, noise alone does not reach 1%.
+issues' 1% of val loss. Across seeds the standard model's val loss spreads about ±0.3% at
+the demo scale, so for the scalify recipes noise alone does not reach 1%. The unit-scaled
+model spreads more at the demo's 300 steps (±1–2% across seeds, README), where its loss is
+still falling steeply. At this 120-step config the measured gaps are well inside the bar
+(fp16-unit −0.01%, fp8-unit +0.03% against fp32-unit), and every run here is seeded, so
+the result does not change from run to run.
 """
 
 from __future__ import annotations
