@@ -41,9 +41,9 @@ from _common import (
 )
 from torch import Tensor
 
-from lowprec.formats import get_format, to_format
-from lowprec.scaling import amax, compute_scale
-from lowprec.tensor import ScaledTensor, quantize_scaled
+from lowprec.core.formats import get_format, to_format
+from lowprec.core.scaling import amax, compute_scale
+from lowprec.core.tensor import ScaledTensor, quantize_scaled
 
 FMT = "e4m3fn"
 GOAL = 0.5  # compiled scaled cast / compiled copy bandwidth

@@ -1,7 +1,7 @@
 """Training-step time of each recipe relative to FP32, eager and ``torch.compile``d.
 
-Each recipe is built with ``lowprec.train.build`` at the demo's shape (``DEMO_CONFIG``)
-and the body of ``lowprec.train._train_step`` is timed without its logging (no
+Each recipe is built with ``lowprec.jobs.train.build`` at the demo's shape (``DEMO_CONFIG``)
+and the body of ``lowprec.jobs.train._train_step`` is timed without its logging (no
 ``GradMeter``, no ``grad_stats``): set the lr; forward and scaled backward inside
 ``prepared.compute()``; ``scaler.step``; ``scaler.update``; ``zero_grad``. Batches are
 pre-drawn and cycled. Compiled: ``prepared.model = torch.compile(prepared.model)``
@@ -49,9 +49,9 @@ from _common import (
 from torch import Tensor
 from torch._dynamo.utils import counters
 
-from lowprec.demo import DEMO_CONFIG
+from lowprec.jobs.demo import DEMO_CONFIG
 from lowprec.recipes import get_recipe, recipe_names
-from lowprec.train import TrainConfig, build
+from lowprec.jobs.train import TrainConfig, build
 
 MODES = ("eager", "compiled")
 QUICK_SHAPE: dict[str, Any] = {"batch_size": 4, "seq_len": 16, "width": 32, "depth": 1, "heads": 2}
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "recipes", "cpu", config=cfg.to_dict(), recipes=args.recipes, modes=args.modes,
         steps=args.steps, warmup=args.warmup, threads=torch.get_num_threads(),
         native_fp16=args.native_fp16, cold_compile=args.cold_compile,
-        step_body="lowprec.train._train_step without GradMeter and grad_stats",
+        step_body="lowprec.jobs.train._train_step without GradMeter and grad_stats",
         graphs_compiled_while_timing=graphs_while_timing, total_s=total_s, rows=rows,
     )
     path = write_json(record, args.out)

@@ -34,15 +34,15 @@ from _common import (
     write_json,
 )
 
-from lowprec.models import CharData, CharGPT
+from lowprec.jobs.model import CharData, CharGPT
 from lowprec.scalify import apply_scalify, coverage, reset_coverage
 
 
 def train_val_loss(fmt: str, steps: int) -> dict[str, Any]:
-    """Train CharGPT at the demo config (lowprec.demo.DEMO_CONFIG: width 64, depth 2,
+    """Train CharGPT at the demo config (lowprec.jobs.demo.DEMO_CONFIG: width 64, depth 2,
     heads 4, seq 128, batch 32, AdamW lr 3e-3, warm-up 20 + cosine; ``steps`` steps) with
-    lowprec.train's data, seed and schedule; FP32 (``fmt="fp32"``) or ``apply_scalify``."""
-    from lowprec.demo import DEMO_CONFIG as cfg
+    lowprec.jobs.train's data, seed and schedule; FP32 (``fmt="fp32"``) or ``apply_scalify``."""
+    from lowprec.jobs.demo import DEMO_CONFIG as cfg
 
     data = CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -1,8 +1,8 @@
 """Overhead of numerics tracking (``lowprec.analysis.track``) on a training step.
 
-The reference model at the demo's shape (``lowprec.demo.DEMO_CONFIG``: width 64, depth 2,
+The reference model at the demo's shape (``lowprec.jobs.demo.DEMO_CONFIG``: width 64, depth 2,
 batch 32x128) trains with a recipe (default ``fp32``); one training step is the body of
-``lowprec.train._train_step`` without its logging (set lr, forward and backward inside
+``lowprec.jobs.train._train_step`` without its logging (set lr, forward and backward inside
 ``prepared.compute()``, optimizer step, zero_grad). Variants, each with its own model:
 no tracking, and ``track(model, ["fp16", "bf16", "e4m3fn", "e5m2"], every=k)`` for each
 ``--every`` k (default 100, 10, 1): statistics of every leaf module's input, output,
@@ -27,8 +27,8 @@ from typing import Any
 from _common import default_out, print_table, run_record, setup_torch, time_many, write_json
 
 from lowprec.analysis import Tracker
-from lowprec.demo import DEMO_CONFIG, QUICK_CONFIG
-from lowprec.train import TRACK_FORMATS, TrainConfig, build
+from lowprec.jobs.demo import DEMO_CONFIG, QUICK_CONFIG
+from lowprec.jobs.train import TRACK_FORMATS, TrainConfig, build
 
 
 def _stepper(cfg: TrainConfig, every: int | None) -> tuple[Any, Tracker | None]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from _common import default_out, print_table, run_record, write_json
 
-from lowprec.train import TrainConfig
+from lowprec.jobs.train import TrainConfig
 from lowprec.unit.recipe import UMUP_LR_PER_LR
 
 # The 120-step configuration of tests/test_recipes_train.py (width set per run).
@@ -33,7 +33,7 @@ CFG = TrainConfig(steps=120, batch_size=16, seq_len=64, width=64, depth=2, heads
 _CHILD = """
 import json, sys, tempfile, torch
 torch.set_num_threads(1)
-from lowprec.train import TrainConfig, train
+from lowprec.jobs.train import TrainConfig, train
 cfg = TrainConfig(**json.loads(sys.argv[1]))
 print(json.dumps(train(cfg, tempfile.mkdtemp(), progress=False)["val_loss"]))
 """

@@ -26,7 +26,7 @@ from _common import (
     write_json,
 )
 
-from lowprec.models import CharGPT, ModelConfig
+from lowprec.jobs.model import CharGPT, ModelConfig
 from lowprec.unit import umup_param_groups, unit_scale
 
 

@@ -1,19 +1,19 @@
 """lowprec: train neural networks in FP16, BF16, FP8 and smaller formats with FP32 accuracy.
 
-The foundation: number formats (:mod:`lowprec.formats`), scale selection
-(:mod:`lowprec.scaling`) and the scaled tensor type (:mod:`lowprec.tensor`).
+The foundation: number formats (:mod:`lowprec.core.formats`), scale selection
+(:mod:`lowprec.core.scaling`) and the scaled tensor type (:mod:`lowprec.core.tensor`).
 """
 
-from lowprec.formats import Format, from_bits, get_format, quantize, to_bits
+from lowprec.core.formats import Format, from_bits, get_format, quantize, to_bits
 from lowprec.recipes import Recipe, prepare
-from lowprec.scaling import (
+from lowprec.core.scaling import (
     DelayedScaler,
     DynamicScaler,
     Granularity,
     StaticScaler,
     compute_scale,
 )
-from lowprec.tensor import ScaledTensor, quantize_scaled
+from lowprec.core.tensor import ScaledTensor, quantize_scaled
 
 __all__ = [
     "DelayedScaler",

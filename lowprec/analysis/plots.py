@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowprec.analysis.tracking import BACKWARD_KINDS
-from lowprec.formats import get_format
+from lowprec.core.formats import get_format
 
 __all__ = ["plot_exp_histograms", "plot_scale_chart", "rows_at"]
 

@@ -45,8 +45,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lowprec.formats import Format, get_format
-from lowprec.tensor import ScaledTensor
+from lowprec.core.formats import Format, get_format
+from lowprec.core.tensor import ScaledTensor
 
 __all__ = ["KINDS", "Tracker", "tensor_stats", "track"]
 

@@ -1,7 +1,7 @@
 """Scaled arithmetic ("scalify"): every tensor is ``data × scale``, scales propagate.
 
 :func:`scalify` runs an unchanged PyTorch module or function with its inputs, parameters
-and gradients as :class:`~lowprec.tensor.ScaledTensor` (domain ``"scalify"``): narrow data
+and gradients as :class:`~lowprec.core.tensor.ScaledTensor` (domain ``"scalify"``): narrow data
 (FP16, BF16, or FP8 matmul inputs) times an FP32 scale that carries the range. Each aten op
 has a local rule that computes the output's data from the inputs' data and picks its
 scale from their scales (see :mod:`lowprec.scalify.rules` and ``rules_nn``), in forward

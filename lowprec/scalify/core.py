@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from lowprec.scalify.config import ScalifyConfig, count_rule, current_config
-from lowprec.scaling import apply_scale, check_scale_shape
-from lowprec.tensor import ScaledTensor, register_rule
+from lowprec.core.scaling import apply_scale, check_scale_shape
+from lowprec.core.tensor import ScaledTensor, register_rule
 
 __all__ = ["DOMAINS", "FWD", "GRAD", "Pair", "rule"]
 

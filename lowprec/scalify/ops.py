@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lowprec.scalify.config import ScalifyConfig, current_config
 from lowprec.scalify.core import FWD, GRAD, compiling, pow2, stat, work_dtype
-from lowprec.tensor import ScaledTensor
+from lowprec.core.tensor import ScaledTensor
 
 __all__ = ["as_scaled", "dynamic_rescale", "rebalance", "scaled", "unscale"]
 

@@ -23,7 +23,7 @@ def apply_scalify(model: nn.Module, *, data_format: str) -> nn.Module:
 
     Example:
         >>> import torch
-        >>> from lowprec.models import CharGPT, ModelConfig
+        >>> from lowprec.jobs.model import CharGPT, ModelConfig
         >>> m = apply_scalify(CharGPT(ModelConfig(width=32, depth=1, heads=2)), data_format="fp16")
         >>> logits, loss = m(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
         >>> type(loss).__name__, loss.dtype, next(iter(m.state_dict()))

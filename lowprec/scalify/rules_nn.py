@@ -31,8 +31,8 @@ from lowprec.scalify.core import (
     work_dtype,
 )
 from lowprec.scalify.rules import number_pair
-from lowprec.scaling import apply_scale
-from lowprec.tensor import _LOGICAL, ScaledTensor
+from lowprec.core.scaling import apply_scale
+from lowprec.core.tensor import _LOGICAL, ScaledTensor
 
 aten = torch.ops.aten
 __all__: list[str] = []

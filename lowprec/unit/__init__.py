@@ -17,7 +17,7 @@ rate independent of width (and depth).
 
 Example:
     >>> import torch
-    >>> from lowprec.models import CharGPT, ModelConfig
+    >>> from lowprec.jobs.model import CharGPT, ModelConfig
     >>> from lowprec.unit import unit_scale, umup_param_groups
     >>> model = unit_scale(CharGPT(ModelConfig(vocab_size=16, width=32, depth=1, heads=2)))
     >>> opt = torch.optim.AdamW(umup_param_groups(model, lr=1.0))

@@ -4,7 +4,7 @@
 ``torch.nn`` namesakes (same parameters and ``state_dict``; weights ``N(0, 1)``, biases 0,
 gains 1); ``MLP`` (GELU or SwiGLU), ``MultiHeadAttention``, ``TransformerLayer`` (pre-norm,
 residual τ), ``TransformerDecoder`` (a causal LM: ``forward(idx, targets=None) ->
-(logits, loss)`` as :class:`lowprec.models.CharGPT`) and ``CrossEntropyLoss``.
+(logits, loss)`` as :class:`lowprec.jobs.model.CharGPT`) and ``CrossEntropyLoss``.
 
 Example:
     >>> import torch

@@ -41,7 +41,7 @@ def apply_unit(
     changed); cast it afterwards as usual.
 
     Example:
-        >>> from lowprec.models import CharGPT, ModelConfig
+        >>> from lowprec.jobs.model import CharGPT, ModelConfig
         >>> m, groups = apply_unit(CharGPT(ModelConfig(width=32, depth=1, heads=2)), float8=False, lr=3e-3)
         >>> sorted(round(g["lr_mult"], 1) for g in groups)  # η/lr · (1/√128, 1/√32, 1)
         [29.5, 58.9, 333.3]

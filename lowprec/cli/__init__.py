@@ -1,0 +1,10 @@
+"""The ``lowprec`` command line tool: argument parsing → a job → printing.
+
+``main(argv)`` is the entry point (``lowprec = "lowprec.cli:main"``); each subcommand's
+parser and handler live beside it (:mod:`lowprec.cli.main` for ``formats``,
+:mod:`lowprec.cli.jobs` for ``train``, ``demo``, ``report`` and ``recipes``).
+"""
+
+from lowprec.cli.main import SNR_SAMPLES, SNR_SEED, build_parser, main, unit_normal
+
+__all__ = ["SNR_SAMPLES", "SNR_SEED", "build_parser", "main", "unit_normal"]

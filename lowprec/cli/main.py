@@ -1,0 +1,283 @@
+"""The ``lowprec`` command line tool.
+
+Each subcommand is one ``_add_<name>(subparsers)`` function that builds its parser and
+sets ``handler`` (a ``_Handler``) with ``set_defaults``; :data:`_COMMANDS` lists them in
+the order they appear in ``--help``. A handler returns the exit code and reports bad
+arguments with ``args.parser.error(...)`` (exit code 2, like argparse itself).
+
+Example:
+    $ lowprec formats
+    $ lowprec formats --snr snr.png --formats fp16 e4m3fn --kmin -20 --kmax 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeAlias
+
+import torch
+from rich.console import Console, RenderableType
+from rich.measure import Measurement
+from rich.table import Table
+
+from lowprec import __version__
+from lowprec.cli.jobs import add_demo, add_recipes, add_report, add_train
+from lowprec.core.formats import Format, format_names, get_format, snr_db
+
+__all__ = [
+    "SNR_DEFAULT_FORMATS",
+    "SNR_SAMPLES",
+    "SNR_SEED",
+    "SNR_WINDOW_DB",
+    "SnrCurve",
+    "build_parser",
+    "main",
+    "snr_sweep",
+    "unit_normal",
+]
+
+_Handler = Callable[[argparse.Namespace], int]
+_SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+SNR_SEED = 0
+"""Seed of the ``torch.Generator`` that draws the unit normal sample of ``formats --snr``."""
+SNR_SAMPLES = 2**16
+"""Number of float64 samples in the unit normal sample of ``formats --snr``."""
+SNR_DEFAULT_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
+SNR_WINDOW_DB = 3.0
+"""The usable window of a format is the run of ``k`` within this many dB of its peak SNR."""
+_K_LIMIT = 200  # wider than every format's range (2^±150); keeps Σx² finite and non-zero
+
+
+# ---------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _console() -> Console:
+    """A rich console on the current ``sys.stdout`` (plain text when it is not a tty)."""
+    return Console(file=sys.stdout, highlight=False)
+
+
+def _print_wide(console: Console, renderable: RenderableType) -> None:
+    """Print ``renderable`` without squeezing it to 80 columns when stdout is not a tty."""
+    if not console.is_terminal:
+        wide = console.options.update_width(1000)
+        needed = Measurement.get(console, wide, renderable).maximum
+        console.width = max(console.width, needed)
+    console.print(renderable)
+
+
+def _num(x: float) -> str:
+    """A format constant, readably: integers as such (``448``, ``57344``), other powers of
+    two as ``2^-9``, anything else with three significant digits (``15.5``, ``3.4e+38``)."""
+    if not math.isfinite(x):
+        return str(x)
+    if x == int(x) and abs(x) < 1e6:
+        return str(int(x))
+    mantissa, exponent = math.frexp(x)
+    if mantissa == 0.5:
+        return f"2^{exponent - 1}"
+    return f"{x:.3g}"
+
+
+def _format_list(text: str) -> list[Format]:
+    """argparse ``type`` for ``--formats``: one name or a comma-separated list of names."""
+    try:
+        return [get_format(name) for name in text.split(",") if name.strip()]
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("name: ")) from None
+
+
+# ---------------------------------------------------------------------------------------
+# lowprec formats
+# ---------------------------------------------------------------------------------------
+
+
+def _add_formats(subparsers: _SubParsers) -> None:
+    """``lowprec formats [--snr PATH] [--formats ...] [--kmin K] [--kmax K]``."""
+    p = subparsers.add_parser(
+        "formats",
+        help="table of the built-in number formats; optional SNR-vs-scale plot",
+        description="Print every built-in format with its range and precision. With --snr, "
+        "also plot the SNR of a unit normal tensor times 2^k rounded into each format, "
+        "and print each format's peak SNR and usable window (k within "
+        f"{SNR_WINDOW_DB:g} dB of the peak).",
+    )
+    p.add_argument("--snr", type=Path, metavar="PATH.png", help="write the SNR plot here")
+    p.add_argument(
+        "--formats", type=_format_list, nargs="+", action="extend", metavar="NAME",
+        help=f"formats for --snr (names or comma lists; default {' '.join(SNR_DEFAULT_FORMATS)})",
+    )
+    p.add_argument("--kmin", type=int, help="smallest scale exponent k for --snr (default -30)")
+    p.add_argument("--kmax", type=int, help="largest scale exponent k for --snr (default 30)")
+    p.set_defaults(handler=_run_formats, parser=p)
+
+
+def _run_formats(args: argparse.Namespace) -> int:
+    """Handler of ``lowprec formats``: validate, print the table, then the optional sweep."""
+    parser: argparse.ArgumentParser = args.parser
+    snr_only = [f"--{n}" for n in ("formats", "kmin", "kmax") if getattr(args, n) is not None]
+    if args.snr is None and snr_only:
+        parser.error(f"{'/'.join(snr_only)}: only used together with --snr PATH")
+    kmin = -30 if args.kmin is None else args.kmin
+    kmax = 30 if args.kmax is None else args.kmax
+    if not -_K_LIMIT <= kmin <= kmax <= _K_LIMIT:
+        parser.error(f"--kmin/--kmax: need -{_K_LIMIT} <= kmin <= kmax <= {_K_LIMIT}, "
+                     f"got kmin={kmin}, kmax={kmax}")
+    console = _console()
+    _print_wide(console, _formats_table())
+    if args.snr is None:
+        return 0
+    groups: list[list[Format]] = args.formats or [list(map(get_format, SNR_DEFAULT_FORMATS))]
+    fmts = list(dict.fromkeys(f for group in groups for f in group))  # in order, no repeats
+    curves = snr_sweep(fmts, range(kmin, kmax + 1))
+    _plot_snr(curves, args.snr)
+    console.print()
+    _print_wide(console, _snr_table(curves))
+    console.print(f"usable window: the k within {SNR_WINDOW_DB:g} dB of the peak SNR "
+                  "and width counts them (* = the window reaches the edge of the sweep)")
+    console.print(f"wrote {args.snr}")
+    return 0
+
+
+def _formats_table() -> RenderableType:
+    """One row per built-in format: its encoding, range, precision and torch dtype."""
+    table = Table(title="lowprec built-in formats", title_justify="left")
+    for header in ("name", "bits", "E", "M", "bias", "special", "max", "min normal",
+                   "min subnormal", "epsilon", "binades", "torch dtype"):
+        numeric = header in ("bits", "E", "M", "bias", "max", "min normal", "min subnormal",
+                             "epsilon", "binades")
+        table.add_column(header, justify="right" if numeric else "left", no_wrap=True)
+    for name in format_names():
+        f = get_format(name)
+        dtype = f.torch_dtype
+        table.add_row(
+            f.name, str(f.total_bits), str(f.exponent_bits), str(f.mantissa_bits), str(f.bias),
+            f.special + ("" if f.signed else ", unsigned"),
+            _num(f.max), _num(f.min_normal), _num(f.min_subnormal), _num(f.epsilon),
+            f"{f.binades:.1f}", "-" if dtype is None else str(dtype).removeprefix("torch."),
+        )
+    return table
+
+
+# ---- SNR sweep ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SnrCurve:
+    """SNR (dB) of ``N(0,1) · 2^k`` rounded into ``fmt``, for each ``k`` in ``ks``."""
+
+    fmt: Format
+    ks: tuple[int, ...]
+    snr: tuple[float, ...]
+
+    @property
+    def peak(self) -> float:
+        """Highest SNR over the sweep (``inf`` if some ``k`` rounds exactly)."""
+        return max(self.snr)
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """``(lo, hi)``: the contiguous run of ``k`` around the first peak with SNR within
+        :data:`SNR_WINDOW_DB` of the peak (with an ``inf`` peak: the run of exact ``k``)."""
+        i = self.snr.index(self.peak)
+        floor = self.peak - SNR_WINDOW_DB
+        lo = hi = i
+        while lo > 0 and self.snr[lo - 1] >= floor:
+            lo -= 1
+        while hi < len(self.snr) - 1 and self.snr[hi + 1] >= floor:
+            hi += 1
+        return self.ks[lo], self.ks[hi]
+
+
+def unit_normal(seed: int = SNR_SEED, n: int = SNR_SAMPLES) -> torch.Tensor:
+    """``n`` float64 samples of ``N(0, 1)`` from ``torch.Generator().manual_seed(seed)``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g, dtype=torch.float64)
+
+
+def snr_sweep(fmts: Sequence[str | Format], ks: Sequence[int]) -> list[SnrCurve]:
+    """SNR of :func:`unit_normal` times ``2^k`` for each format and each ``k`` (exact
+    scaling: ``2^k`` is a power of two and float64 holds the products for ``|k| <= 200``)."""
+    x = unit_normal()
+    scaled = [x * 2.0**k for k in ks]
+    return [
+        SnrCurve(get_format(f), tuple(ks), tuple(snr_db(xk, f) for xk in scaled)) for f in fmts
+    ]
+
+
+def _plot_snr(curves: Sequence[SnrCurve], path: Path) -> None:
+    """Plot the curves into ``path`` with the Agg canvas (no pyplot, no global backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9.5, 4.8), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for c in curves:
+        y = [v if math.isfinite(v) else math.nan for v in c.snr]  # exact rounding: no point
+        ax.plot(c.ks, y, marker=".", markersize=4, label=f"{c.fmt.name} (peak {c.peak:.1f} dB)")
+    ax.set_xlabel("scale exponent k (x = N(0,1) · 2^k)")
+    ax.set_ylabel("SNR (dB)")
+    ax.set_title(f"Rounding SNR of a unit normal tensor scaled by 2^k ({SNR_SAMPLES} samples)")
+    ax.grid(True, alpha=0.4)
+    ax.set_ylim(bottom=0)
+    ax.margins(x=0.01)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="format")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def _snr_table(curves: Sequence[SnrCurve]) -> RenderableType:
+    """Peak SNR and usable window of each curve."""
+    table = Table(title="SNR (dB) of N(0,1) * 2^k rounded", title_justify="left")
+    for header in ("format", "peak SNR (dB)", "usable k from", "to", "width"):
+        table.add_column(header, justify="left" if header == "format" else "right")
+    for c in curves:
+        lo, hi = c.window
+        edge = "*" if lo == c.ks[0] or hi == c.ks[-1] else ""
+        table.add_row(c.fmt.name, f"{c.peak:.2f}", str(lo), str(hi), f"{hi - lo + 1}{edge}")
+    return table
+
+
+# ---------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------
+
+_COMMANDS: tuple[Callable[[_SubParsers], None], ...] = (
+    add_demo,
+    add_train,
+    add_report,
+    add_recipes,
+    _add_formats,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lowprec`` argument parser with every subcommand of :data:`_COMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="lowprec",
+        description="Train neural networks in low-precision formats and see the numerics.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``lowprec`` with ``argv`` (default ``sys.argv[1:]``); return the exit code.
+
+    Usage errors raise ``SystemExit(2)`` with a message on stderr, as argparse does.
+    """
+    args = build_parser().parse_args(argv)
+    handler: _Handler = args.handler
+    return handler(args)

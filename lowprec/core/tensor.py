@@ -1,0 +1,387 @@
+"""``ScaledTensor``: a tensor stored as ``data × scale``.
+
+``data`` is any floating dtype (float8 included) and ``scale`` a float32 tensor that applies
+to it block-wise (each scale dim is 1, equal to the data dim, or divides it: see
+:func:`lowprec.core.scaling.apply_scale`). The ``ScaledTensor`` reports the shape of ``data`` and a
+*logical* dtype: the dtype :meth:`ScaledTensor.dequantize` returns.
+
+The payload is ``.qdata`` (``Tensor.data`` is torch's own detached alias and keeps its
+meaning), the scale ``.scale``, the format of the payload ``.fmt``.
+
+Gradient rule (straight-through): :func:`quantize_scaled` and :meth:`ScaledTensor.dequantize`
+pass gradients through unchanged, ``∂L/∂x = ∂L/∂dequantize(quantize_scaled(x))``. Rounding is
+treated as the identity and the scale, a statistic of the data, as a constant.
+
+Ops: a ScaledTensor supports ``detach``, ``clone`` and ``.to(...)`` (``.to(device)`` moves
+data and scale; ``.to(dtype)`` changes the logical dtype and leaves the payload alone). Any
+other op raises ``NotImplementedError`` naming the op: call ``.dequantize()`` first, or add a
+rule with :func:`register_rule` (the float8 and scalify layers do).
+
+Domains: a ScaledTensor may carry a ``domain`` name (``None`` by default). Rules registered
+with ``register_rule(..., domain="name")`` (and a fallback set by :func:`register_fallback`)
+apply only when an argument of the op belongs to that domain, so one technique's rules (e.g.
+:mod:`lowprec.scalify`'s arithmetic) never change how another technique's tensors behave.
+Lookup order: the domain's rule, the shared rule, the domain's fallback, else the error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lowprec.core.formats import Format, Rounding, get_format, to_format
+from lowprec.core.scaling import (
+    Granularity,
+    Scaler,
+    _check_margin,
+    _check_scale_value,
+    amax,
+    apply_scale,
+    as_granularity,
+    check_scale_shape,
+    compute_scale,
+    mx_scale,
+)
+
+__all__ = ["ScaledTensor", "quantize_scaled", "register_fallback", "register_rule"]
+
+aten = torch.ops.aten
+Rule = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+_RULES: dict[Any, Rule] = {}
+_DOMAIN_RULES: dict[str, dict[Any, Rule]] = {}
+_FALLBACKS: dict[str, Rule] = {}
+_LOGICAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def register_rule(*ops: Any, domain: str | tuple[str, ...] | None = None) -> Callable[[Rule], Rule]:
+    """Register ``fn(func, args, kwargs)`` as the ScaledTensor rule for aten ``ops``.
+
+    With ``domain`` (a name or several) the rule applies only to ops on tensors of that
+    domain (see the module docstring); without, to every ScaledTensor.
+
+    Example:
+        >>> @register_rule(torch.ops.aten.neg.default)
+        ... def _neg(func, args, kwargs):
+        ...     x = args[0]
+        ...     return ScaledTensor(-x.qdata, x.scale, dtype=x.dtype, fmt=x.fmt)
+    """
+
+    domains = (domain,) if isinstance(domain, str) else domain
+
+    def deco(fn: Rule) -> Rule:
+        for op in ops:
+            if domains is None:
+                _RULES[op] = fn
+            for d in domains or ():
+                _DOMAIN_RULES.setdefault(d, {})[op] = fn
+        return fn
+
+    return deco
+
+
+def register_fallback(domain: str, fn: Rule) -> None:
+    """Use ``fn(func, args, kwargs)`` for every op without a rule on ``domain``'s tensors."""
+    _FALLBACKS[domain] = fn
+
+
+def _domain_of(args: tuple[Any, ...]) -> str | None:
+    """The domain of the first ScaledTensor argument (lists one level deep included)."""
+    for a in args:
+        if isinstance(a, ScaledTensor):
+            if a._domain is not None:
+                return a._domain
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, ScaledTensor) and b._domain is not None:
+                    return b._domain
+    return None
+
+
+def _validate(
+    data: Tensor, scale: Tensor | float, dtype: torch.dtype | None, fmt: str | Format | None
+) -> tuple[Tensor, torch.dtype, str | None]:
+    if not isinstance(data, Tensor) or isinstance(data, ScaledTensor):
+        raise TypeError(f"data must be a plain torch.Tensor, got {type(data).__name__}")
+    if not data.dtype.is_floating_point:
+        raise TypeError(f"data must be a floating-point tensor, got dtype {data.dtype}")
+    if isinstance(scale, Tensor) and scale.device != data.device:
+        raise ValueError(f"scale is on {scale.device} but data is on {data.device}")
+    scale_t = _check_scale_value(scale, "scale").to(data.device)
+    check_scale_shape(tuple(scale_t.shape), tuple(data.shape))
+    if dtype is None:
+        dtype = data.dtype if data.dtype in _LOGICAL else torch.float32
+    elif dtype not in _LOGICAL:
+        raise ValueError(f"dtype must be one of {_LOGICAL}, got {dtype}")
+    return scale_t, dtype, None if fmt is None else get_format(fmt).name
+
+
+class ScaledTensor(Tensor):
+    """A tensor that represents ``data * scale`` (see the module docstring).
+
+    Example:
+        >>> import torch
+        >>> t = ScaledTensor(torch.tensor([1.0, -2.0]).to(torch.float8_e4m3fn), torch.tensor(0.5))
+        >>> t.dequantize()
+        tensor([ 0.5000, -1.0000])
+    """
+
+    _data: Tensor
+    _scale: Tensor
+    _fmt: str | None
+    _domain: str | None
+
+    @staticmethod
+    def __new__(
+        cls,
+        data: Tensor,
+        scale: Tensor | float,
+        dtype: torch.dtype | None = None,
+        fmt: str | Format | None = None,
+        requires_grad: bool = False,
+        *,
+        domain: str | None = None,
+        _trusted: bool = False,
+    ) -> ScaledTensor:
+        if _trusted:  # built by lowprec from a scale it computed: skip the checks
+            assert isinstance(scale, Tensor) and dtype is not None
+            fmt_name = fmt if isinstance(fmt, str) or fmt is None else fmt.name
+        else:
+            scale, dtype, fmt_name = _validate(data, scale, dtype, fmt)
+        out: ScaledTensor = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls,
+            data.shape,
+            strides=data.stride(),
+            dtype=dtype,
+            device=data.device,
+            requires_grad=requires_grad,
+        )
+        out._data = data
+        out._scale = scale
+        out._fmt = fmt_name
+        out._domain = domain
+        return out
+
+    @classmethod
+    def _wrap(
+        cls,
+        data: Tensor,
+        scale: Tensor,
+        dtype: torch.dtype,
+        fmt: str | None,
+        domain: str | None = None,
+    ) -> ScaledTensor:
+        """Build without validation (rules and internal use: the scale is already checked)."""
+        return ScaledTensor(data, scale, dtype, fmt, domain=domain, _trusted=True)
+
+    # ---- accessors -------------------------------------------------------------------
+    @property
+    def qdata(self) -> Tensor:
+        """The payload ``data`` (``x / scale``, in its storage dtype)."""
+        return self._data
+
+    @property
+    def scale(self) -> Tensor:
+        """The float32 scale; block-broadcastable to ``qdata``."""
+        return self._scale
+
+    @property
+    def domain(self) -> str | None:
+        """The name of the rule set that applies to this tensor (``None``: shared rules)."""
+        return self._domain
+
+    @property
+    def fmt(self) -> Format | None:
+        """The number format of the payload, when known."""
+        return None if self._fmt is None else get_format(self._fmt)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """``data * scale`` as a plain tensor of ``dtype`` (default: the logical dtype).
+
+        Differentiable: the gradient passes straight through to this ScaledTensor.
+        """
+        out: Tensor = _Dequantize.apply(self, dtype or self.dtype)  # type: ignore[no-untyped-call]
+        return out
+
+    # ---- torch subclass protocol -------------------------------------------------------
+    def __tensor_flatten__(
+        self,
+    ) -> tuple[list[str], tuple[torch.dtype, str | None, str | None]]:
+        return ["_data", "_scale"], (self.dtype, self._fmt, self._domain)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, Tensor],
+        meta: tuple[torch.dtype, str | None, str | None],
+        outer_size: Any,
+        outer_stride: Any,
+    ) -> ScaledTensor:
+        return ScaledTensor._wrap(inner["_data"], inner["_scale"], meta[0], meta[1], meta[2])
+
+    def _stable_hash_for_caching(self) -> str:
+        """Identity of the non-tensor metadata, for torch.compile's AOT autograd cache."""
+        return f"lowprec.ScaledTensor:{self.dtype}:{self._fmt}:{self._domain}"
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        domain = _domain_of(args)
+        if domain is None:
+            rule = _RULES.get(func)
+        else:
+            rule = _DOMAIN_RULES.get(domain, {}).get(func) or _RULES.get(func)
+            rule = rule or _FALLBACKS.get(domain)
+        if rule is None:
+            raise NotImplementedError(
+                f"ScaledTensor has no rule for {func}; call .dequantize() first, or register "
+                "one with lowprec.core.tensor.register_rule"
+            )
+        return rule(func, args, kwargs or {})
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"ScaledTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"data_dtype={self._data.dtype}, scale_shape={tuple(self._scale.shape)}, "
+            f"fmt={self._fmt}, device={self.device}"
+            + (f", domain={self._domain})" if self._domain else ")")
+        )
+
+
+# ---- rules needed by autograd, compile, save/load and .to ---------------------------------
+
+
+def _map_parts(x: ScaledTensor, fn: Callable[[Tensor], Tensor]) -> ScaledTensor:
+    return ScaledTensor._wrap(fn(x._data), fn(x._scale), x.dtype, x._fmt, x._domain)
+
+
+@register_rule(aten.detach.default, aten.alias.default)
+def _detach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledTensor:
+    return _map_parts(args[0], lambda t: func(t))
+
+
+@register_rule(aten.clone.default)
+def _clone(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledTensor:
+    return _map_parts(args[0], lambda t: func(t, **kwargs))
+
+
+@register_rule(aten._to_copy.default)
+def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledTensor:
+    x: ScaledTensor = args[0]
+    kw = dict(kwargs)
+    dtype = kw.pop("dtype", None) or x.dtype
+    if dtype not in _LOGICAL:
+        raise ValueError(f"dtype: a ScaledTensor's logical dtype must be one of {_LOGICAL}")
+    kw.pop("layout", None)
+    return ScaledTensor._wrap(func(x._data, **kw), func(x._scale, **kw), dtype, x._fmt, x._domain)
+
+
+@register_rule(aten.is_same_size.default)
+def _same_size(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return bool(args[0].shape == args[1].shape)
+
+
+# ---- autograd -----------------------------------------------------------------------------
+
+
+class _Dequantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: ScaledTensor, dtype: torch.dtype) -> Tensor:
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        return apply_scale(x._data.to(work), x._scale.to(work)).to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _QuantizeScaled(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        scale: Tensor,
+        fmt: Format,
+        rounding: Rounding,
+        saturate: bool,
+        generator: torch.Generator | None,
+    ) -> ScaledTensor:
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        scaled = apply_scale(x.detach().to(work), scale.to(work), op="div")
+        q = to_format(scaled, fmt, rounding=rounding, saturate=saturate, generator=generator)
+        return ScaledTensor._wrap(q, scale, x.dtype, fmt.name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
+        if isinstance(grad, ScaledTensor):
+            grad = grad.dequantize()
+        return grad, None, None, None, None, None
+
+
+def quantize_scaled(
+    x: Tensor,
+    fmt: str | Format,
+    granularity: str | Granularity | None = None,
+    scaler: Scaler | None = None,
+    rounding: Rounding = "nearest",
+    saturate: bool = True,
+    margin: float = 0.0,
+    power_of_two: bool = False,
+    generator: torch.Generator | None = None,
+) -> ScaledTensor:
+    """Scale ``x`` into ``fmt`` and return the ``ScaledTensor`` ``(data, scale)``.
+
+    The scale comes from ``scaler`` if given (its granularity applies), else from the
+    current ``amax`` at ``granularity`` (default ``"tensor"``): ``amax · 2^margin / fmt.max``,
+    or the OCP MX E8M0 rule for ``"mx"``. Then ``data = quantize(x / scale, fmt)``, stored in
+    ``fmt``'s torch dtype when it has one (float8, fp16, bf16), else in the narrowest of
+    bf16/fp16/fp32 that holds it exactly. ``saturate=True`` (default) clamps values beyond
+    ``fmt.max``, which a delayed or static scale can produce. Gradient: straight-through.
+
+    Example:
+        >>> import torch
+        >>> st = quantize_scaled(torch.tensor([[1.0, -896.0]]), "e4m3fn")
+        >>> st.qdata.dtype, st.scale.item(), st.dequantize().tolist()
+        (torch.float8_e4m3fn, 2.0, [[1.0, -896.0]])
+    """
+    if not isinstance(x, Tensor) or isinstance(x, ScaledTensor):
+        raise TypeError(f"x must be a plain torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dtype not in _LOGICAL:
+        raise TypeError(f"x must be float16/bfloat16/float32/float64, got dtype {x.dtype}")
+    fmt = get_format(fmt)
+    if scaler is not None:
+        if not isinstance(scaler, Scaler):
+            raise TypeError(f"scaler must be a lowprec Scaler, got {type(scaler).__name__}")
+        if granularity is not None and as_granularity(granularity) != scaler.granularity:
+            raise ValueError(
+                f"granularity {as_granularity(granularity).name} conflicts with the scaler's "
+                f"{scaler.granularity.name}; pass one or the other"
+            )
+        if scaler.fmt != fmt:
+            raise ValueError(f"fmt {fmt.name} differs from the scaler's format {scaler.fmt.name}")
+        scale = scaler(x)
+    else:
+        g = as_granularity(granularity or "tensor")
+        a = amax(x, g)
+        if g.kind == "mx":
+            scale = mx_scale(a, fmt)
+        else:
+            scale = compute_scale(a, fmt, _check_margin(margin), power_of_two)
+    out: ScaledTensor = _QuantizeScaled.apply(  # type: ignore[no-untyped-call]
+        x, scale, fmt, rounding, saturate, generator
+    )
+    return out
+
+
+# torch.load(weights_only=True) needs to know the class is safe to rebuild.
+torch.serialization.add_safe_globals([ScaledTensor])

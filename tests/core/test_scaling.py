@@ -1,0 +1,288 @@
+"""Tests for lowprec.core.scaling: granularities, amax -> scale, MX scales, stateful scalers."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from lowprec.core.formats import get_format
+from lowprec.core.scaling import (
+    DelayedScaler,
+    DynamicScaler,
+    Granularity,
+    StaticScaler,
+    amax,
+    apply_scale,
+    compute_scale,
+    mx_scale,
+)
+
+# ---- granularity -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "expected"),
+    [
+        ("tensor", (4, 256), ()),
+        ("row", (4, 256), (4, 1)),
+        ("column", (4, 256), (1, 256)),
+        ("axis:0", (3, 4, 256), (1, 4, 256)),
+        ("block:1x128", (4, 256), (4, 2)),
+        ("128x128", (256, 384), (2, 3)),
+        ("block:1x128", (2, 4, 256), (2, 4, 2)),
+        ("mx", (4, 256), (4, 8)),
+        ("mx:16", (4, 64), (4, 4)),
+    ],
+)
+def test_scale_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    assert Granularity.from_name(name).scale_shape(shape) == expected
+
+
+@pytest.mark.parametrize("name", ["rows", "block:1x", "mx:", "blockwise", ""])
+def test_unknown_granularity_lists_valid_names(name: str) -> None:
+    with pytest.raises(ValueError, match=r"granularity: unknown name.*'tensor'.*'row'"):
+        Granularity.from_name(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [("block:1x128", (4, 200)), ("block:128x128", (100, 128)), ("mx", (4, 33)), ("row", ())],
+)
+def test_blocks_that_do_not_divide_are_refused(name: str, shape: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="x:"):
+        Granularity.from_name(name).scale_shape(shape)
+
+
+def test_bad_block_and_axis() -> None:
+    with pytest.raises(ValueError, match="block"):
+        Granularity("block", block=(0, 128))
+    with pytest.raises(ValueError, match="axis 2 is out of range"):
+        Granularity.along(2).scale_shape((4, 4))
+    with pytest.raises(TypeError, match="axis"):
+        Granularity("axis", axis=1.0)  # type: ignore[arg-type]
+
+
+# ---- amax --------------------------------------------------------------------------------
+
+
+def _np_block_amax(x: np.ndarray, r: int, c: int) -> np.ndarray:
+    """Independent block amax: explicit loops over blocks."""
+    rows, cols = x.shape
+    out = np.zeros((rows // r, cols // c))
+    for i in range(rows // r):
+        for j in range(cols // c):
+            out[i, j] = np.abs(x[i * r : (i + 1) * r, j * c : (j + 1) * c]).max()
+    return out
+
+
+def test_amax_matches_direct_computation() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 384, generator=g) * torch.logspace(-3, 3, 384)
+    xn = x.double().numpy()
+    # Exact: amax selects an element, no arithmetic.
+    assert amax(x).item() == np.abs(xn).max()
+    assert np.array_equal(amax(x, "row").numpy()[:, 0], np.abs(xn).max(axis=1))
+    assert np.array_equal(amax(x, "column").numpy()[0], np.abs(xn).max(axis=0))
+    assert np.array_equal(amax(x, "block:1x128").numpy(), _np_block_amax(xn, 1, 128))
+    assert np.array_equal(amax(x, "block:128x128").numpy(), _np_block_amax(xn, 128, 128))
+    assert np.array_equal(amax(x, "block:4x3").numpy(), _np_block_amax(xn, 4, 3))
+    assert np.array_equal(amax(x, "mx").numpy(), _np_block_amax(xn, 1, 32))
+
+
+def test_amax_propagates_nan_and_inf() -> None:
+    x = torch.ones(2, 64)
+    x[0, 3] = math.nan
+    x[1, 40] = -math.inf
+    a = amax(x, "mx")
+    assert math.isnan(a[0, 0]) and a[0, 1] == 1
+    assert a[1, 0] == 1 and math.isinf(a[1, 1])
+
+
+def test_amax_bad_input() -> None:
+    with pytest.raises(TypeError, match="x must be a floating-point"):
+        amax(torch.ones(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        amax([1.0, 2.0])  # type: ignore[arg-type]
+
+
+# ---- compute_scale -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "fp16", "e2m1"])
+@pytest.mark.parametrize("margin", [0.0, 1.0, 2.5])
+def test_compute_scale_formula(fmt: str, margin: float) -> None:
+    f = get_format(fmt)
+    a = torch.tensor([1e-3, 0.7, 1.0, 3.0, 448.0, 1e6])
+    s = compute_scale(a, fmt, margin=margin)
+    expected = a.double() * 2.0**margin / f.max
+    # float32 result of a float32 computation: one rounding of the division (<= 2^-24 rel).
+    assert torch.allclose(s.double(), expected, rtol=2**-23, atol=0)
+    assert bool((a / s <= f.max * 2.0**-margin * (1 + 2**-23)).all())
+    p = compute_scale(a, fmt, margin=margin, power_of_two=True)
+    m, _ = np.frexp(p.numpy())
+    assert np.all(m == 0.5), "power-of-two scales have mantissa exactly 0.5 in frexp"
+    assert bool((p >= s).all()) and bool((p < 2 * s).all()), "rounded up, by less than 2x"
+    assert bool((a / p <= f.max * 2.0**-margin).all())
+
+
+def test_compute_scale_specials_never_nan() -> None:
+    a = torch.tensor([0.0, math.inf, -math.inf, math.nan, 1e-45, 3e38])
+    s = compute_scale(a, "e4m3fn")
+    assert s.tolist()[:4] == [1.0, 1.0, 1.0, 1.0]
+    assert bool(torch.isfinite(s).all()) and bool((s > 0).all())
+    assert s[4] == 2.0**-126, "a denormal amax clamps the scale to the smallest normal"
+    assert s[5] == pytest.approx(3e38 / 448, rel=1e-6)
+    huge = compute_scale(torch.tensor(3e38), "e2m1", margin=100.0, power_of_two=True)
+    assert huge.item() == 2.0**127, "scale clamps to 2^127 instead of overflowing to Inf"
+
+
+def test_compute_scale_bad_margin() -> None:
+    with pytest.raises(ValueError, match="margin must be finite"):
+        compute_scale(torch.tensor(1.0), "e4m3fn", margin=math.inf)
+    with pytest.raises(TypeError, match="margin"):
+        compute_scale(torch.tensor(1.0), "e4m3fn", margin="1")  # type: ignore[arg-type]
+
+
+# ---- MX ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fmt", "emax"), [("e4m3fn", 8), ("e5m2", 15), ("e2m1", 2), ("e3m2", 4)])
+def test_mx_scale_rule(fmt: str, emax: int) -> None:
+    a = torch.tensor([1e-30, 0.3, 1.0, 1.5, 2.0 - 2**-20, 448.0, 7e10])
+    s = mx_scale(a, fmt).double().numpy()
+    for ai, si in zip(a.double().numpy(), s, strict=True):
+        _, e = math.frexp(ai)  # ai = m * 2^e with m in [0.5, 1): floor(log2 ai) = e - 1
+        assert si == 2.0 ** (e - 1 - emax)
+        assert 2.0**emax <= ai / si < 2.0 ** (emax + 1)
+    assert get_format(fmt).max_exponent == emax
+    # Clamped to E8M0's range [2^-127, 2^127]; zero / non-finite -> 1.
+    edge = mx_scale(torch.tensor([1e-44, 3e38, 0.0, math.nan, math.inf]), "e2m1")
+    assert edge.tolist() == [2.0**-127, 2.0 ** (127 - 2), 1.0, 1.0, 1.0]
+
+
+# ---- apply_scale -------------------------------------------------------------------------
+
+
+def test_apply_scale_blockwise_equals_explicit_expansion() -> None:
+    x = torch.randn(6, 8, dtype=torch.float64)
+    s = torch.rand(3, 2, dtype=torch.float64) + 0.5
+    full = s.repeat_interleave(2, dim=0).repeat_interleave(4, dim=1)
+    assert torch.equal(apply_scale(x, s), x * full)
+    assert torch.equal(apply_scale(x, s, op="div"), x / full)
+    with pytest.raises(ValueError, match="not block-broadcastable"):
+        apply_scale(x, torch.ones(4, 2))
+
+
+# ---- stateful scalers --------------------------------------------------------------------
+
+
+def _const(a: float, n: int = 64) -> torch.Tensor:
+    x = torch.full((n,), 0.5 * a)
+    x[7] = -a
+    return x
+
+
+def test_dynamic_scaler() -> None:
+    sc = DynamicScaler("e4m3fn")
+    assert sc(_const(896.0)).item() == 2.0
+    assert sc.last_amax is not None and sc.last_amax.item() == 896.0
+    restored = DynamicScaler("e4m3fn")
+    restored.load_state_dict(sc.state_dict())
+    assert restored.last_amax is not None and restored.last_amax.item() == 896.0
+    row = DynamicScaler("e5m2", granularity="row")(torch.tensor([[1.0, -2.0], [57344.0, 0.0]]))
+    # float32 result of one float32 division: within 2^-24 relative of the exact value.
+    assert row.flatten().tolist() == pytest.approx([2.0 / 57344.0, 1.0], rel=2**-23)
+
+
+def test_delayed_scaler_max_history_and_outlier_recovery() -> None:
+    fmt = get_format("e4m3fn")
+    sc = DelayedScaler(fmt, history_len=3, algo="max")
+    amaxes = [1.0, 2.0, 4.0, 1000.0, 1.0, 1.0, 1.0, 1.0]
+    scales = [sc(_const(a)).item() for a in amaxes]
+    # Warm-up uses the first tensor itself; then max over the (up to 3) previous amaxes.
+    expected_ref = [1.0, 1.0, 2.0, 4.0, 1000.0, 1000.0, 1000.0, 1.0]
+    assert scales == pytest.approx([r / fmt.max for r in expected_ref], rel=2**-23)
+    # The outlier is gone exactly history_len steps after it was recorded.
+    assert scales[3 + 3 + 1] == pytest.approx(1.0 / fmt.max, rel=2**-23)
+
+
+def test_delayed_scaler_most_recent() -> None:
+    sc = DelayedScaler("e5m2", history_len=4, algo="most_recent")
+    got = [sc(_const(a)).item() * 57344.0 for a in [3.0, 5.0, 100.0, 2.0]]
+    assert got == pytest.approx([3.0, 3.0, 5.0, 100.0], rel=2**-23)
+
+
+def test_delayed_scaler_skips_nonfinite(caplog: pytest.LogCaptureFixture) -> None:
+    sc = DelayedScaler("e4m3fn", history_len=2)
+    sc(_const(8.0))
+    bad = _const(8.0)
+    bad[0] = math.nan
+    s = sc(bad)
+    assert torch.isfinite(s).all()
+    assert sc.nonfinite_count == 1
+    assert sc.amax_history is not None and sc.amax_history.tolist() == [8.0, 8.0]
+    assert "non-finite amax" in caplog.text
+
+
+def test_delayed_scaler_state_dict_resumes_exactly(tmp_path: object) -> None:
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 64, generator=g) * 10 ** (i % 5) for i in range(12)]
+    a = DelayedScaler("e4m3fn", history_len=4, granularity="row")
+    for x in xs[:6]:
+        a(x)
+    b = DelayedScaler("e4m3fn", history_len=4, granularity="row")
+    b.load_state_dict(a.state_dict())
+    for x in xs[6:]:
+        assert torch.equal(a(x), b(x))
+    other = DelayedScaler("e4m3fn", history_len=5, granularity="row")
+    with pytest.raises(ValueError, match="does not match"):
+        other.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="x: scale shape"):
+        a(torch.randn(4, 64))
+
+
+def test_delayed_and_static_refuse_mx_and_bad_args() -> None:
+    with pytest.raises(ValueError, match="MX scales are dynamic"):
+        DelayedScaler("e4m3fn", granularity="mx")
+    with pytest.raises(ValueError, match="history_len"):
+        DelayedScaler("e4m3fn", history_len=0)
+    with pytest.raises(ValueError, match="algo"):
+        DelayedScaler("e4m3fn", algo="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="calibration_steps"):
+        StaticScaler("e4m3fn", calibration_steps=0)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+def test_static_scaler_rejects_bad_scale(bad: float) -> None:
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
+        StaticScaler("e4m3fn", scale=bad)
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
+        StaticScaler("e4m3fn", scale=torch.tensor([1.0, bad]), granularity="row")
+
+
+def test_static_scaler_given_and_calibrated() -> None:
+    assert StaticScaler("e4m3fn", scale=0.25)(_const(1e6)).item() == 0.25
+    sc = StaticScaler("e4m3fn", calibration_steps=3)
+    assert not sc.frozen
+    seen = [sc(_const(a)).item() * 448.0 for a in [2.0, 8.0, 4.0, 1000.0, 1.0]]
+    # Running max over the first three calls, then frozen at the max (8).
+    assert seen == pytest.approx([2.0, 8.0, 8.0, 8.0, 8.0], rel=2**-23)
+    assert sc.frozen
+    resumed = StaticScaler("e4m3fn", calibration_steps=3)
+    resumed.load_state_dict(sc.state_dict())
+    assert resumed.frozen and resumed(_const(1e9)).item() * 448.0 == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="no tensor seen yet"):
+        StaticScaler("e4m3fn").freeze()
+
+
+def test_scalers_match_ml_dtypes_roundtrip_bound() -> None:
+    """A dynamic scale maps amax exactly onto fmt.max, so the cast never overflows."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4096, generator=g) * 1e4
+    s = DynamicScaler("e4m3fn")(x)
+    y = (x / s).numpy().astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert np.isfinite(y).all() and np.abs(y).max() == 448.0

@@ -1,0 +1,163 @@
+"""lowprec.jobs.report and ``lowprec report``: the HTML page, diagnoses, bad input, divergence."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from lowprec.cli import main
+from lowprec.jobs.report import Run, diagnose, load_run, write_report
+from lowprec.jobs.train import NUMERICS, RunError, TrainConfig, train
+
+TINY = TrainConfig(steps=6, batch_size=8, seq_len=32, width=32, depth=1, heads=2,
+                   eval_every=3, eval_batches=2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    out = {}
+    for r in ("fp32", "fp16"):
+        train(replace(TINY, recipe=r), root / r, progress=False)
+        out[r] = root / r
+    return out
+
+
+def test_train_records_numerics_at_first_and_last_step(runs: dict[str, Path]) -> None:
+    recs = [json.loads(ln) for ln in (runs["fp16"] / NUMERICS).read_text().splitlines()]
+    assert {r["step"] for r in recs} == {0, TINY.steps - 1}
+    names = {(r["name"], r["kind"]) for r in recs}
+    for want in (("head", "output"), ("head", "grad_output"), ("blocks.0.fc.weight", "weight"),
+                 ("blocks.0.fc.weight", "weight_grad"), ("tok", "output")):
+        assert want in names
+    assert set(recs[0]["below_normal"]) == {"fp16", "bf16", "e4m3fn", "e5m2"}
+
+
+def test_resume_keeps_numerics_exact(tmp_path: Path) -> None:
+    cfg = replace(TINY, recipe="bf16")
+    train(cfg, tmp_path / "a", progress=False)
+    train(cfg, tmp_path / "b", progress=False, stop_after=3)
+    train(cfg, tmp_path / "b", resume=True, progress=False)
+    a, b = ((tmp_path / d / NUMERICS).read_text() for d in ("a", "b"))
+    assert a == b  # same records, no duplicates after the resume
+
+
+def test_report_page(runs: dict[str, Path], tmp_path: Path) -> None:
+    out = write_report([runs["fp32"], runs["fp16"]], tmp_path / "r.html", title="t")
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<h1>t</h1>" in page
+    # loss curves + per run: scale charts at init and end + exponent histograms
+    assert len(re.findall(r'<img src="data:image/png;base64,', page)) == 1 + 3 * 2
+    assert "src=\"http" not in page and "<script" not in page  # self-contained, static
+    assert "underflow in fp16" in page  # the fp16 run's own gradients
+    # the summary's worst gradient underflow uses the diagnosis' formats: own dtype, E5M2
+    worst = re.findall(r"<td>[\d.]+% \((\w+), [\w.]+ [a-z ]+\)</td>", page)
+    assert worst == ["e5m2", "fp16"], worst  # fp32 run: e5m2; fp16 run: its own fp16
+    assert page.count('class="run"') == 2
+
+
+def test_diagnosis_names_tensor_format_and_fix(runs: dict[str, Path]) -> None:
+    notes = diagnose(load_run(runs["fp16"]))
+    first = notes[0]
+    assert re.match(r"\d+% of the (activation|weight) gradients of \S+ underflow in fp16 "
+                    r"\(below its smallest normal, 6.1e-05\) at step 5", first), first
+    assert "use loss scaling or unit scaling" in first
+    fp32 = diagnose(load_run(runs["fp32"]))
+    assert not any("underflow in fp32" in n for n in fp32)
+    assert all("would" in n for n in fp32 if "underflow" in n)  # fp32 stores no narrow format
+
+
+def test_healthy_run_says_so(runs: dict[str, Path]) -> None:
+    run = load_run(runs["fp32"])
+    calm = [{**r, "below_normal": {k: 0.0 for k in r["below_normal"]},
+             "above_max": {k: 0.0 for k in r["above_max"]}} for r in run.numerics]
+    notes = diagnose(Run(run.path, run.config, run.metrics, run.summary, calm))
+    assert notes == [f"Healthy at step {TINY.steps - 1}: no gradient has 25% of its values "
+                     "below the smallest normal, and nothing overflows (e4m3fn, e5m2)."]
+    assert "gradients" in diagnose(load_run(runs["fp16"]))[0]
+
+
+def test_diverged_run_is_reported_with_its_step(runs: dict[str, Path], tmp_path: Path) -> None:
+    d = tmp_path / "diverged"
+    shutil.copytree(runs["fp32"], d)
+    lines = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    for r in lines:
+        if r["step"] >= 4:
+            r["loss"] = math.nan
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (d / "summary.json").unlink()
+    run = load_run(d)
+    assert run.summary["diverged_at"] == 4
+    assert diagnose(run)[0].startswith("The loss became NaN/Inf at step 4")
+    page = write_report([runs["fp32"], d], tmp_path / "r.html").read_text()
+    assert "<td>step 4</td>" in page and "diverged" in page
+
+
+def test_not_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(RunError, match=r"not a lowprec run directory: no config\.json"):
+        load_run(tmp_path)
+    with pytest.raises(RunError, match="not a directory"):
+        load_run(tmp_path / "missing")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(RunError, match="no recorded steps"):
+        load_run(tmp_path)
+    with pytest.raises(ValueError, match="at least one"):
+        write_report([], tmp_path / "x.html")
+
+
+def test_cli_report(runs: dict[str, Path], tmp_path: Path,
+                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cli.html"
+    assert main(["report", str(runs["fp32"]), str(runs["fp16"]), "-o", str(out)]) == 0
+    assert f"report: {out}" in capsys.readouterr().out and out.is_file()
+    for argv, msg in (([str(tmp_path)], "not a lowprec run directory"),
+                      ([str(runs["fp32"]), "-o", str(tmp_path / "r.txt")], "--out")):
+        with pytest.raises(SystemExit) as e:
+            main(["report", *argv])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_float8_run_is_judged_in_its_own_format(tmp_path: Path) -> None:
+    """A float8 recipe scales its GEMM operands before the FP8 cast: the unscaled E4M3/E5M2
+    shares would mislead, so only the run's own format (bf16) is judged, and it says so."""
+    train(replace(TINY, recipe="fp8-tensorwise"), tmp_path / "f8", progress=False)
+    run = load_run(tmp_path / "f8")
+    assert run.float8 == "tensorwise"
+    notes = diagnose(run)
+    assert notes[0].startswith("Float8 recipe 'tensorwise'")
+    assert not any("e5m2" in n or "e4m3fn" in n for n in notes[1:])
+
+
+def test_truncated_numerics_and_runs_without_evaluation(runs: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(runs["fp32"], bad)
+    text = (bad / NUMERICS).read_text()
+    (bad / NUMERICS).write_text(text[: len(text) // 2])  # killed mid-write
+    with pytest.raises(RunError, match="corrupt or truncated"):
+        load_run(bad)
+    early = tmp_path / "early"
+    train(replace(TINY, recipe="fp32"), early, progress=False, stop_after=2)  # no eval yet
+    page = write_report([early, runs["fp32"]], tmp_path / "r.html").read_text()
+    row = re.findall(r"<tr><td>early</td>.*?</tr>", page)[0]
+    assert "NaN" not in page.split("<h2>Loss curves")[0] and "<td>–</td>" in row
+
+
+def test_stopped_runs_and_same_named_runs(runs: dict[str, Path], tmp_path: Path) -> None:
+    stopped = tmp_path / "a" / "fp32"
+    train(replace(TINY, recipe="fp32"), stopped, progress=False, stop_after=4)
+    run = load_run(stopped)
+    assert run.stopped_early and run.planned_steps == TINY.steps
+    assert any(n.startswith("The run stopped at step 4 of 6") for n in diagnose(run))
+    page = write_report([runs["fp32"], stopped], tmp_path / "r.html").read_text()
+    assert "<td>4 of 6</td>" in page and "<td>6</td>" in page
+    # two directories both named fp32 get told apart by their parent folder
+    assert f"<td>{runs['fp32'].parent.name}/fp32</td>" in page and "<td>a/fp32</td>" in page
+    assert not load_run(runs["fp32"]).stopped_early

@@ -1,0 +1,170 @@
+"""Tests for the training job: metrics, checkpoints, bit-exact resume, bad input, CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowprec.jobs.train as train_mod
+from lowprec.cli import main
+from lowprec.jobs.train import RunError, TrainConfig, read_metrics, train
+
+TINY = TrainConfig(
+    steps=8, batch_size=4, seq_len=16, width=32, depth=1, heads=2, lr=3e-3, warmup=2,
+    eval_every=4, eval_batches=2, ckpt_every=2,
+)
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out)]
+
+
+def _model_state(out: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    model: dict[str, torch.Tensor] = state["run"]["model"]
+    return model
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "fp16-dynamic-ls", "amp-bf16", "fp8-delayed"])
+def test_resume_is_bit_exact(tmp_path: Path, recipe: str) -> None:
+    """N steps straight == N/2 steps, stop, resume, N/2 steps: identical losses and weights."""
+    cfg = replace(TINY, recipe=recipe)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(cfg, straight, progress=False)
+    assert train(cfg, split, progress=False, stop_after=4) == {"stopped_at": 4}
+    assert len(read_metrics(split)) == 4
+    train(cfg, split, resume=True, progress=False)
+    assert _losses(straight) == _losses(split)
+    assert [r.get("val_loss") for r in read_metrics(straight)] == [
+        r.get("val_loss") for r in read_metrics(split)
+    ]
+    a, b = _model_state(straight), _model_state(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ctrl_c_writes_a_checkpoint_and_resume_continues(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    train(TINY, straight, progress=False)
+    real = train_mod._train_step
+    calls = {"n": 0}
+
+    def interrupt_at_5(*args: object) -> dict[str, object]:
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train_mod, "_train_step", interrupt_at_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(TINY, cut, progress=False)
+    monkeypatch.setattr(train_mod, "_train_step", real)
+    assert torch.load(cut / "checkpoint.pt", weights_only=True)["step"] == 5
+    train(TINY, cut, resume=True, progress=False)
+    assert _losses(straight) == _losses(cut)
+
+
+def test_metrics_and_summary(tmp_path: Path) -> None:
+    summary = train(replace(TINY, recipe="fp16-static-ls"), tmp_path / "r", progress=False)
+    recs = read_metrics(tmp_path / "r")
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    for key in (
+        "loss", "loss_scale", "skipped", "grad_norm", "grad_zero_share",
+        "grad_nonfinite_share", "act_grad_underflow", "act_grad_zero", "step_time", "lr",
+    ):
+        assert key in recs[0], key
+    assert [r["step"] for r in recs if "val_loss" in r] == [4, 8]
+    assert recs[0]["loss_scale"] == 2.0**12
+    assert 0.0 <= recs[0]["act_grad_underflow"] <= 1.0
+    assert summary["steps"] == 8 and summary["val_bpc"] == pytest.approx(
+        summary["val_loss"] / 0.6931471805599453
+    )
+    # Warm-up then cosine decay to lr/10 at the last step.
+    assert recs[0]["lr"] == pytest.approx(1.5e-3) and recs[-1]["lr"] == pytest.approx(3e-4)
+    assert json.loads((tmp_path / "r" / "summary.json").read_text()) == summary
+
+
+def test_existing_directory_is_not_overwritten(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(RunError, match="already exists"):
+        train(TINY, out, progress=False)
+    assert (out / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+
+
+def test_resume_errors(tmp_path: Path) -> None:
+    with pytest.raises(RunError, match="not a run directory"):
+        train(TINY, tmp_path / "nothing", resume=True, progress=False)
+    out = tmp_path / "run"
+    train(TINY, out, progress=False, stop_after=2)
+    (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RunError, match="corrupt"):
+        train(TINY, out, resume=True, progress=False)
+    (out / "checkpoint.pt").unlink()
+    with pytest.raises(RunError, match="no checkpoint"):
+        train(TINY, out, resume=True, progress=False)
+    with pytest.raises(RunError, match="different configuration"):
+        train(replace(TINY, lr=1e-3), out, resume=True, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"recipe": "fp17"}, "unknown name 'fp17'; valid: fp32, bf16"),
+        ({"steps": 0}, "steps must be a positive int"),
+        ({"batch_size": -1}, "batch_size must be a positive int"),
+        ({"width": 30, "heads": 4}, "divisible by heads"),
+        ({"lr": 0.0}, "lr must be a positive"),
+    ],
+)
+def test_bad_config(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        replace(TINY, **kwargs)  # type: ignore[arg-type]
+
+
+def test_cli_train_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cli"
+    args = ["train", "--recipe", "bf16", "--steps", "4", "--batch-size", "2", "--seq-len",
+            "16", "--width", "32", "--depth", "1", "--heads", "2", "--eval-every", "2",
+            "--eval-batches", "1", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    assert "val bpc" in capsys.readouterr().out
+    assert (out / "checkpoint.pt").is_file() and (out / "summary.json").is_file()
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert "already exists" in capsys.readouterr().err
+    for bad, msg in (
+        (["--recipe", "nope"], "valid: fp32"),
+        (["--steps", "0"], "--steps"),
+        (["--batch-size", "x"], "--batch-size"),
+        (["--resume"], "--resume needs --out"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["train", *bad])
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_grad_meter_counts_stored_payload_of_scaled_gradients() -> None:
+    """Underflow is judged in the dtype the gradient is stored in. A plain FP16 gradient of
+    magnitude 2^-20 (an FP16 subnormal: below the smallest normal, 2^-14) counts; the same
+    values as a scalify ScaledTensor (FP16 payload 1.0, scale 2^-20) are stored exactly and
+    do not. Zeros count as zeros either way."""
+    from lowprec.core.tensor import ScaledTensor
+
+    meter = train_mod.GradMeter(torch.nn.Identity())
+    vals = torch.tensor([2.0**-20, -(2.0**-20), 0.0, 2.0**-20])
+    meter._on_grad(vals.to(torch.float16))
+    assert meter.result() == {"act_grad_underflow": 1.0, "act_grad_zero": 0.25}
+    meter.reset()
+    payload = torch.tensor([1.0, -1.0, 0.0, 1.0], dtype=torch.float16)
+    meter._on_grad(ScaledTensor(payload, torch.tensor(2.0**-20)))
+    assert meter.result() == {"act_grad_underflow": 0.25, "act_grad_zero": 0.25}
