@@ -50,8 +50,8 @@ from torch import Tensor
 from torch._dynamo.utils import counters
 
 from lowprec.jobs.demo import DEMO_CONFIG
-from lowprec.recipes import get_recipe, recipe_names
 from lowprec.jobs.train import TrainConfig, build
+from lowprec.recipes import get_recipe, recipe_names
 
 MODES = ("eager", "compiled")
 QUICK_SHAPE: dict[str, Any] = {"batch_size": 4, "seq_len": 16, "width": 32, "depth": 1, "heads": 2}

@@ -5,7 +5,6 @@ The foundation: number formats (:mod:`lowprec.core.formats`), scale selection
 """
 
 from lowprec.core.formats import Format, from_bits, get_format, quantize, to_bits
-from lowprec.recipes import Recipe, prepare
 from lowprec.core.scaling import (
     DelayedScaler,
     DynamicScaler,
@@ -14,6 +13,7 @@ from lowprec.core.scaling import (
     compute_scale,
 )
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
+from lowprec.recipes import Recipe, prepare
 
 __all__ = [
     "DelayedScaler",

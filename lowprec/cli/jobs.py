@@ -18,8 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lowprec.recipes import get_recipe, recipe_names
 from lowprec.jobs.train import RunError, TrainConfig, train
+from lowprec.recipes import get_recipe, recipe_names
 
 __all__ = ["add_demo", "add_recipes", "add_report", "add_train"]
 

@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from lowprec.core.scaling import amax, delayed_amax, push_amax
 from lowprec.float8.quant import Operand, dequantize, matmul, quantize_operand
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
-from lowprec.core.scaling import amax, delayed_amax, push_amax
 
 __all__ = ["Float8Linear", "calibrate", "convert_back", "convert_to_float8"]
 

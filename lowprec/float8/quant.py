@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lowprec.float8.recipe import CastConfig, GemmGranularity
 from lowprec.core.formats import get_format, quantize, to_format
 from lowprec.core.scaling import Granularity, amax, apply_scale, compute_scale, mx_scale
 from lowprec.core.tensor import ScaledTensor
+from lowprec.float8.recipe import CastConfig, GemmGranularity
 
 __all__ = ["Operand", "dequantize", "hardware_fp8_available", "quantize_operand", "scaled_mm"]
 

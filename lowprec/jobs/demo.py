@@ -18,9 +18,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lowprec.recipes import get_recipe
 from lowprec.jobs.report import plot_runs, write_report
 from lowprec.jobs.train import RunError, TrainConfig, train
+from lowprec.recipes import get_recipe
 
 __all__ = ["DEMO_CONFIG", "DEMO_RECIPES", "GAP_REFERENCES", "QUICK_CONFIG", "run_demo"]
 

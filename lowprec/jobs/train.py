@@ -26,9 +26,9 @@ import torch
 
 from lowprec.amp import grad_stats
 from lowprec.analysis.tracking import Tracker
+from lowprec.core.tensor import ScaledTensor
 from lowprec.jobs.model import CharData, CharGPT, ModelConfig
 from lowprec.recipes import Prepared, get_recipe, prepare
-from lowprec.core.tensor import ScaledTensor
 
 __all__ = ["RunError", "TrainConfig", "evaluate", "train"]
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.scalify.config import ScalifyConfig, count_rule, current_config
 from lowprec.core.scaling import apply_scale, check_scale_shape
 from lowprec.core.tensor import ScaledTensor, register_rule
+from lowprec.scalify.config import ScalifyConfig, count_rule, current_config
 
 __all__ = ["DOMAINS", "FWD", "GRAD", "Pair", "rule"]
 

@@ -17,9 +17,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import ScalifyConfig, current_config
 from lowprec.scalify.core import FWD, GRAD, compiling, pow2, stat, work_dtype
-from lowprec.core.tensor import ScaledTensor
 
 __all__ = ["as_scaled", "dynamic_rescale", "rebalance", "scaled", "unscale"]
 

@@ -17,6 +17,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from lowprec.core.formats import get_format
+from lowprec.core.scaling import apply_scale, compute_scale
+from lowprec.core.tensor import ScaledTensor, register_fallback
 from lowprec.scalify.config import count_fallback, current_config
 from lowprec.scalify.core import (
     DOMAINS,
@@ -42,8 +44,6 @@ from lowprec.scalify.core import (
     work_dtype,
     wrap,
 )
-from lowprec.core.scaling import apply_scale, compute_scale
-from lowprec.core.tensor import ScaledTensor, register_fallback
 
 aten = torch.ops.aten
 __all__: list[str] = []

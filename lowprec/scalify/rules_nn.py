@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lowprec.core.scaling import apply_scale
+from lowprec.core.tensor import _LOGICAL, ScaledTensor
 from lowprec.scalify.core import (
     check_compatible,
     combine,
@@ -31,8 +33,6 @@ from lowprec.scalify.core import (
     work_dtype,
 )
 from lowprec.scalify.rules import number_pair
-from lowprec.core.scaling import apply_scale
-from lowprec.core.tensor import _LOGICAL, ScaledTensor
 
 aten = torch.ops.aten
 __all__: list[str] = []

@@ -19,11 +19,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify import rules as _rules  # noqa: F401  (registers the rules)
 from lowprec.scalify import rules_nn as _rules_nn  # noqa: F401
 from lowprec.scalify.config import ScalifyConfig, set_config
 from lowprec.scalify.ops import as_scaled, unscale
-from lowprec.core.tensor import ScaledTensor
 
 __all__ = ["Scalified", "resolve_config", "scalify"]
 

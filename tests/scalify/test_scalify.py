@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lowprec.core.tensor import ScaledTensor
 from lowprec.jobs.model import CharGPT, ModelConfig
 from lowprec.scalify import (
     ScalifyConfig,
@@ -30,7 +31,6 @@ from lowprec.scalify import (
     unscale,
 )
 from lowprec.scalify.config import set_config
-from lowprec.core.tensor import ScaledTensor
 
 FP16_TOL = 1e-3  # 2x FP16's unit roundoff 2^-11 (one rounding of the output data)
 
@@ -325,8 +325,8 @@ def test_apply_scalify_fp8_and_bad_format() -> None:
 
 
 def test_fp8_matmul_rounds_operands_to_fp8_grids() -> None:
-    from lowprec.scalify.rules import _fp8
     from lowprec.core.scaling import compute_scale
+    from lowprec.scalify.rules import _fp8
 
     d = torch.randn(64, 32)
     for grad, dt in ((False, torch.float8_e4m3fn), (True, torch.float8_e5m2)):
