@@ -148,8 +148,14 @@ def variant_specs(device: torch.device, torchao_ok: bool) -> list[Spec]:
         if not (cuda and n == "tensorwise bf16-emu")
     ]
     if not cuda:  # as the demo's fp8 recipes run: bf16 parameters and activations
-        specs.append(Spec("lowprec tensorwise bf16", "lowprec", torch.bfloat16,
-                          Float8Recipe.from_name("tensorwise")))
+        specs.append(
+            Spec(
+                "lowprec tensorwise bf16",
+                "lowprec",
+                torch.bfloat16,
+                Float8Recipe.from_name("tensorwise"),
+            )
+        )
     if torchao_ok:
         specs.append(Spec(f"torchao tensorwise{'' if cuda else ' emulate'}", "torchao", master))
     return specs

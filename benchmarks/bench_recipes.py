@@ -120,11 +120,15 @@ def _first_step(v: Variant) -> None:
     before, t0 = _dynamo_counts(), time.perf_counter()
     v.step()
     assert v.loss is not None
-    v.info = {"first_step_s": time.perf_counter() - t0, "loss_first": float(v.loss.detach()),
-              "dynamo": {k: n - before[k] for k, n in _dynamo_counts().items()},
-              "compiled_first": v.ran_compiled()}
-    print(f"  {v.key}: first step {v.info['first_step_s']:.2f} s, {v.info['dynamo']}",
-          file=sys.stderr)
+    v.info = {
+        "first_step_s": time.perf_counter() - t0,
+        "loss_first": float(v.loss.detach()),
+        "dynamo": {k: n - before[k] for k, n in _dynamo_counts().items()},
+        "compiled_first": v.ran_compiled(),
+    }
+    print(
+        f"  {v.key}: first step {v.info['first_step_s']:.2f} s, {v.info['dynamo']}", file=sys.stderr
+    )
 
 
 def _check_loss(v: Variant, eager: Variant | None, last: float) -> float | None:
@@ -137,8 +141,10 @@ def _check_loss(v: Variant, eager: Variant | None, last: float) -> float | None:
     rel = abs(first - ref) / abs(ref)
     r = get_recipe(v.recipe)
     if rel > (tol := LOSS_RTOL[r.autocast or r.param_dtype]):
-        raise SystemExit(f"FAIL {v.key}: first-step loss {first!r} differs from eager "
-                         f"{ref!r} by {rel:.2e} (> {tol:g})")
+        raise SystemExit(
+            f"FAIL {v.key}: first-step loss {first!r} differs from eager "
+            f"{ref!r} by {rel:.2e} (> {tol:g})"
+        )
     return rel
 
 
@@ -149,14 +155,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
     p.add_argument("--recipes", default=",".join(recipe_names()), help="comma list")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    p.add_argument("--native-fp16", action="store_true",
-                   help="also time FP16 recipes outside Fp16MatmulInFp32 (slow CPU FP16 GEMM)")
-    p.add_argument("--cold-compile", action="store_true",
-                   help="disable inductor's caches so compile times are cold")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/"
-                   "recipes_cpu.json; with --quick a file in the temp dir)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke test: 3 steps, shape {QUICK_SHAPE}")
+    p.add_argument(
+        "--native-fp16",
+        action="store_true",
+        help="also time FP16 recipes outside Fp16MatmulInFp32 (slow CPU FP16 GEMM)",
+    )
+    p.add_argument(
+        "--cold-compile",
+        action="store_true",
+        help="disable inductor's caches so compile times are cold",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default benchmarks/results/"
+        "recipes_cpu.json; with --quick a file in the temp dir)",
+    )
+    p.add_argument("--quick", action="store_true", help=f"smoke test: 3 steps, shape {QUICK_SHAPE}")
     args = p.parse_args(argv)
     for flag, valid in (("modes", MODES), ("recipes", recipe_names())):
         items = [s.strip() for s in getattr(args, flag).split(",") if s.strip()]
@@ -182,15 +197,24 @@ def main(argv: list[str] | None = None) -> int:
     _, data = build(replace(cfg, recipe="fp32"))
     batches = [data.batch("train", i) for i in range(N_BATCHES)]
     fp16 = {r: args.native_fp16 and get_recipe(r).param_dtype == "fp16" for r in args.recipes}
-    variants = [Variant(r, m, native) for r in args.recipes
-                for native in (False, True)[: 1 + fp16[r]] for m in args.modes]
+    variants = [
+        Variant(r, m, native)
+        for r in args.recipes
+        for native in (False, True)[: 1 + fp16[r]]
+        for m in args.modes
+    ]
     t_start = time.perf_counter()
     for v in variants:
         _make_step(v, cfg, batches)
         _first_step(v)
     before = _dynamo_counts()["graphs"]
-    timings = time_many({v.key: v.step for v in variants if v.step is not None}, "cpu",
-                        repeats=args.steps, warmup=args.warmup, min_repeat_s=0.0)
+    timings = time_many(
+        {v.key: v.step for v in variants if v.step is not None},
+        "cpu",
+        repeats=args.steps,
+        warmup=args.warmup,
+        min_repeat_s=0.0,
+    )
     graphs_while_timing = _dynamo_counts()["graphs"] - before
     total_s = time.perf_counter() - t_start
 
@@ -198,68 +222,120 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for v in variants:
         assert v.loss is not None
-        eager = next((e for e in variants if e.recipe == v.recipe and e.mode == "eager"
-                      and e.native_fp16 == v.native_fp16), None)
+        eager = next(
+            (
+                e
+                for e in variants
+                if e.recipe == v.recipe and e.mode == "eager" and e.native_fp16 == v.native_fp16
+            ),
+            None,
+        )
         fp32, compiled = f"fp32/{v.mode}", v.mode == "compiled"
         last = float(v.loss.detach())
-        rows.append({
-            "recipe": v.recipe, "variant": v.key.split("/", 1)[1], "mode": v.mode,
-            "native_fp16": v.native_fp16, "median_ms": ms[v.key],
-            "min_ms": timings[v.key].min_ms,
-            "ratio_to_fp32": ms[v.key] / ms[fp32] if fp32 in ms else None,
-            "compiled_over_eager": ms[v.key] / ms[eager.key] if compiled and eager else None,
-            "compile_s": v.info["first_step_s"] if compiled else None,
-            "dynamo": v.info["dynamo"],
-            "ran_compiled": v.info["compiled_first"] and v.ran_compiled() if compiled else None,
-            "loss0_rel_diff": _check_loss(v, eager, last),
-            "loss_first": v.info["loss_first"], "loss_last": last,
-            "first_step_s": v.info["first_step_s"], "timing": timings[v.key].as_dict(),
-        })
+        rows.append(
+            {
+                "recipe": v.recipe,
+                "variant": v.key.split("/", 1)[1],
+                "mode": v.mode,
+                "native_fp16": v.native_fp16,
+                "median_ms": ms[v.key],
+                "min_ms": timings[v.key].min_ms,
+                "ratio_to_fp32": ms[v.key] / ms[fp32] if fp32 in ms else None,
+                "compiled_over_eager": ms[v.key] / ms[eager.key] if compiled and eager else None,
+                "compile_s": v.info["first_step_s"] if compiled else None,
+                "dynamo": v.info["dynamo"],
+                "ran_compiled": v.info["compiled_first"] and v.ran_compiled() if compiled else None,
+                "loss0_rel_diff": _check_loss(v, eager, last),
+                "loss_first": v.info["loss_first"],
+                "loss_last": last,
+                "first_step_s": v.info["first_step_s"],
+                "timing": timings[v.key].as_dict(),
+            }
+        )
     record = run_record(
-        "recipes", "cpu", config=cfg.to_dict(), recipes=args.recipes, modes=args.modes,
-        steps=args.steps, warmup=args.warmup, threads=torch.get_num_threads(),
-        native_fp16=args.native_fp16, cold_compile=args.cold_compile,
+        "recipes",
+        "cpu",
+        config=cfg.to_dict(),
+        recipes=args.recipes,
+        modes=args.modes,
+        steps=args.steps,
+        warmup=args.warmup,
+        threads=torch.get_num_threads(),
+        native_fp16=args.native_fp16,
+        cold_compile=args.cold_compile,
         step_body="lowprec.jobs.train._train_step without GradMeter and grad_stats",
-        graphs_compiled_while_timing=graphs_while_timing, total_s=total_s, rows=rows,
+        graphs_compiled_while_timing=graphs_while_timing,
+        total_s=total_s,
+        rows=rows,
     )
     path = write_json(record, args.out)
     _print(record, rows, path)
     silent = [r["recipe"] + "/" + r["variant"] for r in rows if r["ran_compiled"] is False]
     if silent or graphs_while_timing:
-        print(f"FAIL: not compiled: {silent}; graphs compiled while timing: "
-              f"{graphs_while_timing}", file=sys.stderr)
+        print(
+            f"FAIL: not compiled: {silent}; graphs compiled while timing: {graphs_while_timing}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def _print(record: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
     table = [
-        [r["recipe"], r["variant"], r["median_ms"], r["min_ms"], r["ratio_to_fp32"],
-         r["compiled_over_eager"], r["compile_s"],
-         f"{r['dynamo']['graphs']}/{r['dynamo']['graph_breaks']}" if r["mode"] == "compiled"
-         else "-", r["ran_compiled"], r["loss0_rel_diff"]]
+        [
+            r["recipe"],
+            r["variant"],
+            r["median_ms"],
+            r["min_ms"],
+            r["ratio_to_fp32"],
+            r["compiled_over_eager"],
+            r["compile_s"],
+            f"{r['dynamo']['graphs']}/{r['dynamo']['graph_breaks']}"
+            if r["mode"] == "compiled"
+            else "-",
+            r["ran_compiled"],
+            r["loss0_rel_diff"],
+        ]
         for r in rows
     ]
     c, git = record["config"], record["git"]
     cache = "off (--cold-compile)" if record["cold_compile"] else "on (compile s may be warm)"
-    caption = "\n".join([
-        f"CharGPT width {c['width']}, depth {c['depth']}, heads {c['heads']}; batch "
-        f"{c['batch_size']}x{c['seq_len']}; AdamW. CPU, {record['threads']} thread(s), torch "
-        f"{record['torch']}, git {git['commit']}{' (dirty)' if git['dirty'] else ''}; median "
-        f"of {record['steps']} steps after {record['warmup']} warm-up, variants interleaved "
-        f"({record['total_s']:.0f} s). Inductor caches {cache}.",
-        "x fp32: vs fp32 in the same mode. compiled/eager: vs the recipe's eager step on the "
-        "same matmul path. compile s: first step (compilation). graphs/breaks: new dynamo "
-        "graphs / graph breaks in the first step (0 graphs: reuses an earlier recipe's "
-        "graph). compiled: first and last step ran compiled code."
-        + (" native: FP16 recipe outside Fp16MatmulInFp32 (torch's CPU FP16 GEMMs)."
-           if record["native_fp16"] else ""),
-        f"JSON: {path}",
-    ])
-    print_table("Training step time per recipe",
-                ["recipe", "step", "ms/step", "best ms", "x fp32", "compiled/eager",
-                 "compile s", "graphs/breaks", "compiled", "loss0 rel. diff"],
-                table, caption=caption)
+    caption = "\n".join(
+        [
+            f"CharGPT width {c['width']}, depth {c['depth']}, heads {c['heads']}; batch "
+            f"{c['batch_size']}x{c['seq_len']}; AdamW. CPU, {record['threads']} thread(s), torch "
+            f"{record['torch']}, git {git['commit']}{' (dirty)' if git['dirty'] else ''}; median "
+            f"of {record['steps']} steps after {record['warmup']} warm-up, variants interleaved "
+            f"({record['total_s']:.0f} s). Inductor caches {cache}.",
+            "x fp32: vs fp32 in the same mode. compiled/eager: vs the recipe's eager step on the "
+            "same matmul path. compile s: first step (compilation). graphs/breaks: new dynamo "
+            "graphs / graph breaks in the first step (0 graphs: reuses an earlier recipe's "
+            "graph). compiled: first and last step ran compiled code."
+            + (
+                " native: FP16 recipe outside Fp16MatmulInFp32 (torch's CPU FP16 GEMMs)."
+                if record["native_fp16"]
+                else ""
+            ),
+            f"JSON: {path}",
+        ]
+    )
+    print_table(
+        "Training step time per recipe",
+        [
+            "recipe",
+            "step",
+            "ms/step",
+            "best ms",
+            "x fp32",
+            "compiled/eager",
+            "compile s",
+            "graphs/breaks",
+            "compiled",
+            "loss0 rel. diff",
+        ],
+        table,
+        caption=caption,
+    )
 
 
 if __name__ == "__main__":

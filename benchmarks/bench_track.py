@@ -72,24 +72,49 @@ def main(argv: list[str] | None = None) -> int:
         return lambda: [step() for _ in range(block)]
 
     t0 = time.perf_counter()
-    timings = time_many({n: run_block(s) for n, (s, _) in variants.items()},
-                        repeats=repeats, warmup=1, min_repeat_s=0.0)
+    timings = time_many(
+        {n: run_block(s) for n, (s, _) in variants.items()},
+        repeats=repeats,
+        warmup=1,
+        min_repeat_s=0.0,
+    )
     base = statistics.fmean(timings["no tracking"].repeats_ms) / block
     rows, out_rows = [], []
     for name, (_, tracker) in variants.items():
         ms = statistics.fmean(timings[name].repeats_ms) / block
         n_rec = len(tracker.records) if tracker else 0
         rows.append([name, ms, ms / base, n_rec])
-        out_rows.append({"variant": name, "ms_per_step_mean": ms, "x_no_tracking": ms / base,
-                         "records": n_rec, "timing": timings[name].__dict__})
-    caption = (f"{a.recipe}, width {cfg.width}, depth {cfg.depth}, batch {cfg.batch_size}x"
-               f"{cfg.seq_len}; mean of {repeats} blocks of {block} steps (+1 warm-up block), "
-               f"variants interleaved; {a.threads} thread(s); {time.perf_counter() - t0:.0f} s")
-    print_table("numerics tracking overhead per training step",
-                ["variant", "ms/step", "x no tracking", "records"], rows, caption)
-    record = run_record("track", "cpu", recipe=a.recipe, every=a.every, block=block,
-                        repeats=repeats, threads=a.threads, config=cfg.to_dict(),
-                        rows=out_rows)
+        out_rows.append(
+            {
+                "variant": name,
+                "ms_per_step_mean": ms,
+                "x_no_tracking": ms / base,
+                "records": n_rec,
+                "timing": timings[name].__dict__,
+            }
+        )
+    caption = (
+        f"{a.recipe}, width {cfg.width}, depth {cfg.depth}, batch {cfg.batch_size}x"
+        f"{cfg.seq_len}; mean of {repeats} blocks of {block} steps (+1 warm-up block), "
+        f"variants interleaved; {a.threads} thread(s); {time.perf_counter() - t0:.0f} s"
+    )
+    print_table(
+        "numerics tracking overhead per training step",
+        ["variant", "ms/step", "x no tracking", "records"],
+        rows,
+        caption,
+    )
+    record = run_record(
+        "track",
+        "cpu",
+        recipe=a.recipe,
+        every=a.every,
+        block=block,
+        repeats=repeats,
+        threads=a.threads,
+        config=cfg.to_dict(),
+        rows=out_rows,
+    )
     path = write_json(record, a.out or default_out("track_cpu", a.quick))
     print(f"JSON: {path}")
     return 0

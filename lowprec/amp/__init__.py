@@ -277,9 +277,7 @@ class MasterWeights:
             self.optimizer = optimizer_factory(self.master_params)
         else:
             it = iter(self.master_params)
-            master_groups = [
-                {**g, "params": [next(it) for _ in g["params"]]} for g in groups
-            ]
+            master_groups = [{**g, "params": [next(it) for _ in g["params"]]} for g in groups]
             self.optimizer = optimizer_factory(master_groups)
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator

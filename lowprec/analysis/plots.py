@@ -45,8 +45,17 @@ def _bands(ax: Any, formats: Sequence[str], vertical: bool, labels: bool = False
         for v, label in ((sub, "min sub"), (top, "max")):
             line(v, color=c, lw=0.8, ls="--", alpha=0.7)
             if labels and vertical and abs(v) <= 64:  # name each bound along the top edge
-                ax.text(v, 1.0, f" {f.name} {label}", transform=ax.get_xaxis_transform(),
-                        rotation=90, va="bottom", ha="center", fontsize=6, color=c)
+                ax.text(
+                    v,
+                    1.0,
+                    f" {f.name} {label}",
+                    transform=ax.get_xaxis_transform(),
+                    rotation=90,
+                    va="bottom",
+                    ha="center",
+                    fontsize=6,
+                    color=c,
+                )
 
 
 def _xlim(ax: Any, formats: Sequence[str], lo: float, hi: float) -> None:
@@ -110,8 +119,11 @@ def plot_scale_chart(
     ax.set_yticklabels([f"{r['name']} · {r['kind']}" for r in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("log2 |x|   (line: 1st percentile binade to amax; marker: RMS)")
-    ax.set_title(title or f"tensor scales at step {step}: forward ● (blue), backward ▲ (red)",
-                 fontsize=10, pad=62)
+    ax.set_title(
+        title or f"tensor scales at step {step}: forward ● (blue), backward ▲ (red)",
+        fontsize=10,
+        pad=62,
+    )
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()

@@ -82,8 +82,13 @@ def tensor_stats(x: Tensor, formats: Sequence[str | Format]) -> dict[str, Any]:
     e = torch.where(af > 0, torch.frexp(af)[1] - 1 + _EXP_OFFSET, 0)
     counts_t = torch.bincount(e, minlength=2 * _EXP_OFFSET)
     sq = torch.linalg.vector_norm(af, dtype=torch.float64) ** 2  # no float32 overflow
-    parts = [af.amax() if v.numel() else af.sum(), sq, af.sum(dtype=torch.float64),
-             (~finite).sum(), torch.isnan(a).sum()]
+    parts = [
+        af.amax() if v.numel() else af.sum(),
+        sq,
+        af.sum(dtype=torch.float64),
+        (~finite).sum(),
+        torch.isnan(a).sum(),
+    ]
     parts += [(a > f.max).sum() for f in fmts]  # +Inf included; NaN compares False
     vals = torch.stack([t.double() for t in parts]).tolist()
     counts = counts_t.tolist()
@@ -92,7 +97,7 @@ def tensor_stats(x: Tensor, formats: Sequence[str | Format]) -> dict[str, Any]:
 
     def below(bound: float) -> float:
         k = int(math.log2(bound)) + _EXP_OFFSET  # exponents < log2(bound): bins 1 .. k-1
-        return float(sum(counts[1:max(k, 1)])) / n
+        return float(sum(counts[1 : max(k, 1)])) / n
 
     used = [i for i, c in enumerate(counts) if c and i > 0]
     lo, hi = (used[0], used[-1]) if used else (0, -1)
@@ -107,7 +112,7 @@ def tensor_stats(x: Tensor, formats: Sequence[str | Format]) -> dict[str, Any]:
         "below_subnormal": {f.name: below(f.min_subnormal) for f in fmts},
         "below_normal": {f.name: below(f.min_normal) for f in fmts},
         "above_max": {f.name: (vals[5 + i] + vals[4]) / n for i, f in enumerate(fmts)},
-        "exp_hist": {"lo": lo - _EXP_OFFSET if used else 0, "counts": counts[lo:hi + 1]},
+        "exp_hist": {"lo": lo - _EXP_OFFSET if used else 0, "counts": counts[lo : hi + 1]},
     }
 
 

@@ -69,8 +69,12 @@ def _run_recipes(args: argparse.Namespace) -> int:
         if ls != "none":
             ls += f" 2^{math.log2(r.loss_scale):g}"
         table.add_row(
-            r.name, r.param_dtype, "fp32" if r.master_weights else "-", ls,
-            r.autocast or "-", r.description,
+            r.name,
+            r.param_dtype,
+            "fp32" if r.master_weights else "-",
+            ls,
+            r.autocast or "-",
+            r.description,
         )
     Console(file=sys.stdout, width=160).print(table)
     return 0
@@ -90,20 +94,35 @@ def add_train(subparsers: Any) -> None:
         "Writes config.json, metrics.jsonl (one line per step), checkpoint.pt and "
         "summary.json to --out. Ctrl-C writes a checkpoint; --resume continues bit-exactly.",
     )
-    p.add_argument("--recipe", type=_recipe_arg, default=d.recipe,
-                   help=f"one of: {', '.join(recipe_names())} (default {d.recipe})")
+    p.add_argument(
+        "--recipe",
+        type=_recipe_arg,
+        default=d.recipe,
+        help=f"one of: {', '.join(recipe_names())} (default {d.recipe})",
+    )
     for name in _TRAIN_OPTIONS:
         kind: Any = _positive_float if name == "lr" else _positive_int
         if name == "seed":
             kind = int
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(d, name),
-                       help=f"default {getattr(d, name)}")
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            default=getattr(d, name),
+            help=f"default {getattr(d, name)}",
+        )
     for name in ("eval_every", "eval_batches", "ckpt_every"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=_positive_int,
-                       default=getattr(d, name), help=f"default {getattr(d, name)}")
-    p.add_argument("--out", type=Path, default=None,
-                   help="run directory (default runs/<recipe>-<time>); must not exist "
-                   "unless --resume")
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=_positive_int,
+            default=getattr(d, name),
+            help=f"default {getattr(d, name)}",
+        )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="run directory (default runs/<recipe>-<time>); must not exist unless --resume",
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_train, parser=p)
@@ -130,14 +149,28 @@ def _run_train(args: argparse.Namespace) -> int:
         console.print(f"interrupted: checkpoint written to {out}; continue with --resume")
         return 130
     table = Table(title=f"run {out}", title_justify="left")
-    for col in ("recipe", "steps", "train loss", "val loss", "val bpc", "skipped",
-                "act-grad underflow", "act-grad zeros", "ms/step"):
+    for col in (
+        "recipe",
+        "steps",
+        "train loss",
+        "val loss",
+        "val bpc",
+        "skipped",
+        "act-grad underflow",
+        "act-grad zeros",
+        "ms/step",
+    ):
         table.add_column(col, justify="right")
     table.add_row(
-        summary["recipe"], str(summary["steps"]), f"{summary['train_loss']:.4f}",
-        f"{summary['val_loss']:.4f}", f"{summary['val_bpc']:.3f}",
-        str(summary["skipped_steps"]), f"{100 * summary['act_grad_underflow']:.1f}%",
-        f"{100 * summary['act_grad_zero']:.2f}%", f"{summary['step_time_ms']:.0f}",
+        summary["recipe"],
+        str(summary["steps"]),
+        f"{summary['train_loss']:.4f}",
+        f"{summary['val_loss']:.4f}",
+        f"{summary['val_bpc']:.3f}",
+        str(summary["skipped_steps"]),
+        f"{100 * summary['act_grad_underflow']:.1f}%",
+        f"{100 * summary['act_grad_zero']:.2f}%",
+        f"{summary['step_time_ms']:.0f}",
     )
     console.print(table)
     return 0
@@ -157,14 +190,29 @@ def add_demo(subparsers: Any) -> None:
         "Default (16 recipes, 300 steps each): about 20 minutes on 2 CPU cores without BF16 "
         "instructions; --quick: about 2 minutes.",
     )
-    p.add_argument("--quick", action="store_true",
-                   help="a two-minute smoke run (40 short steps per recipe)")
-    p.add_argument("--recipes", type=_recipe_arg, nargs="+", default=list(DEMO_RECIPES),
-                   metavar="NAME", help=f"default: {' '.join(DEMO_RECIPES)}")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of initialisation and data (default 0), to check run-to-run spread")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output directory (default runs/demo-<time>); must not exist")
+    p.add_argument(
+        "--quick", action="store_true", help="a two-minute smoke run (40 short steps per recipe)"
+    )
+    p.add_argument(
+        "--recipes",
+        type=_recipe_arg,
+        nargs="+",
+        default=list(DEMO_RECIPES),
+        metavar="NAME",
+        help=f"default: {' '.join(DEMO_RECIPES)}",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of initialisation and data (default 0), to check run-to-run spread",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default runs/demo-<time>); must not exist",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=_run_demo, parser=p)
 
@@ -181,8 +229,14 @@ def _run_demo(args: argparse.Namespace) -> int:
         config = replace(QUICK_CONFIG if args.quick else DEMO_CONFIG, seed=args.seed)
     out = args.out or Path("runs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
     try:
-        run_demo(out, quick=args.quick, recipes=args.recipes, progress=not args.no_progress,
-                 console=Console(file=sys.stdout, width=140), config=config)
+        run_demo(
+            out,
+            quick=args.quick,
+            recipes=args.recipes,
+            progress=not args.no_progress,
+            console=Console(file=sys.stdout, width=140),
+            config=config,
+        )
     except RunError as e:
         args.parser.error(str(e))
     return 0
@@ -200,8 +254,13 @@ def add_report(subparsers: Any) -> None:
         "and at the end, underflow/overflow tables and a plain-language diagnosis per run.",
     )
     p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="run directories")
-    p.add_argument("-o", "--out", type=Path, default=Path("report.html"),
-                   help="the HTML file to write (default report.html)")
+    p.add_argument(
+        "-o",
+        "--out",
+        type=Path,
+        default=Path("report.html"),
+        help="the HTML file to write (default report.html)",
+    )
     p.add_argument("--title", default="", help="page title")
     p.set_defaults(handler=_run_report, parser=p)
 

@@ -111,7 +111,11 @@ def _add_formats(subparsers: _SubParsers) -> None:
     )
     p.add_argument("--snr", type=Path, metavar="PATH.png", help="write the SNR plot here")
     p.add_argument(
-        "--formats", type=_format_list, nargs="+", action="extend", metavar="NAME",
+        "--formats",
+        type=_format_list,
+        nargs="+",
+        action="extend",
+        metavar="NAME",
         help=f"formats for --snr (names or comma lists; default {' '.join(SNR_DEFAULT_FORMATS)})",
     )
     p.add_argument("--kmin", type=int, help="smallest scale exponent k for --snr (default -30)")
@@ -128,8 +132,10 @@ def _run_formats(args: argparse.Namespace) -> int:
     kmin = -30 if args.kmin is None else args.kmin
     kmax = 30 if args.kmax is None else args.kmax
     if not -_K_LIMIT <= kmin <= kmax <= _K_LIMIT:
-        parser.error(f"--kmin/--kmax: need -{_K_LIMIT} <= kmin <= kmax <= {_K_LIMIT}, "
-                     f"got kmin={kmin}, kmax={kmax}")
+        parser.error(
+            f"--kmin/--kmax: need -{_K_LIMIT} <= kmin <= kmax <= {_K_LIMIT}, "
+            f"got kmin={kmin}, kmax={kmax}"
+        )
     console = _console()
     _print_wide(console, _formats_table())
     if args.snr is None:
@@ -140,8 +146,10 @@ def _run_formats(args: argparse.Namespace) -> int:
     _plot_snr(curves, args.snr)
     console.print()
     _print_wide(console, _snr_table(curves))
-    console.print(f"usable window: the k within {SNR_WINDOW_DB:g} dB of the peak SNR "
-                  "and width counts them (* = the window reaches the edge of the sweep)")
+    console.print(
+        f"usable window: the k within {SNR_WINDOW_DB:g} dB of the peak SNR "
+        "and width counts them (* = the window reaches the edge of the sweep)"
+    )
     console.print(f"wrote {args.snr}")
     return 0
 
@@ -149,19 +157,48 @@ def _run_formats(args: argparse.Namespace) -> int:
 def _formats_table() -> RenderableType:
     """One row per built-in format: its encoding, range, precision and torch dtype."""
     table = Table(title="lowprec built-in formats", title_justify="left")
-    for header in ("name", "bits", "E", "M", "bias", "special", "max", "min normal",
-                   "min subnormal", "epsilon", "binades", "torch dtype"):
-        numeric = header in ("bits", "E", "M", "bias", "max", "min normal", "min subnormal",
-                             "epsilon", "binades")
+    for header in (
+        "name",
+        "bits",
+        "E",
+        "M",
+        "bias",
+        "special",
+        "max",
+        "min normal",
+        "min subnormal",
+        "epsilon",
+        "binades",
+        "torch dtype",
+    ):
+        numeric = header in (
+            "bits",
+            "E",
+            "M",
+            "bias",
+            "max",
+            "min normal",
+            "min subnormal",
+            "epsilon",
+            "binades",
+        )
         table.add_column(header, justify="right" if numeric else "left", no_wrap=True)
     for name in format_names():
         f = get_format(name)
         dtype = f.torch_dtype
         table.add_row(
-            f.name, str(f.total_bits), str(f.exponent_bits), str(f.mantissa_bits), str(f.bias),
+            f.name,
+            str(f.total_bits),
+            str(f.exponent_bits),
+            str(f.mantissa_bits),
+            str(f.bias),
             f.special + ("" if f.signed else ", unsigned"),
-            _num(f.max), _num(f.min_normal), _num(f.min_subnormal), _num(f.epsilon),
-            f"{f.binades:.1f}", "-" if dtype is None else str(dtype).removeprefix("torch."),
+            _num(f.max),
+            _num(f.min_normal),
+            _num(f.min_subnormal),
+            _num(f.epsilon),
+            f"{f.binades:.1f}",
+            "-" if dtype is None else str(dtype).removeprefix("torch."),
         )
     return table
 
@@ -207,9 +244,7 @@ def snr_sweep(fmts: Sequence[str | Format], ks: Sequence[int]) -> list[SnrCurve]
     scaling: ``2^k`` is a power of two and float64 holds the products for ``|k| <= 200``)."""
     x = unit_normal()
     scaled = [x * 2.0**k for k in ks]
-    return [
-        SnrCurve(get_format(f), tuple(ks), tuple(snr_db(xk, f) for xk in scaled)) for f in fmts
-    ]
+    return [SnrCurve(get_format(f), tuple(ks), tuple(snr_db(xk, f) for xk in scaled)) for f in fmts]
 
 
 def _plot_snr(curves: Sequence[SnrCurve], path: Path) -> None:

@@ -277,9 +277,7 @@ _STORAGE_ONLY: dict[Format, torch.dtype] = (
 )
 # Casts that inductor may drop in a round trip (it computes these dtypes in fp32).
 _ELIDED = (torch.float16, torch.bfloat16)
-_DTYPE_TO_FORMAT: dict[torch.dtype, Format] = {
-    v: k for k, v in (_NATIVE | _STORAGE_ONLY).items()
-}
+_DTYPE_TO_FORMAT: dict[torch.dtype, Format] = {v: k for k, v in (_NATIVE | _STORAGE_ONLY).items()}
 
 _PATTERN = re.compile(r"^e(\d+)m(\d+)(?:b(\d+))?(fnuz|fnu|fn|finite)?$")
 
@@ -637,8 +635,9 @@ def to_bits(x: Tensor, fmt: str | Format, saturate: bool = False) -> Tensor:
     """
     x = _check_input(x)
     fmt = get_format(fmt)
-    q = quantize(x.to(torch.float64) if x.dtype == torch.float64 else x.float(), fmt,
-                 saturate=saturate).double()
+    q = quantize(
+        x.to(torch.float64) if x.dtype == torch.float64 else x.float(), fmt, saturate=saturate
+    ).double()
     nan = torch.isnan(q)
     if not fmt.has_nan and bool(nan.any()):
         raise ValueError(f"x: contains NaN, which format {fmt.name} cannot encode")

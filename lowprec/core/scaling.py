@@ -374,7 +374,8 @@ class Scaler(ABC):
             if self.nonfinite_count == 1:
                 log.warning(
                     "%s: non-finite amax (Inf/NaN in the tensor); using scale 1 for those "
-                    "groups and not recording them (reported once)", type(self).__name__
+                    "groups and not recording them (reported once)",
+                    type(self).__name__,
                 )
         return a
 
@@ -438,7 +439,6 @@ class DynamicScaler(Scaler):
         a = self._amax(x)
         self.last_amax = a
         return self._scale(a)
-
 
 
 class _HistoryScaler(Scaler):
@@ -514,7 +514,6 @@ class DelayedScaler(_HistoryScaler):
         return scale
 
 
-
 class StaticScaler(_HistoryScaler):
     """A fixed scale: given, or calibrated from the data of the first calls, then frozen.
 
@@ -579,7 +578,6 @@ class StaticScaler(_HistoryScaler):
         if self.steps >= self.calibration_steps:
             self.scale = scale
         return scale
-
 
 
 def delayed_amax(history: Tensor, current: Tensor, algo: str = "max") -> Tensor:

@@ -43,8 +43,9 @@ class _Spec:
     calibrating: bool  # record the grad_output amax for static calibration
 
 
-def _stateful_scale(cast: CastConfig, state: Tensor | None, t: Tensor, update: bool,
-                    calibrating: bool) -> Tensor | None:
+def _stateful_scale(
+    cast: CastConfig, state: Tensor | None, t: Tensor, update: bool, calibrating: bool
+) -> Tensor | None:
     """The scale of a delayed/static role (``None`` for dynamic), updating ``state`` in place."""
     if cast.scaling == "dynamic":
         return None
@@ -188,9 +189,7 @@ class Float8Linear(nn.Linear):
         for role in ROLES:
             c = recipe.cast(role)
             if c.scaling == "delayed":
-                self.register_buffer(
-                    f"{role}_amax_history", torch.zeros(c.history_len, device=dev)
-                )
+                self.register_buffer(f"{role}_amax_history", torch.zeros(c.history_len, device=dev))
             elif c.scaling == "static" and c.static_scale is None:
                 self.register_buffer(f"{role}_static_amax", torch.zeros((), device=dev))
         self.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
@@ -263,8 +262,12 @@ class Float8Linear(nn.Linear):
 
 
 _HOOK_DICTS = (
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
     "_backward_pre_hooks",
 )
 
@@ -343,7 +346,8 @@ def convert_to_float8(
     if left:
         log.warning(
             "convert_to_float8: left unchanged (nn.Linear subclasses or parametrized "
-            "linears, whose own forward would be lost): %s", ", ".join(dict.fromkeys(left))
+            "linears, whose own forward would be lost): %s",
+            ", ".join(dict.fromkeys(left)),
         )
     return model
 

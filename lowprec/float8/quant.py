@@ -56,9 +56,7 @@ def _pad_to(t: Tensor, mult: tuple[int, int]) -> Tensor:
     return F.pad(t, (0, pc, 0, pr)) if pr or pc else t
 
 
-def quantize_operand(
-    t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = None
-) -> Operand:
+def quantize_operand(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = None) -> Operand:
     """Quantize the 2-D ``t`` for a GEMM that contracts its dimension ``cd`` (0 or 1).
 
     ``scale`` (tensor granularity only) is a scale chosen elsewhere (delayed or static

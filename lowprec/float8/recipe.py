@@ -277,8 +277,13 @@ _preset(
 # Weights move every step and their amax is cheap to take, so only the activations and
 # gradients are calibrated and frozen.
 _preset("static", _e4(scaling="static"), _e4(), _e5(scaling="static"))
-_preset("rowwise", _e4(granularity="axis"), _e4(granularity="axis"), _e5(granularity="axis"),
-        fp8_saved_activations=False)
+_preset(
+    "rowwise",
+    _e4(granularity="axis"),
+    _e4(granularity="axis"),
+    _e5(granularity="axis"),
+    fp8_saved_activations=False,
+)
 _preset(
     "blockwise",
     _e4(granularity="block:1x128"),
@@ -286,8 +291,14 @@ _preset(
     _e5(granularity="block:1x128"),
     fp8_saved_activations=False,
 )
-_preset("mxfp8", _e4(granularity="mx:32"), _e4(granularity="mx:32"),
-        _e5(granularity="mx:32"), fp8_saved_activations=False, emulate=True)
+_preset(
+    "mxfp8",
+    _e4(granularity="mx:32"),
+    _e4(granularity="mx:32"),
+    _e5(granularity="mx:32"),
+    fp8_saved_activations=False,
+    emulate=True,
+)
 _fp4 = CastConfig("e2m1", granularity="mx:32")
 _preset("mxfp4", _fp4, _fp4, _fp4, fp8_saved_activations=False, emulate=True)
 _nv4 = CastConfig("e2m1", granularity="nv:16")

@@ -25,10 +25,22 @@ from lowprec.recipes import get_recipe
 __all__ = ["DEMO_CONFIG", "DEMO_RECIPES", "GAP_REFERENCES", "QUICK_CONFIG", "run_demo"]
 
 DEMO_RECIPES = (
-    "fp32", "bf16", "amp-bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls",
-    "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8",
-    "fp32-unit", "fp16-unit", "bf16-unit", "fp8-unit",
-    "fp16-scalify", "fp8-scalify",
+    "fp32",
+    "bf16",
+    "amp-bf16",
+    "fp16",
+    "fp16-static-ls",
+    "fp16-dynamic-ls",
+    "fp8-tensorwise",
+    "fp8-delayed",
+    "fp8-rowwise",
+    "mxfp8",
+    "fp32-unit",
+    "fp16-unit",
+    "bf16-unit",
+    "fp8-unit",
+    "fp16-scalify",
+    "fp8-scalify",
 )
 # Each recipe's loss gap is shown against these references, where the run has them: fp32
 # for all, bf16 for the float8 recipes (BF16 master compute), fp32-unit for the unit-scaled.
@@ -37,8 +49,17 @@ GAP_REFERENCES = ("fp32", "bf16", "fp32-unit")
 # 4096 characters a batch: the mean loss makes each logit's gradient about p/4096, so
 # with a width of 64 most FP16 activation gradients are subnormal (see the README).
 DEMO_CONFIG = TrainConfig(
-    steps=300, batch_size=32, seq_len=128, width=64, depth=2, heads=4, lr=3e-3, warmup=20,
-    eval_every=50, eval_batches=16, ckpt_every=100,
+    steps=300,
+    batch_size=32,
+    seq_len=128,
+    width=64,
+    depth=2,
+    heads=4,
+    lr=3e-3,
+    warmup=20,
+    eval_every=50,
+    eval_batches=16,
+    ckpt_every=100,
 )
 QUICK_CONFIG = replace(
     DEMO_CONFIG, steps=40, batch_size=8, seq_len=64, eval_every=20, eval_batches=2
@@ -81,8 +102,11 @@ def run_demo(
     (out / "results.json").write_text(
         json.dumps({"config": base.to_dict(), "results": results}, indent=2)
     )
-    report = write_report([out / r for r in recipes], out / "report.html",
-                          title=f"lowprec demo ({len(recipes)} recipes)")
+    report = write_report(
+        [out / r for r in recipes],
+        out / "report.html",
+        title=f"lowprec demo ({len(recipes)} recipes)",
+    )
     console.print(f"loss curves: {png}\nresults: {out / 'results.json'}")
     console.print(f"report: {report}  (open it in a browser)")
     return results
@@ -97,9 +121,15 @@ def results_table(results: list[dict[str, Any]], cfg: TrainConfig, seconds: floa
         )
     )
     for col in (
-        "recipe", "train loss", "val loss", "val bpc",
-        *(f"gap to {r}" for r in GAP_REFERENCES), "skipped",
-        "act-grad underflow", "act-grad zeros", "ms/step",
+        "recipe",
+        "train loss",
+        "val loss",
+        "val bpc",
+        *(f"gap to {r}" for r in GAP_REFERENCES),
+        "skipped",
+        "act-grad underflow",
+        "act-grad zeros",
+        "ms/step",
     ):
         if col == "recipe":  # never wrapped or cut: the name is what a reader looks for
             table.add_column(col, no_wrap=True, min_width=max(len(s["recipe"]) for s in results))

@@ -196,19 +196,31 @@ def diagnose(run: Run) -> list[str]:
             f"({own}) only."
         )
     for fmt in _judged(run, backward=True):
-        bad = [t for t in _worst(run, last, "below_normal", BACKWARD_KINDS, [fmt])
-               if t[0] >= UNDERFLOW_ALERT]
+        bad = [
+            t
+            for t in _worst(run, last, "below_normal", BACKWARD_KINDS, [fmt])
+            if t[0] >= UNDERFLOW_ALERT
+        ]
         if not bad:
             continue
         found = True
         share, _, r = bad[0]
-        n_grads = len({(x["name"], x["kind"]) for x in run.numerics
-                       if x["step"] == last and x["kind"] in BACKWARD_KINDS})
-        more = f" ({len(bad) - 1} more of the {n_grads} gradient tensors too)" if len(bad) > 1 \
-            else ""
+        n_grads = len(
+            {
+                (x["name"], x["kind"])
+                for x in run.numerics
+                if x["step"] == last and x["kind"] in BACKWARD_KINDS
+            }
+        )
+        more = (
+            f" ({len(bad) - 1} more of the {n_grads} gradient tensors too)" if len(bad) > 1 else ""
+        )
         verb = "underflow in" if fmt == own else "would underflow if cast unscaled to"
-        fix = "use loss scaling or unit scaling" if fmt == own else \
-            "scale them (loss scaling, unit scaling or per-tensor float8 scales)"
+        fix = (
+            "use loss scaling or unit scaling"
+            if fmt == own
+            else "scale them (loss scaling, unit scaling or per-tensor float8 scales)"
+        )
         notes.append(
             f"{100 * share:.0f}% of the {_KIND_TEXT[r['kind']]} of {r['name']} {verb} {fmt} "
             f"(below its smallest normal, {get_format(fmt).min_normal:.3g}) at step {last}"
@@ -256,16 +268,23 @@ def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
         steps = [r["step"] for r in recs]
         color = palette(k % palette.N)
         ls = "-" if k < 10 else "--"
-        ax.plot(steps, _ema([r["loss"] for r in recs], 0.9), lw=1.3, ls=ls, color=color,
-                label=name)
+        ax.plot(steps, _ema([r["loss"] for r in recs], 0.9), lw=1.3, ls=ls, color=color, label=name)
         vals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
         if vals:
             ax.plot(list(vals), list(vals.values()), "o", ms=3, color=color)
         if k == 0:
             ref = vals
         common = [s for s in vals if s in ref]
-        ax_gap.plot(common, [100 * (vals[s] / ref[s] - 1) for s in common], marker="o", ms=3,
-                    lw=1.2, ls=ls, color=color, label=name)
+        ax_gap.plot(
+            common,
+            [100 * (vals[s] / ref[s] - 1) for s in common],
+            marker="o",
+            ms=3,
+            lw=1.2,
+            ls=ls,
+            color=color,
+            label=name,
+        )
         uf = [(r["step"], 100 * r["act_grad_underflow"]) for r in recs if "act_grad_underflow" in r]
         if uf:
             ax_uf.plot(*zip(*uf, strict=True), lw=1.2, ls=ls, color=color, label=name)
@@ -275,8 +294,12 @@ def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
     ax_gap.axhline(0.0, color="black", lw=0.8)
     ax_gap.axhspan(-1.0, 1.0, color="green", alpha=0.08, label="±1%")
     ax_gap.set(xlabel="step", ylabel="%", title=f"val loss gap to {first}")
-    ax_uf.set(xlabel="step", ylabel="% of values", ylim=(-2, 102),
-              title="activation gradients below the smallest normal (underflow)")
+    ax_uf.set(
+        xlabel="step",
+        ylabel="% of values",
+        ylim=(-2, 102),
+        title="activation gradients below the smallest normal (underflow)",
+    )
     ax_s.set(xlabel="step", ylabel="loss scale", yscale="log", title="loss scale")
     for a in (ax, ax_gap, ax_uf, ax_s):
         a.grid(alpha=0.3)
@@ -337,18 +360,20 @@ def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
         last = run.tracked_steps[-1] if run.numerics else -1
         uf = _worst(run, last, "below_normal", BACKWARD_KINDS, _judged(run, backward=True))
         of = _worst_overflow(run, last)
-        rows.append([
-            run.name,
-            run.recipe,
-            str(s.get("steps")) + (f" of {run.planned_steps}" if run.stopped_early else ""),
-            _num(s.get("train_loss")),
-            _num(v),
-            _num(gap, "{:+.2f}%"),
-            str(s.get("skipped_steps", 0)),
-            "–" if s.get("diverged_at") is None else f"step {s['diverged_at']}",
-            _cell(uf[0]) if uf else "–",
-            _cell(of[0]) if of and of[0][0] else "0",
-        ])
+        rows.append(
+            [
+                run.name,
+                run.recipe,
+                str(s.get("steps")) + (f" of {run.planned_steps}" if run.stopped_early else ""),
+                _num(s.get("train_loss")),
+                _num(v),
+                _num(gap, "{:+.2f}%"),
+                str(s.get("skipped_steps", 0)),
+                "–" if s.get("diverged_at") is None else f"step {s['diverged_at']}",
+                _cell(uf[0]) if uf else "–",
+                _cell(of[0]) if of and of[0][0] else "0",
+            ]
+        )
     return rows
 
 
@@ -356,8 +381,17 @@ def _tensor_table(run: Run, step: int, measure: str, title: str) -> str:
     top = [t for t in _worst(run, step, measure) if t[0] > 0][:8]
     if not top:
         return f"<p>{html.escape(title)}: none.</p>"
-    rows = [[r["name"], _KIND_TEXT[r["kind"]], fmt, f"{100 * share:.2f}%", f"{r['amax']:.3g}",
-             f"{r['rms']:.3g}"] for share, fmt, r in top]
+    rows = [
+        [
+            r["name"],
+            _KIND_TEXT[r["kind"]],
+            fmt,
+            f"{100 * share:.2f}%",
+            f"{r['amax']:.3g}",
+            f"{r['rms']:.3g}",
+        ]
+        for share, fmt, r in top
+    ]
     return f"<h4>{html.escape(title)}</h4>" + _table(
         ["tensor", "kind", "format", "share", "amax", "rms"], rows
     )
@@ -398,8 +432,18 @@ def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -
         f"<h1>{html.escape(title or 'lowprec numerics report')}</h1>",
         "<h2>Summary</h2>",
         _table(
-            ["run", "recipe", "steps", "train loss", "val loss", f"gap to {loaded[0].name}",
-             "skipped", "diverged", "worst gradient underflow", "worst overflow"],
+            [
+                "run",
+                "recipe",
+                "steps",
+                "train loss",
+                "val loss",
+                f"gap to {loaded[0].name}",
+                "skipped",
+                "diverged",
+                "worst gradient underflow",
+                "worst overflow",
+            ],
             _summary_rows(loaded),
         ),
         "<p>Underflow: share of a gradient's values below a format's smallest normal "
@@ -412,35 +456,53 @@ def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -
         plot_runs([r.path for r in loaded], t / "curves.png")
         parts += ["<h2>Loss curves and loss scale</h2>", _img(t / "curves.png", "loss curves")]
         for i, run in enumerate(loaded):
-            parts.append(f'<div class="run"><h2>{html.escape(run.name)} '
-                         f"<small>({html.escape(run.recipe)})</small></h2>")
-            parts.append('<div class="diag"><ul>' + "".join(
-                f"<li>{html.escape(n)}</li>" for n in diagnose(run)) + "</ul></div>")
+            parts.append(
+                f'<div class="run"><h2>{html.escape(run.name)} '
+                f"<small>({html.escape(run.recipe)})</small></h2>"
+            )
+            parts.append(
+                '<div class="diag"><ul>'
+                + "".join(f"<li>{html.escape(n)}</li>" for n in diagnose(run))
+                + "</ul></div>"
+            )
             steps = run.tracked_steps
-            for label, step in (("at initialisation", steps[0] if steps else None),
-                                ("at the end", steps[-1] if len(steps) > 1 else None)):
+            for label, step in (
+                ("at initialisation", steps[0] if steps else None),
+                ("at the end", steps[-1] if len(steps) > 1 else None),
+            ):
                 if step is None:
                     continue
                 png = t / f"scales{i}_{step}.png"
-                plot_scale_chart(run.numerics, step, run.formats, png,
-                                 f"{run.name}: tensor scales {label} (step {step})")
-                parts += [f"<h3>Tensor scales {label} (step {step})</h3>",
-                          _img(png, f"{run.name} scales {label}")]
+                plot_scale_chart(
+                    run.numerics,
+                    step,
+                    run.formats,
+                    png,
+                    f"{run.name}: tensor scales {label} (step {step})",
+                )
+                parts += [
+                    f"<h3>Tensor scales {label} (step {step})</h3>",
+                    _img(png, f"{run.name} scales {label}"),
+                ]
             if steps:
                 last = steps[-1]
-                worst = list(dict.fromkeys(
-                    (r["name"], r["kind"]) for _, _, r in _worst(run, last, "below_normal")
-                ))[:6]
+                worst = list(
+                    dict.fromkeys(
+                        (r["name"], r["kind"]) for _, _, r in _worst(run, last, "below_normal")
+                    )
+                )[:6]
                 png = t / f"hist{i}.png"
                 plot_exp_histograms(run.numerics, last, worst, run.formats, png)
-                parts += [f"<h3>Exponent histograms of the most underflowing tensors "
-                          f"(step {last})</h3>", _img(png, f"{run.name} exponent histograms")]
+                parts += [
+                    f"<h3>Exponent histograms of the most underflowing tensors (step {last})</h3>",
+                    _img(png, f"{run.name} exponent histograms"),
+                ]
                 parts.append(_tensor_table(run, last, "below_normal", "Most underflow"))
                 parts.append(_tensor_table(run, last, "above_max", "Most overflow"))
             parts.append("</div>")
     page = (
-        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<link rel=\"icon\" href=\"data:,\">"
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<link rel="icon" href="data:,">'
         f"<title>{html.escape(title or 'lowprec report')}</title><style>{_CSS}</style>"
         "</head><body>" + "\n".join(parts) + "</body></html>"
     )

@@ -66,8 +66,15 @@ class TrainConfig:
     def __post_init__(self) -> None:
         get_recipe(self.recipe)  # unknown names list the valid ones
         for name in (
-            "steps", "batch_size", "seq_len", "width", "depth", "heads",
-            "eval_every", "eval_batches", "ckpt_every",
+            "steps",
+            "batch_size",
+            "seq_len",
+            "width",
+            "depth",
+            "heads",
+            "eval_every",
+            "eval_batches",
+            "ckpt_every",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -165,8 +172,7 @@ def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool) -> None:
         old = TrainConfig.from_dict(json.loads(saved.read_text())["train"])
         if {**old.to_dict(), "steps": 0} != {**cfg.to_dict(), "steps": 0}:
             raise RunError(
-                f"--resume: {out} was made with a different configuration; only --steps may "
-                "change"
+                f"--resume: {out} was made with a different configuration; only --steps may change"
             )
         return
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -278,9 +278,7 @@ class Prepared:
         with contextlib.ExitStack() as stack:
             if self.recipe.autocast is not None:
                 device = next(self.model.parameters()).device.type
-                stack.enter_context(
-                    torch.autocast(device, dtype=_DTYPES[self.recipe.autocast])
-                )
+                stack.enter_context(torch.autocast(device, dtype=_DTYPES[self.recipe.autocast]))
             dtype = self.recipe.param_dtype
             if _on_cpu(self.model) and (
                 dtype == "fp16" or (dtype == "bf16" and not native_bf16_matmul())

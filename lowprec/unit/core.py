@@ -143,9 +143,7 @@ def apply_constraint(
         (4.0, 1.0)
     """
     if constraint not in CONSTRAINTS:
-        raise ValueError(
-            f"constraint must be one of {list(CONSTRAINTS)}, got {constraint!r}"
-        )
+        raise ValueError(f"constraint must be one of {list(CONSTRAINTS)}, got {constraint!r}")
     scales = (output_scale, *grad_input_scales)
     if constraint is None or not grad_input_scales:
         return scales

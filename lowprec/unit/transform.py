@@ -379,12 +379,16 @@ def unit_scale(
         )
     model.__class__ = _unit_forward_class(type(model))
     object.__setattr__(model, "_unit_config", cfg)
-    object.__setattr__(model, "unit_report", {
-        "residual_adds": residual_names,
-        "readout": head,
-        "untraced_modules": untraced,
-        "unsupported": bad + left,
-    })
+    object.__setattr__(
+        model,
+        "unit_report",
+        {
+            "residual_adds": residual_names,
+            "readout": head,
+            "untraced_modules": untraced,
+            "unsupported": bad + left,
+        },
+    )
     return model
 
 

@@ -317,5 +317,7 @@ def test_master_weights_with_parameter_groups() -> None:
     with pytest.raises(ValueError, match="no 'params'"):
         MasterWeights([{"lr": 1.0}], lambda gs: torch.optim.SGD(gs, lr=1.0))
     with pytest.raises(TypeError, match="mix of parameter groups"):
-        MasterWeights([{"params": [model.bias]}, model.weight],  # type: ignore[list-item]
-                      lambda gs: torch.optim.SGD(gs, lr=1.0))
+        MasterWeights(
+            [{"params": [model.bias]}, model.weight],  # type: ignore[list-item]
+            lambda gs: torch.optim.SGD(gs, lr=1.0),
+        )

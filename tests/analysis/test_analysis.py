@@ -53,13 +53,18 @@ def test_known_underflow_and_overflow_shares() -> None:
 
 @pytest.mark.parametrize(
     ("fmt", "dtype"),
-    [("e4m3fn", ml_dtypes.float8_e4m3fn), ("e5m2", ml_dtypes.float8_e5m2),
-     ("fp16", np.float16), ("bf16", ml_dtypes.bfloat16)],
+    [
+        ("e4m3fn", ml_dtypes.float8_e4m3fn),
+        ("e5m2", ml_dtypes.float8_e5m2),
+        ("fp16", np.float16),
+        ("bf16", ml_dtypes.bfloat16),
+    ],
 )
 def test_shares_match_numpy_with_ml_dtypes_limits(fmt: str, dtype: type) -> None:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(100_000, generator=g) * torch.exp2(torch.randint(-40, 20, (100_000,),
-                                                                     generator=g).float())
+    x = torch.randn(100_000, generator=g) * torch.exp2(
+        torch.randint(-40, 20, (100_000,), generator=g).float()
+    )
     s = tensor_stats(x, [fmt])
     a = np.abs(x.double().numpy())
     fi = ml_dtypes.finfo(dtype)
@@ -154,8 +159,7 @@ def test_tracks_a_unit_scaled_model() -> None:
         m(x).backward(torch.randn(512, 256))
     h = U.linear(x, m[0].weight, m[0].bias).detach()  # the first layer's op, as an oracle
     by = {(r["name"], r["kind"]): r for r in t.records}
-    assert {k for k in by if k[0] == "0"} == {("0", "input"), ("0", "output"),
-                                              ("0", "grad_output")}
+    assert {k for k in by if k[0] == "0"} == {("0", "input"), ("0", "output"), ("0", "grad_output")}
     assert by[("0", "output")]["rms"] == pytest.approx(float(h.pow(2).mean().sqrt()), rel=1e-5)
     # unit scaling: weight N(0, 1) and unit-RMS activations (512·256 samples: ±1%)
     assert by[("0.weight", "weight")]["rms"] == pytest.approx(1.0, abs=0.02)
@@ -170,8 +174,7 @@ def test_tracks_a_scalify_model() -> None:
     from lowprec.scalify import scalify
 
     torch.manual_seed(0)
-    s = scalify(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)),
-                data_format="fp16")
+    s = scalify(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), data_format="fp16")
     seen: list[ScaledTensor] = []
     s.module[0].register_forward_hook(lambda m, a, o: seen.append(a[0]))
     x = torch.randn(32, 64)
@@ -208,8 +211,9 @@ def test_plots_write_pngs(tmp_path: Path) -> None:
         m(torch.randn(4, 8)).sum().backward()
     p = plot_scale_chart(t.records, 0, t.formats, tmp_path / "s.png")
     assert p.stat().st_size > 10_000
-    h = plot_exp_histograms(t.records, 0, [("0", "output"), ("2.weight", "weight_grad")],
-                            t.formats, tmp_path / "h.png")
+    h = plot_exp_histograms(
+        t.records, 0, [("0", "output"), ("2.weight", "weight_grad")], t.formats, tmp_path / "h.png"
+    )
     assert h.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="step 7"):
         plot_scale_chart(t.records, 7, t.formats, tmp_path / "x.png")

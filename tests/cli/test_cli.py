@@ -120,8 +120,11 @@ def test_snr_png(sweep: tuple[str, Path]) -> None:
 @pytest.mark.parametrize("name", list(ORACLE_DTYPES))
 def test_snr_summary_matches_independent_cast(sweep: tuple[str, Path], name: str) -> None:
     row = _table(sweep[0], "format")[name]
-    x = np.asarray(torch.randn(SNR_SAMPLES, generator=torch.Generator().manual_seed(SNR_SEED),
-                               dtype=torch.float64))
+    x = np.asarray(
+        torch.randn(
+            SNR_SAMPLES, generator=torch.Generator().manual_seed(SNR_SEED), dtype=torch.float64
+        )
+    )
     oracle = [_oracle_snr(x * 2.0**k, ORACLE_DTYPES[name]) for k in KS]
     # Both round the same sample exactly, so only the printed 2 decimals differ.
     assert float(row["peak SNR (dB)"]) == pytest.approx(max(oracle), abs=0.0051)
@@ -151,8 +154,19 @@ def test_snr_windows_and_edge_marker(sweep: tuple[str, Path]) -> None:
 
 def test_snr_formats_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "snr.png"
-    argv = ["formats", "--snr", str(path), "--formats", "e4m3fn,e2m1", "fp8_e4m3", "e3m4",
-            "--kmin", "-2", "--kmax", "2"]
+    argv = [
+        "formats",
+        "--snr",
+        str(path),
+        "--formats",
+        "e4m3fn,e2m1",
+        "fp8_e4m3",
+        "e3m4",
+        "--kmin",
+        "-2",
+        "--kmax",
+        "2",
+    ]
     assert main(argv) == 0
     table = _table(capsys.readouterr().out, "format")
     assert list(table) == ["e4m3fn", "e2m1", "e3m4"]  # alias fp8_e4m3 is e4m3fn: no repeat
@@ -173,7 +187,10 @@ def test_snr_formats_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     ],
 )
 def test_usage_errors_exit_2(
-    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.chdir(tmp_path)
@@ -211,9 +228,11 @@ def _console_script() -> Path:
     [
         pytest.param([sys.executable, "-m", "lowprec"], id="python-m"),
         pytest.param(
-            [str(_console_script())], id="console-script",
-            marks=pytest.mark.skipif(not _console_script().is_file(),
-                                     reason="package not installed in this environment"),
+            [str(_console_script())],
+            id="console-script",
+            marks=pytest.mark.skipif(
+                not _console_script().is_file(), reason="package not installed in this environment"
+            ),
         ),
     ],
 )

@@ -41,12 +41,20 @@ from lowprec.core.formats import (
 # name: (E, M, bias, special, signed, max, min_normal, min_subnormal, epsilon, num_codes),
 # written out by hand from the format definitions (OCP FP8/MX, IEEE 754, NVIDIA tf32).
 EXPECTED: dict[str, tuple[int, int, int, str, bool, float, float, float, float, int]] = {
-    "fp32": (8, 23, 127, "ieee", True, 3.4028234663852886e38, 2.0**-126, 2.0**-149, 2.0**-23,
-             2**32),
-    "tf32": (8, 10, 127, "ieee", True, 2.0**128 - 2.0**117, 2.0**-126, 2.0**-136, 2.0**-10,
-             2**19),
-    "bf16": (8, 7, 127, "ieee", True, 3.3895313892515355e38, 2.0**-126, 2.0**-133, 2.0**-7,
-             2**16),
+    "fp32": (
+        8,
+        23,
+        127,
+        "ieee",
+        True,
+        3.4028234663852886e38,
+        2.0**-126,
+        2.0**-149,
+        2.0**-23,
+        2**32,
+    ),
+    "tf32": (8, 10, 127, "ieee", True, 2.0**128 - 2.0**117, 2.0**-126, 2.0**-136, 2.0**-10, 2**19),
+    "bf16": (8, 7, 127, "ieee", True, 3.3895313892515355e38, 2.0**-126, 2.0**-133, 2.0**-7, 2**16),
     "fp16": (5, 10, 15, "ieee", True, 65504.0, 2.0**-14, 2.0**-24, 2.0**-10, 2**16),
     "e4m3fn": (4, 3, 7, "fn", True, 448.0, 2.0**-6, 2.0**-9, 0.125, 256),
     "e5m2": (5, 2, 15, "ieee", True, 57344.0, 2.0**-14, 2.0**-16, 0.25, 256),
@@ -90,16 +98,31 @@ SHARED = list(ML_TYPES)
 NO_NAN = ("e3m2", "e2m3", "e2m1")  # 'finite' formats: ml_dtypes maps NaN to a zero
 
 ALIASES = {
-    "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-    "fp8_e4m3": "e4m3fn", "fp8_e5m2": "e5m2", "e3m2fn": "e3m2", "fp6_e3m2": "e3m2",
-    "e2m3fn": "e2m3", "fp6_e2m3": "e2m3", "e2m1fn": "e2m1", "fp4_e2m1": "e2m1",
-    "e8m0fnu": "e8m0", " E4M3FN ": "e4m3fn", "BF16": "bf16",
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp8_e4m3": "e4m3fn",
+    "fp8_e5m2": "e5m2",
+    "e3m2fn": "e3m2",
+    "fp6_e3m2": "e3m2",
+    "e2m3fn": "e2m3",
+    "fp6_e2m3": "e2m3",
+    "e2m1fn": "e2m1",
+    "fp4_e2m1": "e2m1",
+    "e8m0fnu": "e8m0",
+    " E4M3FN ": "e4m3fn",
+    "BF16": "bf16",
 }
 
 TORCH_DTYPES = {
-    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-    torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2",
-    torch.float8_e4m3fnuz: "e4m3fnuz", torch.float8_e5m2fnuz: "e5m2fnuz",
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "e4m3fn",
+    torch.float8_e5m2: "e5m2",
+    torch.float8_e4m3fnuz: "e4m3fnuz",
+    torch.float8_e5m2fnuz: "e5m2fnuz",
 }
 E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)  # torch >= 2.7
 if E8M0_DTYPE is not None:  # storage only: quantize does not use torch's e8m0 cast
@@ -181,11 +204,27 @@ def _specials(fmt: str | Format) -> np.ndarray:
     with _quiet():
         tie = np.float32(f.max + half_ulp)  # max + half an ulp
         tiny = np.float32(f.min_subnormal / 2)
-        big = [f.max, tie, np.nextafter(tie, inf), np.nextafter(tie, -inf), 2 * f.max,
-               f.max * 1.01, 1e30, 3e38, np.finfo(np.float32).max]
-        small = [f.min_subnormal, tiny, np.nextafter(tiny, inf), np.nextafter(tiny, zero),
-                 f.min_subnormal / 4, 1e-45, f.min_normal,
-                 np.nextafter(np.float32(f.min_normal), zero)]
+        big = [
+            f.max,
+            tie,
+            np.nextafter(tie, inf),
+            np.nextafter(tie, -inf),
+            2 * f.max,
+            f.max * 1.01,
+            1e30,
+            3e38,
+            np.finfo(np.float32).max,
+        ]
+        small = [
+            f.min_subnormal,
+            tiny,
+            np.nextafter(tiny, inf),
+            np.nextafter(tiny, zero),
+            f.min_subnormal / 4,
+            1e-45,
+            f.min_normal,
+            np.nextafter(np.float32(f.min_normal), zero),
+        ]
         pos = np.array([0.0, np.inf, np.nan, *big, *small], dtype=np.float64)
         return np.concatenate([pos, -pos]).astype(np.float32)
 
@@ -306,7 +345,12 @@ def test_format_properties_hand_written(name: str) -> None:
     e, m, bias, special, signed, fmax, min_normal, min_sub, eps, n_codes = EXPECTED[name]
     f = get_format(name)
     assert (f.exponent_bits, f.mantissa_bits, f.bias, f.special, f.signed) == (
-        e, m, bias, special, signed)
+        e,
+        m,
+        bias,
+        special,
+        signed,
+    )
     assert f.name == name and str(f) == name
     assert f.max == fmax
     assert f.min_normal == min_normal
@@ -402,7 +446,12 @@ def test_get_format_exmy_spelling(spec: str, expected: tuple[object, ...]) -> No
     f = get_format(spec)
     e, m, bias, special, signed, fmax = expected
     assert (f.exponent_bits, f.mantissa_bits, f.bias, f.special, f.signed) == (
-        e, m, bias, special, signed)
+        e,
+        m,
+        bias,
+        special,
+        signed,
+    )
     assert f.max == fmax
     assert get_format(f.name) == f  # the canonical name parses back to the same format
 
@@ -449,8 +498,11 @@ def test_get_format_wrong_type(bad: object) -> None:
         ({"exponent_bits": 1, "mantissa_bits": 3}, ValueError, "exponent_bits"),
         ({"exponent_bits": 1, "mantissa_bits": 0, "special": "fn"}, ValueError, "e1m0"),
         ({"exponent_bits": 4, "mantissa_bits": 3, "signed": False}, ValueError, "mantissa_bits"),
-        ({"exponent_bits": 8, "mantissa_bits": 0, "special": "fnuz", "signed": False},
-         ValueError, "special"),
+        (
+            {"exponent_bits": 8, "mantissa_bits": 0, "special": "fnuz", "signed": False},
+            ValueError,
+            "special",
+        ),
     ],
 )
 def test_format_rejects_impossible_parameters(
@@ -577,8 +629,14 @@ def test_bit_path_of_native_formats(name: str, monkeypatch: pytest.MonkeyPatch) 
     formats torch has (inductor drops cast round trips); check that path eagerly too."""
     rng = np.random.default_rng(19)
     f = get_format(name)
-    x = np.concatenate([_random_bits32(rng, 300_000), _random_in_range(rng, f, 300_000),
-                        _ties(_finite_values(name)), _specials(name)])
+    x = np.concatenate(
+        [
+            _random_bits32(rng, 300_000),
+            _random_in_range(rng, f, 300_000),
+            _ties(_finite_values(name)),
+            _specials(name),
+        ]
+    )
     native = _q(x, name)
     native_sat = _q(x, name, saturate=True)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -609,10 +667,32 @@ def test_float64_double_rounding_trap(name: str) -> None:
 def test_e8m0_float64_tiny_values() -> None:
     """E8M0 from float64 in float32's subnormal range: half-way between 2^-127 and 2^-126
     by value (0.75 * 2^-126) rounds up; below, including far below 2^-149, gives 2^-127."""
-    x = np.array([2.0**-127, 0.6 * 2**-126, 0.75 * 2**-126 - 2**-160, 0.75 * 2**-126,
-                  0.9 * 2**-126, 1e-45, 2.0**-149, 1e-200, 5e-324])
-    want = np.array([2.0**-127, 2.0**-127, 2.0**-127, 2.0**-126, 2.0**-126, 2.0**-127,
-                     2.0**-127, 2.0**-127, 2.0**-127])
+    x = np.array(
+        [
+            2.0**-127,
+            0.6 * 2**-126,
+            0.75 * 2**-126 - 2**-160,
+            0.75 * 2**-126,
+            0.9 * 2**-126,
+            1e-45,
+            2.0**-149,
+            1e-200,
+            5e-324,
+        ]
+    )
+    want = np.array(
+        [
+            2.0**-127,
+            2.0**-127,
+            2.0**-127,
+            2.0**-126,
+            2.0**-126,
+            2.0**-127,
+            2.0**-127,
+            2.0**-127,
+            2.0**-127,
+        ]
+    )
     _assert_bits_equal(_q(x, "e8m0"), want, x, "e8m0 float64 tiny")
     # float32 inputs follow the float32 bit pattern like ml_dtypes: above 2^-127 goes up.
     x32 = np.array([2.0**-127, 0.6 * 2**-126, 1e-45], dtype=np.float32)
@@ -625,8 +705,14 @@ def test_e8m0_float64_tiny_values() -> None:
 def test_to_bits_matches_ml_dtypes_codes(name: str) -> None:
     f = get_format(name)
     rng = np.random.default_rng(4000 + SHARED.index(name))
-    x = np.concatenate([_decoded(name), _ties(_finite_values(name)), _specials(name),
-                        _random_in_range(rng, f, 200_000)])
+    x = np.concatenate(
+        [
+            _decoded(name),
+            _ties(_finite_values(name)),
+            _specials(name),
+            _random_in_range(rng, f, 200_000),
+        ]
+    )
     x = x[~np.isnan(x)]
     got = to_bits(torch.from_numpy(x), name)
     assert got.dtype == torch.int64
@@ -658,8 +744,9 @@ def test_from_bits_matches_ml_dtypes_values(name: str) -> None:
 def test_to_bits_from_bits_round_trip(name: str) -> None:
     f = get_format(name)
     rng = np.random.default_rng(5000 + list(EXPECTED).index(name))
-    x = np.concatenate([_specials(name), _random_in_range(rng, f, 100_000),
-                        _random_bits32(rng, 100_000)])
+    x = np.concatenate(
+        [_specials(name), _random_in_range(rng, f, 100_000), _random_bits32(rng, 100_000)]
+    )
     if not f.has_nan:
         x = x[~np.isnan(x)]
     codes = to_bits(torch.from_numpy(x), name)
@@ -693,32 +780,42 @@ def test_fp32_and_tf32_codes_are_float32_bits() -> None:
     x = np.concatenate([_random_bits32(rng, 200_000), _specials("tf32")])
     x = x[~np.isnan(x)]
     np.testing.assert_array_equal(
-        to_bits(torch.from_numpy(x), "fp32").numpy(), x.view(np.uint32).astype(np.int64))
+        to_bits(torch.from_numpy(x), "fp32").numpy(), x.view(np.uint32).astype(np.int64)
+    )
     q = _tf32_oracle(x)
     np.testing.assert_array_equal(
-        to_bits(torch.from_numpy(x), "tf32").numpy(), (q.view(np.uint32) >> 13).astype(np.int64))
+        to_bits(torch.from_numpy(x), "tf32").numpy(), (q.view(np.uint32) >> 13).astype(np.int64)
+    )
 
 
 def test_tf32_matches_numpy_oracle_float32() -> None:
     rng = np.random.default_rng(7)
     tf32 = get_format("tf32")
     # tf32 values from random patterns; their midpoints are those patterns with bit 12 set.
-    grid = (rng.integers(0, 2**32, 100_000, dtype=np.uint32) & np.uint32(0xFFFFE000))
+    grid = rng.integers(0, 2**32, 100_000, dtype=np.uint32) & np.uint32(0xFFFFE000)
     mids = grid | np.uint32(0x1000)
     ties = np.concatenate([mids, mids + 1, mids - 1]).view(np.float32)
-    x = np.concatenate([_random_bits32(rng, N_RANDOM), _random_in_range(rng, tf32, N_RANDOM),
-                        ties, _specials("tf32")])
+    x = np.concatenate(
+        [
+            _random_bits32(rng, N_RANDOM),
+            _random_in_range(rng, tf32, N_RANDOM),
+            ties,
+            _specials("tf32"),
+        ]
+    )
     _assert_bits_equal(_q(x, "tf32"), _tf32_oracle(x), x, "tf32 float32 input")
 
 
 def test_tf32_float64_input_rounds_once() -> None:
     rng = np.random.default_rng(8)
     tf32 = get_format("tf32")
-    x = np.concatenate([
-        rng.integers(0, 2**64, 300_000, dtype=np.uint64).view(np.float64),
-        np.exp2(rng.uniform(-140, 129, 300_000)) * rng.choice([-1.0, 1.0], 300_000),
-        np.array([1 + 2.0**-11 + 2.0**-40, 1 + 2.0**-11, tf32.max + 2.0**116, 1e300, 1e-300]),
-    ])
+    x = np.concatenate(
+        [
+            rng.integers(0, 2**64, 300_000, dtype=np.uint64).view(np.float64),
+            np.exp2(rng.uniform(-140, 129, 300_000)) * rng.choice([-1.0, 1.0], 300_000),
+            np.array([1 + 2.0**-11 + 2.0**-40, 1 + 2.0**-11, tf32.max + 2.0**116, 1e300, 1e-300]),
+        ]
+    )
     _assert_bits_equal(_q(x, "tf32"), _tf32_oracle(x), x, "tf32 float64 input")
     assert _q(np.array([1 + 2.0**-11 + 2.0**-40]), "tf32")[0] == 1 + 2.0**-10  # trap
 
@@ -729,12 +826,18 @@ def test_fp32_of_float64_matches_numpy_cast() -> None:
     v = v[np.abs(v) < np.finfo(np.float32).max]
     w = np.nextafter(v, np.float32(np.inf))  # adjacent float32 pairs (v, w)
     mid = (v.astype(np.float64) + w.astype(np.float64)) / 2  # their ties, exact in float64
-    x = np.concatenate([
-        rng.integers(0, 2**64, 300_000, dtype=np.uint64).view(np.float64),
-        np.exp2(rng.uniform(-152, 129, 300_000)) * rng.choice([-1.0, 1.0], 300_000),
-        mid, np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf),
-        np.array([3.4028235677973366e38, 3.4028235677973362e38, 2.0**-150, 2.0**-150 + 2**-200]),
-    ])
+    x = np.concatenate(
+        [
+            rng.integers(0, 2**64, 300_000, dtype=np.uint64).view(np.float64),
+            np.exp2(rng.uniform(-152, 129, 300_000)) * rng.choice([-1.0, 1.0], 300_000),
+            mid,
+            np.nextafter(mid, np.inf),
+            np.nextafter(mid, -np.inf),
+            np.array(
+                [3.4028235677973366e38, 3.4028235677973362e38, 2.0**-150, 2.0**-150 + 2**-200]
+            ),
+        ]
+    )
     with _quiet():
         want = x.astype(np.float32).astype(np.float64)
     _assert_bits_equal(_q(x, "fp32"), want, x, "fp32 from float64")
@@ -779,13 +882,21 @@ def test_overflow_inf_nan_zero_table(name: str) -> None:
                 _assert_bits_equal(got, np.full_like(xo, want), s * xo, f"{name} overflow")
                 x_inf = np.array([s * np.inf], dtype=dtype)
                 want_inf = row["inf"] * s if f.signed else (row["inf"] if s > 0 else math.nan)
-                _assert_bits_equal(_q(x_inf, name, saturate=saturate),
-                                   np.array([want_inf], dtype=dtype), x_inf, f"{name} Inf")
+                _assert_bits_equal(
+                    _q(x_inf, name, saturate=saturate),
+                    np.array([want_inf], dtype=dtype),
+                    x_inf,
+                    f"{name} Inf",
+                )
         x_special = np.array([np.nan, -np.nan, -0.0, -f.min_subnormal / 4], dtype=dtype)
         got = _q(x_special, name)
         assert np.isnan(got[:2]).all()
-        _assert_bits_equal(got[2:], np.array([row["neg_zero"]] * 2, dtype=dtype),
-                           x_special[2:], f"{name} -0 and tiny negative")
+        _assert_bits_equal(
+            got[2:],
+            np.array([row["neg_zero"]] * 2, dtype=dtype),
+            x_special[2:],
+            f"{name} -0 and tiny negative",
+        )
         if not f.signed:
             assert np.isnan(_q(np.array([0.0, -1.0], dtype=dtype), name)).all()
 
@@ -801,8 +912,9 @@ def test_saturate_only_changes_finite_overflow(name: str) -> None:
         finite_over[:] = False  # finite formats saturate anyway
     if not f.signed:
         finite_over &= x > 0
-    _assert_bits_equal(sat[~finite_over], plain[~finite_over], x[~finite_over],
-                       f"{name} saturate elsewhere")
+    _assert_bits_equal(
+        sat[~finite_over], plain[~finite_over], x[~finite_over], f"{name} saturate elsewhere"
+    )
     np.testing.assert_array_equal(sat[finite_over], np.sign(x[finite_over]) * np.float32(f.max))
     assert np.abs(sat[np.isfinite(sat)]).max() <= f.max
     codes = to_bits(torch.from_numpy(x[finite_over]), name, saturate=True)
@@ -863,8 +975,16 @@ def test_stochastic_rounding_random_inputs_stay_between_neighbours(name: str) ->
     x = _random_in_range(rng, f, 200_000)
     x = x[np.abs(x) < f.max]  # no overflow: the neighbours are both finite
     values = _finite_values(name)
-    q = quantize(torch.from_numpy(x), name, rounding="stochastic",
-                 generator=torch.Generator().manual_seed(5)).numpy().astype(np.float64)
+    q = (
+        quantize(
+            torch.from_numpy(x),
+            name,
+            rounding="stochastic",
+            generator=torch.Generator().manual_seed(5),
+        )
+        .numpy()
+        .astype(np.float64)
+    )
     x64 = x.astype(np.float64)
     i = np.searchsorted(values, x64, side="right")
     lo, hi = values[i - 1], values[np.minimum(i, values.size - 1)]
@@ -887,14 +1007,17 @@ def test_stochastic_rounding_keeps_representable_values(name: str) -> None:
     """P(up) is 0 for a representable value: not one of ~1e6 draws may move it."""
     values = _finite_values(name).astype(np.float32)
     x = np.resize(values, max(N_SR, values.size))
-    q = quantize(torch.from_numpy(x), name, rounding="stochastic",
-                 generator=torch.Generator().manual_seed(11)).numpy()
+    q = quantize(
+        torch.from_numpy(x),
+        name,
+        rounding="stochastic",
+        generator=torch.Generator().manual_seed(11),
+    ).numpy()
     _assert_bits_equal(q, x, x, f"{name} stochastic rounding of format values")
 
 
 def test_stochastic_rounding_reproducible_with_generator() -> None:
-    x = torch.from_numpy(_random_in_range(np.random.default_rng(13), get_format("e4m3fn"),
-                                          100_000))
+    x = torch.from_numpy(_random_in_range(np.random.default_rng(13), get_format("e4m3fn"), 100_000))
     a = quantize(x, "e4m3fn", rounding="stochastic", generator=torch.Generator().manual_seed(7))
     b = quantize(x, "e4m3fn", rounding="stochastic", generator=torch.Generator().manual_seed(7))
     c = quantize(x, "e4m3fn", rounding="stochastic", generator=torch.Generator().manual_seed(8))
@@ -906,8 +1029,12 @@ def test_stochastic_rounding_reproducible_with_generator() -> None:
 
 def test_stochastic_float64_into_fp32_unbiased() -> None:
     xv = 1.0 + 0.25 * 2.0**-23  # between float32 1 and 1 + 2^-23
-    q = quantize(torch.full((N_SR,), xv, dtype=torch.float64), "fp32", rounding="stochastic",
-                 generator=torch.Generator().manual_seed(3))
+    q = quantize(
+        torch.full((N_SR,), xv, dtype=torch.float64),
+        "fp32",
+        rounding="stochastic",
+        generator=torch.Generator().manual_seed(3),
+    )
     assert bool(((q == 1.0) | (q == 1.0 + 2.0**-23)).all())
     # 4 standard errors of a Bernoulli(0.25) mean, scaled by the gap 2^-23.
     assert abs(float(q.mean()) - xv) <= 4 * 2.0**-23 * math.sqrt(0.25 * 0.75 / N_SR)
@@ -916,8 +1043,12 @@ def test_stochastic_float64_into_fp32_unbiased() -> None:
 @pytest.mark.parametrize(
     ("dtype", "name"),
     [
-        (torch.float16, "fp16"), (torch.float16, "bf16"), (torch.bfloat16, "fp16"),
-        (torch.bfloat16, "bf16"), (torch.float32, "fp32"), (torch.bfloat16, "tf32"),
+        (torch.float16, "fp16"),
+        (torch.float16, "bf16"),
+        (torch.bfloat16, "fp16"),
+        (torch.bfloat16, "bf16"),
+        (torch.float32, "fp32"),
+        (torch.bfloat16, "tf32"),
         (torch.float16, "e8m0"),
     ],
 )
@@ -956,14 +1087,22 @@ def _formats(draw: st.DrawFn) -> Format:
 def _format_and_inputs(draw: st.DrawFn) -> tuple[Format, np.ndarray]:
     f = draw(_formats())
     top = min(2.5 * f.max, float(np.finfo(np.float32).max))
-    listed = draw(st.lists(
-        st.one_of(st.floats(width=32), st.floats(-top, top, width=32),
-                  st.floats(-4 * f.min_normal, 4 * f.min_normal, width=32)),
-        min_size=1, max_size=40))
+    listed = draw(
+        st.lists(
+            st.one_of(
+                st.floats(width=32),
+                st.floats(-top, top, width=32),
+                st.floats(-4 * f.min_normal, 4 * f.min_normal, width=32),
+            ),
+            min_size=1,
+            max_size=40,
+        )
+    )
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
-    x = np.concatenate([np.array(listed, dtype=np.float32), _random_in_range(rng, f, 500),
-                        _specials(f)])
+    x = np.concatenate(
+        [np.array(listed, dtype=np.float32), _random_in_range(rng, f, 500), _specials(f)]
+    )
     return f, x
 
 
@@ -989,8 +1128,10 @@ def test_property_monotonic(case: tuple[Format, np.ndarray]) -> None:
         ok = ~np.isnan(q)  # NaN results (overflow in fn/fnuz, E8M0 <= 0) are unordered
         xs, qs = x[ok], q[ok]
         bad = np.flatnonzero(qs[1:] < qs[:-1])
-        assert bad.size == 0, (f"{f.name} saturate={saturate}: x {xs[bad[0]]!r} -> "
-                               f"{qs[bad[0]]!r} but x {xs[bad[0] + 1]!r} -> {qs[bad[0] + 1]!r}")
+        assert bad.size == 0, (
+            f"{f.name} saturate={saturate}: x {xs[bad[0]]!r} -> "
+            f"{qs[bad[0]]!r} but x {xs[bad[0] + 1]!r} -> {qs[bad[0] + 1]!r}"
+        )
 
 
 @PROPERTY_SETTINGS
@@ -1034,8 +1175,12 @@ def test_property_matches_numpy_definition(case: tuple[Format, np.ndarray]) -> N
     if not f.signed:
         return
     for saturate in (False, True):
-        _assert_bits_equal(_q(x, f, saturate=saturate), _np_round(x, f, saturate), x,
-                           f"{f.name} saturate={saturate} vs numpy definition")
+        _assert_bits_equal(
+            _q(x, f, saturate=saturate),
+            _np_round(x, f, saturate),
+            x,
+            f"{f.name} saturate={saturate} vs numpy definition",
+        )
 
 
 @PROPERTY_SETTINGS
@@ -1112,20 +1257,26 @@ COMPILE_BITWISE = ("e4m3", "e2m1", "e3m2", "e8m0", "e4m3b11fnuz")
 
 def _compile_inputs() -> np.ndarray:
     rng = np.random.default_rng(14)
-    return np.concatenate([
-        _random_bits32(rng, 40_000),
-        (np.exp2(rng.uniform(-140, 128, 60_000)) * rng.choice([-1.0, 1.0], 60_000))
-        .astype(np.float32),
-        *[_specials(n) for n in COMPILE_NATIVE + COMPILE_BITWISE],
-        *[_ties(_finite_values(n)) for n in (*COMPILE_BITWISE, "e4m3fn", "e5m2")],
-    ])
+    return np.concatenate(
+        [
+            _random_bits32(rng, 40_000),
+            (np.exp2(rng.uniform(-140, 128, 60_000)) * rng.choice([-1.0, 1.0], 60_000)).astype(
+                np.float32
+            ),
+            *[_specials(n) for n in COMPILE_NATIVE + COMPILE_BITWISE],
+            *[_ties(_finite_values(n)) for n in (*COMPILE_BITWISE, "e4m3fn", "e5m2")],
+        ]
+    )
 
 
 def _all_formats_fn(names: tuple[str, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
     def fn(x: torch.Tensor) -> torch.Tensor:
         # to_format(...).float() checks that a cast round trip inside the graph still rounds.
-        return torch.stack([quantize(x, n, saturate=s) for n in names for s in (False, True)]
-                           + [to_format(x, n).float() for n in names])
+        return torch.stack(
+            [quantize(x, n, saturate=s) for n in names for s in (False, True)]
+            + [to_format(x, n).float() for n in names]
+        )
+
     return fn
 
 
@@ -1170,7 +1321,7 @@ def test_compile_stochastic_rounding() -> None:
     assert np.all((q == lo) | (q == hi))
     p = 0.3
     # 4 standard errors of N Bernoulli(p) draws, times the gap 0.125.
-    assert abs(q[xr.size:].mean() - xv) <= 4 * 0.125 * math.sqrt(p * (1 - p) / N_SR)
+    assert abs(q[xr.size :].mean() - xv) <= 4 * 0.125 * math.sqrt(p * (1 - p) / N_SR)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1180,8 +1331,12 @@ def test_compile_stochastic_rounding() -> None:
 
 @pytest.mark.parametrize(
     "x",
-    [torch.tensor([1, 2]), torch.tensor([True]), torch.tensor([1 + 2j]),
-     torch.tensor([1], dtype=torch.uint8)],
+    [
+        torch.tensor([1, 2]),
+        torch.tensor([True]),
+        torch.tensor([1 + 2j]),
+        torch.tensor([1], dtype=torch.uint8),
+    ],
     ids=["int", "bool", "complex", "uint8"],
 )
 def test_quantize_rejects_non_float_tensors(x: torch.Tensor) -> None:
@@ -1192,8 +1347,9 @@ def test_quantize_rejects_non_float_tensors(x: torch.Tensor) -> None:
         snr_db(x, "fp16")
 
 
-@pytest.mark.parametrize("x", [[1.0, 2.0], 1.0, np.ones(3, dtype=np.float32)],
-                         ids=["list", "float", "ndarray"])
+@pytest.mark.parametrize(
+    "x", [[1.0, 2.0], 1.0, np.ones(3, dtype=np.float32)], ids=["list", "float", "ndarray"]
+)
 def test_quantize_rejects_non_tensors(x: object) -> None:
     for func in (quantize, to_bits, snr_db):
         with pytest.raises(TypeError, match=r"torch\.Tensor"):
@@ -1218,8 +1374,7 @@ def test_from_bits_rejects_bad_codes() -> None:
             from_bits(codes, "e4m3fn")
     with pytest.raises(TypeError, match="codes"):
         from_bits([1, 2], "e4m3fn")  # type: ignore[arg-type]
-    for name, bad in (("e4m3fn", 256), ("e4m3fn", -1), ("e2m1", 16), ("e3m2", 64),
-                      ("fp16", 65536)):
+    for name, bad in (("e4m3fn", 256), ("e4m3fn", -1), ("e2m1", 16), ("e3m2", 64), ("fp16", 65536)):
         with pytest.raises(ValueError, match="codes"):
             from_bits(torch.tensor([0, bad]), name)
     assert from_bits(torch.tensor([], dtype=torch.int64), "e2m1").numel() == 0
@@ -1274,12 +1429,23 @@ def test_snr_db_edge_cases() -> None:
 
 def test_storage_dtype() -> None:
     expected = {
-        "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-        "fp16": torch.float16, "e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
-        "e4m3fnuz": torch.float8_e4m3fnuz, "e5m2fnuz": torch.float8_e5m2fnuz,
-        "e4m3": torch.bfloat16, "e3m4": torch.bfloat16, "e4m3b11fnuz": torch.bfloat16,
-        "e3m2": torch.bfloat16, "e2m3": torch.bfloat16, "e2m1": torch.bfloat16,
-        "e8m0": E8M0_DTYPE or torch.bfloat16, "e6m9": torch.float32, "e5m9": torch.float16,
+        "fp32": torch.float32,
+        "tf32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "e4m3fn": torch.float8_e4m3fn,
+        "e5m2": torch.float8_e5m2,
+        "e4m3fnuz": torch.float8_e4m3fnuz,
+        "e5m2fnuz": torch.float8_e5m2fnuz,
+        "e4m3": torch.bfloat16,
+        "e3m4": torch.bfloat16,
+        "e4m3b11fnuz": torch.bfloat16,
+        "e3m2": torch.bfloat16,
+        "e2m3": torch.bfloat16,
+        "e2m1": torch.bfloat16,
+        "e8m0": E8M0_DTYPE or torch.bfloat16,
+        "e6m9": torch.float32,
+        "e5m9": torch.float16,
     }
     for name, dtype in expected.items():
         assert storage_dtype(name) == dtype, name
@@ -1295,8 +1461,9 @@ def test_to_format_equals_quantize(name: str) -> None:
     for saturate in (False, True):
         y = to_format(xt, name, saturate=saturate)
         assert y.dtype == storage_dtype(name)
-        _assert_bits_equal(y.float().numpy(), _q(x, name, saturate=saturate), x,
-                           f"{name} to_format")
+        _assert_bits_equal(
+            y.float().numpy(), _q(x, name, saturate=saturate), x, f"{name} to_format"
+        )
 
 
 def test_docstring_examples() -> None:

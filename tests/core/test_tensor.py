@@ -56,9 +56,7 @@ def test_tensorwise_equals_reference(x: torch.Tensor, fmt: str) -> None:
 @pytest.mark.parametrize(
     ("gran", "r", "c"), [("row", 1, 256), ("block:1x128", 1, 128), ("block:32x64", 32, 64)]
 )
-def test_finer_granularities_equal_reference(
-    x: torch.Tensor, gran: str, r: int, c: int
-) -> None:
+def test_finer_granularities_equal_reference(x: torch.Tensor, gran: str, r: int, c: int) -> None:
     st = quantize_scaled(x, "e4m3fn", granularity=gran)
     xn = x.numpy()
     blocks = np.abs(xn).reshape(64 // r, r, 256 // c, c).max(axis=(1, 3))

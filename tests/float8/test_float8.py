@@ -61,7 +61,14 @@ def test_doctests() -> None:
 
 def test_presets_and_roles() -> None:
     assert recipe_names() == [
-        "tensorwise", "delayed", "static", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"
+        "tensorwise",
+        "delayed",
+        "static",
+        "rowwise",
+        "blockwise",
+        "mxfp8",
+        "mxfp4",
+        "nvfp4",
     ]
     r = Float8Recipe.from_name("tensorwise")
     assert (r.input.fmt, r.weight.fmt, r.grad_output.fmt) == ("e4m3fn", "e4m3fn", "e5m2")
@@ -157,9 +164,13 @@ def test_mx_ceil_scale_never_saturates() -> None:
     assert float(dequantize(ceil)[0, 0]) == pytest.approx(1.9 * 8, rel=2**-4)
     g = torch.Generator().manual_seed(1)
     w = torch.empty(256, 256).uniform_(-1, 1, generator=g)
-    errs = [sqnr(dequantize(quantize_operand(w, CastConfig("e4m3fn", granularity="mx",
-                                                               mx_scale=m), 1)), w)
-            for m in ("floor", "ceil")]
+    errs = [
+        sqnr(
+            dequantize(quantize_operand(w, CastConfig("e4m3fn", granularity="mx", mx_scale=m), 1)),
+            w,
+        )
+        for m in ("floor", "ceil")
+    ]
     assert errs[1] > errs[0] + 2  # uniform weights: floor clips many block maxima
     with pytest.raises(ValueError, match="mx_scale only applies"):
         CastConfig("e4m3fn", mx_scale="ceil")
@@ -358,8 +369,9 @@ def test_convert_filter_state_dict_and_convert_back() -> None:
     sd = m.state_dict()
     assert keys <= set(sd)
     extra = set(sd) - keys
-    assert extra == {f"{i}.{r}_amax_history" for i in (0, 2)
-                     for r in ("input", "weight", "grad_output")}
+    assert extra == {
+        f"{i}.{r}_amax_history" for i in (0, 2) for r in ("input", "weight", "grad_output")
+    }
     assert m[0].weight is not ref[0].weight  # deepcopy; conversion itself shares parameters
     shared = nn.Linear(4, 4)
     assert convert_to_float8(shared).weight is shared.weight
@@ -537,8 +549,19 @@ def test_training_within_one_percent_of_bf16(tmp_path: Path) -> None:
     scale is about ±0.3%). The full-size numbers are in the README's demo table."""
     from lowprec.jobs.train import TrainConfig, train
 
-    cfg = TrainConfig(steps=120, batch_size=16, seq_len=64, width=64, depth=2, heads=4,
-                      lr=3e-3, warmup=10, eval_every=120, eval_batches=8, ckpt_every=1000)
+    cfg = TrainConfig(
+        steps=120,
+        batch_size=16,
+        seq_len=64,
+        width=64,
+        depth=2,
+        heads=4,
+        lr=3e-3,
+        warmup=10,
+        eval_every=120,
+        eval_batches=8,
+        ckpt_every=1000,
+    )
     ref = train(replace(cfg, recipe="bf16"), tmp_path / "bf16", progress=False)["val_loss"]
     for name in ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise"):
         got = train(replace(cfg, recipe=name), tmp_path / name, progress=False)["val_loss"]
@@ -593,8 +616,9 @@ def test_wgrad_uses_the_forward_scale_without_fp8_saving(name: str) -> None:
     grads = []
     for saved in (True, False):
         torch.manual_seed(0)
-        m = convert_to_float8(nn.Linear(16, 16), Float8Recipe.from_name(
-            name, fp8_saved_activations=saved))
+        m = convert_to_float8(
+            nn.Linear(16, 16), Float8Recipe.from_name(name, fp8_saved_activations=saved)
+        )
         x = torch.randn(8, 16)
         if name == "static":
             with calibrate(m):

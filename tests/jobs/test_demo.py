@@ -13,15 +13,26 @@ from lowprec.cli import main
 from lowprec.jobs.demo import DEMO_RECIPES, QUICK_CONFIG, run_demo
 from lowprec.jobs.train import RunError
 
-TINY = replace(QUICK_CONFIG, steps=6, batch_size=2, seq_len=16, width=32, depth=1, heads=2,
-               eval_every=3, eval_batches=1, ckpt_every=3)
+TINY = replace(
+    QUICK_CONFIG,
+    steps=6,
+    batch_size=2,
+    seq_len=16,
+    width=32,
+    depth=1,
+    heads=2,
+    eval_every=3,
+    eval_batches=1,
+    ckpt_every=3,
+)
 
 
 def test_demo_table_plot_and_results(tmp_path: Path) -> None:
     console = Console(record=True, width=200)
     out = tmp_path / "demo"
-    results = run_demo(out, recipes=["fp32", "fp16", "bf16"], console=console,
-                       progress=False, config=TINY)
+    results = run_demo(
+        out, recipes=["fp32", "fp16", "bf16"], console=console, progress=False, config=TINY
+    )
     text = console.export_text()
     for col in ("val bpc", "gap to fp32", "skipped", "act-grad underflow", "ms/step"):
         assert col in text
@@ -49,9 +60,22 @@ def test_demo_rejects_unknown_recipe(tmp_path: Path) -> None:
 
 def test_default_recipes_cover_the_issue() -> None:
     assert set(DEMO_RECIPES) == {
-        "fp32", "bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls", "amp-bf16",
-        "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8",
-        "fp32-unit", "fp16-unit", "bf16-unit", "fp8-unit", "fp16-scalify", "fp8-scalify",
+        "fp32",
+        "bf16",
+        "fp16",
+        "fp16-static-ls",
+        "fp16-dynamic-ls",
+        "amp-bf16",
+        "fp8-tensorwise",
+        "fp8-delayed",
+        "fp8-rowwise",
+        "mxfp8",
+        "fp32-unit",
+        "fp16-unit",
+        "bf16-unit",
+        "fp8-unit",
+        "fp16-scalify",
+        "fp8-scalify",
     }
 
 
@@ -68,8 +92,22 @@ def test_cli_demo_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 def test_cli_demo_seed_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "seeded"
-    assert main(["demo", "--quick", "--seed", "3", "--recipes", "fp32", "--out", str(out),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--quick",
+                "--seed",
+                "3",
+                "--recipes",
+                "fp32",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert json.loads((out / "results.json").read_text())["config"]["seed"] == 3
     for bad, msg in ((["--seed", "-1"], "--seed"), (["--recipes", "fp9"], "valid: fp32")):
         with pytest.raises(SystemExit) as e:

@@ -15,8 +15,9 @@ from lowprec.cli import main
 from lowprec.jobs.report import Run, diagnose, load_run, write_report
 from lowprec.jobs.train import NUMERICS, RunError, TrainConfig, train
 
-TINY = TrainConfig(steps=6, batch_size=8, seq_len=32, width=32, depth=1, heads=2,
-                   eval_every=3, eval_batches=2)
+TINY = TrainConfig(
+    steps=6, batch_size=8, seq_len=32, width=32, depth=1, heads=2, eval_every=3, eval_batches=2
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,13 @@ def test_train_records_numerics_at_first_and_last_step(runs: dict[str, Path]) ->
     recs = [json.loads(ln) for ln in (runs["fp16"] / NUMERICS).read_text().splitlines()]
     assert {r["step"] for r in recs} == {0, TINY.steps - 1}
     names = {(r["name"], r["kind"]) for r in recs}
-    for want in (("head", "output"), ("head", "grad_output"), ("blocks.0.fc.weight", "weight"),
-                 ("blocks.0.fc.weight", "weight_grad"), ("tok", "output")):
+    for want in (
+        ("head", "output"),
+        ("head", "grad_output"),
+        ("blocks.0.fc.weight", "weight"),
+        ("blocks.0.fc.weight", "weight_grad"),
+        ("tok", "output"),
+    ):
         assert want in names
     assert set(recs[0]["below_normal"]) == {"fp16", "bf16", "e4m3fn", "e5m2"}
 
@@ -54,7 +60,7 @@ def test_report_page(runs: dict[str, Path], tmp_path: Path) -> None:
     assert page.startswith("<!DOCTYPE html>") and "<h1>t</h1>" in page
     # loss curves + per run: scale charts at init and end + exponent histograms
     assert len(re.findall(r'<img src="data:image/png;base64,', page)) == 1 + 3 * 2
-    assert "src=\"http" not in page and "<script" not in page  # self-contained, static
+    assert 'src="http' not in page and "<script" not in page  # self-contained, static
     assert "underflow in fp16" in page  # the fp16 run's own gradients
     # the summary's worst gradient underflow uses the diagnosis' formats: own dtype, E5M2
     worst = re.findall(r"<td>[\d.]+% \((\w+), [\w.]+ [a-z ]+\)</td>", page)
@@ -65,8 +71,11 @@ def test_report_page(runs: dict[str, Path], tmp_path: Path) -> None:
 def test_diagnosis_names_tensor_format_and_fix(runs: dict[str, Path]) -> None:
     notes = diagnose(load_run(runs["fp16"]))
     first = notes[0]
-    assert re.match(r"\d+% of the (activation|weight) gradients of \S+ underflow in fp16 "
-                    r"\(below its smallest normal, 6.1e-05\) at step 5", first), first
+    assert re.match(
+        r"\d+% of the (activation|weight) gradients of \S+ underflow in fp16 "
+        r"\(below its smallest normal, 6.1e-05\) at step 5",
+        first,
+    ), first
     assert "use loss scaling or unit scaling" in first
     fp32 = diagnose(load_run(runs["fp32"]))
     assert not any("underflow in fp32" in n for n in fp32)
@@ -75,11 +84,19 @@ def test_diagnosis_names_tensor_format_and_fix(runs: dict[str, Path]) -> None:
 
 def test_healthy_run_says_so(runs: dict[str, Path]) -> None:
     run = load_run(runs["fp32"])
-    calm = [{**r, "below_normal": {k: 0.0 for k in r["below_normal"]},
-             "above_max": {k: 0.0 for k in r["above_max"]}} for r in run.numerics]
+    calm = [
+        {
+            **r,
+            "below_normal": {k: 0.0 for k in r["below_normal"]},
+            "above_max": {k: 0.0 for k in r["above_max"]},
+        }
+        for r in run.numerics
+    ]
     notes = diagnose(Run(run.path, run.config, run.metrics, run.summary, calm))
-    assert notes == [f"Healthy at step {TINY.steps - 1}: no gradient has 25% of its values "
-                     "below the smallest normal, and nothing overflows (e4m3fn, e5m2)."]
+    assert notes == [
+        f"Healthy at step {TINY.steps - 1}: no gradient has 25% of its values "
+        "below the smallest normal, and nothing overflows (e4m3fn, e5m2)."
+    ]
     assert "gradients" in diagnose(load_run(runs["fp16"]))[0]
 
 
@@ -112,13 +129,16 @@ def test_not_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         write_report([], tmp_path / "x.html")
 
 
-def test_cli_report(runs: dict[str, Path], tmp_path: Path,
-                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_report(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "cli.html"
     assert main(["report", str(runs["fp32"]), str(runs["fp16"]), "-o", str(out)]) == 0
     assert f"report: {out}" in capsys.readouterr().out and out.is_file()
-    for argv, msg in (([str(tmp_path)], "not a lowprec run directory"),
-                      ([str(runs["fp32"]), "-o", str(tmp_path / "r.txt")], "--out")):
+    for argv, msg in (
+        ([str(tmp_path)], "not a lowprec run directory"),
+        ([str(runs["fp32"]), "-o", str(tmp_path / "r.txt")], "--out"),
+    ):
         with pytest.raises(SystemExit) as e:
             main(["report", *argv])
         assert e.value.code == 2 and msg in capsys.readouterr().err
@@ -135,8 +155,9 @@ def test_float8_run_is_judged_in_its_own_format(tmp_path: Path) -> None:
     assert not any("e5m2" in n or "e4m3fn" in n for n in notes[1:])
 
 
-def test_truncated_numerics_and_runs_without_evaluation(runs: dict[str, Path],
-                                                        tmp_path: Path) -> None:
+def test_truncated_numerics_and_runs_without_evaluation(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
     bad = tmp_path / "bad"
     shutil.copytree(runs["fp32"], bad)
     text = (bad / NUMERICS).read_text()

@@ -62,13 +62,19 @@ def browser() -> Iterator[Any]:
         _unavailable(f"selenium is not installed ({e}; pip install -e '.[dev]')")
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                f"--window-size={WINDOW[0]},{WINDOW[1]}"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={WINDOW[0]},{WINDOW[1]}",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     # Explicit binaries: Selenium Manager (which would download a browser/driver) never runs.
     no_manager = mock.patch.object(
-        SeleniumManager, "binary_paths",
+        SeleniumManager,
+        "binary_paths",
         side_effect=AssertionError("Selenium Manager must not run: binaries are explicit"),
     )
     with no_manager:
@@ -91,10 +97,12 @@ def load(driver: Any, path: Path) -> None:
 
 def images(driver: Any) -> list[dict[str, Any]]:
     """Every <img>: alt, the start of its src, complete, naturalWidth, naturalHeight."""
-    return list(driver.execute_script(
-        "return Array.from(document.images).map(i => ({alt: i.alt, src: i.src.slice(0, 40), "
-        "complete: i.complete, w: i.naturalWidth, h: i.naturalHeight}));"
-    ))
+    return list(
+        driver.execute_script(
+            "return Array.from(document.images).map(i => ({alt: i.alt, src: i.src.slice(0, 40), "
+            "complete: i.complete, w: i.naturalWidth, h: i.naturalHeight}));"
+        )
+    )
 
 
 def broken_images(driver: Any) -> list[dict[str, Any]]:
@@ -110,10 +118,14 @@ def severe_console(driver: Any) -> list[dict[str, Any]]:
 def full_page_screenshot(driver: Any, out: Path) -> Path:
     """A PNG of the whole page, not just the window (CDP, beyond the viewport)."""
     size = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
-    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
-        "format": "png", "captureBeyondViewport": True,
-        "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1},
-    })
+    shot = driver.execute_cdp_cmd(
+        "Page.captureScreenshot",
+        {
+            "format": "png",
+            "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1},
+        },
+    )
     out.write_bytes(base64.b64decode(shot["data"]))
     return out
 
@@ -122,8 +134,17 @@ def full_page_screenshot(driver: Any, out: Path) -> Path:
 
 
 def test_report_renders_in_chromium(browser: Any, tmp_path: Path) -> None:
-    cfg = TrainConfig(recipe="fp16", steps=6, batch_size=8, seq_len=32, width=32, depth=1,
-                      heads=2, eval_every=3, eval_batches=2)
+    cfg = TrainConfig(
+        recipe="fp16",
+        steps=6,
+        batch_size=8,
+        seq_len=32,
+        width=32,
+        depth=1,
+        heads=2,
+        eval_every=3,
+        eval_batches=2,
+    )
     runs = [tmp_path / "fp32", tmp_path / "fp16"]
     train(dataclasses.replace(cfg, recipe="fp32"), runs[0], progress=False)
     train(cfg, runs[1], progress=False)
@@ -154,9 +175,11 @@ def test_checks_catch_a_broken_page(browser: Any, tmp_path: Path) -> None:
     """The helpers are not vacuous: a corrupt data URI and a missing file are both reported
     as broken images, and the missing file as a SEVERE console entry."""
     ok = base64.b64encode(
-        bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
-                      "1f15c4890000000d49444154789c63f8cfc0f01f0005000201ffa8b4"
-                      "8a0d0000000049454e44ae426082")
+        bytes.fromhex(
+            "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+            "1f15c4890000000d49444154789c63f8cfc0f01f0005000201ffa8b4"
+            "8a0d0000000049454e44ae426082"
+        )
     ).decode()
     page = tmp_path / "broken.html"
     page.write_text(

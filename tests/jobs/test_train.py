@@ -14,8 +14,17 @@ from lowprec.cli import main
 from lowprec.jobs.train import RunError, TrainConfig, read_metrics, train
 
 TINY = TrainConfig(
-    steps=8, batch_size=4, seq_len=16, width=32, depth=1, heads=2, lr=3e-3, warmup=2,
-    eval_every=4, eval_batches=2, ckpt_every=2,
+    steps=8,
+    batch_size=4,
+    seq_len=16,
+    width=32,
+    depth=1,
+    heads=2,
+    lr=3e-3,
+    warmup=2,
+    eval_every=4,
+    eval_batches=2,
+    ckpt_every=2,
 )
 
 
@@ -74,8 +83,16 @@ def test_metrics_and_summary(tmp_path: Path) -> None:
     recs = read_metrics(tmp_path / "r")
     assert [r["step"] for r in recs] == list(range(1, 9))
     for key in (
-        "loss", "loss_scale", "skipped", "grad_norm", "grad_zero_share",
-        "grad_nonfinite_share", "act_grad_underflow", "act_grad_zero", "step_time", "lr",
+        "loss",
+        "loss_scale",
+        "skipped",
+        "grad_norm",
+        "grad_zero_share",
+        "grad_nonfinite_share",
+        "act_grad_underflow",
+        "act_grad_zero",
+        "step_time",
+        "lr",
     ):
         assert key in recs[0], key
     assert [r["step"] for r in recs if "val_loss" in r] == [4, 8]
@@ -131,9 +148,30 @@ def test_bad_config(kwargs: dict[str, object], match: str) -> None:
 
 def test_cli_train_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cli"
-    args = ["train", "--recipe", "bf16", "--steps", "4", "--batch-size", "2", "--seq-len",
-            "16", "--width", "32", "--depth", "1", "--heads", "2", "--eval-every", "2",
-            "--eval-batches", "1", "--out", str(out), "--no-progress"]
+    args = [
+        "train",
+        "--recipe",
+        "bf16",
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--width",
+        "32",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main(args) == 0
     assert "val bpc" in capsys.readouterr().out
     assert (out / "checkpoint.pt").is_file() and (out / "summary.json").is_file()

@@ -96,8 +96,7 @@ def test_technique_validation() -> None:
         Recipe("x", "d", "bf16", True, technique="scalify", scalify_format="fp16")
     with pytest.raises(ValueError, match="scalify_format needs"):
         Recipe("x", "d", scalify_format="fp16")
-    for name in ("fp32-unit", "fp16-unit", "bf16-unit", "fp8-unit", "fp16-scalify",
-                 "fp8-scalify"):
+    for name in ("fp32-unit", "fp16-unit", "bf16-unit", "fp8-unit", "fp16-scalify", "fp8-scalify"):
         r = get_recipe(name)
         assert Recipe.from_dict(r.to_dict()) == r
 

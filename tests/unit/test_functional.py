@@ -92,8 +92,10 @@ def test_matmul_unit_and_constraint() -> None:
     assert _unit(out) and _unit(ga) and _unit(gb)
     # default to_output_scale: grad_a uses 1/sqrt(K=256), not 1/sqrt(N=1024) -> std ~2
     out, (ga, gb) = _run(U.matmul, a, b)
-    assert _unit(out) and ga == pytest.approx(2.0, rel=0.1) and gb == pytest.approx(
-        math.sqrt(512 / 256), rel=0.1
+    assert (
+        _unit(out)
+        and ga == pytest.approx(2.0, rel=0.1)
+        and gb == pytest.approx(math.sqrt(512 / 256), rel=0.1)
     )
     ref = (a.double() @ b.double()) / 16.0
     torch.testing.assert_close(U.matmul(a, b).double(), ref, rtol=1e-5, atol=1e-5)
@@ -147,7 +149,8 @@ def test_softmax_log_softmax() -> None:
     torch.testing.assert_close(
         U.softmax(x, -1).double(),
         torch.softmax(x.double(), -1) * 1024 / math.sqrt(math.e - 1),
-        rtol=1e-5, atol=1e-6,
+        rtol=1e-5,
+        atol=1e-6,
     )
     # to_output_scale: the gradient is off unit by sqrt(e/(e-1)) = 1.26
     _, (gx,) = _run(lambda t: U.softmax(t, -1), x)
@@ -244,9 +247,15 @@ def _module_scales(m: torch.nn.Module, x: Tensor) -> tuple[float, float, list[fl
     y = m(x)
     y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9)))
     assert x.grad is not None
-    return y.std().item(), x.grad.std().item(), [
-        p.grad.std().item() for n, p in m.named_parameters() if n.endswith("weight") and p.dim() > 1
-    ]
+    return (
+        y.std().item(),
+        x.grad.std().item(),
+        [
+            p.grad.std().item()
+            for n, p in m.named_parameters()
+            if n.endswith("weight") and p.dim() > 1
+        ],
+    )
 
 
 def test_modules_unit_at_init() -> None:
