@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: set up, lint (ruff), type-check (mypy), then pytest.
+# The whole test suite: set up, lint and format check (ruff), type-check (mypy), then pytest
+# (tests/ and the >>> examples of every module under lowprec/, see pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,5 +47,6 @@ bash scripts/bootstrap.sh
 install_browser
 VENV=${LOWPREC_VENV:-.venv}
 "$VENV/bin/python" -m ruff check lowprec tests benchmarks
+"$VENV/bin/python" -m ruff format --check lowprec tests benchmarks
 "$VENV/bin/python" -m mypy
 "$VENV/bin/python" -m pytest "$@"
