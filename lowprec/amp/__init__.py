@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from lowprec.analysis.stats import grad_stats
 from lowprec.core.formats import quantize
 
 __all__ = [
@@ -461,28 +462,3 @@ def native_bf16_matmul() -> bool:
     if not flags:
         return True
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def grad_stats(params: Iterable[Tensor]) -> dict[str, float]:
-    """Share of gradient values that are exactly zero and that are non-finite, and the
-    global gradient L2 norm (in FP32), over all parameters that have a gradient."""
-    total = 0
-    zeros = torch.zeros((), dtype=torch.float64)
-    nonfinite = torch.zeros((), dtype=torch.float64)
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        total += g.numel()
-        zeros += (g == 0).sum()
-        fin = torch.isfinite(g)
-        nonfinite += (~fin).sum()
-        sq += torch.where(fin, g.double(), 0.0).pow(2).sum()
-    if total == 0:
-        return {"grad_zero_share": 0.0, "grad_nonfinite_share": 0.0, "grad_norm": 0.0}
-    return {
-        "grad_zero_share": float(zeros) / total,
-        "grad_nonfinite_share": float(nonfinite) / total,
-        "grad_norm": math.sqrt(float(sq)),
-    }
