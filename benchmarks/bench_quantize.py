@@ -41,8 +41,9 @@ from _common import (
 )
 from torch import Tensor
 
-from lowprec.core.formats import get_format, to_format
-from lowprec.core.scaling import amax, compute_scale
+from lowprec.core.formats import get_format
+from lowprec.core.rounding import to_format
+from lowprec.core.scales import amax, compute_scale
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
 
 FMT = "e4m3fn"

@@ -1,17 +1,14 @@
 """lowprec: train neural networks in FP16, BF16, FP8 and smaller formats with FP32 accuracy.
 
-The foundation: number formats (:mod:`lowprec.core.formats`), scale selection
-(:mod:`lowprec.core.scaling`) and the scaled tensor type (:mod:`lowprec.core.tensor`).
+The foundation lives in :mod:`lowprec.core`: number formats, rounding, granularity,
+scales, scalers and the scaled tensor type.
 """
 
-from lowprec.core.formats import Format, from_bits, get_format, quantize, to_bits
-from lowprec.core.scaling import (
-    DelayedScaler,
-    DynamicScaler,
-    Granularity,
-    StaticScaler,
-    compute_scale,
-)
+from lowprec.core.formats import Format, get_format
+from lowprec.core.granularity import Granularity
+from lowprec.core.rounding import from_bits, quantize, to_bits
+from lowprec.core.scalers import DelayedScaler, DynamicScaler, StaticScaler
+from lowprec.core.scales import compute_scale
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
 from lowprec.recipes import Recipe, prepare
 

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from lowprec.analysis.stats import grad_stats
-from lowprec.core.formats import quantize
+from lowprec.core.rounding import quantize
 
 __all__ = [
     "DynamicLossScaler",

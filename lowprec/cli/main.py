@@ -27,7 +27,8 @@ from rich.table import Table
 
 from lowprec import __version__
 from lowprec.cli.jobs import add_demo, add_recipes, add_report, add_train
-from lowprec.core.formats import Format, format_names, get_format, snr_db
+from lowprec.core.formats import Format, format_names, get_format
+from lowprec.core.rounding import snr_db
 
 __all__ = [
     "SNR_DEFAULT_FORMATS",

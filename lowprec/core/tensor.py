@@ -2,7 +2,8 @@
 
 ``data`` is any floating dtype (float8 included) and ``scale`` a float32 tensor that applies
 to it block-wise (each scale dim is 1, equal to the data dim, or divides it: see
-:func:`lowprec.core.scaling.apply_scale`). The ``ScaledTensor`` reports the shape of ``data`` and a
+:func:`lowprec.core.granularity.apply_scale`).
+The ``ScaledTensor`` reports the shape of ``data`` and a
 *logical* dtype: the dtype :meth:`ScaledTensor.dequantize` returns.
 
 The payload is ``.qdata`` (``Tensor.data`` is torch's own detached alias and keeps its
@@ -32,19 +33,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.core.formats import Format, Rounding, get_format, to_format
-from lowprec.core.scaling import (
-    Granularity,
-    Scaler,
-    _check_margin,
-    _check_scale_value,
-    amax,
-    apply_scale,
-    as_granularity,
-    check_scale_shape,
-    compute_scale,
-    mx_scale,
-)
+from lowprec.core.formats import Format, Rounding, get_format
+from lowprec.core.granularity import Granularity, apply_scale, as_granularity, check_scale_shape
+from lowprec.core.rounding import to_format
+from lowprec.core.scalers import Scaler, _check_scale_value
+from lowprec.core.scales import _check_margin, amax, compute_scale, mx_scale
 
 __all__ = ["ScaledTensor", "quantize_scaled", "register_fallback", "register_rule"]
 

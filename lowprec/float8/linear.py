@@ -24,7 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from lowprec.core.scaling import amax, delayed_amax, push_amax
+from lowprec.core.scalers import delayed_amax, push_amax
+from lowprec.core.scales import amax
 from lowprec.float8.quant import Operand, dequantize, matmul, quantize_operand
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 

@@ -10,7 +10,7 @@ The scaled matmul computes, for ``A (M×K)`` contracted over dim 1 and ``B (K×N
 
 The hardware kernel (``torch._scaled_mm``) is used only on CUDA with compute capability 8.9
 or newer; elsewhere the *emulation* computes the same formula: the quantized values are
-real (rounded by :func:`lowprec.core.formats.to_format`), upcast exactly to float32, multiplied
+real (rounded by :func:`lowprec.core.rounding.to_format`), upcast exactly to float32, multiplied
 (products of 8-bit values are exact in float32) and accumulated in float32. The CPU
 ``_scaled_mm`` kernel is never used: it is thousands of times slower than a bf16 matmul.
 """
@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lowprec.core.formats import get_format, quantize, to_format
-from lowprec.core.scaling import Granularity, amax, apply_scale, compute_scale, mx_scale
+from lowprec.core.formats import get_format
+from lowprec.core.granularity import Granularity, apply_scale
+from lowprec.core.rounding import quantize, to_format
+from lowprec.core.scales import amax, compute_scale, mx_scale
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.recipe import CastConfig, GemmGranularity
 
@@ -41,7 +43,8 @@ class Operand:
     """``data × scale`` for one GEMM; ``shape`` is the unpadded shape of the matrix.
 
     ``data`` may be zero-padded (block kinds) to a multiple of the block; ``scale`` applies
-    to the padded ``data`` with block-wise broadcasting (:func:`lowprec.core.scaling.apply_scale`).
+    to the padded ``data`` with block-wise broadcasting
+    (:func:`lowprec.core.granularity.apply_scale`).
     """
 
     data: Tensor

@@ -44,7 +44,7 @@ from typing import Any, Literal
 from torch import Tensor
 
 from lowprec.core.formats import get_format
-from lowprec.core.scaling import compute_scale
+from lowprec.core.scales import compute_scale
 
 __all__ = ["CastConfig", "Float8Recipe", "recipe_names"]
 
@@ -165,7 +165,7 @@ class CastConfig:
 
     def scale_for(self, amax: Tensor) -> Tensor:
         """``amax · 2^margin / fmt.max``, a power of two with ``power_of_two``
-        (:func:`lowprec.core.scaling.compute_scale`)."""
+        (:func:`lowprec.core.scales.compute_scale`)."""
         return compute_scale(amax, self.fmt, self.margin, self.power_of_two)
 
     def describe(self) -> str:

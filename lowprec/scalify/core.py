@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.core.scaling import apply_scale, check_scale_shape
+from lowprec.core.granularity import apply_scale, check_scale_shape
 from lowprec.core.tensor import ScaledTensor, register_rule
 from lowprec.scalify.config import ScalifyConfig, count_rule, current_config
 

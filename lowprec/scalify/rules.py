@@ -17,7 +17,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from lowprec.core.formats import get_format
-from lowprec.core.scaling import apply_scale, compute_scale
+from lowprec.core.granularity import apply_scale
+from lowprec.core.scales import compute_scale
 from lowprec.core.tensor import ScaledTensor, register_fallback
 from lowprec.scalify.config import count_fallback, current_config
 from lowprec.scalify.core import (

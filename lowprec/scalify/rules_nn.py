@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.core.scaling import apply_scale
+from lowprec.core.granularity import apply_scale
 from lowprec.core.tensor import _LOGICAL, ScaledTensor
 from lowprec.scalify.core import (
     check_compatible,

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
-from lowprec.core.formats import quantize
+from lowprec.core.rounding import quantize
 
 __all__ = [
     "CONSTRAINTS",

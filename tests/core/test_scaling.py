@@ -1,4 +1,5 @@
-"""Tests for lowprec.core.scaling: granularities, amax -> scale, MX scales, stateful scalers."""
+"""Tests for lowprec.core.granularity, scales and scalers: granularities, amax -> scale,
+MX scales, stateful scalers."""
 
 from __future__ import annotations
 
@@ -10,16 +11,9 @@ import pytest
 import torch
 
 from lowprec.core.formats import get_format
-from lowprec.core.scaling import (
-    DelayedScaler,
-    DynamicScaler,
-    Granularity,
-    StaticScaler,
-    amax,
-    apply_scale,
-    compute_scale,
-    mx_scale,
-)
+from lowprec.core.granularity import Granularity, apply_scale
+from lowprec.core.scalers import DelayedScaler, DynamicScaler, StaticScaler
+from lowprec.core.scales import amax, compute_scale, mx_scale
 
 # ---- granularity -------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.core.scaling import DelayedScaler, StaticScaler
+from lowprec.core.scalers import DelayedScaler, StaticScaler
 from lowprec.core.tensor import _RULES, ScaledTensor, quantize_scaled, register_rule
 
 ML = {

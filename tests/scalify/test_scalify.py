@@ -325,7 +325,7 @@ def test_apply_scalify_fp8_and_bad_format() -> None:
 
 
 def test_fp8_matmul_rounds_operands_to_fp8_grids() -> None:
-    from lowprec.core.scaling import compute_scale
+    from lowprec.core.scales import compute_scale
     from lowprec.scalify.rules import _fp8
 
     d = torch.randn(64, 32)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lowprec.core.formats import quantize
+from lowprec.core.rounding import quantize
 from lowprec.jobs.model import CharGPT, ModelConfig
 from lowprec.unit import umup_param_groups, unit_scale
 from lowprec.unit.recipe import apply_unit

@@ -1,0 +1,429 @@
+"""Rounding into a number format (:mod:`lowprec.core.formats`): quantize, casts, bits.
+
+:func:`quantize` rounds a tensor to the nearest representable value (ties to even) or
+stochastically, bit-exact with ``ml_dtypes``. Out-of-range and special inputs map as follows
+(``saturate`` only changes finite overflow):
+
+================== ============ ============ ============ ===========================
+input              ieee         fn           fnuz         finite (no Inf, no NaN)
+================== ============ ============ ============ ===========================
+finite overflow    ±Inf / ±max  NaN / ±max   NaN / ±max   ±max
+±Inf               ±Inf         NaN          NaN          ±max
+NaN                NaN          NaN          NaN          NaN (ml_dtypes gives ∓0)
+-0 or tiny < 0     -0           -0           +0           -0
+================== ============ ============ ============ ===========================
+
+(``A / B`` is ``saturate=False`` / ``saturate=True``.) For formats without a NaN code the
+result stays NaN: the value of a NaN is not a number in any format, and silently turning
+it into zero, as ``ml_dtypes`` does, would hide a bug. E8M0 maps zero, negative numbers and
+Inf to NaN, and rounds a value half-way between two powers of two *up* — following the
+fp32 bit pattern as torch and ``ml_dtypes`` do (so a value in fp32's subnormal range
+above ``2^-127`` rounds to ``2^-126``; ``2^-127`` itself is E8M0's smallest value).
+
+The work happens on float32 bits (float64 bits for float64 inputs, so a float64 value is
+rounded once, never twice). Where torch has a native dtype that rounds exactly like this,
+the native cast is used (fp16, bf16, the four float8 dtypes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["from_bits", "quantize", "snr_db", "storage_dtype", "to_bits", "to_format"]
+
+from lowprec.core.formats import _ELIDED, _NATIVE, BF16, FP16, FP32, Format, Rounding, get_format
+
+# ---------------------------------------------------------------------------------------
+# Rounding
+# ---------------------------------------------------------------------------------------
+
+_FLOAT_INPUTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_input(x: object, arg: str = "x") -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(
+            f"{arg} must be a floating-point tensor, got dtype {x.dtype} "
+            "(integer, bool and complex tensors cannot be quantized)"
+        )
+    return x
+
+
+def _work_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, int]:
+    """(float dtype, int dtype, mantissa bits) of the arithmetic used for inputs of ``dtype``."""
+    if dtype == torch.float64:
+        return torch.float64, torch.int64, 52
+    return torch.float32, torch.int32, 23
+
+
+def _scale_pow2(t: Tensor, k: int) -> Tensor:
+    """``t · 2^k`` as two exact multiplications (2^149 itself overflows float32)."""
+    a = k // 2
+    return t * 2.0**a * 2.0 ** (k - a)
+
+
+def _round_magnitude(
+    a: Tensor, fmt: Format, rounding: Rounding, generator: torch.Generator | None
+) -> Tensor:
+    """Round the non-negative finite-or-inf magnitude ``a`` to ``fmt`` (no overflow handling)."""
+    fdt, idt, ms = _work_dtypes(a.dtype)
+    m = fmt.mantissa_bits
+    d = ms - m
+    bits = a.view(idt)
+    if not fmt.signed:  # E8M0: round the bit pattern half up into the exponent field
+        r = (((bits + (1 << (ms - 1))) >> ms) << ms).view(fdt)
+        # At or below the smallest value 2^-bias the result is 2^-bias (as in torch and
+        # ml_dtypes); the bit rule alone would round 2^-127, a float32 subnormal, up.
+        return torch.where(a <= fmt.min_normal, fmt.min_normal, r)
+    # Normal range: round the source mantissa to M bits on the bit pattern. A carry out
+    # of the mantissa correctly moves the value to the next binade.
+    # If the format's normal range reaches below float32's (bias >= 128), those values are
+    # float32 subnormals: lift them into float32's normal range for the bit rounding.
+    tiny_f = torch.finfo(fdt).tiny
+    lift = fmt.min_normal < tiny_f
+    if lift:
+        bits = torch.where(a < tiny_f, a * 2.0**64, a).view(idt)
+    rand: Tensor | None = None
+    if rounding == "stochastic":
+        rand = torch.randint(0, 2**ms, a.shape, generator=generator, dtype=idt, device=a.device)
+    if d == 0:
+        rn = a
+    elif rand is None:
+        # Ties go to the even code. With M = 0 the last code bit is the exponent's, whose
+        # parity is the source's (odd bias) flipped when the format's bias is even.
+        flip = (fmt._bias + 1) & 1 if m == 0 else 0
+        rn = (bits + ((1 << (d - 1)) - 1) + (((bits >> d) ^ flip) & 1)) & -(1 << d)
+        rn = rn.view(fdt)
+    else:
+        rn = ((bits + (rand >> m)) & -(1 << d)).view(fdt)
+    if lift:
+        rn = torch.where(a < tiny_f, rn * 2.0**-64, rn)  # exact: a format value
+    # Subnormal range of the target: round to a multiple of min_subnormal = 2^-k.
+    k = fmt._bias - 1 + m
+    s = _scale_pow2(a, k)  # exact: a < min_normal so s < 2^M
+    if rand is None:
+        rs = torch.round(s)  # ties to even
+    else:
+        fl = torch.floor(s)
+        u = rand.to(fdt) * 2.0**-ms
+        rs = fl + (u < (s - fl)).to(fdt)
+    rs = _scale_pow2(rs, -k)
+    return torch.where(a < fmt.min_normal, rs, rn)
+
+
+def _check_rounding(rounding: str, fmt: Format, dtype: torch.dtype) -> None:
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rounding == "stochastic":
+        src = get_format(dtype) if dtype != torch.float64 else None
+        narrower = src is None or (
+            fmt.mantissa_bits < src.mantissa_bits
+            and fmt.max <= src.max
+            and fmt.min_subnormal >= src.min_subnormal
+        )
+        if not narrower:
+            raise ValueError(
+                f"rounding='stochastic': x's dtype {dtype} cannot carry stochastic rounding "
+                f"into {fmt.name}; the input must have more mantissa bits than the format "
+                f"({fmt.mantissa_bits}) and cover its range"
+            )
+        if not fmt.signed:
+            raise ValueError(f"rounding='stochastic' is not defined for {fmt.name}")
+
+
+def quantize(
+    x: Tensor,
+    fmt: str | Format,
+    rounding: Rounding = "nearest",
+    saturate: bool = False,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Round ``x`` to the nearest value of ``fmt``; return it in ``x``'s dtype.
+
+    ``rounding="nearest"`` rounds to nearest, ties to even, bit-exact with ``ml_dtypes``
+    (see the module docstring for overflow, Inf, NaN and signed zero).
+    ``rounding="stochastic"`` rounds ``|x|`` down or up to its two neighbours ``lo < |x| < hi``
+    with ``P(hi) = (|x| - lo) / (hi - lo)``, so ``E[quantize(x)] = x`` (exactly in the normal
+    range; in the subnormal range the probability is quantised to ``2^-23``, or ``2^-52``
+    for float64 input). Pass a ``torch.Generator`` for reproducible draws.
+    ``saturate=True`` clamps finite values beyond ``±fmt.max`` to ``±fmt.max``.
+
+    If ``fmt`` has values that ``x``'s dtype cannot hold (``quantize(bf16_tensor, "fp16")``),
+    the rounded value is cast back to ``x.dtype`` with round-to-nearest-even.
+
+    Example:
+        >>> import torch
+        >>> quantize(torch.tensor([1.0, 1.0625, 1.1875, 500.0]), "e4m3fn").tolist()
+        [1.0, 1.0, 1.25, nan]
+        >>> quantize(torch.tensor([500.0]), "e4m3fn", saturate=True).tolist()
+        [448.0]
+    """
+    x = _check_input(x)
+    fmt = get_format(fmt)
+    _check_rounding(rounding, fmt, x.dtype)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    orig = x.dtype
+    native = _native_for(x, fmt, rounding)
+    if native is not None:
+        return _quantize_native(x, fmt, native, saturate)
+    fdt, _, _ = _work_dtypes(orig)
+    xf = x.to(fdt)
+    a = _round_magnitude(xf.abs(), fmt, rounding, generator)
+    over = a > fmt.max
+    if fmt.special == "finite":
+        a = torch.where(over, fmt.max, a)
+    else:
+        overflow_value = math.inf if fmt.has_inf else math.nan
+        if saturate:
+            over_value = torch.where(torch.isinf(xf), overflow_value, fmt.max)
+            a = torch.where(over, over_value, a)
+        else:
+            a = torch.where(over, overflow_value, a)
+    if fmt.signed:
+        r = torch.copysign(a, xf)
+        if fmt.special == "fnuz":
+            r = r + 0.0  # -0 + 0 = +0: fnuz has no negative zero
+    else:
+        r = torch.where(xf > 0, a, math.nan)
+    r = torch.where(torch.isnan(xf), xf, r)
+    return r.to(orig)
+
+
+def _native_for(x: Tensor, fmt: Format, rounding: str) -> torch.dtype | None:
+    """The torch dtype whose cast rounds ``x`` into ``fmt`` exactly, or None for the bit path.
+
+    Under torch.compile fp16/bf16 use the bit path: inductor drops a cast round trip
+    fp32 -> fp16/bf16 -> fp32 (unless emulate_precision_casts), which would skip the
+    rounding. float8 round trips are kept (tests/test_formats.py checks both).
+    """
+    native = _NATIVE.get(fmt)
+    if (
+        rounding != "nearest"
+        or native is None
+        or x.dtype not in _FLOAT_INPUTS[:3]
+        or (torch.compiler.is_compiling() and native in _ELIDED)
+    ):
+        return None
+    return native
+
+
+def _cast_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:
+    """Round ``x`` (fp32/fp16/bf16) into ``fmt`` with torch's cast; result in ``native``.
+
+    Written for speed under ``torch.compile``: ``|x| == inf`` instead of ``isinf`` (which
+    inductor does not vectorise on CPU) and no clamp where the cast saturates by itself.
+    """
+    if native == x.dtype:
+        return x.clone()
+    if _in_range_eager(x, fmt):
+        return x.to(native)  # nothing to saturate or turn into NaN: one plain cast
+    if fmt.special == "fn":
+        # torch >= 2.7 saturates fp32 -> float8_e4m3fn (even Inf); ml_dtypes gives NaN.
+        # Above max + half an ulp (the tie rounds down to max's even mantissa) is overflow;
+        # that test also catches ±Inf, and NaN compares False (it stays NaN, sign kept).
+        if saturate:
+            over = x.abs() == math.inf
+            if not _E4M3FN_CAST_SATURATES:
+                x = x.clamp(-fmt.max, fmt.max)
+        else:
+            tie = fmt.max + 2.0 ** (fmt.max_exponent - fmt.mantissa_bits - 1)
+            over = x.abs() > tie
+        nan = torch.copysign(torch.full_like(x, math.nan), x)  # signed, as ml_dtypes
+        return torch.where(over, nan, x).to(native)
+    if saturate:
+        x = torch.where(x.abs() == math.inf, x, x.clamp(-fmt.max, fmt.max))
+    return x.to(native)
+
+
+def _in_range_eager(x: Tensor, fmt: Format) -> bool:
+    """Eager CPU fast path: True when every ``|x| <= fmt.max`` (so no Inf, no NaN).
+
+    ``aminmax`` reads ``x`` once without temporaries; the masks of the general path cost
+    several full-size allocations, which dominate eager CPU time. Skipped under
+    ``torch.compile`` (a data-dependent branch) and off the CPU (it would synchronise).
+    """
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.numel() == 0:
+        return False
+    lo, hi = torch.aminmax(x)
+    return bool(torch.maximum(hi, -lo) <= fmt.max)
+
+
+# Whether torch's fp32 -> float8_e4m3fn cast saturates finite overflow (it does from 2.7).
+_E4M3FN_CAST_SATURATES: bool = (
+    float(torch.tensor([1e30]).to(torch.float8_e4m3fn).float().item()) == 448.0
+)
+
+
+def _quantize_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:
+    y = _cast_native(x, fmt, native, saturate).to(x.dtype)
+    # Keep an input NaN as it is (its sign too, as the bit path does): torch's casts
+    # drop or set the sign of NaN depending on the dtype.
+    return torch.where(torch.isnan(x), x, y)
+
+
+def to_format(
+    x: Tensor,
+    fmt: str | Format,
+    rounding: Rounding = "nearest",
+    saturate: bool = False,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Like :func:`quantize`, but return the result in :func:`storage_dtype` of ``fmt``
+    (float8 for the float8 formats: one byte per value), in a single cast where torch can.
+
+    Example:
+        >>> import torch
+        >>> to_format(torch.tensor([1.0, 1.0625]), "e4m3fn")
+        tensor([1., 1.], dtype=torch.float8_e4m3fn)
+    """
+    x = _check_input(x)
+    fmt = get_format(fmt)
+    native = _native_for(x, fmt, rounding)
+    if native is not None:
+        return _cast_native(x, fmt, native, saturate)
+    return quantize(x, fmt, rounding, saturate, generator).to(storage_dtype(fmt))
+
+
+def storage_dtype(fmt: str | Format) -> torch.dtype:
+    """The torch dtype that holds every value of ``fmt`` exactly, using the fewest bytes:
+    the format's own dtype when torch has one, else bf16, fp16 or fp32.
+
+    Example:
+        >>> storage_dtype("e4m3fn"), storage_dtype("e2m1"), storage_dtype("tf32")
+        (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+    """
+    fmt = get_format(fmt)
+    if fmt.torch_dtype is not None:
+        return fmt.torch_dtype
+    for cand in (BF16, FP16, FP32):
+        if (
+            fmt.mantissa_bits <= cand.mantissa_bits
+            and fmt.max <= cand.max
+            and fmt.min_subnormal >= cand.min_subnormal
+        ):
+            dt = cand.torch_dtype
+            assert dt is not None
+            return dt
+    return torch.float32
+
+
+# ---------------------------------------------------------------------------------------
+# Codes
+# ---------------------------------------------------------------------------------------
+
+
+def to_bits(x: Tensor, fmt: str | Format, saturate: bool = False) -> Tensor:
+    """Integer codes (``int64``, in ``[0, 2^total_bits)``) of ``x`` rounded into ``fmt``.
+
+    ``x`` is first rounded with :func:`quantize` (nearest, ties to even). NaN becomes the
+    format's NaN code with the sign of the input where the format has a signed NaN
+    (``fn``: all ones; ``ieee``: all-ones exponent and the top mantissa bit, a quiet NaN;
+    ``fnuz``: ``0b1000...``). A NaN in a format without NaN (``finite``) raises ``ValueError``.
+
+    Example:
+        >>> import torch
+        >>> to_bits(torch.tensor([1.0, -2.0, 448.0]), "e4m3fn").tolist()
+        [56, 192, 126]
+    """
+    x = _check_input(x)
+    fmt = get_format(fmt)
+    q = quantize(
+        x.to(torch.float64) if x.dtype == torch.float64 else x.float(), fmt, saturate=saturate
+    ).double()
+    nan = torch.isnan(q)
+    if not fmt.has_nan and bool(nan.any()):
+        raise ValueError(f"x: contains NaN, which format {fmt.name} cannot encode")
+    a = q.abs()
+    m, bias = fmt.mantissa_bits, fmt._bias
+    # Exponent and mantissa fields, from float64 bits (every float32 value is normal there).
+    b = torch.where(nan | torch.isinf(a) | (a == 0), 1.0, a).view(torch.int64)
+    e = ((b >> 52) & 0x7FF) - 1023
+    mant = (b >> (52 - m)) & ((1 << m) - 1)
+    efield = e + bias
+    sub = efield <= 0 if fmt.signed else torch.zeros_like(nan)
+    sub_mant = torch.round(a / fmt.min_subnormal).to(torch.int64)
+    mag = torch.where(sub, sub_mant, (efield << m) | mant)
+    mag = torch.where(a == 0, 0, mag)
+    sign_bit = 1 << (fmt.exponent_bits + m)
+    if fmt.special == "ieee":
+        top = ((1 << fmt.exponent_bits) - 1) << m
+        mag = torch.where(torch.isinf(a), top, mag)
+        nan_mag = top | (1 << (m - 1)) if m > 0 else top
+    elif fmt.special == "fnuz":
+        nan_mag = 0
+    else:
+        nan_mag = (1 << (fmt.exponent_bits + m)) - 1
+    mag = torch.where(nan, nan_mag, mag)
+    if not fmt.signed:
+        return mag
+    negative = torch.signbit(q) if fmt.special != "fnuz" else (q < 0)
+    if fmt.special == "fnuz":
+        negative = negative | nan
+    return torch.where(negative, mag | sign_bit, mag)
+
+
+def from_bits(codes: Tensor, fmt: str | Format, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Values of the integer ``codes`` of ``fmt``, as ``dtype`` (default float32, which holds
+    every format exactly). Codes must be in ``[0, 2^total_bits)``.
+
+    Example:
+        >>> import torch
+        >>> from_bits(torch.tensor([56, 192, 126, 127]), "e4m3fn").tolist()
+        [1.0, -2.0, 448.0, nan]
+    """
+    if not isinstance(codes, Tensor):
+        raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        raise TypeError(f"codes must be an integer tensor, got dtype {codes.dtype}")
+    fmt = get_format(fmt)
+    c = codes.to(torch.int64)
+    if c.numel() and (bool((c < 0).any()) or bool((c >= fmt.num_codes).any())):
+        raise ValueError(f"codes must lie in [0, {fmt.num_codes}) for format {fmt.name}")
+    m, eb = fmt.mantissa_bits, fmt.exponent_bits
+    mant = (c & ((1 << m) - 1)).double()
+    efield = (c >> m) & ((1 << eb) - 1)
+    if fmt.signed:
+        normal = torch.ldexp(1.0 + mant * 2.0**-m, (efield - fmt._bias).double())
+        sub = mant * fmt.min_subnormal
+        mag = torch.where(efield == 0, sub, normal)
+    else:
+        mag = torch.ldexp(torch.ones_like(mant), (efield - fmt._bias).double())
+    top_e = efield == (1 << eb) - 1
+    if fmt.special == "ieee":
+        mag = torch.where(top_e & (mant == 0), math.inf, mag)
+        mag = torch.where(top_e & (mant != 0), math.nan, mag)
+    elif fmt.special == "fn":
+        mag = torch.where(top_e & (mant == (1 << m) - 1), math.nan, mag)
+    sign = (c >> (eb + m)) & 1 if fmt.signed else torch.zeros_like(c)
+    val = torch.where(sign == 1, -mag, mag)
+    if fmt.special == "fnuz":
+        val = torch.where(c == (1 << (eb + m)), math.nan, val)
+    return val.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Signal-to-noise ratio
+# ---------------------------------------------------------------------------------------
+
+
+def snr_db(x: Tensor, fmt: str | Format, saturate: bool = False) -> float:
+    """Signal-to-noise ratio ``10·log10(Σx² / Σ(x - q(x))²)`` of rounding ``x`` into ``fmt``.
+
+    Computed in float64. An element that overflows to Inf/NaN counts as lost (its error
+    is ``x`` itself), so a fully overflowed tensor reads 0 dB and a fully underflowed one
+    (``q(x) = 0``) also reads 0 dB. Returns ``inf`` when rounding is exact.
+    """
+    x64 = _check_input(x).double()
+    q = quantize(x64, fmt, saturate=saturate)
+    err = torch.where(torch.isfinite(q), x64 - q, x64)
+    signal = float((x64**2).sum())
+    noise = float((err**2).sum())
+    if noise == 0.0:
+        return math.inf
+    return 10.0 * math.log10(signal / noise)
