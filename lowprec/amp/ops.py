@@ -1,0 +1,147 @@
+"""FP32 for precision-sensitive ops, and FP16/BF16 matrix products with FP32 accumulation.
+
+* :func:`softmax_fp32`, :func:`layer_norm_fp32`, :func:`cross_entropy_fp32`: the op in
+  FP32, the result in the input's dtype (the loss in FP32).
+* :class:`MatmulInFp32` (:class:`Fp16MatmulInFp32`): a torch function mode running FP16/BF16
+  matrix products as FP32 products rounded once; :func:`native_bf16_matmul` says whether
+  the CPU has BF16 matrix instructions.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+__all__ = [
+    "Fp16MatmulInFp32",
+    "MatmulInFp32",
+    "cross_entropy_fp32",
+    "layer_norm_fp32",
+    "native_bf16_matmul",
+    "softmax_fp32",
+]
+
+
+def softmax_fp32(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax computed in FP32 (no overflow in ``exp``, exact normalisation), returned in
+    ``x``'s dtype."""
+    return torch.softmax(x.float(), dim=dim).to(x.dtype)
+
+
+def layer_norm_fp32(
+    x: Tensor,
+    normalized_shape: tuple[int, ...] | list[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """LayerNorm with mean, variance and affine in FP32, returned in ``x``'s dtype."""
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    return F.layer_norm(x.float(), tuple(normalized_shape), w, b, eps).to(x.dtype)
+
+
+def cross_entropy_fp32(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy over all positions, in FP32 (``logits`` ``(..., V)``)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+# ---------------------------------------------------------------------------------------
+# FP16 matmuls on CPU
+# ---------------------------------------------------------------------------------------
+
+_MATMULS = {
+    F.linear,
+    torch.matmul,
+    torch.mm,
+    torch.bmm,
+    torch.addmm,
+    torch.baddbmm,
+    Tensor.matmul,
+    Tensor.__matmul__,
+    Tensor.mm,
+    Tensor.bmm,
+}
+
+
+class MatmulInFp32(TorchFunctionMode):
+    """Run FP16 or BF16 matrix products as FP32 products rounded once to that dtype.
+
+    Inside this context, ``F.linear``, ``matmul``/``@``, ``mm``, ``bmm``, ``addmm`` and
+    ``baddbmm`` with ``dtype`` inputs upcast them (exactly: every FP16/BF16 value is an
+    FP32 value), multiply in FP32 and round the result to ``dtype`` once: the numerics of
+    an FP16/BF16 GEMM with FP32 accumulation, as on GPUs and in oneDNN's native BF16
+    kernels, up to the order of the FP32 sums. The casts are part of the autograd graph, so
+    the backward products run the same way and gradients arrive in ``dtype``. Tensors stay
+    in ``dtype`` everywhere: storage, activations and gradients keep its range, precision,
+    subnormals and underflow.
+
+    Under ``torch.autocast`` to ``dtype`` (CPU) it does nothing: autocast would cast the
+    FP32 inputs back, and it also governs the backward products, which a function mode
+    does not see.
+
+    It exists because torch's CPU FP16 GEMM on CPUs without AVX512-FP16, and its BF16 GEMM
+    on CPUs without AVX512-BF16 (see :func:`native_bf16_matmul`), are emulated and much
+    slower than FP32 (timings: ``benchmarks/README.md``); on CUDA it is not needed. It is a
+    torch *function* mode, so ``torch.compile`` traces through it.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        super().__init__()
+        self.dtype = dtype
+
+    def _up(self, a: Any) -> Any:
+        return a.float() if isinstance(a, Tensor) and a.dtype == self.dtype else a
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func not in _MATMULS:
+            return func(*args, **kwargs)
+        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == self.dtype:
+            return func(*args, **kwargs)  # autocast would cast the FP32 inputs back anyway
+        if any(isinstance(a, Tensor) and a.dtype == self.dtype for a in (*args, *kwargs.values())):
+            return func(*tree_map(self._up, args), **tree_map(self._up, kwargs)).to(self.dtype)
+        return func(*args, **kwargs)
+
+
+class Fp16MatmulInFp32(MatmulInFp32):
+    """:class:`MatmulInFp32` for FP16: FP16 matrix products as FP32 products rounded once
+    to FP16."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def native_bf16_matmul() -> bool:
+    """Whether this CPU has BF16 matrix instructions (x86 ``avx512_bf16``/``amx_bf16``,
+    Arm ``bf16``), read once from ``/proc/cpuinfo``; ``True`` where it cannot be read (then
+    torch's own kernels are used). Without them torch's CPU BF16 GEMM is emulated and slow,
+    and the recipes run BF16 products with :class:`MatmulInFp32` instead."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(val.split())
+    if not flags:
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
