@@ -6,8 +6,9 @@ the format's largest finite value ``fmt.max`` and a margin of ``m`` binades of h
 
     scale = amax · 2^m / fmt.max        so that  |data| <= fmt.max · 2^-m.
 
-With ``power_of_two=True`` the scale is rounded *up* to a power of two, which keeps
-``|data| <= fmt.max · 2^-m`` and makes the division exact. The scale is clamped to
+With ``power_of_two=True`` the scale is rounded *up* to a power of two (:func:`round_pow2`,
+the one power-of-two rounding of the package), which keeps ``|data| <= fmt.max · 2^-m``
+and makes the division exact. The scale is clamped to
 ``[2^-126, 2^127]`` so it is always a normal float32 number.
 
 Special statistics (no division by zero, never a NaN scale):
@@ -23,6 +24,7 @@ Special statistics (no division by zero, never a NaN scale):
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -30,7 +32,7 @@ from torch import Tensor
 from lowprec.core.formats import E8M0, Format, get_format
 from lowprec.core.granularity import Granularity, _block_views, as_granularity
 
-__all__ = ["amax", "compute_scale", "mx_scale"]
+__all__ = ["Pow2Mode", "amax", "compute_scale", "mx_scale", "round_pow2"]
 
 
 _MIN_SCALE = 2.0**-126
@@ -73,10 +75,69 @@ def _check_margin(margin: float) -> float:
     return float(margin)
 
 
-def _pow2_up(s: Tensor) -> Tensor:
-    """Smallest power of two >= ``s`` (positive finite float32), on the bit pattern."""
-    bits = s.view(torch.int32)
-    return ((bits + ((1 << 23) - 1)) & -(1 << 23)).view(torch.float32)
+Pow2Mode = Literal["none", "down", "up"]
+_POW2_MODES = ("none", "down", "up")
+
+
+@overload
+def round_pow2(s: Tensor, mode: Pow2Mode = "up") -> Tensor: ...
+@overload
+def round_pow2(s: float, mode: Pow2Mode = "up") -> float: ...
+def round_pow2(s: Tensor | float, mode: Pow2Mode = "up") -> Tensor | float:
+    """Round ``s`` to a power of two: ``"up"`` gives ``2^⌈log2 s⌉``, ``"down"`` ``2^⌊log2 s⌋``,
+    ``"none"`` returns ``s`` unchanged.
+
+    Contract: exact (computed on the binary exponent, never through ``log2``, so no value
+    is pushed across a power of two by a rounded logarithm), including subnormals; a
+    power of two is returned unchanged. Entries that are not positive and finite (zero,
+    negative, Inf, NaN) are returned unchanged. ``"up"`` of a value above the dtype's
+    largest power of two overflows to Inf. A tensor keeps its dtype and shape; a Python
+    ``float`` or ``int`` gives a ``float``.
+
+    Example:
+        >>> import torch
+        >>> round_pow2(torch.tensor([3.0, 0.75, 4.0, 0.0, -3.0]), "up").tolist()
+        [4.0, 1.0, 4.0, 0.0, -3.0]
+        >>> round_pow2(3.0, "down"), round_pow2(float("inf"), "up")
+        (2.0, inf)
+    """
+    if mode not in _POW2_MODES:
+        raise ValueError(f"mode must be 'none', 'down' or 'up', got {mode!r}")
+    if isinstance(s, Tensor):
+        if not s.dtype.is_floating_point:
+            raise TypeError(f"s must be a floating-point tensor, got dtype {s.dtype}")
+        if mode == "none":
+            return s
+        return _round_pow2_tensor(s, mode == "up")
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"s must be a float or a tensor, got {type(s).__name__}")
+    s = float(s)
+    if mode == "none" or not (math.isfinite(s) and s > 0):
+        return s
+    m, e = math.frexp(s)  # s = m · 2^e, 0.5 <= m < 1
+    if m == 0.5:
+        return s
+    return math.ldexp(1.0, e if mode == "up" else e - 1)
+
+
+def _round_pow2_tensor(s: Tensor, up: bool) -> Tensor:
+    ok = torch.isfinite(s) & (s > 0)
+    if s.dtype == torch.float64:
+        m, e = torch.frexp(s)
+        r = torch.ldexp(torch.ones_like(s), (e if up else e - 1).to(s.dtype))
+        r = torch.where(m == 0.5, s, r)
+        return torch.where(ok, r, s)
+    # float32 (float16/bfloat16 are exact in float32): round on the bit pattern, with
+    # subnormals first lifted by 2^64 (exact) so every input is a normal float32.
+    x = s.float()
+    tiny = x < _MIN_SCALE
+    x = torch.where(tiny, x * 2.0**64, x)
+    bits = x.view(torch.int32)
+    if up:  # next exponent unless the mantissa is zero; Inf stays Inf
+        bits = bits + ((1 << 23) - 1)
+    r = (bits & -(1 << 23)).view(torch.float32)
+    r = torch.where(tiny, r * 2.0**-64, r)
+    return torch.where(ok, r.to(s.dtype), s)
 
 
 def compute_scale(
@@ -102,7 +163,7 @@ def compute_scale(
     # One correctly rounded division (fmt.max · 2^-margin is exact: a power-of-two multiple).
     s = (torch.where(ok, a, 1.0) / (fmt.max * 2.0**-margin)).clamp(_MIN_SCALE, _MAX_SCALE)
     if power_of_two:
-        s = _pow2_up(s).clamp(max=_MAX_SCALE)
+        s = round_pow2(s, "up").clamp(max=_MAX_SCALE)
     return torch.where(ok, s, 1.0)
 
 

@@ -13,7 +13,7 @@ import torch
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity, apply_scale
 from lowprec.core.scalers import DelayedScaler, DynamicScaler, StaticScaler
-from lowprec.core.scales import amax, compute_scale, mx_scale
+from lowprec.core.scales import amax, compute_scale, mx_scale, round_pow2
 
 # ---- granularity -------------------------------------------------------------------------
 
@@ -101,6 +101,52 @@ def test_amax_bad_input() -> None:
         amax(torch.ones(3, dtype=torch.int32))
     with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
         amax([1.0, 2.0])  # type: ignore[arg-type]
+
+
+# ---- round_pow2 ---------------------------------------------------------------------------
+
+
+def _pow2_reference(v: float, up: bool) -> float:
+    """Exact reference from Python's frexp: v = m·2^e with m in [0.5, 1)."""
+    if not (math.isfinite(v) and v > 0):
+        return v
+    m, e = math.frexp(v)
+    return v if m == 0.5 else math.ldexp(1.0, e if up else e - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["up", "down"])
+def test_round_pow2_exact_against_frexp(dtype: torch.dtype, mode: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(4000, generator=g) * 2.0 ** torch.randint(-140, 120, (4000,), generator=g)
+    # Just above / below powers of two (where a log2-based rounding can go wrong), 2^k
+    # itself, subnormals, the largest normals and the special values.
+    k = torch.arange(-120, 120, dtype=torch.float64)
+    edges = torch.cat([2.0**k * (1 + 2**-23), 2.0**k * (1 - 2**-24), 2.0**k])
+    specials = [0.0, -0.0, -3.0, math.inf, -math.inf, math.nan, 2.0**-149, 3 * 2.0**-149]
+    x = torch.cat([x.double(), edges, torch.tensor([*specials, 1.5 * 2.0**127])]).to(dtype)
+    r = round_pow2(x, mode)  # type: ignore[arg-type]
+    assert r.dtype == dtype and r.shape == x.shape
+    # The reference in float64, then cast to dtype (an "up" beyond the range becomes Inf).
+    ref = [_pow2_reference(v, mode == "up") for v in x.tolist()]
+    want = torch.tensor(ref, dtype=torch.float64).to(dtype)
+    assert bool(((r == want) | (r.isnan() & want.isnan())).all())
+    assert round_pow2(x, "none") is x
+
+
+def test_round_pow2_floats_and_bad_input() -> None:
+    assert round_pow2(3.0, "up") == 4.0 and round_pow2(3.0, "down") == 2.0
+    assert round_pow2(4, "down") == 4.0 and round_pow2(0.3, "none") == 0.3
+    for v in (0.0, -2.5, math.inf):
+        assert round_pow2(v, "up") == v
+    assert math.isnan(round_pow2(math.nan, "down"))
+    assert round_pow2(2.0**-1074 * 3, "up") == 2.0**-1072, "subnormal doubles are exact"
+    with pytest.raises(ValueError, match="mode must be"):
+        round_pow2(1.0, "nearest")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="s must be"):
+        round_pow2(torch.ones(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match="s must be"):
+        round_pow2("1.0")  # type: ignore[arg-type]
 
 
 # ---- compute_scale -----------------------------------------------------------------------
