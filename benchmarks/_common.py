@@ -300,16 +300,16 @@ def lm_step_fn(
     model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[Any]
 ) -> Callable[[], None]:
     """One training step of a ``model(x, y) -> (logits, loss)`` language model per call,
-    cycling through ``batches``: forward, backward, optimizer step, zero_grad."""
-    i = [0]
+    cycling through ``batches``: ``lowprec.recipes.step.train_step`` of ``Plain(model, opt)``
+    (forward, backward, optimizer step, zero_grad; no loss scaling, lr left as set)."""
+    from lowprec.recipes.step import Plain, train_step
+
+    run, i = Plain(model, opt), [0]
 
     def step() -> None:
         x, y = batches[i[0] % len(batches)]
         i[0] += 1
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(run, x, y)
 
     return step
 

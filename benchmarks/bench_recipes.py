@@ -1,10 +1,11 @@
 """Training-step time of each recipe relative to FP32, eager and ``torch.compile``d.
 
 Each recipe is built with ``lowprec.jobs.train.build`` at the demo's shape (``DEMO_CONFIG``)
-and the body of ``lowprec.jobs.train._train_step`` is timed without its logging (no
-``GradMeter``, no ``grad_stats``): set the lr; forward and scaled backward inside
-``prepared.compute()``; ``scaler.step``; ``scaler.update``; ``zero_grad``. Batches are
-pre-drawn and cycled. Compiled: ``prepared.model = torch.compile(prepared.model)``
+and one step is ``lowprec.recipes.step.train_step``, the step ``lowprec train`` runs,
+without the job's logging (no ``GradMeter``, no ``grad_stats``): set the lr (times each
+group's ``lr_mult``); forward and scaled backward inside ``prepared.compute()``;
+``scaler.step``; ``scaler.update``; ``zero_grad``. Batches are pre-drawn and cycled.
+Compiled: ``prepared.model = torch.compile(prepared.model)``
 (optimizer, scaler and master weights stay eager). The FP16 recipes' CPU compute context,
 ``Fp16MatmulInFp32``, is a torch function mode that dynamo traces through; they share one
 graph, so only the first compiles (the others: graphs 0, compile s ~ one step). Column
@@ -52,6 +53,7 @@ from torch._dynamo.utils import counters
 from lowprec.jobs.demo import DEMO_CONFIG
 from lowprec.jobs.train import TrainConfig, build
 from lowprec.recipes import get_recipe, recipe_names
+from lowprec.recipes.step import train_step
 
 MODES = ("eager", "compiled")
 QUICK_SHAPE: dict[str, Any] = {"batch_size": 4, "seq_len": 16, "width": 32, "depth": 1, "heads": 2}
@@ -84,23 +86,15 @@ def _make_step(v: Variant, cfg: TrainConfig, batches: list[tuple[Tensor, Tensor]
     if v.mode == "compiled":
         prepared.model = torch.compile(prepared.model)  # type: ignore[assignment]
     # FP16 recipes have no autocast, so without the mode their compute context is empty.
-    compute = contextlib.nullcontext if v.native_fp16 else prepared.compute
+    compute = contextlib.nullcontext if v.native_fp16 else None
     i = 0
 
     def step() -> None:
         nonlocal i
         x, y = batches[i % len(batches)]
-        for group in prepared.optimizer.param_groups:
-            group["lr"] = cfg.lr_at(i % cfg.steps)
+        lr = cfg.lr_at(i % cfg.steps)
         i += 1
-        with compute():
-            _, loss = prepared.model(x, y)
-            assert loss is not None
-            prepared.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
-        prepared.scaler.step(prepared.optimizer)
-        prepared.scaler.update()
-        prepared.zero_grad()
-        v.loss = loss
+        v.loss = train_step(prepared, x, y, lr, compute=compute).loss
 
     v.step = step
 
@@ -263,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=torch.get_num_threads(),
         native_fp16=args.native_fp16,
         cold_compile=args.cold_compile,
-        step_body="lowprec.jobs.train._train_step without GradMeter and grad_stats",
+        step_body="lowprec.recipes.step.train_step (without GradMeter and grad_stats)",
         graphs_compiled_while_timing=graphs_while_timing,
         total_s=total_s,
         rows=rows,

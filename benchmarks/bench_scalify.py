@@ -35,6 +35,7 @@ from _common import (
 )
 
 from lowprec.jobs.model import CharData, CharGPT
+from lowprec.recipes.step import Plain, train_step
 from lowprec.scalify import apply_scalify, coverage, reset_coverage
 
 
@@ -50,15 +51,11 @@ def train_val_loss(fmt: str, steps: int) -> dict[str, Any]:
     run = model if fmt == "fp32" else apply_scalify(model, data_format=fmt)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     times = []
+    plain = Plain(run, opt)
     for step in range(steps):
         x, y = data.batch("train", step)
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr_at(step) if steps == cfg.steps else cfg.lr
         t0 = time.perf_counter()
-        _, loss = run(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(plain, x, y, cfg.lr_at(step) if steps == cfg.steps else cfg.lr).loss
         times.append(time.perf_counter() - t0)
     with torch.no_grad():
         val = [float(run(*data.batch("val", i))[1]) for i in range(cfg.eval_batches)]

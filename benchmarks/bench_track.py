@@ -1,9 +1,10 @@
 """Overhead of numerics tracking (``lowprec.analysis.track``) on a training step.
 
 The reference model at the demo's shape (``lowprec.jobs.demo.DEMO_CONFIG``: width 64, depth 2,
-batch 32x128) trains with a recipe (default ``fp32``); one training step is the body of
-``lowprec.jobs.train._train_step`` without its logging (set lr, forward and backward inside
-``prepared.compute()``, optimizer step, zero_grad). Variants, each with its own model:
+batch 32x128) trains with a recipe (default ``fp32``); one training step is
+``lowprec.recipes.step.train_step`` (the step of ``lowprec train``) at a constant lr, without
+the job's logging (forward and backward inside ``prepared.compute()``, optimizer step,
+zero_grad). Variants, each with its own model:
 no tracking, and ``track(model, ["fp16", "bf16", "e4m3fn", "e5m2"], every=k)`` for each
 ``--every`` k (default 100, 10, 1): statistics of every leaf module's input, output,
 weights, activation gradient and weight gradient on every k-th step.
@@ -29,6 +30,7 @@ from _common import default_out, print_table, run_record, setup_torch, time_many
 from lowprec.analysis import Tracker
 from lowprec.jobs.demo import DEMO_CONFIG, QUICK_CONFIG
 from lowprec.jobs.train import TRACK_FORMATS, TrainConfig, build
+from lowprec.recipes.step import train_step
 
 
 def _stepper(cfg: TrainConfig, every: int | None) -> tuple[Any, Tracker | None]:
@@ -39,12 +41,7 @@ def _stepper(cfg: TrainConfig, every: int | None) -> tuple[Any, Tracker | None]:
     def step() -> None:
         x, y = data.batch("train", state["i"])
         state["i"] += 1
-        with prepared.compute():
-            _, loss = prepared.model(x, y)
-            prepared.scaler.scale(loss).backward()
-        prepared.scaler.step(prepared.optimizer)
-        prepared.scaler.update()
-        prepared.zero_grad()
+        train_step(prepared, x, y)
 
     return step, tracker
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from lowprec.amp import grad_stats
 from lowprec.analysis.tracking import Tracker
 from lowprec.core.tensor import ScaledTensor
 from lowprec.jobs.model import CharData, CharGPT, ModelConfig
 from lowprec.recipes import Prepared, get_recipe, prepare
+from lowprec.recipes.step import train_step
 
 __all__ = ["RunError", "TrainConfig", "evaluate", "train"]
 
@@ -260,26 +260,17 @@ def _train_step(
     prepared: Prepared, data: CharData, step: int, cfg: TrainConfig, meter: GradMeter
 ) -> dict[str, Any]:
     x, y = data.batch("train", step)
-    lr = cfg.lr_at(step)
-    for group in prepared.optimizer.param_groups:  # u-μP groups carry their own multiplier
-        group["lr"] = lr * group.get("lr_mult", 1.0)
     meter.reset()
     t0 = time.perf_counter()
-    with prepared.compute():
-        _, loss = prepared.model(x, y)
-        assert loss is not None
-        prepared.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
-    scale = prepared.scaler.loss_scale
-    stats = grad_stats(prepared.model.parameters())
-    prepared.scaler.step(prepared.optimizer)
-    prepared.scaler.update()
-    prepared.zero_grad()
+    r = train_step(prepared, x, y, cfg.lr_at(step), grad_stats=True)
     dt = time.perf_counter() - t0
+    stats = r.grad_stats
+    assert stats is not None
     return {
-        "loss": float(loss.detach()),
-        "loss_scale": scale,
-        "skipped": prepared.scaler.history[-1].skipped,
-        "grad_norm": stats["grad_norm"] / scale,
+        "loss": float(r.loss.detach()),
+        "loss_scale": r.loss_scale,
+        "skipped": r.skipped,
+        "grad_norm": stats["grad_norm"] / r.loss_scale,
         "grad_zero_share": stats["grad_zero_share"],
         "grad_nonfinite_share": stats["grad_nonfinite_share"],
         "step_time": dt,
