@@ -2,15 +2,24 @@
 
 Quick start::
 
-    from lowprec.float8 import convert_to_float8
-    model = convert_to_float8(model, "delayed")   # every nn.Linear -> Float8Linear
+    import lowprec.float8
+    model = lowprec.float8.apply(model, "delayed")   # every nn.Linear -> Float8Linear
+
+``apply(model, config)`` is the technique's one entry point (``config``: a
+:class:`Float8Recipe` or a preset name); :func:`convert_to_float8` is the same call.
 
 Recipes (:func:`recipe_names`): ``tensorwise``, ``delayed``, ``static``, ``rowwise``,
 ``blockwise``, ``mxfp8``, ``mxfp4``, ``nvfp4``; or build a :class:`Float8Recipe` from one
 :class:`CastConfig` per role.
 """
 
-from lowprec.float8.linear import Float8Linear, calibrate, convert_back, convert_to_float8
+from lowprec.float8.linear import (
+    Float8Linear,
+    apply,
+    calibrate,
+    convert_back,
+    convert_to_float8,
+)
 from lowprec.float8.quant import (
     Operand,
     dequantize,
@@ -18,13 +27,15 @@ from lowprec.float8.quant import (
     quantize_operand,
     scaled_mm,
 )
-from lowprec.float8.recipe import CastConfig, Float8Recipe, recipe_names
+from lowprec.float8.recipe import PRESETS, CastConfig, Float8Recipe, recipe_names
 
 __all__ = [
+    "PRESETS",
     "CastConfig",
     "Float8Linear",
     "Float8Recipe",
     "Operand",
+    "apply",
     "calibrate",
     "convert_back",
     "convert_to_float8",

@@ -29,7 +29,7 @@ from lowprec.core.scales import amax
 from lowprec.float8.quant import Operand, dequantize, matmul, quantize_operand
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 
-__all__ = ["Float8Linear", "calibrate", "convert_back", "convert_to_float8"]
+__all__ = ["Float8Linear", "apply", "calibrate", "convert_back", "convert_to_float8"]
 
 _EDTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 log = logging.getLogger(__name__)
@@ -351,6 +351,23 @@ def convert_to_float8(
             ", ".join(dict.fromkeys(left)),
         )
     return model
+
+
+def apply(
+    model: nn.Module,
+    config: str | Float8Recipe = "tensorwise",
+    module_filter: ModuleFilter | None = None,
+) -> nn.Module:
+    """The float8 technique's entry point: :func:`convert_to_float8` with ``config`` (a
+    :class:`~lowprec.float8.Float8Recipe` or a preset name, see :func:`recipe_names`).
+
+    Example:
+        >>> import torch
+        >>> m = apply(torch.nn.Sequential(torch.nn.Linear(32, 32)), "rowwise")
+        >>> type(m[0]).__name__, m[0].recipe.name
+        ('Float8Linear', 'rowwise')
+    """
+    return convert_to_float8(model, config, module_filter)
 
 
 def _convert_children(

@@ -29,6 +29,7 @@ from lowprec.core.granularity import Granularity, apply_scale
 from lowprec.core.rounding import quantize, to_format
 from lowprec.core.scales import amax, compute_scale, mx_scale
 from lowprec.core.tensor import ScaledTensor
+from lowprec.core.warn import warn_once
 from lowprec.float8.recipe import CastConfig, GemmGranularity
 
 __all__ = ["Operand", "dequantize", "hardware_fp8_available", "quantize_operand", "scaled_mm"]
@@ -151,15 +152,6 @@ def _hardware_ok(a: Operand, b: Operand) -> bool:
     return m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and hardware_fp8_available(a.data.device)
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg)
-
-
 def _hardware_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> Tensor:
     # cuBLAS wants A row-major and B column-major; the scales are dequantization factors.
     ad = a.data.contiguous()
@@ -170,7 +162,12 @@ def _hardware_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> Tensor:
     # Row-wise scaling: (M, 1) and (1, N) scales; cuBLAS/CUTLASS produce bf16 only.
     out = torch._scaled_mm(ad, bd, sa.reshape(-1, 1), sb.reshape(1, -1), out_dtype=torch.bfloat16)
     if out_dtype != torch.bfloat16:
-        _warn_once("rowwise-out", f"float8: row-wise FP8 GEMM outputs bf16, cast to {out_dtype}")
+        warn_once(
+            log,
+            f"float8:rowwise-out:{out_dtype}",
+            "float8: row-wise FP8 GEMM outputs bf16, cast to %s",
+            out_dtype,
+        )
     return out.to(out_dtype)
 
 
@@ -187,8 +184,9 @@ def matmul(
     if emulate is not True and _hardware_ok(a, b):
         return _hardware_mm(a, b, out_dtype)
     if emulate is False:
-        _warn_once(
-            "hw-missing",
+        warn_once(
+            log,
+            "float8:hw-missing",
             "float8: emulate=False but the hardware FP8 GEMM does not apply to these "
             "operands (needs CUDA sm89+, tensor/axis scales, E4M3/E5M2, dims % 16 == 0); "
             "emulating (reported once)",

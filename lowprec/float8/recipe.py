@@ -44,9 +44,10 @@ from typing import Any, Literal
 from torch import Tensor
 
 from lowprec.core.formats import get_format
+from lowprec.core.registry import Registry
 from lowprec.core.scales import compute_scale
 
-__all__ = ["CastConfig", "Float8Recipe", "recipe_names"]
+__all__ = ["PRESETS", "CastConfig", "Float8Recipe", "recipe_names"]
 
 Scaling = Literal["dynamic", "delayed", "static"]
 ROLES = ("input", "weight", "grad_output")
@@ -256,17 +257,18 @@ class Float8Recipe:
         if not isinstance(name, str):
             raise TypeError(f"recipe name must be a str, got {type(name).__name__}")
         key = name.strip().lower()
-        if key not in _PRESETS:
-            raise ValueError(f"unknown float8 recipe {name!r}; valid: {recipe_names()}")
-        r = _PRESETS[key]
-        return r.replace(**changes) if changes else r
+        return PRESETS.get(key, **changes).replace(name=key)
+
+
+PRESETS: Registry[Float8Recipe] = Registry("float8 recipe", Float8Recipe)
+"""The float8 presets: keyword arguments of :class:`Float8Recipe` by name (the preset's
+``name`` field is its key, filled in by :meth:`Float8Recipe.from_name`)."""
 
 
 def _preset(name: str, inp: CastConfig, w: CastConfig, go: CastConfig, **kw: Any) -> None:
-    _PRESETS[name] = Float8Recipe(name, inp, w, go, **kw)
+    PRESETS.add(name, input=inp, weight=w, grad_output=go, **kw)
 
 
-_PRESETS: dict[str, Float8Recipe] = {}
 _preset("tensorwise", _e4(), _e4(), _e5())
 _preset(
     "delayed",
@@ -307,4 +309,4 @@ _preset("nvfp4", _nv4, _nv4, _nv4, fp8_saved_activations=False, emulate=True)
 
 def recipe_names() -> list[str]:
     """Names accepted by :meth:`Float8Recipe.from_name`."""
-    return list(_PRESETS)
+    return PRESETS.names()

@@ -29,6 +29,7 @@ import lowprec.float8.linear as f8lin
 import lowprec.float8.quant as f8q
 import lowprec.float8.recipe as f8rec
 from lowprec import quantize_scaled
+from lowprec.core.warn import reset_warnings
 from lowprec.float8 import (
     CastConfig,
     Float8Linear,
@@ -259,7 +260,7 @@ def test_cpu_never_calls_scaled_mm(
     monkeypatch.setattr(torch, "_scaled_mm", boom)
     assert not hardware_fp8_available(torch.device("cpu"))
     m = convert_to_float8(nn.Linear(32, 32), Float8Recipe.from_name("tensorwise", emulate=False))
-    f8q._warned.discard("hw-missing")
+    reset_warnings("float8:hw-missing")
     with caplog.at_level("WARNING", logger="lowprec.float8.quant"):
         m(torch.randn(16, 32)).sum().backward()
     assert caplog.text.count("emulate=False") == 1  # the fallback is reported, once
@@ -682,3 +683,15 @@ def test_recalibration_starts_fresh() -> None:
     with calibrate(m):
         m(x).sum().backward()
     assert float(m.input_static_amax) == pytest.approx(float(x.abs().max()))
+
+
+def test_apply_is_convert_to_float8() -> None:
+    """``lowprec.float8.apply`` is the technique's entry point: same modules, same outputs."""
+    import lowprec.float8
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    a = lowprec.float8.apply(_mlp(), "rowwise", module_filter=lambda mod, fqn: fqn != "3")
+    b = convert_to_float8(_mlp(), Float8Recipe.from_name("rowwise"), lambda mod, fqn: fqn != "3")
+    assert [type(c) for c in a] == [type(c) for c in b]
+    torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+    assert lowprec.float8.PRESETS.names() == recipe_names()
