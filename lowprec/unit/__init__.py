@@ -13,7 +13,9 @@ rate independent of width (and depth).
 * :func:`unit_scale`: convert a standard model (module-level rewrite of residuals with
   ``torch.fx``, op conversion with a torch function mode, unit-variance re-init).
 * :mod:`~lowprec.unit.umup`: ``umup_param_groups`` and the residual τ rule.
-* :func:`~lowprec.unit.recipe.apply_unit`: the hook used by ``lowprec.recipes``.
+* :func:`apply` ``(model, UnitConfig)``: the technique's one entry point, ``unit_scale``
+  with u-μP's residual rule; :func:`recipe_param_groups` its u-μP groups for a standard
+  ``lr``; :func:`~lowprec.unit.recipe.apply_unit`, the two together, is the recipes' hook.
 
 Example:
     >>> import torch
@@ -28,15 +30,19 @@ Example:
     2.8
 """
 
+from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import CONSTRAINTS, Constraint, apply_constraint, scale_bwd, scale_fwd
-from lowprec.unit.transform import UnitConfig, unit_scale
+from lowprec.unit.recipe import apply, recipe_param_groups
+from lowprec.unit.transform import unit_scale
 from lowprec.unit.umup import tag_params, umup_param_groups, umup_taus
 
 __all__ = [
     "CONSTRAINTS",
     "Constraint",
     "UnitConfig",
+    "apply",
     "apply_constraint",
+    "recipe_param_groups",
     "scale_bwd",
     "scale_fwd",
     "tag_params",

@@ -28,9 +28,10 @@ u-μP's ``1/d`` attention-logit scale.
 
 ``float8=True``: every matmul (``F.linear``, ``matmul``) but the readout's rounds its operands
 to E4M3 and the gradient flowing into its output to E5M2, saturating, with no scales (the
-paper's setting). The readout stays in the model's dtype unless ``UnitConfig.float8_readout``
-(as the float8 recipes keep the head in BF16: in FP8 it cost CharGPT about 1% of val loss
-at the 120-step test config, the rest of the model in FP8 under 0.2%).
+paper's setting). The readout stays in the model's dtype unless ``UnitConfig.float8_readout``,
+as the float8 recipes keep the head in BF16: the logits feed the softmax and the loss
+directly, so the readout is the matmul most sensitive to FP8 rounding (its cost:
+``docs/unit-scaling.md``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import math
 import operator
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -49,29 +49,14 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.overrides import TorchFunctionMode
 
+from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
+from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import scale_fwd
 
 __all__ = ["UnitConfig", "unit_scale"]
 
 log = logging.getLogger("lowprec.unit")
-
-
-@dataclass(frozen=True)
-class UnitConfig:
-    """Run-time settings of a unit-scaled model (u-μP's hyperparameter ``mult``s included).
-
-    ``act_mult`` multiplies the input of gelu/silu; ``softmax_mult`` the softmax logits;
-    ``output_mult`` the readout's forward. ``float8_readout``: with ``float8``, round the
-    readout's matmul to FP8 too (default: it runs in the model's dtype).
-    """
-
-    float8: bool = False
-    float8_readout: bool = False
-    strict: bool = False
-    act_mult: float = 1.0
-    softmax_mult: float = 1.0
-    output_mult: float = 1.0
 
 
 # ---- the op-converting mode --------------------------------------------------------------
@@ -95,7 +80,6 @@ _NO_RULE = {
     F.glu, F.mse_loss, F.nll_loss, F.binary_cross_entropy, F.binary_cross_entropy_with_logits,
     F.multi_head_attention_forward, F.normalize, torch.exp,
 }  # fmt: skip
-_warned: set[str] = set()
 
 
 def _ce(cfg: UnitConfig, x: Tensor, target: Tensor, weight: Any = None, size_average: Any = None,
@@ -179,9 +163,12 @@ def _handle(cfg: UnitConfig, func: Any, args: tuple[Any, ...], kw: dict[str, Any
         name = getattr(func, "__qualname__", repr(func))
         if cfg.strict:
             raise NotImplementedError(f"unit_scale: {name} has no unit-scaling rule")
-        if name not in _warned:
-            _warned.add(name)
-            log.warning("unit_scale: %s has no unit-scaling rule; it runs unchanged", name)
+        warn_once(
+            log,
+            f"unit:no-rule:{name}",
+            "unit_scale: %s has no unit-scaling rule; it runs unchanged",
+            name,
+        )
     return func(*args, **kw)
 
 
@@ -333,6 +320,8 @@ def unit_scale(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if hasattr(model, "_unit_config"):
         raise ValueError("model: already unit-scaled")
+    if config is not None and not isinstance(config, UnitConfig):
+        raise TypeError(f"config must be a UnitConfig or None, got {type(config).__name__}")
     cfg = config or UnitConfig(float8=float8, strict=strict)
     model = copy.deepcopy(model)
     left = _reinit(model)

@@ -22,24 +22,22 @@ is the *relative* step of a tensor whose scale is 1 (all are, at unit-scaled ini
 * bias and norm gain/bias: they enter a unit-scale activation directly, so we give them the
   per-entry step of the weights of their layer, ``η/√fan_in`` (a norm: ``η/√width``).
   u-μP itself has no biases and non-parametric norms; at ``η`` they would move ``√fan_in``
-  times faster than a weight entry (8x at width 64). Measured on CharGPT (120-step test
-  config, width 64, η 0.5): val loss 2.624 with ``η``, 2.487 with ``η/√fan_in``, 2.491
-  with them frozen (u-μP's choice).
+  times faster than a weight entry. (Trained against ``η`` and against frozen: see
+  ``docs/unit-scaling.md``.)
 * embedding: a unit-variance table read out as it is: μP's input-weight rule ``η``
-  (constant in width). u-μP's ``η/√fan_out`` trained CharGPT markedly worse (2.628 against
-  2.487 at the same config), so we keep μP's.
+  (constant in width), not u-μP's ``η/√fan_out`` (compared in ``docs/unit-scaling.md``).
 * readout: forward ``1/fan_in`` (μP), entries step ``η``: the logits move by up to ``η``.
 
 ``depth`` (optional, the number of residual layers): depth-μP's ``1/√depth`` on hidden
 weights, paired with the residual rule of :func:`umup_taus`: the embedding carries weight
 1 and each of the ``n`` residual branches ``mult²/n`` of the stream, so a branch's share
 shrinks as ``1/n`` when the model deepens. The hyperparameter ``mult``\\ s (``act_mult``,
-``softmax_mult``, ``output_mult`` of :class:`lowprec.unit.transform.UnitConfig`, and
+``softmax_mult``, ``output_mult`` of :class:`lowprec.unit.UnitConfig`, and
 ``residual_mult`` here) are the only other knobs; at 1 they are near-optimal, so
-**sweeping only η** is enough: the best η of CharGPT at widths 32 and 128 agrees
-(``tests/test_unit_umup.py``, cheap; ``benchmarks/bench_umup_sweep.py``, the 120-step
-config). SGD gets the same factors: with unit-scaled gradients an SGD step has the size of
-an Adam step at initialisation.
+**sweeping only η** is enough, and the best η does not move with width (checked by
+``tests/unit/test_umup.py`` and ``benchmarks/bench_umup_sweep.py``; results in
+``benchmarks/README.md``). SGD gets the same factors: with unit-scaled gradients an SGD
+step has the size of an Adam step at initialisation.
 """
 
 from __future__ import annotations
