@@ -35,6 +35,13 @@ def _python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 
 
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    heads = re.findall(r"^#+ (.*)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
 def _run(code: str, tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / f"{name}.py"
     script.write_text(code)
@@ -83,11 +90,14 @@ def test_relative_links_resolve_inside_the_repository(page: Path) -> None:
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # not links in code
     links = re.findall(r"\]\(([^)\s]+)\)", text)
     for link in links:
-        if re.match(r"[a-z]+:", link) or link.startswith("#"):
-            continue  # a URL or an anchor on the same page
-        target = (page.parent / link.split("#")[0]).resolve()
+        if re.match(r"[a-z]+:", link):
+            continue  # a URL
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
         assert target.is_relative_to(ROOT), f"{page.name} links outside the repository: {link}"
         assert target.exists(), f"{page.name} links a missing file: {link}"
+        if anchor:
+            assert anchor in _anchors(target), f"{page.name} links a missing anchor: {link}"
 
 
 def test_readme_links_every_docs_page() -> None:
