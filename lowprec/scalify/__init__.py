@@ -16,9 +16,12 @@ API:
   original is ``.module``, so state_dict keys gain the prefix ``"module."``),
   :func:`apply_scalify` (the recipes' hook: ``"fp16"`` or ``"fp8"``).
 * :class:`ScalifyConfig` (data format, power-of-two rounding ``none``/``down``/``up``,
-  ``max``/``unit`` add rule, automatic rescale before each cast), :func:`config` (context),
-  :func:`current_config`, :func:`set_config`. One config is active at a time: a scalify'd
-  module activates its own on each forward, for that forward and the backward after it.
+  ``max``/``unit`` add rule, automatic rescale before each cast; presets by
+  ``ScalifyConfig.from_name``), :func:`config` (a block, in the calling thread),
+  :func:`current_config`, :func:`set_config` (the calling thread's default). The config is
+  scoped: a scalify'd module or function runs its forward with its own config pushed on a
+  thread-local stack, and the tensors it makes record that config, so its backward runs
+  under it too; nothing outlives the call, and threads never see each other's configs.
 * :func:`as_scaled`, :func:`scaled`, :func:`unscale`, :func:`rebalance`,
   :func:`dynamic_rescale` (``max``/``l1``/``l2``): by hand, inside a model.
 * :func:`coverage` / :func:`reset_coverage`: op calls by rule and by fallback.

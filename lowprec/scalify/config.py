@@ -1,8 +1,18 @@
 """Configuration of scaled arithmetic: data format, scale rounding, add rule, rescaling.
 
-One :class:`ScalifyConfig` is active at a time (:func:`current_config`). A scalify'd
-module makes its own config active when it runs forward, and it stays active for the
-backward pass that follows; ``with config(pow2="down"): ...`` changes it for a block.
+Scope. The active :class:`ScalifyConfig` is the top of a *thread-local* stack
+(:func:`current_config`); ``with config(pow2="down"): ...`` pushes one for a block and pops
+it on exit, in the calling thread only. Nothing a scalify'd module or function does outlives
+its call:
+
+* its forward runs with its config pushed (and popped when the forward returns);
+* every ``ScaledTensor`` it creates records that config in its domain name (see
+  :mod:`lowprec.scalify.core`), and each op on such tensors, in forward and in backward,
+  runs with the recorded config pushed for the op. So the backward of a region uses the
+  config of its own forward, whichever thread runs it and whatever ran in between.
+
+Tensors made by hand (:func:`~lowprec.scalify.scaled`, :func:`~lowprec.scalify.as_scaled`
+without ``config=``) record nothing: their ops use the calling thread's active config.
 
 Coverage: every op on a scalify tensor either has a rule or falls back to
 ``dequantize -> op -> wrap at scale 1``. :func:`coverage` reports both counts per op; the
@@ -13,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -20,7 +31,11 @@ from typing import Any, Literal
 
 import torch
 
+from lowprec.core.registry import Registry
+from lowprec.core.warn import warn_once
+
 __all__ = [
+    "PRESETS",
     "Coverage",
     "ScalifyConfig",
     "config",
@@ -36,13 +51,6 @@ Pow2 = Literal["none", "down", "up"]
 AddRule = Literal["max", "unit"]
 Rescale = Literal["none", "max", "l1", "l2"]
 _FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": None}
-_PRESETS: dict[str, dict[str, Any]] = {
-    "fp16": {"data_format": "fp16"},
-    "bf16": {"data_format": "bf16"},
-    "fp8": {"data_format": "fp8"},
-    "fp16-dynamic": {"data_format": "fp16", "rescale": "max", "pow2": "up"},
-    "fp8-dynamic": {"data_format": "fp8", "rescale": "max", "pow2": "up"},
-}
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,9 @@ class ScalifyConfig:
     Example:
         >>> ScalifyConfig.from_name("fp16-dynamic").rescale
         'max'
+        >>> c = ScalifyConfig.from_name("fp8", pow2="up")
+        >>> c.data_format, c.pow2, c.rescale
+        ('fp8', 'up', 'none')
     """
 
     data_format: str = "fp16"
@@ -90,11 +101,10 @@ class ScalifyConfig:
             raise TypeError(f"check_scales must be a bool, got {self.check_scales!r}")
 
     @classmethod
-    def from_name(cls, name: str) -> ScalifyConfig:
-        """A preset: ``fp16``, ``bf16``, ``fp8`` (static), ``fp16-dynamic``, ``fp8-dynamic``."""
-        if name not in _PRESETS:
-            raise ValueError(f"unknown scalify preset {name!r}; valid: {sorted(_PRESETS)}")
-        return cls(**_PRESETS[name])
+    def from_name(cls, name: str, **overrides: Any) -> ScalifyConfig:
+        """A preset of :data:`PRESETS` (``fp16``, ``bf16``, ``fp8`` (static),
+        ``fp16-dynamic``, ``fp8-dynamic``), with ``overrides`` replacing its fields."""
+        return PRESETS.get(name, **overrides)
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -106,37 +116,78 @@ class ScalifyConfig:
         return self.data_format == "fp8"
 
 
-_CURRENT = [ScalifyConfig()]
+PRESETS: Registry[ScalifyConfig] = Registry("scalify preset", ScalifyConfig)
+PRESETS.add("fp16", data_format="fp16", description="FP16 data, scales only propagate")
+PRESETS.add("bf16", data_format="bf16", description="BF16 data, scales only propagate")
+PRESETS.add("fp8", data_format="fp8", description="FP8 matmul inputs, FP16 data elsewhere")
+PRESETS.add("fp16-dynamic", data_format="fp16", rescale="max", pow2="up",
+            description="FP16, each op's output rescaled by its max (power of two up)")  # fmt: skip
+PRESETS.add("fp8-dynamic", data_format="fp8", rescale="max", pow2="up",
+            description="FP8 matmuls, each op's output rescaled by its max")  # fmt: skip
+
+
+# ---- the thread-local stack -----------------------------------------------------------------
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.configs = [ScalifyConfig()]
+
+
+_STACK = _Stack()
 
 
 def current_config() -> ScalifyConfig:
-    """The active configuration."""
-    return _CURRENT[0]
+    """The calling thread's active configuration (the top of its stack)."""
+    return _STACK.configs[-1]
+
+
+def push(cfg: ScalifyConfig) -> None:
+    """Make ``cfg`` active in the calling thread until the matching :func:`pop`."""
+    _STACK.configs.append(cfg)
+
+
+def pop() -> None:
+    """Undo the calling thread's last :func:`push`."""
+    configs = _STACK.configs
+    if len(configs) < 2:
+        raise RuntimeError("scalify: pop() without a matching push()")
+    configs.pop()
 
 
 def set_config(cfg: ScalifyConfig) -> None:
-    """Make ``cfg`` the active configuration."""
+    """Make ``cfg`` the calling thread's *default* config (the bottom of its stack).
+
+    The default applies, in this thread only, to tensors made by hand outside any
+    :func:`config` block; scalify'd modules and functions never read it (they carry their
+    own config) and never change it. Prefer ``with config(cfg): ...``, which ends with
+    its block.
+    """
     if not isinstance(cfg, ScalifyConfig):
         raise TypeError(f"cfg must be a ScalifyConfig, got {type(cfg).__name__}")
-    _CURRENT[0] = cfg
+    _STACK.configs[0] = cfg
 
 
 @contextlib.contextmanager
 def config(cfg: ScalifyConfig | None = None, **changes: Any) -> Iterator[ScalifyConfig]:
-    """Within the block, ``cfg`` (default: the active one) with ``changes`` is active.
+    """Within the block, in the calling thread, ``cfg`` (default: the active one) with
+    ``changes`` is active.
 
     Example:
         >>> with config(pow2="down") as c:
-        ...     c.pow2
-        'down'
+        ...     c.pow2, current_config().pow2
+        ('down', 'down')
+        >>> current_config().pow2
+        'none'
     """
-    old = _CURRENT[0]
-    new = replace(cfg or old, **changes)
-    _CURRENT[0] = new
+    if cfg is not None and not isinstance(cfg, ScalifyConfig):
+        raise TypeError(f"cfg must be a ScalifyConfig or None, got {type(cfg).__name__}")
+    new = replace(cfg or current_config(), **changes)
+    push(new)
     try:
         yield new
     finally:
-        _CURRENT[0] = old
+        pop()
 
 
 # ---- coverage ------------------------------------------------------------------------------
@@ -175,19 +226,16 @@ def reset_coverage() -> None:
     _FALLBACK.clear()
 
 
-_WARNED: set[str] = set()
-
-
 def count_rule(name: str) -> None:
     _RULED[name] += 1
 
 
 def count_fallback(name: str) -> None:
     _FALLBACK[name] += 1
-    if name not in _WARNED:
-        _WARNED.add(name)
-        log.warning(
-            "scalify: no rule for %s; falling back to dequantize -> op -> scale 1 "
-            "(slower; the output's scale no longer tracks its range)",
-            name,
-        )
+    warn_once(
+        log,
+        f"scalify:fallback:{name}",
+        "scalify: no rule for %s; falling back to dequantize -> op -> scale 1 "
+        "(slower; the output's scale no longer tracks its range)",
+        name,
+    )

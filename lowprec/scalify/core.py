@@ -4,42 +4,26 @@ Notation in the rule docstrings: an operand is ``x = d_x · s_x`` (data ``d_x``,
 ``s_x``, block-broadcast); a plain tensor operand has ``s = 1``; ``c(n)`` is ``√n`` rounded
 to a power of two as the active ``pow2`` mode says. Rules compute in float32 (float64 for
 float64 tensors) from the stored data and round the output data to the storage format once.
+Which rules apply, and under which config, is :mod:`lowprec.scalify.domains`'s business.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lowprec.core.granularity import apply_scale, check_scale_shape
-from lowprec.core.tensor import ScaledTensor, register_rule
-from lowprec.scalify.config import ScalifyConfig, count_rule, current_config
+from lowprec.core.tensor import ScaledTensor
+from lowprec.scalify.config import ScalifyConfig, current_config
+from lowprec.scalify.domains import out_domain, sts
 
-__all__ = ["DOMAINS", "FWD", "GRAD", "Pair", "rule"]
+__all__ = ["Pair", "combine", "out", "pair", "wrap"]
 
-FWD, GRAD = "scalify", "scalify.grad"
-DOMAINS = (FWD, GRAD)
 Pair = tuple[Tensor, Tensor]  # (data in working precision, scale)
-Rule = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
-
-
-def rule(*ops: Any) -> Callable[[Rule], Rule]:
-    """Register a scalify rule for ``ops`` (both domains), counted by ``coverage()``."""
-
-    def deco(fn: Rule) -> Rule:
-        def counted(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            count_rule(str(func))
-            return fn(func, args, kwargs)
-
-        counted.__doc__ = fn.__doc__
-        register_rule(*ops, domain=DOMAINS)(counted)
-        return fn
-
-    return deco
 
 
 def compiling() -> bool:
@@ -51,26 +35,9 @@ def is_st(x: object) -> bool:
 
 
 def first_st(args: Any) -> ScaledTensor:
-    for a in args:
-        if isinstance(a, ScaledTensor):
-            return a
-        if isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, ScaledTensor):
-                    return b
+    for a in sts(args):
+        return a
     raise TypeError("scalify rule called without a ScaledTensor argument")
-
-
-def out_domain(args: Any) -> str:
-    """``GRAD`` if any ScaledTensor argument is a gradient (its descendants are too)."""
-    for a in args:
-        if isinstance(a, ScaledTensor) and a.domain == GRAD:
-            return GRAD
-        if isinstance(a, (list, tuple)) and any(
-            isinstance(b, ScaledTensor) and b.domain == GRAD for b in a
-        ):
-            return GRAD
-    return FWD
 
 
 def work_dtype(*xs: Any) -> torch.dtype:
@@ -109,7 +76,12 @@ def one(ref: Tensor) -> Tensor:
     return torch.ones((), device=ref.device)
 
 
-_CACHE: list[tuple[tuple[Any, ...], Tensor, Tensor]] = []  # (key, source, upcast)
+class _Cache(threading.local):
+    def __init__(self) -> None:
+        self.entries: list[tuple[tuple[Any, ...], Tensor, Tensor]] = []  # (key, base, upcast)
+
+
+_CACHE = _Cache()  # per thread: no thread sees another's entries mid-update
 _CACHE_SIZE, _CACHE_MIN = 4, 1 << 16
 
 
@@ -127,13 +99,14 @@ def upcast(d: Tensor, work: torch.dtype) -> Tensor:
     if not base.is_contiguous():
         return d.to(work)
     key = (base.data_ptr(), tuple(base.shape), base.dtype, work, base._version)
-    hit = [u for k, _, u in _CACHE if k == key]
+    cache = _CACHE.entries
+    hit = [u for k, _, u in cache if k == key]
     if hit:
         up = hit[0]
     else:
         up = base.to(work)
-        _CACHE.insert(0, (key, base, up))
-        del _CACHE[_CACHE_SIZE:]
+        cache.insert(0, (key, base, up))
+        del cache[_CACHE_SIZE:]
     return up.as_strided(d.shape, d.stride(), d.storage_offset() - base.storage_offset())
 
 

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from lowprec.core.tensor import ScaledTensor
-from lowprec.scalify.config import ScalifyConfig, current_config
-from lowprec.scalify.core import FWD, GRAD, compiling, pow2, stat, work_dtype
+from lowprec.scalify.config import ScalifyConfig
+from lowprec.scalify.core import compiling, pow2, stat, work_dtype
+from lowprec.scalify.domains import FWD, GRAD, config_of, domain, lookup, record, tag
 
 __all__ = ["as_scaled", "dynamic_rescale", "rebalance", "scaled", "unscale"]
 
@@ -42,46 +43,55 @@ def _entry_scale(x: Tensor, cfg: ScalifyConfig) -> Tensor:
     return torch.where(a > 0, pow2(a, cfg), 0.0)
 
 
-def _to_st(x: Tensor, s: Tensor, domain: str, cfg: ScalifyConfig) -> ScaledTensor:
+def _to_st(x: Tensor, s: Tensor, dom: str, cfg: ScalifyConfig) -> ScaledTensor:
     work = work_dtype(x)
     d = (x.detach().to(work) / torch.where(s > 0, s, 1.0).to(work)).to(cfg.storage_dtype)
     fmt = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(cfg.storage_dtype, "fp32")
-    return ScaledTensor._wrap(d, s, x.dtype, fmt, domain)
+    return ScaledTensor._wrap(d, s, x.dtype, fmt, dom)
 
 
 class _ToScaled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, scale: Tensor | None) -> ScaledTensor:
-        cfg = current_config()
+    def forward(ctx: Any, x: Tensor, scale: Tensor | None, key: str) -> ScaledTensor:
+        cfg = lookup(key)
         s = _entry_scale(x, cfg) if scale is None else scale.float()
         ctx.dtype = x.dtype
-        return _to_st(x, s, FWD, cfg)
+        return _to_st(x, s, domain(FWD, key), cfg)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
         if isinstance(g, ScaledTensor):
             g = g.dequantize(ctx.dtype)
-        return g.to(ctx.dtype), None
+        return g.to(ctx.dtype), None, None
 
 
 class _ToPlain(torch.autograd.Function):
+    """``d·s``; the gradient enters scaled arithmetic with the config ``x`` was made under
+    (recorded in its domain), so a region's backward runs under its forward's config."""
+
     @staticmethod
     def forward(ctx: Any, x: ScaledTensor) -> Tensor:
+        ctx.key = tag((x,))
         return x.dequantize()
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> ScaledTensor:
         if isinstance(g, ScaledTensor):
             return g
-        cfg = current_config()
-        return _to_st(g, _entry_scale(g, cfg), GRAD, cfg)
+        cfg = lookup(ctx.key)
+        return _to_st(g, _entry_scale(g, cfg), domain(GRAD, ctx.key), cfg)
 
 
-def as_scaled(x: Tensor, scale: Tensor | float | None = None) -> ScaledTensor:
-    """``x`` as a scalify ``ScaledTensor`` (data in the active config's format).
+def as_scaled(
+    x: Tensor, scale: Tensor | float | None = None, *, config: ScalifyConfig | None = None
+) -> ScaledTensor:
+    """``x`` as a scalify ``ScaledTensor`` (data in the config's format).
 
     ``scale`` defaults to ``max |x|`` (power-of-two rounded per the config), so the data
-    lies in [-1, 1]. Differentiable: ``x``'s gradient is the plain ``d_g·s_g``.
+    lies in [-1, 1]. Differentiable: ``x``'s gradient is the plain ``d_g·s_g``. With
+    ``config``, the result records it: every op on it and on what is computed from it, in
+    forward and backward, runs under ``config`` (see :mod:`lowprec.scalify.domains`);
+    without, ops use the calling thread's active config.
 
     Example:
         >>> import torch
@@ -98,7 +108,16 @@ def as_scaled(x: Tensor, scale: Tensor | float | None = None) -> ScaledTensor:
         s = scale if isinstance(scale, Tensor) else torch.tensor(float(scale))
         _check_scale(s.float(), "scale")
         s = s.to(x.device)
-    out: ScaledTensor = _ToScaled.apply(x, s)  # type: ignore[no-untyped-call]
+    if config is not None and not isinstance(config, ScalifyConfig):
+        raise TypeError(f"config must be a ScalifyConfig or None, got {type(config).__name__}")
+    key = "" if config is None else record(config)
+    out: ScaledTensor = _ToScaled.apply(x, s, key)  # type: ignore[no-untyped-call]
+    return out
+
+
+def enter(x: Tensor, key: str) -> ScaledTensor:
+    """``as_scaled(x)`` recording the config of ``key`` (from :func:`record`); no checks."""
+    out: ScaledTensor = _ToScaled.apply(x, None, key)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -150,7 +169,7 @@ def _new_scale(x: ScaledTensor, how: str, pow2_mode: str | None) -> Tensor:
     r = stat(x.qdata.float(), how)
     if not compiling() and not bool(torch.isfinite(r)):
         raise ValueError(f"dynamic_rescale: the {how} statistic of x's data is {float(r)}")
-    cfg = current_config()
+    cfg = config_of((x,))
     if pow2_mode is not None:
         cfg = ScalifyConfig(cfg.data_format, pow2_mode)  # type: ignore[arg-type]
     return x.scale * torch.where(r > 0, pow2(r, cfg), 1.0)

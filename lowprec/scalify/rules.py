@@ -19,11 +19,9 @@ from torch.utils._pytree import tree_map
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import apply_scale
 from lowprec.core.scales import compute_scale
-from lowprec.core.tensor import ScaledTensor, register_fallback
+from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import count_fallback, current_config
 from lowprec.scalify.core import (
-    DOMAINS,
-    GRAD,
     Pair,
     check_compatible,
     combine,
@@ -34,17 +32,16 @@ from lowprec.scalify.core import (
     is_zero,
     one,
     out,
-    out_domain,
     pad,
     pair,
     pow2_float,
-    rule,
     scalar,
     sqrt_factor,
     upcast,
     work_dtype,
     wrap,
 )
+from lowprec.scalify.domains import fallback, is_grad, out_domain, rule
 
 aten = torch.ops.aten
 __all__: list[str] = []
@@ -255,8 +252,8 @@ def matmul_pair(a: Any, b: Any, op: Any) -> Pair:
     work = work_dtype(a, b)
     (da, sa), (db, sb) = pair(a, work), pair(b, work)
     if current_config().fp8_matmul:
-        da, sa = _fp8(da, sa, is_st(a) and a.domain == GRAD)
-        db, sb = _fp8(db, sb, is_st(b) and b.domain == GRAD)
+        da, sa = _fp8(da, sa, is_grad(a))
+        db, sb = _fp8(db, sb, is_grad(b))
     c = sqrt_factor(da.shape[-1])
     pa, pb = pad(sa, da.dim()), pad(sb, db.dim())
     if pa.shape[-1] == 1 and pb.shape[-2] == 1:
@@ -323,7 +320,7 @@ def _addmm_fast(
         return None
     da, db = upcast(a.qdata, work), upcast(b.qdata, work)
     if cfg.fp8_matmul:
-        da, db = _fp8(da, a.scale, a.domain == GRAD)[0], _fp8(db, b.scale, b.domain == GRAD)[0]
+        da, db = _fp8(da, a.scale, is_grad(a))[0], _fp8(db, b.scale, is_grad(b))[0]
     d = func(bias.qdata.to(work), da, db, beta=beta * fbias / s, alpha=fm / (c * s))
     return out(func, args, d, bias.scale.new_tensor(s))
 
@@ -414,8 +411,7 @@ def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return x
 
 
-for _d in DOMAINS:
-    register_fallback(_d, _fallback)
+fallback(_fallback)
 
 _INPLACE = [aten.add_.Tensor, aten.add_.Scalar, aten.mul_.Tensor, aten.mul_.Scalar,
             aten.div_.Tensor, aten.div_.Scalar, aten.sub_.Tensor]  # fmt: skip

@@ -27,11 +27,11 @@ from lowprec.scalify.core import (
     out,
     pad,
     pair,
-    rule,
     scalar,
     sqrt_factor,
     work_dtype,
 )
+from lowprec.scalify.domains import rule
 from lowprec.scalify.rules import number_pair
 
 aten = torch.ops.aten

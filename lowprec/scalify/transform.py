@@ -1,11 +1,13 @@
 """``scalify``: run a standard module or function in scaled arithmetic.
 
-The wrapped call (1) makes its config active, (2) turns every floating-point input and
-parameter into a scalify ``ScaledTensor`` (scale ``max |x|``, data in the config's
-format), (3) runs the *unchanged* model code, whose aten ops go through the rules, and
-(4) returns plain tensors (``d·s``). In backward the output gradients enter as scaled
-gradients, propagate by the rules, and leave as plain tensors of each parameter's dtype
-in ``.grad``. Parameters stay what they were (the FP32 master copy).
+The wrapped call (1) pushes its config on the calling thread's stack for the forward,
+(2) turns every floating-point input and parameter into a scalify ``ScaledTensor`` (scale
+``max |x|``, data in the config's format) that records the config, (3) runs the
+*unchanged* model code, whose aten ops go through the rules, and (4) pops the config and
+returns plain tensors (``d·s``). In backward the output gradients enter as scaled
+gradients recording the same config, propagate by the rules (each run under that config,
+see :mod:`lowprec.scalify.domains`), and leave as plain tensors of each parameter's dtype in
+``.grad``. Parameters stay what they were (the FP32 master copy).
 """
 
 from __future__ import annotations
@@ -19,19 +21,21 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from lowprec.core.registry import Registry
 from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify import rules as _rules  # noqa: F401  (registers the rules)
 from lowprec.scalify import rules_nn as _rules_nn  # noqa: F401
-from lowprec.scalify.config import ScalifyConfig, set_config
-from lowprec.scalify.ops import as_scaled, unscale
+from lowprec.scalify.config import ScalifyConfig, pop, push
+from lowprec.scalify.core import compiling
+from lowprec.scalify.domains import record
+from lowprec.scalify.ops import enter, unscale
 
-__all__ = ["Scalified", "resolve_config", "scalify"]
+__all__ = ["POLICIES", "Scalified", "resolve_config", "scalify"]
 
-_POLICIES: dict[str, dict[str, Any]] = {
-    "static": {"rescale": "none"},
-    "dynamic": {"rescale": "max", "pow2": "up"},
-    "dynamic-l2": {"rescale": "l2", "pow2": "up"},
-}
+POLICIES: Registry[ScalifyConfig] = Registry("scalify policy", ScalifyConfig)
+POLICIES.add("static", rescale="none", description="scales only propagate")
+POLICIES.add("dynamic", rescale="max", pow2="up", description="each op's output by its max")
+POLICIES.add("dynamic-l2", rescale="l2", pow2="up", description="each op's output by its RMS")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -41,15 +45,26 @@ def resolve_config(data_format: str | None, policy: str | ScalifyConfig) -> Scal
     op's output rescaled by its max, power-of-two up) or ``"dynamic-l2"`` (by its RMS)."""
     if isinstance(policy, ScalifyConfig):
         return policy if data_format is None else replace(policy, data_format=data_format)
-    if policy not in _POLICIES:
-        raise ValueError(f"unknown scalify policy {policy!r}; valid: {sorted(_POLICIES)}")
-    return ScalifyConfig(data_format=data_format or "fp16", **_POLICIES[policy])
+    return POLICIES.get(policy, data_format=data_format or "fp16")
 
 
-def _enter(x: Any) -> Any:
-    if isinstance(x, Tensor) and not isinstance(x, ScaledTensor) and x.is_floating_point():
-        return as_scaled(x)
-    return x
+def _run(cfg: ScalifyConfig, key: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with floating inputs entering scaled arithmetic under
+    ``cfg`` (recorded as ``key``), ``cfg`` pushed for the call (eagerly: a compiled graph
+    needs no push, its tensors carry the key) and plain outputs."""
+
+    def into(x: Any) -> Any:
+        if isinstance(x, Tensor) and not isinstance(x, ScaledTensor) and x.is_floating_point():
+            return enter(x, key)
+        return x
+
+    if compiling():
+        return tree_map(_leave, fn(*tree_map(into, args), **tree_map(into, kwargs)))
+    push(cfg)
+    try:
+        return tree_map(_leave, fn(*tree_map(into, args), **tree_map(into, kwargs)))
+    finally:
+        pop()
 
 
 def _leave(x: Any) -> Any:
@@ -62,15 +77,19 @@ class Scalified(nn.Module):
 
     def __init__(self, module: nn.Module, config: ScalifyConfig) -> None:
         super().__init__()
+        if not isinstance(config, ScalifyConfig):
+            raise TypeError(f"config must be a ScalifyConfig, got {type(config).__name__}")
         self.module = module
         self.config = config
+        self._key = record(config)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        set_config(self.config)
-        params: dict[str, Tensor] = {n: as_scaled(p) for n, p in self.module.named_parameters()}
-        args, kwargs = tree_map(_enter, (args, kwargs))
-        out = torch.func.functional_call(self.module, params, args, kwargs, strict=False)
-        return tree_map(_leave, out)
+        params = dict(self.module.named_parameters())
+
+        def call(params: dict[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+            return torch.func.functional_call(self.module, params, args, kwargs, strict=False)
+
+        return _run(self.config, self._key, call, (params, *args), kwargs)
 
     def extra_repr(self) -> str:
         return f"config={self.config}"
@@ -105,11 +124,10 @@ def scalify(
         return Scalified(obj, cfg)
     if not callable(obj):
         raise TypeError(f"obj must be an nn.Module or a callable, got {type(obj).__name__}")
+    key = record(cfg)
 
     @functools.wraps(obj)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        set_config(cfg)
-        args, kwargs = tree_map(_enter, (args, kwargs))
-        return tree_map(_leave, obj(*args, **kwargs))
+        return _run(cfg, key, obj, args, kwargs)
 
     return wrapped
