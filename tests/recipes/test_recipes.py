@@ -8,7 +8,8 @@ from torch import nn
 
 from lowprec.amp import DynamicLossScaler, MasterWeights, NoLossScaler, StaticLossScaler
 from lowprec.cli import main
-from lowprec.recipes import Recipe, get_recipe, prepare, recipe_names, register
+from lowprec.recipes import Policy, Recipe, get_recipe, prepare, recipe_names, register
+from lowprec.scalify import ScalifyConfig
 
 REQUIRED = ["fp32", "bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls", "amp-bf16"]
 
@@ -63,11 +64,11 @@ def test_prepare_trains_a_step() -> None:
 
 def test_recipe_validation_and_register() -> None:
     with pytest.raises(ValueError, match="param_dtype"):
-        Recipe("x", "d", param_dtype="fp8")  # type: ignore[arg-type]
+        Policy(param_dtype="fp8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="autocast needs fp32"):
-        Recipe("x", "d", param_dtype="bf16", autocast="bf16")
+        Policy(param_dtype="bf16", autocast="bf16")
     with pytest.raises(ValueError, match="master_weights only"):
-        Recipe("x", "d", master_weights=True)
+        Policy(master_weights=True)
     with pytest.raises(ValueError, match="already registered"):
         register(Recipe("fp32", "again"))
     with pytest.raises(ValueError, match="unknown keys"):
@@ -85,17 +86,19 @@ def test_cli_lists_recipes(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_technique_validation() -> None:
     with pytest.raises(ValueError, match="technique must be one of"):
-        Recipe("x", "d", technique="magic")  # type: ignore[arg-type]
+        Recipe.from_dict({"name": "x", "description": "d", "technique": "magic"})
     with pytest.raises(ValueError, match="exactly when technique='float8'"):
-        Recipe("x", "d", technique="float8")
+        Recipe.from_dict({"name": "x", "description": "d", "technique": "float8"})
     with pytest.raises(ValueError, match="unit_fp8 needs"):
-        Recipe("x", "d", unit_fp8=True)
+        Recipe.from_dict({"name": "x", "description": "d", "unit_fp8": True})
     with pytest.raises(ValueError, match="scalify_format must be one of"):
-        Recipe("x", "d", technique="scalify", scalify_format="e4m3")
+        Recipe.from_dict(
+            {"name": "x", "description": "d", "technique": "scalify", "scalify_format": "e4m3"}
+        )
     with pytest.raises(ValueError, match="keeps fp32 parameters"):
-        Recipe("x", "d", "bf16", True, technique="scalify", scalify_format="fp16")
+        Recipe("x", "d", Policy("bf16", True), ScalifyConfig(data_format="fp16"))
     with pytest.raises(ValueError, match="scalify_format needs"):
-        Recipe("x", "d", scalify_format="fp16")
+        Recipe.from_dict({"name": "x", "description": "d", "scalify_format": "fp16"})
     for name in ("fp32-unit", "fp16-unit", "bf16-unit", "fp8-unit", "fp16-scalify", "fp8-scalify"):
         r = get_recipe(name)
         assert Recipe.from_dict(r.to_dict()) == r
@@ -110,9 +113,9 @@ def test_bf16_recipes_use_fp32_products_without_native_bf16(
     rounds once (lowprec.amp.MatmulInFp32); with them, torch's own BF16 GEMM runs.
     amp-bf16 always leaves its products to autocast."""
     import lowprec.amp
-    import lowprec.recipes
+    import lowprec.recipes.prepared
 
-    monkeypatch.setattr(lowprec.recipes, "native_bf16_matmul", lambda: native)
+    monkeypatch.setattr(lowprec.recipes.prepared, "native_bf16_matmul", lambda: native)
     seen: list[torch.dtype] = []
     real = lowprec.amp.MatmulInFp32.__torch_function__
 

@@ -1,0 +1,212 @@
+"""Which techniques a recipe may combine, and how they are applied to a model.
+
+A recipe's ``technique`` is a tuple of at most one config per technique, kept in the
+order they are applied: unit scaling (:class:`~lowprec.unit.UnitConfig`), then float8
+(:class:`~lowprec.float8.Float8Recipe`), then scalify
+(:class:`~lowprec.scalify.ScalifyConfig`). Accepted: none, any one, or unit + float8 (a
+unit-scaled model whose linears cast their GEMM operands with a float8 scaling recipe).
+Refused, with the reason (:func:`check`): scalify with anything else, unit's own
+unscaled FP8 casts together with a float8 recipe, scalify with non-FP32 parameters, loss
+scaling or autocast.
+
+Unit + float8. A unit-scaled linear is ``y = s_out·(x' W'ᵀ)`` with ``x' = x`` and
+``W' = W`` in forward whose backward multiplies ``∂x`` by ``s_x`` and ``∂W`` by ``s_W``
+(:func:`lowprec.unit.functional.linear`). Composed, the product ``x' W'ᵀ`` is the layer's
+float8 GEMM: the float8 recipe's scaled casts of input, weight and output gradient (with
+the layer's delayed/static state), inside unit scaling's fixed factors. Mechanism: the
+converted layers' ``forward`` calls ``F.linear``; the unit model's op mode turns it into
+the unit linear, whose inner product ``F.linear(x', W')`` reaches a second torch function
+mode entered *below* the unit mode (a forward pre-hook of the root), which runs the
+calling layer's float8 GEMM on ``(x', W')``. The readout and layers in ``float8_skip``
+stay unit-scaled in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lowprec.float8 import Float8Linear, Float8Recipe, convert_to_float8
+from lowprec.recipes.policy import Policy
+from lowprec.scalify import ScalifyConfig, scalify
+from lowprec.unit import UnitConfig
+
+__all__ = ["KINDS", "TechniqueConfig", "apply", "check", "kind_of", "normalize"]
+
+TechniqueConfig = UnitConfig | Float8Recipe | ScalifyConfig
+# Technique name -> config class, in the order prepare() applies them.
+KINDS: dict[str, type] = {"unit": UnitConfig, "float8": Float8Recipe, "scalify": ScalifyConfig}
+_ORDER = list(KINDS)
+
+
+def kind_of(config: object) -> str:
+    """``"unit"``, ``"float8"`` or ``"scalify"`` for a technique config; ``TypeError`` else."""
+    for name, cls in KINDS.items():
+        if isinstance(config, cls):
+            return name
+    raise TypeError(
+        "technique must be one of Float8Recipe, UnitConfig, ScalifyConfig (or a tuple of "
+        f"them), got {type(config).__name__} ({config!r})"
+    )
+
+
+def normalize(technique: object) -> tuple[TechniqueConfig, ...]:
+    """``technique`` (``None``, one config, or a sequence of configs) as a tuple in
+    application order; a technique given twice raises ``ValueError``."""
+    if technique is None:
+        items: Sequence[object] = ()
+    elif isinstance(technique, (tuple, list)):
+        items = technique
+    else:
+        items = (technique,)
+    kinds = [kind_of(c) for c in items]
+    twice = sorted({k for k in kinds if kinds.count(k) > 1})
+    if twice:
+        raise ValueError(f"technique: {twice} given more than once (one config per technique)")
+    pairs = sorted(zip(kinds, items, strict=True), key=lambda p: _ORDER.index(p[0]))
+    return tuple(c for _, c in pairs)  # type: ignore[misc]
+
+
+def check(policy: Policy, technique: tuple[TechniqueConfig, ...]) -> None:
+    """``ValueError`` with the reason if ``technique`` does not compose with itself or
+    with ``policy`` (see the module docstring)."""
+    by: dict[str, Any] = {kind_of(c): c for c in technique}
+    sc = by.get("scalify")
+    if sc is not None:
+        others = [k for k in by if k != "scalify"]
+        if others:
+            raise ValueError(
+                f"technique: scalify does not compose with {others}: scalify runs every op "
+                "on ScaledTensors with its own scale rules (and its own FP8 matmul casts, "
+                "data_format='fp8'); unit scaling's ops and Float8Linear have no scalify rules"
+            )
+        if policy.param_dtype != "fp32" or policy.loss_scaling != "none":
+            raise ValueError(
+                "technique: scalify keeps fp32 parameters (the scales carry the range) and "
+                f"needs no loss scaling, got param_dtype={policy.param_dtype!r}, "
+                f"loss_scaling={policy.loss_scaling!r}"
+            )
+        if policy.autocast is not None:
+            raise ValueError(
+                f"technique: scalify picks its data format itself (data_format="
+                f"{sc.data_format!r}); autocast={policy.autocast!r} would recast its data"
+            )
+    unit = by.get("unit")
+    if unit is not None and "float8" in by and getattr(unit, "float8", False):
+        raise ValueError(
+            "technique: UnitConfig(float8=True) rounds matmul operands to FP8 unscaled; with a "
+            "Float8Recipe the linears would be cast twice. Use UnitConfig(float8=False) with "
+            "the Float8Recipe (scaled casts), or UnitConfig(float8=True) alone"
+        )
+
+
+# ---- application -----------------------------------------------------------------------
+
+
+def _apply_unit(
+    model: nn.Module, config: UnitConfig, lr: float
+) -> tuple[nn.Module, list[dict[str, Any]]]:
+    from lowprec.unit.recipe import apply_unit
+
+    if "config" in inspect.signature(apply_unit).parameters:
+        return apply_unit(model, config=config, lr=lr)  # type: ignore[call-arg]
+    if config != UnitConfig(float8=config.float8):
+        raise ValueError(
+            f"technique: this lowprec.unit applies only UnitConfig.float8 in recipes, got {config}"
+        )
+    return apply_unit(model, float8=config.float8, lr=lr)
+
+
+def apply(
+    model: nn.Module,
+    technique: tuple[TechniqueConfig, ...],
+    dtype: Any,
+    lr: float,
+    float8_skip: tuple[str, ...],
+) -> tuple[nn.Module, list[Any] | None]:
+    """Apply ``technique`` to ``model`` and cast it to ``dtype``; return the model (a new
+    module for unit and scalify) and u-μP parameter groups (unit) or ``None``.
+
+    ``lr`` is the optimizer's base learning rate (u-μP's groups are relative to it); the
+    float8 conversion leaves every linear whose last name component is in ``float8_skip``.
+    """
+    by: dict[str, Any] = {kind_of(c): c for c in technique}
+    groups: list[Any] | None = None
+    if "unit" in by:
+        model, groups = _apply_unit(model, by["unit"], lr)
+    if "scalify" in by:
+        model = scalify(model, None, by["scalify"])
+    model.to(dtype)
+    if "float8" in by:
+        keep = float8_skip
+        model = convert_to_float8(
+            model, by["float8"], lambda m, fqn: fqn.rsplit(".", 1)[-1] not in keep
+        )
+        if "unit" in by:
+            _unit_float8(model)
+    return model, groups
+
+
+# ---- unit + float8 ------------------------------------------------------------------------
+
+_LAYER: contextvars.ContextVar[_UnitFloat8Linear | None] = contextvars.ContextVar(
+    "lowprec_unit_float8_layer", default=None
+)
+
+
+class _UnitFloat8Linear(Float8Linear):
+    """A :class:`Float8Linear` inside a unit-scaled model (see the module docstring)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        token = _LAYER.set(self)
+        try:  # the unit mode makes this the unit linear; its product comes back to product()
+            return F.linear(x, self.weight, self.bias)
+        finally:
+            _LAYER.reset(token)
+
+    def product(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        """This layer's float8 GEMM ``x wᵀ (+ b)`` on the given operands (its state)."""
+        p = self._parameters
+        saved = p["weight"], p["bias"]
+        p["weight"], p["bias"] = w, b  # type: ignore[assignment]
+        try:
+            return Float8Linear.forward(self, x)
+        finally:
+            p["weight"], p["bias"] = saved
+
+
+class _Float8Products(TorchFunctionMode):
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        layer = _LAYER.get()
+        if func is F.linear and layer is not None:
+            token = _LAYER.set(None)
+            try:
+                return layer.product(*args, **(kwargs or {}))
+            finally:
+                _LAYER.reset(token)
+        return func(*args, **(kwargs or {}))
+
+
+def _unit_float8(model: nn.Module) -> None:
+    for m in model.modules():
+        if type(m) is Float8Linear:
+            m.__class__ = _UnitFloat8Linear
+    modes: list[_Float8Products] = []
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        modes.append(_Float8Products())
+        modes[-1].__enter__()  # type: ignore[no-untyped-call]
+
+    def leave(mod: nn.Module, args: Any, out: Any) -> None:
+        modes.pop().__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)

@@ -1,0 +1,166 @@
+"""``prepare(model, recipe)``: apply a recipe to a model; ``Prepared``: what a loop needs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowprec.amp import LossScaler, MasterWeights, MatmulInFp32, native_bf16_matmul
+from lowprec.float8 import Float8Linear, calibrate
+from lowprec.recipes import compose
+from lowprec.recipes.policy import DTYPES
+from lowprec.recipes.presets import get_recipe
+from lowprec.recipes.recipe import Recipe
+
+__all__ = ["OptimizerFactory", "Prepared", "prepare"]
+
+OptimizerFactory = Callable[[list[Any]], torch.optim.Optimizer]
+
+
+@dataclass
+class Prepared:
+    """What a training loop needs after :func:`prepare`.
+
+    Use ``with prepared.compute(): loss = ...; prepared.scaler.scale(loss).backward()``, then
+    ``prepared.scaler.step(prepared.optimizer)`` and ``prepared.scaler.update()``.
+
+    Static float8 scales calibrate themselves: while :attr:`calibrating`, the forward and
+    backward passes inside ``compute()`` record the running maximum of each static role's
+    ``amax`` (:func:`lowprec.float8.calibrate`; the step trains as usual, with the scale of
+    the maximum so far), and the scales freeze when the ``recipe.calibration_batches``-th
+    ``compute()`` in training mode ends. A checkpoint saved after calibration restores the
+    frozen scales.
+    """
+
+    model: nn.Module
+    optimizer: Any
+    scaler: LossScaler
+    recipe: Recipe
+    _calibration: contextlib.ExitStack | None = field(default=None, repr=False)
+    _calibrated_batches: int = field(default=0, repr=False)
+
+    @property
+    def calibrating(self) -> bool:
+        """True while static float8 scales still wait for calibration batches."""
+        return any(
+            isinstance(m, Float8Linear) and m.needs_calibration for m in self.model.modules()
+        )
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """Context for forward and backward: autocast, CPU FP16/BF16 matmul handling, and
+        the calibration of static float8 scales on the first training batches."""
+        with contextlib.ExitStack() as stack:
+            calibrating = self._begin_calibration()
+            if self.recipe.autocast is not None:
+                device = next(self.model.parameters()).device.type
+                stack.enter_context(torch.autocast(device, dtype=DTYPES[self.recipe.autocast]))
+            dtype = self.recipe.param_dtype
+            if _on_cpu(self.model) and (
+                dtype == "fp16" or (dtype == "bf16" and not native_bf16_matmul())
+            ):
+                stack.enter_context(MatmulInFp32(DTYPES[dtype]))  # type: ignore[no-untyped-call]
+            yield
+        if calibrating:
+            self._end_calibration_batch()
+
+    def _begin_calibration(self) -> bool:
+        if self._calibration is None:
+            if not (self.recipe.needs_calibration and self.model.training and self.calibrating):
+                return False
+            self._calibration = contextlib.ExitStack()
+            self._calibration.enter_context(calibrate(self.model))
+            self._calibrated_batches = 0
+        return self.model.training
+
+    def _end_calibration_batch(self) -> None:
+        self._calibrated_batches += 1
+        if self._calibrated_batches >= self.recipe.calibration_batches:
+            stack, self._calibration = self._calibration, None
+            assert stack is not None
+            stack.close()  # the scales freeze (ValueError if a role saw no data)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe.to_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["recipe"]
+        if Recipe.from_dict(saved) != self.recipe:  # a checkpoint of 0.1 stores a flat dict
+            raise ValueError(
+                f"state: saved with recipe {saved.get('name')!r}, not {self.recipe.name!r}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+def _factory_lr(factory: OptimizerFactory) -> float:
+    """The learning rate ``factory`` gives its optimizer (the base of u-μP's groups)."""
+    probe = factory([nn.Parameter(torch.zeros(1))])
+    return float(probe.param_groups[0]["lr"])
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    p = next(model.parameters(), None)
+    return p is not None and p.device.type == "cpu"
+
+
+def prepare(
+    model: nn.Module,
+    recipe: str | Recipe,
+    optimizer_factory: OptimizerFactory | None = None,
+    generator: torch.Generator | None = None,
+) -> Prepared:
+    """Apply ``recipe`` to ``model`` (in place: its parameters are cast) and build the
+    optimizer (``optimizer_factory(params)``, default AdamW lr 1e-3) and the loss scaler.
+
+    The techniques, in order (:func:`lowprec.recipes.compose.apply`):
+
+    * unit: the model is made unit-scaled (:func:`lowprec.unit.unit_scale`, a new module)
+      and the optimizer gets u-μP parameter groups: each group's ``"lr_mult"`` times the
+      factory's learning rate (a loop that schedules the lr sets
+      ``group["lr"] = lr_now * lr_mult``);
+    * scalify: the model is wrapped by :func:`lowprec.scalify.scalify` (its state_dict
+      keys gain the wrapper's prefix);
+    * the model is cast to the policy's ``param_dtype``;
+    * float8: every ``nn.Linear`` whose last name component is not in ``float8_skip``
+      becomes a :class:`~lowprec.float8.Float8Linear` (inside a unit-scaled model: the
+      unit linear's product, see :mod:`lowprec.recipes.compose`). Static roles calibrate
+      on the first training batches (:class:`Prepared`).
+
+    With ``master_weights`` the optimizer is a :class:`~lowprec.amp.MasterWeights` around
+    the factory's optimizer on FP32 copies. ``generator`` drives stochastic rounding, if
+    the recipe uses it.
+
+    Example:
+        >>> p = prepare(nn.Linear(8, 8), "bf16")
+        >>> p.model.weight.dtype, type(p.optimizer).__name__, type(p.scaler).__name__
+        (torch.bfloat16, 'MasterWeights', 'NoLossScaler')
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    r = get_recipe(recipe)
+    factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    lr = _factory_lr(factory) if r.unit is not None else 0.0
+    model, params = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip)
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    optimizer: Any
+    if r.master_weights:
+        optimizer = MasterWeights(params, factory, r.stochastic_rounding, generator)
+    else:
+        optimizer = factory(params)
+    return Prepared(model, optimizer, r.policy.make_scaler(), r)

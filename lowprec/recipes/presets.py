@@ -1,0 +1,194 @@
+"""The named recipes: one :class:`~lowprec.core.registry.Registry` of keyword arguments.
+
+A preset's keyword arguments are :class:`~lowprec.recipes.Policy` fields plus the
+:class:`~lowprec.recipes.Recipe` fields ``technique``, ``float8_skip`` and
+``calibration_batches``; :func:`get_recipe` builds it, with keyword overrides.
+
+Example:
+    >>> get_recipe("fp16-dynamic-ls", growth_interval=100).policy.growth_interval
+    100
+    >>> get_recipe("fp8-unit").unit
+    UnitConfig(float8=True, float8_readout=False, strict=False, act_mult=1.0, softmax_mult=1.0, output_mult=1.0)
+"""  # noqa: E501
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from lowprec.core.registry import Registry
+from lowprec.float8 import Float8Recipe
+from lowprec.recipes.policy import Policy
+from lowprec.recipes.recipe import Recipe
+from lowprec.scalify import ScalifyConfig
+from lowprec.unit import UnitConfig
+
+__all__ = ["get_recipe", "recipe_names", "register"]
+
+_POLICY_KEYS = {f.name for f in fields(Policy)}
+
+
+def _build(name: str, description: str, **kwargs: Any) -> Recipe:
+    policy = Policy(**{k: v for k, v in kwargs.items() if k in _POLICY_KEYS})
+    rest = {k: v for k, v in kwargs.items() if k not in _POLICY_KEYS}
+    return Recipe(name, description, policy, **rest)
+
+
+_PRESETS: Registry[Recipe] = Registry("recipe", _build)
+
+
+def register(recipe: Recipe) -> Recipe:
+    """Add ``recipe`` to the named recipes (``ValueError`` if the name is taken)."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
+    kwargs = {f.name: getattr(recipe.policy, f.name) for f in fields(Policy)}
+    kwargs.update(
+        technique=recipe.technique,
+        float8_skip=recipe.float8_skip,
+        calibration_batches=recipe.calibration_batches,
+    )
+    _PRESETS.add(recipe.name, description=recipe.description, **kwargs)
+    return recipe
+
+
+def _add(name: str, description: str, **kwargs: Any) -> None:
+    register(_build(name, description, **kwargs))  # validated now, not at first use
+
+
+def recipe_names() -> list[str]:
+    """The registered names, in registration order."""
+    return _PRESETS.names()
+
+
+def get_recipe(name: str | Recipe, **overrides: Any) -> Recipe:
+    """The recipe called ``name`` (a :class:`Recipe` is returned as it is), its keyword
+    arguments replaced by ``overrides``; an unknown name raises ``ValueError`` listing the
+    valid ones."""
+    if isinstance(name, Recipe):
+        if overrides:
+            raise TypeError("get_recipe: overrides apply to a preset name, not to a Recipe")
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"recipe name must be a str or Recipe, got {type(name).__name__}")
+    if name not in _PRESETS:
+        raise ValueError(f"recipe: unknown name {name!r}; valid: {', '.join(_PRESETS.names())}")
+    return _build(name, _PRESETS.description(name), **{**_PRESETS.kwargs(name), **overrides})
+
+
+_MIXED = {"param_dtype": "bf16", "master_weights": True}  # BF16 params, FP32 master weights
+_F8 = "E4M3 forward, E5M2 gradients; output head in BF16"
+
+_add("fp32", "FP32 everything: the reference")
+_add("bf16", "BF16 params and compute, FP32 master weights", **_MIXED)
+_add(
+    "fp16",
+    "FP16 params and compute, FP32 master weights, no loss scaling",
+    param_dtype="fp16",
+    master_weights=True,
+)
+_add(
+    "fp16-static-ls",
+    "FP16 as above with a static loss scale of 2^12",
+    param_dtype="fp16",
+    master_weights=True,
+    loss_scaling="static",
+    loss_scale=2.0**12,
+)
+_add(
+    "fp16-dynamic-ls",
+    "FP16 as above with dynamic loss scaling (2^16, x0.5 on overflow, x2 per 200 steps)",
+    param_dtype="fp16",
+    master_weights=True,
+    loss_scaling="dynamic",
+    growth_interval=200,
+)
+_add("amp-bf16", "FP32 params, torch.autocast to BF16 for compute", autocast="bf16")
+for _name, _what in (
+    ("tensorwise", "dynamic per-tensor scales"),
+    ("delayed", "delayed per-tensor scales (amax history of 16, max)"),
+    ("rowwise", "dynamic per-row scales"),
+):
+    _add(
+        f"fp8-{_name}",
+        f"BF16 params (FP32 master weights), float8 linears with {_what}; {_F8}",
+        technique=Float8Recipe.from_name(_name),
+        **_MIXED,
+    )
+_add(
+    "mxfp8",
+    "BF16 params (FP32 master weights), float8 linears with OCP MX scales (blocks of 32, "
+    f"E8M0); {_F8}",
+    technique=Float8Recipe.from_name("mxfp8"),
+    **_MIXED,
+)
+for _dt, _what in (
+    ("fp32", "FP32 params and compute"),
+    ("fp16", "FP16 params and compute (FP32 master weights), no loss scaling"),
+    ("bf16", "BF16 params and compute (FP32 master weights), no loss scaling"),
+):
+    _add(
+        f"{_dt}-unit",
+        f"Unit-scaled model (lowprec.unit.unit_scale) with u-muP learning rates; {_what}",
+        param_dtype=_dt,
+        master_weights=_dt != "fp32",
+        technique=UnitConfig(),
+    )
+_add(
+    "fp8-unit",
+    "Unit-scaled model with u-muP learning rates; every hidden matmul's inputs rounded "
+    "to E4M3 in forward and its gradients to E5M2 in backward, with no per-tensor scales "
+    "and no loss scaling; the readout matmul stays in BF16 (BF16 params, FP32 master weights)",
+    technique=UnitConfig(float8=True),
+    **_MIXED,
+)
+_add(
+    "fp16-scalify",
+    "Scaled arithmetic (lowprec.scalify): FP16 data with FP32 scales propagated through "
+    "every op of forward and backward; FP32 params; no unit scaling, no loss scaling",
+    technique=ScalifyConfig(data_format="fp16"),
+)
+_add(
+    "fp8-scalify",
+    "Scaled arithmetic: matmul inputs in FP8 (E4M3 forward, E5M2 backward) with "
+    "propagated scales, FP16 data elsewhere; FP32 params; no loss scaling",
+    technique=ScalifyConfig(data_format="fp8"),
+)
+# The float8 configs that had no recipe before composable recipes.
+_add(
+    "fp8-blockwise",
+    "BF16 params (FP32 master weights), float8 linears with dynamic block scales (inputs "
+    f"and gradients 1x128, weights 128x128); {_F8}",
+    technique=Float8Recipe.from_name("blockwise"),
+    **_MIXED,
+)
+_add(
+    "fp8-static",
+    "BF16 params (FP32 master weights), float8 linears with static per-tensor scales for "
+    "inputs and gradients, calibrated on the first 4 training batches (running max of "
+    f"amax), dynamic weight scales; {_F8}",
+    technique=Float8Recipe.from_name("static"),
+    calibration_batches=4,
+    **_MIXED,
+)
+_add(
+    "mxfp4",
+    "BF16 params (FP32 master weights), linears with MXFP4 operands (E2M1, blocks of 32, "
+    "E8M0 scales) for inputs, weights and gradients; output head in BF16",
+    technique=Float8Recipe.from_name("mxfp4"),
+    **_MIXED,
+)
+_add(
+    "nvfp4",
+    "BF16 params (FP32 master weights), linears with NVFP4 operands (E2M1, blocks of 16, "
+    "E4M3 scales) for inputs, weights and gradients; output head in BF16",
+    technique=Float8Recipe.from_name("nvfp4"),
+    **_MIXED,
+)
+_add(
+    "fp8-unit-rowwise",
+    "Unit-scaled model with u-muP learning rates whose hidden linears cast their operands "
+    "with float8 rowwise scales (E4M3 forward, E5M2 gradients); readout in BF16 (BF16 "
+    "params, FP32 master weights)",
+    technique=(UnitConfig(), Float8Recipe.from_name("rowwise")),
+    **_MIXED,
+)
