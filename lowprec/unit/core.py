@@ -1,4 +1,4 @@
-"""Unit-scaling primitives: ``scale_fwd``, ``scale_bwd``, constraints, FP8 operand casts.
+"""Unit-scaling primitives: ``scale_fwd``, ``scale_bwd``, constraints.
 
 A unit-scaled op multiplies its forward output by a fixed ``α`` and, independently, the
 gradients of its inputs by fixed ``β_i``, chosen at build time so that each is ~unit
@@ -29,14 +29,10 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
-from lowprec.core.rounding import quantize
-
 __all__ = [
     "CONSTRAINTS",
     "Constraint",
     "apply_constraint",
-    "fp8_grad",
-    "fp8_operand",
     "scale_bwd",
     "scale_fwd",
     "unit_op",
@@ -157,37 +153,3 @@ def apply_constraint(
     else:  # to_grad_input_scale
         s = math.exp(sum(math.log(v) for v in grad_input_scales) / len(grad_input_scales))
     return (s,) * n
-
-
-# ---- FP8 casts (the paper's FP8 setting: no per-tensor scales, no loss scaling) ---------
-
-
-class _Fp8Operand(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return quantize(x, "e4m3fn", saturate=True)
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        return g
-
-
-class _Fp8Grad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: Tensor) -> Tensor:
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        return quantize(g, "e5m2", saturate=True)
-
-
-def fp8_operand(x: Tensor) -> Tensor:
-    """Forward: round ``x`` to E4M3 (saturating, no scale); backward: straight through."""
-    return cast(Tensor, _Fp8Operand.apply(x))  # type: ignore[no-untyped-call]
-
-
-def fp8_grad(y: Tensor) -> Tensor:
-    """Forward: identity; backward: round the gradient flowing into ``y``'s producer (a
-    matmul output) to E5M2 (saturating, no scale)."""
-    return cast(Tensor, _Fp8Grad.apply(y))  # type: ignore[no-untyped-call]

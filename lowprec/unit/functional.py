@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lowprec.unit.core import apply_constraint, fp8_grad, fp8_operand, scale_bwd, scale_fwd
+from lowprec.core.casts import quantize_grad, quantize_ste
+from lowprec.unit.core import apply_constraint, scale_bwd, scale_fwd
 from lowprec.unit.core import unit_op as _unit_op
 
 __all__ = [
@@ -77,13 +78,15 @@ def _product(
     incoming gradient, never to a product: ``f(scale_fwd(a, s_out), b)``, ``s_a·g`` into
     ``f``'s backward, and ``b``'s gradient corrected by ``s_b/(s_out·s_a)``. So neither
     pass materialises an unscaled product, ``√K`` times the unit output (``K`` the summed
-    dim; in FP16 that lost ``√K`` of headroom was the first overflow of fp16-unit at a high
-    learning rate). With ``float8`` the operands are E4M3 values (rounded, unscaled) and
-    the product, in a wide-range dtype, is scaled as the maths reads.
+    dim): in FP16 that would give away ``√K`` of headroom. With ``float8`` the operands are
+    rounded to E4M3 and the gradient into the product to E5M2, saturating, with no scales
+    (:func:`lowprec.core.casts.quantize_ste`, :func:`~lowprec.core.casts.quantize_grad`),
+    and the product, in a wide-range dtype, is scaled as the maths reads.
     """
     if float8:
-        a, b = fp8_operand(scale_bwd(a, s_a)), fp8_operand(scale_bwd(b, s_b))
-        return scale_fwd(fp8_grad(f(a, b)), s_out)
+        a = quantize_ste(scale_bwd(a, s_a), "e4m3fn")
+        b = quantize_ste(scale_bwd(b, s_b), "e4m3fn")
+        return scale_fwd(quantize_grad(f(a, b), "e5m2"), s_out)
     y = f(scale_fwd(a, s_out), scale_bwd(b, s_b / (s_out * s_a)))
     return scale_bwd(y, s_a)
 
