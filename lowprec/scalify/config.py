@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 
 from lowprec.core.registry import Registry
+from lowprec.core.scales import Pow2Mode
 from lowprec.core.warn import warn_once
 
 __all__ = [
@@ -47,7 +48,6 @@ __all__ = [
 
 log = logging.getLogger("lowprec.scalify")
 
-Pow2 = Literal["none", "down", "up"]
 AddRule = Literal["max", "unit"]
 Rescale = Literal["none", "max", "l1", "l2"]
 _FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": None}
@@ -80,7 +80,7 @@ class ScalifyConfig:
     """
 
     data_format: str = "fp16"
-    pow2: Pow2 = "none"
+    pow2: Pow2Mode = "none"
     add_rule: AddRule = "max"
     rescale: Rescale = "none"
     check_scales: bool = True

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from lowprec.core.granularity import apply_scale, check_scale_shape
+from lowprec.core.scales import round_pow2
 from lowprec.core.tensor import ScaledTensor
-from lowprec.scalify.config import ScalifyConfig, current_config
+from lowprec.scalify.config import current_config
 from lowprec.scalify.domains import out_domain, sts
 
 __all__ = ["Pair", "combine", "out", "pair", "wrap"]
@@ -157,26 +158,9 @@ def full_scale(d: Tensor, s: Tensor) -> Tensor:
     return apply_scale(torch.ones(d.shape, device=d.device), s)
 
 
-def pow2(s: Tensor, cfg: ScalifyConfig | None = None) -> Tensor:
-    """``s`` rounded to a power of two per ``cfg.pow2`` (``none`` leaves it)."""
-    mode = (cfg or current_config()).pow2
-    if mode == "none":
-        return s
-    e = torch.log2(s)
-    return torch.exp2(torch.floor(e) if mode == "down" else torch.ceil(e))
-
-
-def pow2_float(c: float, cfg: ScalifyConfig | None = None) -> float:
-    mode = (cfg or current_config()).pow2
-    if mode == "none" or c <= 0 or not math.isfinite(c):
-        return c
-    e = math.log2(c)
-    return float(2.0 ** (math.floor(e) if mode == "down" else math.ceil(e)))
-
-
 def sqrt_factor(n: int) -> float:
     """``c(n) = √n`` (power-of-two rounded per the config): the growth of a sum of n terms."""
-    return pow2_float(math.sqrt(max(n, 1)))
+    return round_pow2(math.sqrt(max(n, 1)), current_config().pow2)
 
 
 def combine(s_a: Tensor, s_b: Tensor, shape: tuple[int, ...], how: str = "") -> Tensor:
@@ -187,7 +171,7 @@ def combine(s_a: Tensor, s_b: Tensor, shape: tuple[int, ...], how: str = "") -> 
     try:
         a, b = pad(s_a, nd), pad(s_b, nd)
         if how == "add" and cfg.add_rule == "unit":
-            s = pow2(torch.sqrt(a * a + b * b), cfg)
+            s = round_pow2(torch.sqrt(a * a + b * b), cfg.pow2)
         else:
             s = torch.maximum(a, b)
         check_scale_shape(tuple(s.shape), shape)
@@ -218,7 +202,7 @@ def wrap(
     cfg = current_config()
     if cfg.rescale != "none" and d.numel() > 1:
         r = stat(d, cfg.rescale).float()
-        r = torch.where(torch.isfinite(r) & (r > 0), pow2(r, cfg), 1.0)
+        r = torch.where(torch.isfinite(r) & (r > 0), round_pow2(r, cfg.pow2), 1.0)
         d, s = d / r.to(d.dtype), s * r
     if s.numel() == 1 and s.dim():
         s = s.reshape(())

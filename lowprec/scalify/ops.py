@@ -17,9 +17,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lowprec.core.scales import Pow2Mode, round_pow2
 from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import ScalifyConfig
-from lowprec.scalify.core import compiling, pow2, stat, work_dtype
+from lowprec.scalify.core import compiling, stat, work_dtype
 from lowprec.scalify.domains import FWD, GRAD, config_of, domain, lookup, record, tag
 
 __all__ = ["as_scaled", "dynamic_rescale", "rebalance", "scaled", "unscale"]
@@ -40,7 +41,7 @@ def _entry_scale(x: Tensor, cfg: ScalifyConfig) -> Tensor:
     ``ValueError`` if x holds NaN/Inf (the scale would be non-finite)."""
     a = stat(x, "max").float()
     _check_scale(torch.where(a == 0, 1.0, a), "the entry scale (max |x|) of an input")
-    return torch.where(a > 0, pow2(a, cfg), 0.0)
+    return torch.where(a > 0, round_pow2(a, cfg.pow2), 0.0)
 
 
 def _to_st(x: Tensor, s: Tensor, dom: str, cfg: ScalifyConfig) -> ScaledTensor:
@@ -163,16 +164,14 @@ def _set_scale(x: ScaledTensor, s: Tensor) -> ScaledTensor:
     return ScaledTensor._wrap(d, s, x.dtype, x._fmt, x.domain)
 
 
-def _new_scale(x: ScaledTensor, how: str, pow2_mode: str | None) -> Tensor:
+def _new_scale(x: ScaledTensor, how: str, pow2_mode: Pow2Mode | None) -> Tensor:
     if how not in ("max", "l1", "l2"):
         raise ValueError(f"how must be 'max', 'l1' or 'l2', got {how!r}")
     r = stat(x.qdata.float(), how)
     if not compiling() and not bool(torch.isfinite(r)):
         raise ValueError(f"dynamic_rescale: the {how} statistic of x's data is {float(r)}")
-    cfg = config_of((x,))
-    if pow2_mode is not None:
-        cfg = ScalifyConfig(cfg.data_format, pow2_mode)  # type: ignore[arg-type]
-    return x.scale * torch.where(r > 0, pow2(r, cfg), 1.0)
+    mode = config_of((x,)).pow2 if pow2_mode is None else pow2_mode
+    return x.scale * torch.where(r > 0, round_pow2(r, mode), 1.0)
 
 
 def rebalance(x: ScaledTensor, s: Tensor | float) -> ScaledTensor:
@@ -195,7 +194,7 @@ def rebalance(x: ScaledTensor, s: Tensor | float) -> ScaledTensor:
 
 
 def dynamic_rescale(
-    x: ScaledTensor, how: Stat = "max", *, pow2: str | None = None, grad: bool = False
+    x: ScaledTensor, how: Stat = "max", *, pow2: Pow2Mode | None = None, grad: bool = False
 ) -> ScaledTensor:
     """Rebalance ``x`` to the scale ``s_x·r(d_x)``: ``r`` the ``max`` |d|, mean |d| (``l1``)
     or RMS (``l2``) of the data, rounded per ``pow2`` (``"none"``, ``"down"``, ``"up"``;

@@ -16,10 +16,9 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from lowprec.core.formats import get_format
 from lowprec.core.granularity import apply_scale
-from lowprec.core.scales import compute_scale
-from lowprec.core.tensor import ScaledTensor
+from lowprec.core.scales import round_pow2
+from lowprec.core.tensor import ScaledTensor, quantize_scaled
 from lowprec.scalify.config import count_fallback, current_config
 from lowprec.scalify.core import (
     Pair,
@@ -34,7 +33,6 @@ from lowprec.scalify.core import (
     out,
     pad,
     pair,
-    pow2_float,
     scalar,
     sqrt_factor,
     upcast,
@@ -121,7 +119,7 @@ def _times_number(func: Any, args: Any, x: ScaledTensor, c: float) -> ScaledTens
         return out(func, args, torch.zeros_like(d), torch.zeros((), device=d.device))
     if not math.isfinite(c):
         return out(func, args, deq(x, work) * c, one(d))
-    p = pow2_float(abs(c))
+    p = round_pow2(abs(c), current_config().pow2)
     return out(func, args, d * (c / p) if c / p != 1.0 else d, x.scale * p)
 
 
@@ -229,18 +227,14 @@ def _power(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _fp8(d: Tensor, s: Tensor, grad: bool) -> Pair:
-    """Round data to E5M2 (gradients) or E4M3 (the rest) at a power-of-two scale
-    ``r = 2^⌈log2(amax(d)/fmt.max)⌉``: ``d ← r·q(d / r)`` (exact in float32), ``s`` kept:
-    the matmul then multiplies FP8 values, as a scaled FP8 GEMM does."""
-    fmt = get_format("e5m2" if grad else "e4m3fn")
-    assert fmt.torch_dtype is not None
+    """Round data to E5M2 (gradients) or E4M3 (the rest) at the power-of-two scale
+    ``r = 2^⌈log2(amax(d)/fmt.max)⌉`` of :func:`~lowprec.core.tensor.quantize_scaled`:
+    ``d ← r·q(d / r)`` (exact in float32), ``s`` kept: the matmul then multiplies FP8
+    values, as a scaled FP8 GEMM does."""
     if d.numel() == 0:
         return d, s
-    lo, hi = torch.aminmax(d.detach())  # one pass (no |d| temporary)
-    r = compute_scale(torch.maximum(hi, -lo), fmt, power_of_two=True).to(d.dtype)
-    # |d/r| <= fmt.max by the power-of-two-up scale: the cast needs no clamp
-    q = (d * (1.0 / r)).to(fmt.torch_dtype).to(d.dtype)  # 1/r: exact (a power of two)
-    return q.mul_(r), s
+    q = quantize_scaled(d.detach(), "e5m2" if grad else "e4m3fn", power_of_two=True)
+    return q.dequantize(), s
 
 
 def matmul_pair(a: Any, b: Any, op: Any) -> Pair:
