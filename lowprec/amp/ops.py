@@ -89,7 +89,7 @@ class MatmulInFp32(TorchFunctionMode):
 
     It exists because torch's CPU FP16 GEMM on CPUs without AVX512-FP16, and its BF16 GEMM
     on CPUs without AVX512-BF16 (see :func:`native_bf16_matmul`), are emulated and much
-    slower than FP32 (timings: ``benchmarks/README.md``); on CUDA it is not needed. It is a
+    slower than FP32 (timings: ``docs/mixed-precision.md``); on CUDA it is not needed. It is a
     torch *function* mode, so ``torch.compile`` traces through it.
     """
 
