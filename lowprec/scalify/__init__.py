@@ -12,9 +12,11 @@ reported by :func:`coverage`.
 
 API:
 
-* :func:`scalify` (module or function), :class:`Scalified` (the module wrapper: the
-  original is ``.module``, so state_dict keys gain the prefix ``"module."``),
-  :func:`apply_scalify` (the recipes' hook: ``"fp16"`` or ``"fp8"``).
+* :func:`apply` (the entry point: ``apply(model, config)`` with a :class:`ScalifyConfig` or a
+  preset name), :func:`scalify` (module or function, by data format and policy),
+  :class:`Scalified` (the module wrapper: the original is ``.module``, so state_dict keys
+  gain the prefix ``"module."``), :func:`apply_scalify` (the recipes' hook: ``"fp16"`` or
+  ``"fp8"``).
 * :class:`ScalifyConfig` (data format, power-of-two rounding ``none``/``down``/``up``,
   ``max``/``unit`` add rule, automatic rescale before each cast; presets by
   ``ScalifyConfig.from_name``), :func:`config` (a block, in the calling thread),
@@ -57,13 +59,14 @@ from lowprec.scalify.config import (
     set_config,
 )
 from lowprec.scalify.ops import as_scaled, dynamic_rescale, rebalance, scaled, unscale
-from lowprec.scalify.recipe import apply_scalify
+from lowprec.scalify.recipe import apply, apply_scalify
 from lowprec.scalify.transform import Scalified, resolve_config, scalify
 
 __all__ = [
     "Coverage",
     "Scalified",
     "ScalifyConfig",
+    "apply",
     "apply_scalify",
     "as_scaled",
     "config",

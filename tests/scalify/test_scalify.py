@@ -411,3 +411,29 @@ def test_config_validation_and_presets() -> None:
     # the automatic rescale puts each output's max |data| in (1/2, 1]: power of two up
     assert 0.5 < float(y.qdata.abs().max()) <= 1.0
     assert rel(y, F.gelu(val(st((16, 16), 2.0**-30))) * 1000.0) < FP16_TOL
+
+
+def test_apply_entry_point_and_presets_round_trip() -> None:
+    from dataclasses import asdict
+
+    from lowprec.scalify import apply
+    from lowprec.scalify.config import PRESETS
+
+    m = small_gpt()
+    idx = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(4))
+    _, a = apply(m, "fp8")(idx, idx)
+    _, b = scalify(m, "fp8")(idx, idx)
+    assert torch.equal(a, b)  # the same config, the same rules: bit for bit
+    assert apply(m, ScalifyConfig(pow2="up")).config.pow2 == "up"
+    for name in PRESETS:
+        cfg = ScalifyConfig.from_name(name)
+        assert ScalifyConfig(**asdict(cfg)) == cfg, name
+    assert ScalifyConfig.from_name("fp16-dynamic", rescale="l1").rescale == "l1"
+    with pytest.raises(ValueError, match="unknown scalify preset 'fp4'; valid: fp16, "):
+        apply(m, "fp4")
+    with pytest.raises(TypeError, match="config must be a ScalifyConfig or a preset name"):
+        apply(m, 16)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
+        apply(lambda x: x, "fp16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown scalify policy 'loose'; valid: static, dyn"):
+        scalify(m, policy="loose")
