@@ -1,4 +1,4 @@
-"""Scale-propagation rules: arithmetic, activations, matmuls, reductions, the fallback.
+"""Scale-propagation rules: arithmetic, activations, matmuls (FP8 operands), reductions.
 
 Each rule states its maths as ``(data, scale)`` of the output from ``x = d_x·s_x`` (see
 :mod:`lowprec.scalify.core`). Scalar (per-tensor) scales take the data-space fast path;
@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
 
 from lowprec.core.granularity import apply_scale
 from lowprec.core.scales import round_pow2
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
-from lowprec.scalify.config import count_fallback, current_config
+from lowprec.scalify.config import current_config
 from lowprec.scalify.core import (
     Pair,
     check_compatible,
@@ -37,9 +36,8 @@ from lowprec.scalify.core import (
     sqrt_factor,
     upcast,
     work_dtype,
-    wrap,
 )
-from lowprec.scalify.domains import fallback, is_grad, out_domain, rule
+from lowprec.scalify.domains import is_grad, rule
 
 aten = torch.ops.aten
 __all__: list[str] = []
@@ -356,78 +354,3 @@ def _mean(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return out(func, args, func(x.qdata.to(work), *args[1:], **kw), x.scale)
     s = x.scale.amax()
     return out(func, args, func(deq(x, work), *args[1:], **kw) / s.to(work), s)
-
-
-# ---- the fallback and in-place ops -------------------------------------------------------
-
-
-def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Any other op: ``dequantize -> op -> wrap at scale 1`` (counted, warned once)."""
-    schema = func._schema
-    if (
-        schema.arguments
-        and schema.arguments[0].alias_info is not None
-        and (schema.arguments[0].alias_info.is_write)
-        and isinstance(args[0], ScaledTensor)
-    ):
-        return _inplace(func, args, kwargs)
-    count_fallback(str(func))
-    ref = first_st(tuple(args) + tuple(kwargs.values()))
-    work = work_dtype(ref)
-    dom = out_domain(args)
-    plain = tree_map(lambda t: deq(t, work) if isinstance(t, ScaledTensor) else t, (args, kwargs))
-    res = func(*plain[0], **plain[1])
-
-    def back(t: Any) -> Any:
-        if isinstance(t, Tensor) and t.is_floating_point():
-            return wrap(t.to(work), one(t), ref, dom, func)
-        return t
-
-    return tree_map(back, res)
-
-
-def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``x.op_(...)``: the out-of-place op's rule, its data and scale put into ``x``."""
-    name = func._schema.name.split("::")[1].rstrip("_")
-    functional = getattr(getattr(aten, name, None), func._overloadname, None)
-    x = args[0]
-    if functional is None:  # no out-of-place twin: run it on a dequantized copy
-        count_fallback(str(func))
-        v = deq(x, work_dtype(x)).clone()
-        func(v, *args[1:], **kwargs)
-        x._data, x._scale = v.to(x.qdata.dtype), one(v)
-        return x
-    res = functional(*args, **kwargs)
-    if isinstance(res, ScaledTensor):
-        x._data, x._scale = res.qdata, res.scale
-    else:
-        x._data, x._scale = res.to(x.qdata.dtype), one(res)
-    return x
-
-
-fallback(_fallback)
-
-_INPLACE = [aten.add_.Tensor, aten.add_.Scalar, aten.mul_.Tensor, aten.mul_.Scalar,
-            aten.div_.Tensor, aten.div_.Scalar, aten.sub_.Tensor]  # fmt: skip
-rule(*_INPLACE)(_inplace)
-
-
-# ---- dropout -------------------------------------------------------------------------------
-
-
-@rule(aten.native_dropout.default)
-def _dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``x·m/(1−p)`` (m the Bernoulli keep-mask): ``d = d_x·m`` (exact), ``s = s_x/(1−p)``
-    in training, ``s_x`` otherwise."""
-    x, p, train = args[0], float(args[1]), args[2]
-    _, mask = func(x.qdata, p, train)
-    s = x.scale / (1.0 - p) if train and p < 1.0 else x.scale
-    d = x.qdata * mask
-    return ScaledTensor._wrap(d, s, x.dtype, x._fmt, x.domain), mask
-
-
-@rule(aten.native_dropout_backward.default)
-def _dropout_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``g·m·c`` (c = 1/(1−p)): ``d = d_g·m`` (exact), ``s = s_g·c``."""
-    g, mask, c = args[0], args[1], float(args[2])
-    return ScaledTensor._wrap(g.qdata * mask, g.scale * c, g.dtype, g._fmt, g.domain)

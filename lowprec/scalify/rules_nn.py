@@ -1,4 +1,4 @@
-"""Scale-propagation rules: shape ops, selection, softmax, norms, embedding, loss, casts.
+"""Scale-propagation rules: shape ops, selection, softmax, norms, embedding, loss, casts, dropout.
 
 Shape ops move the data and transform the scale the same way (a per-tensor scale is kept
 as is; a block-broadcast scale is transposed/permuted/sliced with the data, or, for a view
@@ -351,3 +351,24 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         dst._scale = s
         return dst
     return dst.copy_(deq(src, work_dtype(src)))
+
+
+# ---- dropout -------------------------------------------------------------------------------
+
+
+@rule(aten.native_dropout.default)
+def _dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x·m/(1−p)`` (m the Bernoulli keep-mask): ``d = d_x·m`` (exact), ``s = s_x/(1−p)``
+    in training, ``s_x`` otherwise."""
+    x, p, train = args[0], float(args[1]), args[2]
+    _, mask = func(x.qdata, p, train)
+    s = x.scale / (1.0 - p) if train and p < 1.0 else x.scale
+    d = x.qdata * mask
+    return ScaledTensor._wrap(d, s, x.dtype, x._fmt, x.domain), mask
+
+
+@rule(aten.native_dropout_backward.default)
+def _dropout_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``g·m·c`` (c = 1/(1−p)): ``d = d_g·m`` (exact), ``s = s_g·c``."""
+    g, mask, c = args[0], args[1], float(args[2])
+    return ScaledTensor._wrap(g.qdata * mask, g.scale * c, g.dtype, g._fmt, g.domain)
