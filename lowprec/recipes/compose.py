@@ -24,7 +24,6 @@ stay unit-scaled in the model's dtype.
 from __future__ import annotations
 
 import contextvars
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lowprec.float8 import Float8Linear, Float8Recipe, convert_to_float8
+import lowprec.float8
+import lowprec.unit
+from lowprec.float8 import Float8Linear, Float8Recipe
 from lowprec.recipes.policy import Policy
 from lowprec.scalify import ScalifyConfig, scalify
 from lowprec.unit import UnitConfig
@@ -109,20 +110,6 @@ def check(policy: Policy, technique: tuple[TechniqueConfig, ...]) -> None:
 # ---- application -----------------------------------------------------------------------
 
 
-def _apply_unit(
-    model: nn.Module, config: UnitConfig, lr: float
-) -> tuple[nn.Module, list[dict[str, Any]]]:
-    from lowprec.unit.recipe import apply_unit
-
-    if "config" in inspect.signature(apply_unit).parameters:
-        return apply_unit(model, config=config, lr=lr)  # type: ignore[call-arg]
-    if config != UnitConfig(float8=config.float8):
-        raise ValueError(
-            f"technique: this lowprec.unit applies only UnitConfig.float8 in recipes, got {config}"
-        )
-    return apply_unit(model, float8=config.float8, lr=lr)
-
-
 def apply(
     model: nn.Module,
     technique: tuple[TechniqueConfig, ...],
@@ -130,8 +117,11 @@ def apply(
     lr: float,
     float8_skip: tuple[str, ...],
 ) -> tuple[nn.Module, list[Any] | None]:
-    """Apply ``technique`` to ``model`` and cast it to ``dtype``; return the model (a new
-    module for unit and scalify) and u-μP parameter groups (unit) or ``None``.
+    """Apply ``technique`` to ``model`` through each technique's entry point
+    (:func:`lowprec.unit.apply` with :func:`lowprec.unit.recipe_param_groups`,
+    :func:`lowprec.scalify.scalify`, :func:`lowprec.float8.apply`) and cast it to
+    ``dtype``; return the model (a new module for unit and scalify) and u-μP parameter
+    groups (unit) or ``None``.
 
     ``lr`` is the optimizer's base learning rate (u-μP's groups are relative to it); the
     float8 conversion leaves every linear whose last name component is in ``float8_skip``.
@@ -139,13 +129,14 @@ def apply(
     by: dict[str, Any] = {kind_of(c): c for c in technique}
     groups: list[Any] | None = None
     if "unit" in by:
-        model, groups = _apply_unit(model, by["unit"], lr)
+        model = lowprec.unit.apply(model, by["unit"])
+        groups = lowprec.unit.recipe_param_groups(model, lr)
     if "scalify" in by:
         model = scalify(model, None, by["scalify"])
     model.to(dtype)
     if "float8" in by:
         keep = float8_skip
-        model = convert_to_float8(
+        model = lowprec.float8.apply(
             model, by["float8"], lambda m, fqn: fqn.rsplit(".", 1)[-1] not in keep
         )
         if "unit" in by:

@@ -184,6 +184,7 @@ def _model() -> CharGPT:
     return CharGPT(ModelConfig(vocab_size=_data().vocab_size, width=32, depth=1, heads=2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NEW)
 def test_new_presets_train(name: str) -> None:
     """16 AdamW steps at lr 1e-2 on four cycled batches: the loss starts near ln(65) = 4.17
