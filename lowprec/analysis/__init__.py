@@ -1,4 +1,6 @@
-"""Numerics analysis: per-tensor statistics in forward and backward, and their plots.
+"""Numerics analysis: value counts and statistics (:mod:`~lowprec.analysis.stats`, the one
+implementation), per-tensor tracking in forward and backward, plots, the plain-language
+diagnosis of a run, and the rounding SNR of formats across scales.
 
 Example::
 
@@ -8,12 +10,16 @@ Example::
     plot_scale_chart(t.records, step=0, formats=t.formats, path="scales.png")
 """
 
-from lowprec.analysis.plots import plot_exp_histograms, plot_scale_chart, rows_at
+from lowprec.analysis.plots import plot_curves, plot_exp_histograms, plot_scale_chart, rows_at
+from lowprec.analysis.stats import count_values, grad_stats
 from lowprec.analysis.tracking import KINDS, Tracker, tensor_stats, track
 
 __all__ = [
     "KINDS",
     "Tracker",
+    "count_values",
+    "grad_stats",
+    "plot_curves",
     "plot_exp_histograms",
     "plot_scale_chart",
     "rows_at",

@@ -6,6 +6,8 @@
   pale from its smallest subnormal to its smallest normal, darker over its normal range.
 * :func:`plot_exp_histograms`: exponent histograms of chosen tensors with the formats'
   ranges shaded the same way.
+* :func:`plot_curves`: training curves of several runs (loss, gap to the first run,
+  activation-gradient underflow, loss scale) from their metrics records.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from lowprec.analysis.tracking import BACKWARD_KINDS
 from lowprec.core.formats import get_format
 
-__all__ = ["plot_exp_histograms", "plot_scale_chart", "rows_at"]
+__all__ = ["plot_curves", "plot_exp_histograms", "plot_scale_chart", "rows_at"]
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 # Tensors a scale chart shows (inputs repeat the previous module's output).
@@ -170,3 +172,74 @@ def plot_exp_histograms(
     fig.tight_layout()
     fig.savefig(path)
     return Path(path)
+
+
+def plot_curves(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str | Path) -> Path:
+    """Four panels for several runs given as ``(name, metrics records)``: loss curves
+    (train EMA 0.9, val dots), the val-loss gap to the first run, the share of activation
+    gradients below their dtype's smallest normal, and the loss scale; written to ``path``
+    (PNG). Records are the per-step dicts of ``lowprec train`` (``step``, ``loss``,
+    ``loss_scale``, optional ``val_loss`` and ``act_grad_underflow``)."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 7.5), dpi=110)
+    FigureCanvasAgg(fig)
+    (ax, ax_gap), (ax_uf, ax_s) = fig.subplots(2, 2)
+    ref: dict[int, float] = {}
+    # Up to 10 runs: matplotlib's tab10 cycle. More (the demo has 16): tab20's 20 colours,
+    # runs after the 10th dashed, so that no two runs share a colour and a line style.
+    palette = matplotlib.colormaps["tab10" if len(runs) <= 10 else "tab20"]
+    for k, (name, recs) in enumerate(runs):
+        steps = [r["step"] for r in recs]
+        color = palette(k % palette.N)
+        ls = "-" if k < 10 else "--"
+        ax.plot(steps, _ema([r["loss"] for r in recs], 0.9), lw=1.3, ls=ls, color=color, label=name)
+        vals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+        if vals:
+            ax.plot(list(vals), list(vals.values()), "o", ms=3, color=color)
+        if k == 0:
+            ref = vals
+        common = [s for s in vals if s in ref]
+        ax_gap.plot(
+            common,
+            [100 * (vals[s] / ref[s] - 1) for s in common],
+            marker="o",
+            ms=3,
+            lw=1.2,
+            ls=ls,
+            color=color,
+            label=name,
+        )
+        uf = [(r["step"], 100 * r["act_grad_underflow"]) for r in recs if "act_grad_underflow" in r]
+        if uf:
+            ax_uf.plot(*zip(*uf, strict=True), lw=1.2, ls=ls, color=color, label=name)
+        ax_s.plot(steps, [r["loss_scale"] for r in recs], lw=1.3, ls=ls, color=color, label=name)
+    first = runs[0][0] if runs else ""
+    ax.set(xlabel="step", ylabel="loss (nats/char)", title="train loss (EMA 0.9) and val (dots)")
+    ax_gap.axhline(0.0, color="black", lw=0.8)
+    ax_gap.axhspan(-1.0, 1.0, color="green", alpha=0.08, label="±1%")
+    ax_gap.set(xlabel="step", ylabel="%", title=f"val loss gap to {first}")
+    ax_uf.set(
+        xlabel="step",
+        ylabel="% of values",
+        ylim=(-2, 102),
+        title="activation gradients below the smallest normal (underflow)",
+    )
+    ax_s.set(xlabel="step", ylabel="loss scale", yscale="log", title="loss scale")
+    for a in (ax, ax_gap, ax_uf, ax_s):
+        a.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax_gap.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
+
+
+def _ema(xs: Sequence[float], beta: float) -> list[float]:
+    out, m = [], None
+    for x in xs:
+        m = x if m is None or not math.isfinite(m) else beta * m + (1 - beta) * x
+        out.append(m)
+    return out

@@ -20,7 +20,8 @@ that is what must fit the format. Statistics (:func:`tensor_stats`) of ``x`` wit
 
 * over the finite values (Inf/NaN are counted in ``nonfinite`` instead): ``amax = max a``,
   ``rms = sqrt(Σx²/n)``, ``mean_abs = Σa/n`` (sums in float64); ``zero`` = share of exact
-  zeros, ``nonfinite`` = share of Inf/NaN;
+  zeros, ``nonfinite`` = share of Inf/NaN (the counts come from
+  :func:`lowprec.analysis.stats.count_values`, the one counting implementation);
 * per format ``f``: ``below_subnormal[f]`` = share with ``0 < a < f.min_subnormal`` (these
   round to zero or to the smallest subnormal: their value is lost), ``below_normal[f]`` =
   share with ``0 < a < f.min_normal`` (subnormal or lost: fewer significant bits), and
@@ -45,6 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lowprec.analysis.stats import count_values
 from lowprec.core.formats import Format, get_format
 from lowprec.core.tensor import ScaledTensor
 
@@ -66,52 +68,33 @@ def tensor_stats(x: Tensor, formats: Sequence[str | Format]) -> dict[str, Any]:
     """
     if isinstance(x, ScaledTensor):
         x = x.qdata
-    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
-        raise TypeError(f"x must be a floating-point tensor, got {type(x).__name__}")
     fmts = [get_format(f) for f in formats]
+    bounds = [f.min_subnormal for f in fmts] + [f.min_normal for f in fmts]
+    c = count_values(x, below=bounds, above=[f.max for f in fmts], moments=True)
+    assert c.sumsq is not None and c.sum_abs is not None and c.amax is not None
+    assert c.nonfinite is not None and c.nan is not None
+    n, k = max(c.numel, 1), len(fmts)
+    # floor(log2 a) of every nonzero finite value, shifted into bins >= 1 (bin 0: zero or
+    # non-finite): the exponent histogram.
     v = x.detach().reshape(-1)
     if v.dtype not in (torch.float32, torch.float64):
         v = v.float()
-    n = max(v.numel(), 1)
-    a = v.abs()
-    finite = torch.isfinite(a)
-    af = torch.where(finite, a, 0.0)
-    # floor(log2 a) of every nonzero finite value, shifted into bins >= 1 (bin 0: zero or
-    # non-finite); one bincount gives the histogram, and since a format's smallest
-    # subnormal and smallest normal are powers of two, the shares below them too.
+    af = torch.where(torch.isfinite(v), v.abs(), 0.0)
     e = torch.where(af > 0, torch.frexp(af)[1] - 1 + _EXP_OFFSET, 0)
-    counts_t = torch.bincount(e, minlength=2 * _EXP_OFFSET)
-    sq = torch.linalg.vector_norm(af, dtype=torch.float64) ** 2  # no float32 overflow
-    parts = [
-        af.amax() if v.numel() else af.sum(),
-        sq,
-        af.sum(dtype=torch.float64),
-        (~finite).sum(),
-        torch.isnan(a).sum(),
-    ]
-    parts += [(a > f.max).sum() for f in fmts]  # +Inf included; NaN compares False
-    vals = torch.stack([t.double() for t in parts]).tolist()
-    counts = counts_t.tolist()
-    nonfinite = vals[3]
-    zero = counts[0] - nonfinite
-
-    def below(bound: float) -> float:
-        k = int(math.log2(bound)) + _EXP_OFFSET  # exponents < log2(bound): bins 1 .. k-1
-        return float(sum(counts[1 : max(k, 1)])) / n
-
-    used = [i for i, c in enumerate(counts) if c and i > 0]
+    counts = torch.bincount(e, minlength=2 * _EXP_OFFSET).tolist()
+    used = [i for i, cnt in enumerate(counts) if cnt and i > 0]
     lo, hi = (used[0], used[-1]) if used else (0, -1)
     return {
-        "numel": v.numel(),
+        "numel": c.numel,
         "dtype": str(x.dtype).replace("torch.", ""),
-        "amax": vals[0],
-        "rms": math.sqrt(vals[1] / n),
-        "mean_abs": vals[2] / n,
-        "zero": zero / n,
-        "nonfinite": nonfinite / n,
-        "below_subnormal": {f.name: below(f.min_subnormal) for f in fmts},
-        "below_normal": {f.name: below(f.min_normal) for f in fmts},
-        "above_max": {f.name: (vals[5 + i] + vals[4]) / n for i, f in enumerate(fmts)},
+        "amax": c.amax,
+        "rms": math.sqrt(c.sumsq / n),
+        "mean_abs": c.sum_abs / n,
+        "zero": c.zero / n,
+        "nonfinite": c.nonfinite / n,
+        "below_subnormal": {f.name: c.below[i] / n for i, f in enumerate(fmts)},
+        "below_normal": {f.name: c.below[k + i] / n for i, f in enumerate(fmts)},
+        "above_max": {f.name: (c.above[i] + c.nan) / n for i, f in enumerate(fmts)},
         "exp_hist": {"lo": lo - _EXP_OFFSET if used else 0, "counts": counts[lo : hi + 1]},
     }
 

@@ -249,3 +249,32 @@ def test_parameters_of_non_leaf_modules_and_eval_between_passes() -> None:
         loss.backward()
     kinds = {(r["name"], r["kind"]) for r in t.records}
     assert {("gain", "weight"), ("gain", "weight_grad"), ("lin.weight", "weight_grad")} <= kinds
+
+
+def test_grad_stats_grad_meter_and_tensor_stats_agree() -> None:
+    """The three reports of one FP16 tensor count through ``count_values``: hand-counted
+    zeros (2), non-finite (Inf, NaN: 2), values below FP16's smallest normal 2^-14
+    (2^-20 and -2^-16, plus the zeros for the meter), and ‖finite‖² = 1 + 4 + 2^-40 + 2^-32."""
+    from lowprec.amp import grad_stats
+    from lowprec.analysis.stats import GradMeter, count_values
+
+    vals = [0.0, 2.0**-20, -(2.0**-16), 1.0, -2.0, 0.0, math.inf, math.nan]
+    x = torch.tensor(vals, dtype=torch.float16)
+    n = len(vals)
+    p = nn.Parameter(torch.zeros(n, dtype=torch.float16))
+    p.grad = x.clone()
+    g = grad_stats([p])
+    meter = GradMeter(nn.Identity())
+    meter._on_grad(x)
+    m = meter.result()
+    s = tensor_stats(x, ["fp16"])
+    c = count_values(x, below=[2.0**-14], moments=True)
+    assert (c.zero, c.nonfinite, c.nan, c.below) == (2, 2, 1, (2,))
+    assert g["grad_zero_share"] == s["zero"] == m["act_grad_zero"] == 2 / n
+    assert g["grad_nonfinite_share"] == s["nonfinite"] == 2 / n
+    assert m["act_grad_underflow"] == s["below_normal"]["fp16"] + s["zero"] == 4 / n
+    sumsq = 1.0 + 4.0 + 2.0**-40 + 2.0**-32  # exact in float64
+    # rel 1e-15: the norm is a float64 sqrt, squared again (two roundings of 2^-53)
+    assert g["grad_norm"] ** 2 == pytest.approx(sumsq, rel=1e-15)
+    assert s["rms"] ** 2 * n == pytest.approx(sumsq, rel=1e-15)
+    assert c.sumsq == pytest.approx(sumsq, rel=1e-15)
