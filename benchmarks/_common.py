@@ -317,7 +317,8 @@ def lm_step_fn(
 def reference_lm_setup(quick: bool) -> tuple[dict[str, int], Any, list[Any]]:
     """The reference CharGPT at the demo's training shape (batch 32 x 128, width 64, depth 2,
     4 heads; ``quick``: a tiny one): ``(shape, ModelConfig, four training batches)``."""
-    from lowprec.jobs.model import CharData, ModelConfig
+    from lowprec.jobs.data import CharData
+    from lowprec.jobs.model import ModelConfig
 
     shape = dict(batch=32, seq=128, width=64, depth=2, heads=4)
     if quick:

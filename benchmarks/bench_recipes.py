@@ -7,7 +7,7 @@ group's ``lr_mult``); forward and scaled backward inside ``prepared.compute()``;
 ``scaler.step``; ``scaler.update``; ``zero_grad``. Batches are pre-drawn and cycled.
 Compiled: ``prepared.model = torch.compile(prepared.model)``
 (optimizer, scaler and master weights stay eager). The FP16 recipes' CPU compute context,
-``Fp16MatmulInFp32``, is a torch function mode that dynamo traces through; they share one
+``MatmulInFp32``, is a torch function mode that dynamo traces through; they share one
 graph, so only the first compiles (the others: graphs 0, compile s ~ one step). Column
 ``compiled``: the first and last steps' losses came out of a compiled graph (AOT-autograd
 node), so a silent eager fall-back shows (and the run exits 1).
@@ -67,7 +67,7 @@ LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 5e-3}
 class Variant:
     recipe: str
     mode: str  # eager | compiled
-    native_fp16: bool = False  # FP16 recipe run outside Fp16MatmulInFp32
+    native_fp16: bool = False  # FP16 recipe run outside MatmulInFp32
     step: Callable[[], None] | None = None
     loss: Tensor | None = None  # loss of the latest step, autograd graph kept
     info: dict[str, Any] = field(default_factory=dict)
@@ -152,7 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--native-fp16",
         action="store_true",
-        help="also time FP16 recipes outside Fp16MatmulInFp32 (slow CPU FP16 GEMM)",
+        help="also time FP16 recipes outside MatmulInFp32 (slow CPU FP16 GEMM)",
     )
     p.add_argument(
         "--cold-compile",
@@ -306,7 +306,7 @@ def _print(record: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> No
             "graphs / graph breaks in the first step (0 graphs: reuses an earlier recipe's "
             "graph). compiled: first and last step ran compiled code."
             + (
-                " native: FP16 recipe outside Fp16MatmulInFp32 (torch's CPU FP16 GEMMs)."
+                " native: FP16 recipe outside MatmulInFp32 (torch's CPU FP16 GEMMs)."
                 if record["native_fp16"]
                 else ""
             ),

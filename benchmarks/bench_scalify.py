@@ -34,7 +34,8 @@ from _common import (
     write_json,
 )
 
-from lowprec.jobs.model import CharData, CharGPT
+from lowprec.jobs.data import CharData
+from lowprec.jobs.model import CharGPT
 from lowprec.recipes.step import Plain, train_step
 from lowprec.scalify import apply_scalify, coverage, reset_coverage
 

@@ -18,7 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lowprec.jobs.train import RunError, TrainConfig, train
+from lowprec.jobs.rundir import RunError, summary_cells
+from lowprec.jobs.train import TrainConfig, train
 from lowprec.recipes import get_recipe, recipe_names
 
 __all__ = ["add_demo", "add_recipes", "add_report", "add_train"]
@@ -149,29 +150,10 @@ def _run_train(args: argparse.Namespace) -> int:
         console.print(f"interrupted: checkpoint written to {out}; continue with --resume")
         return 130
     table = Table(title=f"run {out}", title_justify="left")
-    for col in (
-        "recipe",
-        "steps",
-        "train loss",
-        "val loss",
-        "val bpc",
-        "skipped",
-        "act-grad underflow",
-        "act-grad zeros",
-        "ms/step",
-    ):
+    cells = summary_cells(summary)
+    for col in cells:
         table.add_column(col, justify="right")
-    table.add_row(
-        summary["recipe"],
-        str(summary["steps"]),
-        f"{summary['train_loss']:.4f}",
-        f"{summary['val_loss']:.4f}",
-        f"{summary['val_bpc']:.3f}",
-        str(summary["skipped_steps"]),
-        f"{100 * summary['act_grad_underflow']:.1f}%",
-        f"{100 * summary['act_grad_zero']:.2f}%",
-        f"{summary['step_time_ms']:.0f}",
-    )
+    table.add_row(*cells.values())
     console.print(table)
     return 0
 

@@ -3,6 +3,11 @@
 Every recipe gets the same seed, data, model shape, optimizer and steps. The demo prints a
 table (final train and val loss, bits per character, skipped steps, share of zero gradient
 values, step time, val-loss gap to FP32), writes a loss-curve PNG and ``results.json``.
+
+The demo is the composition of two jobs through their public functions: the training job
+(:func:`lowprec.jobs.train.train`, once per recipe into ``out/<recipe>``) and the report
+job (:func:`lowprec.jobs.report.write_report` over those run directories). It shares
+nothing else with them but the run directory's layout (:mod:`lowprec.jobs.rundir`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from lowprec.jobs.report import plot_runs, write_report
-from lowprec.jobs.train import RunError, TrainConfig, train
+from lowprec.jobs.rundir import make_new_dir, summary_cells
+from lowprec.jobs.train import TrainConfig, train
 from lowprec.recipes import get_recipe
 
 __all__ = ["DEMO_CONFIG", "DEMO_RECIPES", "GAP_REFERENCES", "QUICK_CONFIG", "run_demo"]
@@ -81,13 +87,11 @@ def run_demo(
     replaces the demo's configuration (its ``recipe`` field is ignored).
     """
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise RunError(f"output directory {out} already exists; choose another --out")
     for r in recipes:
         get_recipe(r)
+    make_new_dir(out, "choose another --out")
     console = console or Console()
     base = config or (QUICK_CONFIG if quick else DEMO_CONFIG)
-    out.mkdir(parents=True, exist_ok=True)
     results = []
     t0 = time.perf_counter()
     for r in recipes:
@@ -120,32 +124,19 @@ def results_table(results: list[dict[str, Any]], cfg: TrainConfig, seconds: floa
             f"({seconds:.0f} s)"
         )
     )
-    for col in (
-        "recipe",
-        "train loss",
-        "val loss",
-        "val bpc",
-        *(f"gap to {r}" for r in GAP_REFERENCES),
-        "skipped",
-        "act-grad underflow",
-        "act-grad zeros",
-        "ms/step",
-    ):
+    cols = ["recipe", "train loss", "val loss", "val bpc"]
+    tail = ["skipped", "act-grad underflow", "act-grad zeros", "ms/step"]
+    for col in (*cols, *(f"gap to {r}" for r in GAP_REFERENCES), *tail):
         if col == "recipe":  # never wrapped or cut: the name is what a reader looks for
             table.add_column(col, no_wrap=True, min_width=max(len(s["recipe"]) for s in results))
         else:
             table.add_column(col, justify="right")
     for s in results:
+        cells = summary_cells(s)
         gaps = [s.get(f"val_gap_to_{r}") for r in GAP_REFERENCES]
         table.add_row(
-            s["recipe"],
-            f"{s['train_loss']:.4f}",
-            f"{s['val_loss']:.4f}",
-            f"{s['val_bpc']:.3f}",
+            *(cells[c] for c in cols),
             *("-" if g is None or not math.isfinite(g) else f"{100 * g:+.2f}%" for g in gaps),
-            str(s["skipped_steps"]),
-            f"{100 * s['act_grad_underflow']:.1f}%",
-            f"{100 * s['act_grad_zero']:.2f}%",
-            f"{s['step_time_ms']:.0f}",
+            *(cells[c] for c in tail),
         )
     return table

@@ -1,21 +1,17 @@
-"""The reference model: a small GPT-style character-level transformer, and its data.
+"""The reference model: a small GPT-style character-level transformer.
 
 ``CharGPT`` is pre-norm (``x + attn(ln(x))``, ``x + mlp(ln(x))``), with learned token and
 position embeddings, causal multi-head attention written out (so the softmax can run in
 FP32), a 4x GELU MLP, a final LayerNorm and an untied linear head. Initialisation follows
 GPT-2: ``N(0, 0.02)``, the residual projections ``N(0, 0.02 / sqrt(2·depth))``.
 
-``CharData`` reads the tinyshakespeare corpus shipped inside the package, splits it 90/10
-into train/val, and draws batch ``i`` of a run from a generator seeded with ``(seed, i)``, so
-a batch depends only on the seed and its position: a resumed run sees the same data.
+Its data is :class:`lowprec.jobs.data.CharData` (re-exported here for older imports).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lowprec.amp import cross_entropy_fp32, layer_norm_fp32, softmax_fp32
+from lowprec.jobs.data import CharData, corpus_text  # re-exported
 
 __all__ = ["CharData", "CharGPT", "ModelConfig", "corpus_text"]
 
@@ -147,67 +144,3 @@ class CharGPT(nn.Module):
         if targets is not None:
             loss = cross_entropy_fp32(logits, targets)
         return logits, loss
-
-
-# ---------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------
-
-
-def corpus_text(path: str | Path | None = None) -> str:
-    """The tinyshakespeare corpus shipped in ``lowprec/data/`` (or the file at ``path``)."""
-    if path is not None:
-        return Path(path).read_text(encoding="utf-8")
-    return resources.files("lowprec").joinpath("data/tinyshakespeare.txt").read_text("utf-8")
-
-
-class CharData:
-    """Character-level batches with a deterministic order.
-
-    ``batch(split, i)`` returns ``(x, y)`` of shape ``(batch_size, seq_len)``: ``batch_size``
-    windows at offsets drawn by a generator seeded with ``seed`` and ``i`` (and the split),
-    ``y`` shifted by one character.
-    """
-
-    def __init__(
-        self,
-        seq_len: int,
-        batch_size: int,
-        seed: int = 0,
-        text: str | None = None,
-        val_fraction: float = 0.1,
-    ) -> None:
-        for name, v in (("seq_len", seq_len), ("batch_size", batch_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-        text = corpus_text() if text is None else text
-        self.chars = sorted(set(text))
-        self.stoi = {c: i for i, c in enumerate(self.chars)}
-        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
-        n_val = int(len(ids) * val_fraction)
-        self.splits = {"train": ids[:-n_val], "val": ids[-n_val:]}
-        for name, part in self.splits.items():
-            if len(part) <= seq_len + 1:
-                raise ValueError(f"text: the {name} split is shorter than seq_len + 1")
-        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
-
-    def batch(self, split: str, index: int) -> tuple[Tensor, Tensor]:
-        if split not in self.splits:
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        data = self.splits[split]
-        g = torch.Generator().manual_seed(
-            (self.seed * 1_000_003 + index * 2 + (split == "val")) % 2**63
-        )
-        starts = torch.randint(0, len(data) - self.seq_len - 1, (self.batch_size,), generator=g)
-        offs = starts[:, None] + torch.arange(self.seq_len + 1)
-        win = data[offs]
-        return win[:, :-1], win[:, 1:]
-
-    def decode(self, ids: Tensor) -> str:
-        return "".join(self.chars[i] for i in ids.tolist())

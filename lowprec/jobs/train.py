@@ -1,9 +1,10 @@
 """The training job: train the reference model with a recipe, log, checkpoint, resume.
 
-A run directory holds ``config.json`` (everything needed to rebuild the run),
-``metrics.jsonl`` (one JSON object per step), ``checkpoint.pt`` (model, optimizer, loss
-scaler, data position, RNG states; written atomically every ``ckpt_every`` steps, at the end
-and on Ctrl-C) and ``summary.json`` at the end.
+The run directory (:mod:`lowprec.jobs.rundir`) gets ``config.json``, one ``metrics.jsonl``
+line per step (from :func:`lowprec.recipes.step.train_step`), ``numerics.jsonl`` at the
+first and the last step, ``checkpoint.pt`` (model, optimizer, loss scaler, data position,
+RNG states; every ``ckpt_every`` steps, at the end and on Ctrl-C) and ``summary.json`` at
+the end.
 
 Batches depend only on the seed and the step, and the checkpoint restores every piece of
 state, so ``--resume`` continues bit-exactly: N steps straight equal N/2 steps, resume,
@@ -14,9 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -24,25 +23,47 @@ from typing import Any
 
 import torch
 
+from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
 from lowprec.analysis.tracking import Tracker
-from lowprec.core.tensor import ScaledTensor
-from lowprec.jobs.model import CharData, CharGPT, ModelConfig
+from lowprec.jobs.data import CharData
+from lowprec.jobs.model import CharGPT, ModelConfig
+from lowprec.jobs.rundir import (  # re-exported: the job's own names for its files
+    CONFIG,
+    METRICS,
+    NUMERICS,
+    SUMMARY,
+    RunError,
+    load_checkpoint,
+    make_new_dir,
+    read_config,
+    read_metrics,
+    save_checkpoint,
+    summarize,
+    summary_of,
+    truncate_jsonl,
+)
 from lowprec.recipes import Prepared, get_recipe, prepare
 from lowprec.recipes.step import train_step
 
-__all__ = ["RunError", "TrainConfig", "evaluate", "train"]
+__all__ = [
+    "CONFIG",
+    "METRICS",
+    "NUMERICS",
+    "SUMMARY",
+    "TRACK_FORMATS",
+    "GradMeter",
+    "RunError",
+    "TrainConfig",
+    "build",
+    "evaluate",
+    "read_metrics",
+    "summarize",
+    "summary_of",
+    "train",
+]
 
-CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.jsonl"
-CONFIG = "config.json"
-SUMMARY = "summary.json"
-NUMERICS = "numerics.jsonl"
 # Formats whose ranges the numerics records measure (lowprec.analysis.tracking).
 TRACK_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
-
-
-class RunError(ValueError):
-    """A run cannot start or resume (bad directory, missing or corrupt checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -145,39 +166,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _save_checkpoint(out: Path, prepared: Prepared, step: int) -> None:
-    state = {"step": step, "run": prepared.state_dict(), "rng": _rng_state()}
-    tmp = out / (CHECKPOINT + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out / CHECKPOINT)  # atomic: a crash never leaves a half-written file
-
-
-def _load_checkpoint(out: Path) -> dict[str, Any]:
-    path = out / CHECKPOINT
-    if not path.is_file():
-        raise RunError(f"--resume: no checkpoint at {path}")
-    try:
-        state = torch.load(path, weights_only=True)
-        if not isinstance(state, dict) or not {"step", "run", "rng"} <= set(state):
-            raise ValueError("missing keys")
-    except Exception as e:  # any unpickling failure means the file is corrupt
-        raise RunError(f"--resume: checkpoint {path} is corrupt or unreadable ({e})") from e
-    return state
+    save_checkpoint(out, {"step": step, "run": prepared.state_dict(), "rng": _rng_state()})
 
 
 def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool) -> None:
     if resume:
-        saved = out / CONFIG
-        if not saved.is_file():
-            raise RunError(f"--resume: {out} is not a run directory (no {CONFIG})")
-        old = TrainConfig.from_dict(json.loads(saved.read_text())["train"])
+        old = TrainConfig.from_dict(read_config(out, "--resume")["train"])
         if {**old.to_dict(), "steps": 0} != {**cfg.to_dict(), "steps": 0}:
             raise RunError(
                 f"--resume: {out} was made with a different configuration; only --steps may change"
             )
         return
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise RunError(f"output directory {out} already exists; pass --resume or another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    make_new_dir(out, "pass --resume or another --out")
 
 
 def train(
@@ -201,12 +201,12 @@ def train(
     prepared, data = build(cfg)
     start = 0
     if resume:
-        state = _load_checkpoint(out)
+        state = load_checkpoint(out)
         prepared.load_state_dict(state["run"])
         _set_rng_state(state["rng"])
         start = int(state["step"])
-        _truncate_jsonl(out / METRICS, start)  # metrics: "step" = steps done (1-based)
-        _truncate_jsonl(out / NUMERICS, start - 1)  # numerics: 0-based step index
+        truncate_jsonl(out / METRICS, start)  # metrics: "step" = steps done (1-based)
+        truncate_jsonl(out / NUMERICS, start - 1)  # numerics: 0-based step index
     else:
         (out / CONFIG).write_text(
             json.dumps(
@@ -277,91 +277,6 @@ def _train_step(
         "lr": cfg.lr_at(step),
         **meter.result(),
     }
-
-
-class GradMeter:
-    """Underflow of activation gradients: the gradients flowing into the output of every
-    ``nn.Linear`` in backward, in the compute dtype and after loss scaling.
-
-    ``result()`` gives ``act_grad_underflow``, the share of values below the smallest
-    normal number of their dtype (subnormal: precision lost, or zero), and
-    ``act_grad_zero``, the share that are exactly zero (signal lost).
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.counts = [0, 0, 0]  # values, below min normal, zero
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
-                m.register_forward_hook(self._on_forward)
-
-    def _on_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self._on_grad)  # type: ignore[no-untyped-call]
-
-    def _on_grad(self, grad: torch.Tensor) -> None:
-        # A scalify gradient is ``qdata * scale``: what underflows is the stored payload,
-        # in its storage dtype (the scale carries the range), not the dequantized value.
-        data = grad.qdata if isinstance(grad, ScaledTensor) else grad
-        tiny = torch.finfo(data.dtype).tiny
-        a = data.detach().abs()
-        if a.element_size() == 1:  # FP8 payloads: no comparison kernels (exact in FP32)
-            a = a.float()
-        self.counts[0] += a.numel()
-        self.counts[1] += int((a < tiny).sum())
-        self.counts[2] += int((a == 0).sum())
-
-    def reset(self) -> None:
-        self.counts = [0, 0, 0]
-
-    def result(self) -> dict[str, float]:
-        n = max(self.counts[0], 1)
-        return {"act_grad_underflow": self.counts[1] / n, "act_grad_zero": self.counts[2] / n}
-
-
-def _truncate_jsonl(path: Path, last: int) -> None:
-    """Drop JSON lines whose ``step`` is after ``last`` (written after the checkpoint we
-    resume from)."""
-    if not path.exists():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last]
-    path.write_text("".join(ln + "\n" for ln in keep))
-
-
-def read_metrics(out: str | Path) -> list[dict[str, Any]]:
-    path = Path(out) / METRICS
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]
-
-
-def summarize(out: str | Path) -> dict[str, Any]:
-    """Final numbers of a run directory: losses, bits per character, skipped steps, the
-    mean share of zero gradient values, the median step time, and divergence."""
-    return summary_of(read_metrics(out), json.loads((Path(out) / CONFIG).read_text()))
-
-
-def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
-    """:func:`summarize` of metrics records and a run's ``config.json`` already read."""
-    vals = [r for r in recs if "val_loss" in r]
-    tail = [r["loss"] for r in recs[-10:]]
-    diverged = next((r["step"] for r in recs if not math.isfinite(r["loss"])), None)
-    final_val = vals[-1]["val_loss"] if vals else math.nan
-    return {
-        "recipe": cfg["train"]["recipe"],
-        "steps": recs[-1]["step"] if recs else 0,
-        "train_loss": statistics.fmean(tail) if tail else math.nan,
-        "val_loss": final_val,
-        "val_bpc": final_val / math.log(2),
-        "skipped_steps": sum(bool(r["skipped"]) for r in recs),
-        "grad_zero_share": statistics.fmean(r["grad_zero_share"] for r in recs) if recs else 0,
-        "act_grad_underflow": _mean(recs, "act_grad_underflow"),
-        "act_grad_zero": _mean(recs, "act_grad_zero"),
-        "step_time_ms": 1e3 * statistics.median(r["step_time"] for r in recs) if recs else 0,
-        "diverged_at": diverged,
-    }
-
-
-def _mean(recs: list[dict[str, Any]], key: str) -> float:
-    vals = [r[key] for r in recs if key in r]
-    return statistics.fmean(vals) if vals else 0.0
 
 
 class _Progress:

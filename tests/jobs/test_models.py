@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from lowprec.jobs.model import CharData, CharGPT, ModelConfig, corpus_text
+from lowprec.jobs.data import CharData, corpus_text
+from lowprec.jobs.model import CharGPT, ModelConfig
 
 
 def test_corpus_is_shipped_and_split() -> None:

@@ -20,25 +20,13 @@ from torch import Tensor, nn
 import lowprec.jobs.train as train_mod
 import lowprec.recipes.step as step_mod
 from lowprec.amp import DynamicLossScaler
-from lowprec.jobs.train import TrainConfig, build, read_metrics, train
+from lowprec.jobs.train import build, read_metrics, train
 from lowprec.recipes.step import Plain, set_lr, train_step
+from tests.jobs.test_train import TINY as JOB_TINY
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
-TINY = TrainConfig(
-    recipe="fp32-unit",
-    steps=4,
-    batch_size=4,
-    seq_len=16,
-    width=32,
-    depth=1,
-    heads=2,
-    lr=3e-3,
-    warmup=2,
-    eval_every=4,
-    eval_batches=1,
-    ckpt_every=4,
-)
+TINY = replace(JOB_TINY, recipe="fp32-unit", steps=4, ckpt_every=4)
 
 
 class _Lin(nn.Module):
