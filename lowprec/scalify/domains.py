@@ -58,6 +58,8 @@ def record(cfg: ScalifyConfig) -> str:
     if key in _TAGGED:
         return key
     with _LOCK:
+        if key in _TAGGED:  # another thread was first
+            return key
         doms = (f"{FWD}@{key}", f"{GRAD}@{key}")
         for ops, fn in _TABLE:
             register_rule(*ops, domain=doms)(fn)

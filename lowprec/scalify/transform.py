@@ -84,6 +84,11 @@ class Scalified(nn.Module):
         self.config = config
         self._key = record(config)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled (in another process, say): register the config's domains there too."""
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        record(self.config)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         params = dict(self.module.named_parameters())
 

@@ -187,3 +187,23 @@ def test_torch_compile_two_configs_each_match_eager() -> None:
         for g, w in zip(grads(m), eager[f], strict=True):
             # same rules traced, same roundings: equal up to float32 reassociation
             assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), f
+
+
+def test_pickled_module_runs_in_a_fresh_process(tmp_path: object) -> None:
+    """A Scalified module unpickled where its config was never seen registers it again."""
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    m = mlp()
+    path = Path(str(tmp_path)) / "m.pkl"
+    path.write_bytes(pickle.dumps(scalify(m, "fp8", policy="dynamic")))
+    code = (
+        "import pickle, sys, torch\n"
+        f"s = pickle.loads(open({str(path)!r}, 'rb').read())\n"
+        "s(torch.ones(2, 64)).sum().backward()\n"
+        "print(s.config.rescale, s.module[0].weight.grad.isfinite().all().item())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["max", "True"]
