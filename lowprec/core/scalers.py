@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity, as_granularity
-from lowprec.core.scales import _check_margin, amax, compute_scale, mx_scale
+from lowprec.core.scales import _check_margin, amax, group_scale
 
 __all__ = ["DelayedScaler", "DynamicScaler", "Scaler", "StaticScaler", "delayed_amax", "push_amax"]
 
@@ -48,9 +48,7 @@ class Scaler(ABC):
         self.nonfinite_count = 0
 
     def _scale(self, a: Tensor) -> Tensor:
-        if self.granularity.kind == "mx":
-            return mx_scale(a, self.fmt)
-        return compute_scale(a, self.fmt, self.margin, self.power_of_two)
+        return group_scale(a, self.fmt, self.granularity, self.margin, self.power_of_two)
 
     def _amax(self, x: Tensor) -> Tensor:
         a = amax(x, self.granularity)
@@ -135,9 +133,9 @@ class _HistoryScaler(Scaler):
         power_of_two: bool,
     ) -> None:
         super().__init__(fmt, granularity, margin, power_of_two)
-        if self.granularity.kind == "mx":
+        if self.granularity.kind in ("mx", "nv"):
             raise ValueError(
-                f"granularity: MX scales are dynamic by definition; use DynamicScaler, "
+                f"granularity: MX scales are dynamic by definition (NV too); use DynamicScaler, "
                 f"not {type(self).__name__}"
             )
 

@@ -31,8 +31,17 @@ from torch import Tensor
 
 from lowprec.core.formats import E8M0, Format, get_format
 from lowprec.core.granularity import Granularity, _block_views, as_granularity
+from lowprec.core.rounding import quantize
 
-__all__ = ["Pow2Mode", "amax", "compute_scale", "mx_scale", "round_pow2"]
+__all__ = [
+    "Pow2Mode",
+    "amax",
+    "compute_scale",
+    "group_scale",
+    "mx_scale",
+    "nv_scale",
+    "round_pow2",
+]
 
 
 _MIN_SCALE = 2.0**-126
@@ -180,3 +189,42 @@ def mx_scale(amax: Tensor, fmt: str | Format) -> Tensor:
     x = (e - fmt.max_exponent).clamp(E8M0.min_exponent, E8M0.max_exponent)
     s = torch.ldexp(torch.ones_like(a), x.float()) if a.numel() else a.clone()
     return torch.where(ok, s, 1.0)
+
+
+_E4M3 = get_format("e4m3fn")
+
+
+def nv_scale(amax: Tensor, fmt: str | Format) -> Tensor:
+    """NVFP4-style two-level scales for block maxima ``amax`` (all blocks of one tensor).
+
+    One float32 tensor scale ``s_t = max(amax) / (fmt.max · 448)`` maps the block scales
+    into E4M3's range; each block scale ``s_b = Q_E4M3(amax / (fmt.max · s_t))`` (saturating;
+    a zero rounds to E4M3's smallest subnormal); the returned scale is ``s_b · s_t``.
+    Non-finite block maxima are left out of ``s_t`` and get scale 1 (module docstring).
+    """
+    fmt = get_format(fmt)
+    a = amax.float()
+    ok = torch.isfinite(a)
+    fin = torch.where(ok, a, 0.0)
+    t_amax = fin.amax() if fin.numel() else fin.new_zeros(())
+    s_t = torch.where(t_amax > 0, t_amax / (fmt.max * _E4M3.max), 1.0)
+    s_b = quantize(fin / (fmt.max * s_t), _E4M3, saturate=True)
+    s = torch.where(s_b > 0, s_b, _E4M3.min_subnormal) * s_t
+    return torch.where(ok, s, 1.0)
+
+
+def group_scale(
+    amax: Tensor,
+    fmt: str | Format,
+    granularity: str | Granularity = "tensor",
+    margin: float = 0.0,
+    power_of_two: bool = False,
+) -> Tensor:
+    """The scale of each group of a granularity: :func:`mx_scale` for ``mx``,
+    :func:`nv_scale` for ``nv``, else :func:`compute_scale` (``margin``, ``power_of_two``)."""
+    kind = as_granularity(granularity).kind
+    if kind == "mx":
+        return mx_scale(amax, fmt)
+    if kind == "nv":
+        return nv_scale(amax, fmt)
+    return compute_scale(amax, fmt, margin, power_of_two)

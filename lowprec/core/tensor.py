@@ -9,6 +9,12 @@ The ``ScaledTensor`` reports the shape of ``data`` and a
 The payload is ``.qdata`` (``Tensor.data`` is torch's own detached alias and keeps its
 meaning), the scale ``.scale``, the format of the payload ``.fmt``.
 
+Optional metadata for consumers such as float8's GEMMs: ``.granularity`` (the absolute
+:class:`~lowprec.core.granularity.Granularity` the scale was computed at; ``None`` when
+unknown) and ``.unpadded_shape``: when set, ``data`` was zero-padded to whole blocks (the
+padding policy of :mod:`lowprec.core.granularity`) and stands for a tensor of that smaller
+shape, which :meth:`ScaledTensor.dequantize` returns (cropped; its gradient is zero-padded).
+
 Gradient rule (straight-through): :func:`quantize_scaled` and :meth:`ScaledTensor.dequantize`
 pass gradients through unchanged, ``∂L/∂x = ∂L/∂dequantize(quantize_scaled(x))``. Rounding is
 treated as the identity and the scale, a statistic of the data, as a constant.
@@ -37,7 +43,7 @@ from lowprec.core.formats import Format, Rounding, get_format
 from lowprec.core.granularity import Granularity, apply_scale, as_granularity, check_scale_shape
 from lowprec.core.rounding import to_format
 from lowprec.core.scalers import Scaler, _check_scale_value
-from lowprec.core.scales import _check_margin, amax, compute_scale, mx_scale
+from lowprec.core.scales import _check_margin, amax, group_scale
 
 __all__ = ["ScaledTensor", "quantize_scaled", "register_fallback", "register_rule"]
 
@@ -111,6 +117,29 @@ def _validate(
     return scale_t, dtype, None if fmt is None else get_format(fmt).name
 
 
+_Meta = tuple[torch.dtype, str | None, str | None, Granularity | None, tuple[int, ...] | None]
+
+
+def _check_meta(
+    data: Tensor, granularity: Granularity | None, unpadded: tuple[int, ...] | None
+) -> None:
+    if granularity is not None and not isinstance(granularity, Granularity):
+        raise TypeError(f"granularity must be a Granularity, got {type(granularity).__name__}")
+    if unpadded is None:
+        return
+    if (
+        not isinstance(unpadded, tuple)
+        or len(unpadded) != data.dim()
+        or not all(
+            isinstance(n, int) and 0 <= n <= d for n, d in zip(unpadded, data.shape, strict=True)
+        )
+    ):
+        raise ValueError(
+            f"unpadded_shape must be a tuple of ints no larger than data's shape "
+            f"{tuple(data.shape)}, got {unpadded!r}"
+        )
+
+
 class ScaledTensor(Tensor):
     """A tensor that represents ``data * scale`` (see the module docstring).
 
@@ -125,6 +154,8 @@ class ScaledTensor(Tensor):
     _scale: Tensor
     _fmt: str | None
     _domain: str | None
+    _granularity: str | None
+    _unpadded: tuple[int, ...] | None
 
     @staticmethod
     def __new__(
@@ -136,8 +167,12 @@ class ScaledTensor(Tensor):
         requires_grad: bool = False,
         *,
         domain: str | None = None,
+        granularity: Granularity | None = None,
+        unpadded_shape: tuple[int, ...] | None = None,
         _trusted: bool = False,
     ) -> ScaledTensor:
+        if not _trusted:
+            _check_meta(data, granularity, unpadded_shape)
         if _trusted:  # built by lowprec from a scale it computed: skip the checks
             assert isinstance(scale, Tensor) and dtype is not None
             fmt_name = fmt if isinstance(fmt, str) or fmt is None else fmt.name
@@ -155,6 +190,9 @@ class ScaledTensor(Tensor):
         out._scale = scale
         out._fmt = fmt_name
         out._domain = domain
+        # Kept as its canonical name (a str: plain constant metadata for torch.compile).
+        out._granularity = None if granularity is None else granularity.name
+        out._unpadded = None if unpadded_shape is None else tuple(unpadded_shape)
         return out
 
     @classmethod
@@ -165,9 +203,20 @@ class ScaledTensor(Tensor):
         dtype: torch.dtype,
         fmt: str | None,
         domain: str | None = None,
+        granularity: Granularity | None = None,
+        unpadded_shape: tuple[int, ...] | None = None,
     ) -> ScaledTensor:
         """Build without validation (rules and internal use: the scale is already checked)."""
-        return ScaledTensor(data, scale, dtype, fmt, domain=domain, _trusted=True)
+        return ScaledTensor(
+            data,
+            scale,
+            dtype,
+            fmt,
+            domain=domain,
+            granularity=granularity,
+            unpadded_shape=unpadded_shape,
+            _trusted=True,
+        )
 
     # ---- accessors -------------------------------------------------------------------
     @property
@@ -186,6 +235,16 @@ class ScaledTensor(Tensor):
         return self._domain
 
     @property
+    def granularity(self) -> Granularity | None:
+        """The absolute granularity of the scale, when recorded."""
+        return None if self._granularity is None else Granularity.from_name(self._granularity)
+
+    @property
+    def unpadded_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor this stands for (``shape`` unless zero-padded)."""
+        return tuple(self.shape) if self._unpadded is None else self._unpadded
+
+    @property
     def fmt(self) -> Format | None:
         """The number format of the payload, when known."""
         return None if self._fmt is None else get_format(self._fmt)
@@ -199,23 +258,22 @@ class ScaledTensor(Tensor):
         return out
 
     # ---- torch subclass protocol -------------------------------------------------------
-    def __tensor_flatten__(
-        self,
-    ) -> tuple[list[str], tuple[torch.dtype, str | None, str | None]]:
-        return ["_data", "_scale"], (self.dtype, self._fmt, self._domain)
+    def _meta(self) -> _Meta:
+        return (self.dtype, self._fmt, self._domain, self.granularity, self._unpadded)
+
+    def __tensor_flatten__(self) -> tuple[list[str], _Meta]:
+        return ["_data", "_scale"], self._meta()
 
     @staticmethod
     def __tensor_unflatten__(
-        inner: dict[str, Tensor],
-        meta: tuple[torch.dtype, str | None, str | None],
-        outer_size: Any,
-        outer_stride: Any,
+        inner: dict[str, Tensor], meta: _Meta, outer_size: Any, outer_stride: Any
     ) -> ScaledTensor:
-        return ScaledTensor._wrap(inner["_data"], inner["_scale"], meta[0], meta[1], meta[2])
+        return ScaledTensor._wrap(inner["_data"], inner["_scale"], *meta)
 
     def _stable_hash_for_caching(self) -> str:
         """Identity of the non-tensor metadata, for torch.compile's AOT autograd cache."""
-        return f"lowprec.ScaledTensor:{self.dtype}:{self._fmt}:{self._domain}"
+        g, u = self._granularity, self._unpadded
+        return f"lowprec.ScaledTensor:{self.dtype}:{self._fmt}:{self._domain}:{g}:{u}"
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -253,7 +311,7 @@ class ScaledTensor(Tensor):
 
 
 def _map_parts(x: ScaledTensor, fn: Callable[[Tensor], Tensor]) -> ScaledTensor:
-    return ScaledTensor._wrap(fn(x._data), fn(x._scale), x.dtype, x._fmt, x._domain)
+    return ScaledTensor._wrap(fn(x._data), fn(x._scale), *x._meta())
 
 
 @register_rule(aten.detach.default, aten.alias.default)
@@ -274,7 +332,8 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Scaled
     if dtype not in _LOGICAL:
         raise ValueError(f"dtype: a ScaledTensor's logical dtype must be one of {_LOGICAL}")
     kw.pop("layout", None)
-    return ScaledTensor._wrap(func(x._data, **kw), func(x._scale, **kw), dtype, x._fmt, x._domain)
+    meta = (dtype, *x._meta()[1:])
+    return ScaledTensor._wrap(func(x._data, **kw), func(x._scale, **kw), *meta)
 
 
 @register_rule(aten.is_same_size.default)
@@ -289,10 +348,19 @@ class _Dequantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: ScaledTensor, dtype: torch.dtype) -> Tensor:
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        return apply_scale(x._data.to(work), x._scale.to(work)).to(dtype)
+        out = apply_scale(x._data.to(work), x._scale.to(work))
+        ctx.padded = None
+        if x._unpadded is not None:
+            ctx.padded = tuple(out.shape)
+            out = out[tuple(slice(0, n) for n in x._unpadded)]
+        return out.to(dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        if ctx.padded is not None:
+            full = grad.new_zeros(ctx.padded)
+            full[tuple(slice(0, n) for n in grad.shape)] = grad
+            grad = full
         return grad, None
 
 
@@ -334,7 +402,8 @@ def quantize_scaled(
 
     The scale comes from ``scaler`` if given (its granularity applies), else from the
     current ``amax`` at ``granularity`` (default ``"tensor"``): ``amax · 2^margin / fmt.max``,
-    or the OCP MX E8M0 rule for ``"mx"``. Then ``data = quantize(x / scale, fmt)``, stored in
+    the OCP MX E8M0 rule for ``"mx"``, two-level E4M3 scales for ``"nv"``
+    (:func:`lowprec.core.scales.group_scale`). Then ``data = quantize(x / scale, fmt)``, stored in
     ``fmt``'s torch dtype when it has one (float8, fp16, bf16), else in the narrowest of
     bf16/fp16/fp32 that holds it exactly. ``saturate=True`` (default) clamps values beyond
     ``fmt.max``, which a delayed or static scale can produce. Gradient: straight-through.
@@ -365,11 +434,7 @@ def quantize_scaled(
         scale = scaler(x)
     else:
         g = as_granularity(granularity or "tensor")
-        a = amax(x, g)
-        if g.kind == "mx":
-            scale = mx_scale(a, fmt)
-        else:
-            scale = compute_scale(a, fmt, _check_margin(margin), power_of_two)
+        scale = group_scale(amax(x, g), fmt, g, _check_margin(margin), power_of_two)
     out: ScaledTensor = _QuantizeScaled.apply(  # type: ignore[no-untyped-call]
         x, scale, fmt, rounding, saturate, generator
     )

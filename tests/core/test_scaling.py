@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lowprec.core.formats import get_format
-from lowprec.core.granularity import Granularity, apply_scale
+from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
 from lowprec.core.scalers import DelayedScaler, DynamicScaler, StaticScaler
 from lowprec.core.scales import amax, compute_scale, mx_scale, round_pow2
 
@@ -326,3 +326,41 @@ def test_scalers_match_ml_dtypes_roundtrip_bound() -> None:
     s = DynamicScaler("e4m3fn")(x)
     y = (x / s).numpy().astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     assert np.isfinite(y).all() and np.abs(y).max() == 448.0
+
+
+# ---- the one grammar: relative form, bind, padding policy ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "cd", "shape", "expected"),
+    [
+        ("axis", 1, (4, 256), (4, 1)),  # M×K: one scale per row
+        ("axis", 0, (256, 8), (1, 8)),  # K×N: one scale per column
+        ("block:1x128", 1, (4, 256), (4, 2)),
+        ("block:1x128", 0, (256, 8), (2, 8)),  # 128 along K (rows), 1 along N
+        ("block:128x128", 0, (256, 384), (2, 3)),
+        ("mx:32", 0, (64, 4), (2, 4)),
+        ("nv", 1, (4, 64), (4, 4)),
+    ],
+)
+def test_relative_granularity_binds_to_the_contracted_dim(
+    name: str, cd: int, shape: tuple[int, ...], expected: tuple[int, ...]
+) -> None:
+    g = Granularity.from_name(name, axis="K")
+    assert g.relative and Granularity.from_name(g.name) == g  # the name round-trips
+    assert g.bind(cd).scale_shape(shape) == expected
+    with pytest.raises(ValueError, match="bind it first"):
+        g.scale_shape(shape)
+
+
+def test_absolute_names_round_trip_and_padding_is_explicit() -> None:
+    for name in ["tensor", "row", "axis:0", "block:1x128", "block:4x8@0", "mx", "mx:16@0", "nv"]:
+        g = Granularity.from_name(name)
+        assert Granularity.from_name(g.name) == g and not g.relative
+    g = Granularity.from_name("block:4x8")
+    x = torch.randn(5, 9)
+    p = pad_to_blocks(x, g)
+    assert p.shape == (8, 16) and torch.equal(p[:5, :9], x) and not p[5:].any()
+    assert not p[:, 9:].any() and pad_to_blocks(p, g) is p
+    # Zero padding leaves every block's amax unchanged (the policy's reason).
+    assert amax(p, g)[0, 0] == x[:4, :8].abs().max()

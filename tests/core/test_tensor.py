@@ -262,3 +262,23 @@ def test_wrapper_has_the_data_strides() -> None:
     data = torch.randn(4, 6).t()
     st = ScaledTensor(data, 2.0)
     assert st.stride() == data.stride() and not st.is_contiguous()
+
+
+def test_unpadded_shape_crops_and_granularity_is_kept() -> None:
+    """A zero-padded payload stands for the smaller tensor: dequantize crops, the gradient
+    is zero-padded back, metadata survives detach/clone/.to."""
+    from lowprec.core.granularity import Granularity
+
+    g = Granularity.blocks(1, 4)
+    data = torch.arange(8.0).reshape(2, 4)
+    st = ScaledTensor(data, torch.full((2, 1), 2.0), granularity=g, unpadded_shape=(2, 3))
+    assert st.unpadded_shape == (2, 3) and st.granularity == g
+    assert st.dequantize().tolist() == [[0.0, 2.0, 4.0], [8.0, 10.0, 12.0]]
+    for t in (st.detach(), st.clone(), st.to(torch.float64)):
+        assert isinstance(t, ScaledTensor) and t.unpadded_shape == (2, 3) and t.granularity == g
+    with pytest.raises(ValueError, match="unpadded_shape"):
+        ScaledTensor(data, 1.0, unpadded_shape=(3, 3))
+    # Gradient of the cropped view: zero-padded back to the payload's shape.
+    ctx = type("Ctx", (), {"padded": (2, 4)})()
+    g, _ = ScaledTensor.dequantize.__globals__["_Dequantize"].backward(ctx, torch.ones(2, 3))
+    assert g.tolist() == [[1.0, 1.0, 1.0, 0.0]] * 2
