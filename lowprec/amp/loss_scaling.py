@@ -110,12 +110,38 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`: all or nothing (every entry is validated first;
+        ``ValueError``/``TypeError`` naming the entry leave the scaler unchanged)."""
+        self._apply(self._check_state(state))
+
+    def _check_state(self, state: Any) -> dict[str, Any]:
+        """The validated entries of ``state``, ready to assign (nothing assigned here)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
         if state.get("type") != type(self).__name__:
             raise ValueError(
                 f"state: saved by {state.get('type')}, cannot load into {type(self).__name__}"
             )
-        self._scale = float(state["scale"])
-        self.history = [StepRecord(float(s), bool(k)) for s, k in state["history"]]
+        for key in ("scale", "history"):
+            if key not in state:
+                raise ValueError(f"state: no {key!r} entry")
+        scale = _number("state['scale']", state["scale"])
+        _check_positive("state['scale']", scale)
+        hist = state["history"]
+        if not isinstance(hist, (list, tuple)):
+            raise TypeError(f"state['history'] must be a list, got {type(hist).__name__}")
+        history = []
+        for i, rec in enumerate(hist):
+            if not (isinstance(rec, (list, tuple)) and len(rec) == 2):
+                raise ValueError(f"state['history'][{i}] must be a (scale, skipped) pair")
+            rec_scale = _number(f"state['history'][{i}]", rec[0])
+            _check_positive(f"state['history'][{i}]", rec_scale)
+            history.append(StepRecord(rec_scale, bool(rec[1])))
+        return {"_scale": scale, "history": history}
+
+    def _apply(self, checked: dict[str, Any]) -> None:
+        for k, v in checked.items():
+            setattr(self, k, v)
 
 
 class NoLossScaler(LossScaler):
@@ -159,27 +185,34 @@ class DynamicLossScaler(LossScaler):
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
     ) -> None:
+        cfg = _check_config(
+            {
+                "init_scale": init_scale,
+                "growth_factor": growth_factor,
+                "backoff_factor": backoff_factor,
+                "growth_interval": growth_interval,
+                "min_scale": min_scale,
+                "max_scale": max_scale,
+            },
+            "",
+        )
         super().__init__(init_scale)
-        _check_positive("min_scale", min_scale)
-        _check_positive("max_scale", max_scale)
-        if growth_factor <= 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
-            raise TypeError(f"growth_interval must be an int, got {type(growth_interval).__name__}")
-        if growth_interval < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
-        if not min_scale <= init_scale <= max_scale:
-            raise ValueError(
-                f"init_scale must lie in [min_scale, max_scale] = [{min_scale}, {max_scale}], "
-                f"got {init_scale}"
-            )
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = growth_interval
-        self.min_scale, self.max_scale = float(min_scale), float(max_scale)
+        self.growth_factor = cfg["growth_factor"]
+        self.backoff_factor = cfg["backoff_factor"]
+        self.growth_interval = cfg["growth_interval"]
+        self.min_scale, self.max_scale = cfg["min_scale"], cfg["max_scale"]
         self._good_steps = 0
+
+    def config(self) -> dict[str, Any]:
+        """The constructor's arguments (``init_scale`` as given at construction is not
+        kept: the current scale is the state's ``scale``)."""
+        return {
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+        }
 
     def update(self) -> None:
         super().update()
@@ -195,11 +228,91 @@ class DynamicLossScaler(LossScaler):
                 self._good_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "good_steps": self._good_steps}
+        """Scale, history, the count of good steps since the last change, and the
+        configuration (``config``: growth/backoff factors, interval, bounds)."""
+        return {**super().state_dict(), "good_steps": self._good_steps, "config": self.config()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._good_steps = int(state["good_steps"])
+    def _check_state(self, state: Any) -> dict[str, Any]:
+        """As the base class, plus ``good_steps`` (an int in ``[0, growth_interval)``) and
+        the saved ``config`` (validated as the constructor does; states saved before it
+        was recorded keep this scaler's configuration). The scale must lie in
+        ``[min_scale, max_scale]`` of the configuration being loaded."""
+        checked = super()._check_state(state)
+        cfg = self.config()
+        if "config" in state:
+            saved = state["config"]
+            if not isinstance(saved, dict):
+                raise TypeError(f"state['config'] must be a dict, got {type(saved).__name__}")
+            unknown = sorted(set(saved) - set(cfg))
+            if unknown:
+                raise ValueError(f"state['config']: unknown entries {unknown}")
+            cfg = _check_config({**cfg, **saved}, "state['config']")
+        lo, hi = cfg["min_scale"], cfg["max_scale"]
+        if not lo <= checked["_scale"] <= hi:
+            raise ValueError(
+                f"state['scale'] must lie in [min_scale, max_scale] = [{lo}, {hi}], "
+                f"got {checked['_scale']}"
+            )
+        good = state.get("good_steps")
+        if isinstance(good, bool) or not isinstance(good, int):
+            raise TypeError(f"state['good_steps'] must be an int, got {type(good).__name__}")
+        if not 0 <= good < cfg["growth_interval"]:
+            raise ValueError(
+                f"state['good_steps'] must lie in [0, growth_interval={cfg['growth_interval']})"
+                f", got {good}"
+            )
+        return {**checked, **cfg, "_good_steps": good}
+
+
+def _number(name: str, v: Any) -> float:
+    """``v`` as a float; ``TypeError`` naming ``name`` for a non-number (bool included)."""
+    if isinstance(v, Tensor) and v.numel() == 1 and v.dtype.is_floating_point:
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _check_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Validate a dynamic scaler's configuration (every entry finite, factors and bounds
+    consistent); ``ValueError``/``TypeError`` name the entry. Returns it normalised."""
+
+    def name(k: str) -> str:
+        return f"{where}[{k!r}]" if where else k
+
+    out: dict[str, Any] = {}
+    for k in ("growth_factor", "backoff_factor", "min_scale", "max_scale", "init_scale"):
+        if k in cfg:
+            out[k] = _number(name(k), cfg[k])
+            if not math.isfinite(out[k]):
+                raise ValueError(f"{name(k)} must be finite, got {out[k]}")
+    for k in ("min_scale", "max_scale", "init_scale"):
+        if k in out:
+            _check_positive(name(k), out[k])
+    if not out["growth_factor"] > 1.0:
+        raise ValueError(
+            f"{name('growth_factor')} must be finite and > 1, got {cfg['growth_factor']}"
+        )
+    if not 0.0 < out["backoff_factor"] < 1.0:
+        raise ValueError(f"{name('backoff_factor')} must be in (0, 1), got {cfg['backoff_factor']}")
+    gi = cfg["growth_interval"]
+    if isinstance(gi, bool) or not isinstance(gi, int):
+        raise TypeError(f"{name('growth_interval')} must be an int, got {type(gi).__name__}")
+    if gi < 1:
+        raise ValueError(f"{name('growth_interval')} must be >= 1, got {gi}")
+    out["growth_interval"] = gi
+    if out["min_scale"] > out["max_scale"]:
+        raise ValueError(
+            f"{name('min_scale')} must be <= max_scale, got {out['min_scale']} > {out['max_scale']}"
+        )
+    if "init_scale" in out:
+        if not out["min_scale"] <= out["init_scale"] <= out["max_scale"]:
+            raise ValueError(
+                f"init_scale must lie in [min_scale, max_scale] = "
+                f"[{out['min_scale']}, {out['max_scale']}], got {cfg['init_scale']}"
+            )
+        del out["init_scale"]
+    return out
 
 
 def _check_positive(name: str, v: float) -> None:

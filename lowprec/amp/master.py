@@ -113,14 +113,39 @@ class MasterWeights:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`: the FP32 masters, the inner optimizer's state, and
+        the masters written back into the model's parameters (rounded to nearest into
+        their dtype), so model and masters agree as after a ``step``. All or nothing:
+        every master is checked (count, shape, floating dtype) before anything is
+        assigned, and the inner optimizer's state is loaded first (a ``ValueError``
+        there leaves masters and model unchanged)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        for key in ("master", "optimizer"):
+            if key not in state:
+                raise ValueError(f"state: no {key!r} entry")
         masters = state["master"]
+        if not isinstance(masters, (list, tuple)):
+            raise TypeError(
+                f"state['master'] must be a list of tensors, got {type(masters).__name__}"
+            )
         if len(masters) != len(self.master_params):
             raise ValueError(
                 f"state: {len(masters)} master tensors for {len(self.master_params)} params"
             )
-        with torch.no_grad():
-            for m, s in zip(self.master_params, masters, strict=True):
-                m.copy_(s)
+        for i, (m, s) in enumerate(zip(self.master_params, masters, strict=True)):
+            if not isinstance(s, torch.Tensor) or not s.dtype.is_floating_point:
+                raise TypeError(f"state['master'][{i}] must be a floating-point tensor")
+            if s.shape != m.shape:
+                raise ValueError(
+                    f"state['master'][{i}]: shape {tuple(s.shape)}, the parameter's is "
+                    f"{tuple(m.shape)}"
+                )
         self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for p, m, s in zip(self.model_params, self.master_params, masters, strict=True):
+                m.copy_(s)
+                p.copy_(m)
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
+        self._grads_copied = False
