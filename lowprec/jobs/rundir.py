@@ -8,8 +8,18 @@ A run directory holds
   number of steps done (1-based);
 * ``numerics.jsonl`` (:data:`NUMERICS`): :mod:`lowprec.analysis.tracking` records,
   ``"step"`` the 0-based step index;
-* ``checkpoint.pt`` (:data:`CHECKPOINT`): ``{"step", "run", "rng"}``, written atomically;
+* ``checkpoint.pt`` (:data:`CHECKPOINT`): ``{"step", "run", "rng"}``;
 * ``summary.json`` (:data:`SUMMARY`): :func:`summary_of` the metrics, at the end.
+
+How the files are written (``docs/reliability.md`` lists what survives which failure):
+
+* whole files (config, checkpoint, summary, and every rewrite of a JSON-lines file, such as
+  the truncation to the checkpoint's step on resume) go to a temporary file in the same
+  directory, are flushed to disk (``fsync``), then renamed over the old one (``os.replace``):
+  a reader sees the old file or the new one, never a mix;
+* JSON-lines files grow by appends of whole lines, one ``write`` call per step
+  (:func:`append_jsonl`); a kill can at worst tear the last line, and every reader
+  (:func:`read_jsonl`) drops a torn last line with a note (:class:`RunNote`).
 
 Every job (train, demo, report) reads and checks run directories through this module only;
 a failed check raises :class:`RunError` (a ``ValueError``) with a message for the user.
@@ -21,6 +31,8 @@ import json
 import math
 import os
 import statistics
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +45,12 @@ __all__ = [
     "NUMERICS",
     "SUMMARY",
     "RunError",
+    "RunNote",
+    "append_jsonl",
     "load_checkpoint",
     "make_new_dir",
     "read_config",
+    "read_jsonl",
     "read_metrics",
     "read_run",
     "save_checkpoint",
@@ -43,6 +58,7 @@ __all__ = [
     "summary_cells",
     "summary_of",
     "truncate_jsonl",
+    "write_atomic",
 ]
 
 CHECKPOINT = "checkpoint.pt"
@@ -50,42 +66,150 @@ METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 SUMMARY = "summary.json"
 NUMERICS = "numerics.jsonl"
+_TMP = ".tmp"  # suffix of the temporary files of atomic writes
+
+# Keys every metrics record has (what summary_of reads) and every numerics record has.
+_METRIC_KEYS = ("step", "loss", "skipped", "grad_zero_share", "step_time")
+_NUMERIC_KEYS = ("step", "name", "kind", "below_normal", "above_max")
 
 
 class RunError(ValueError):
-    """A run cannot start or resume (bad directory, missing or corrupt checkpoint)."""
+    """A run cannot start or resume (bad directory, missing or corrupt files)."""
+
+
+class RunNote(UserWarning):
+    """Something in a run directory was repaired while reading it (a torn last line)."""
+
+
+# ---- writing -----------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write: Callable[[Any], None] | str | bytes) -> None:
+    """Replace ``path`` atomically: write to ``path.tmp`` (``write(f)`` on the binary file,
+    or the given text/bytes), flush and ``fsync`` it, then ``os.replace`` it over ``path``.
+    A crash at any moment leaves the old file or the new one, and at worst a stale
+    ``.tmp`` file that the next write replaces."""
+    tmp = path.with_name(path.name + _TMP)
+    with open(tmp, "wb") as f:
+        if isinstance(write, str):
+            f.write(write.encode("utf-8"))
+        elif isinstance(write, bytes):
+            f.write(write)
+        else:
+            write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def append_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    """Append ``records`` as JSON lines to ``path`` in one ``write`` call (``O_APPEND``): a
+    kill leaves whole lines, or at worst a torn last line that :func:`read_jsonl` drops."""
+    data = "".join(json.dumps(r) + "\n" for r in records).encode("utf-8")
+    if not data:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:  # a regular file takes it in one call; loop only on a short write
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def make_new_dir(out: Path, advice: str) -> None:
     """Create ``out`` for a new run; :class:`RunError` ending in ``advice`` if it exists and
-    is not an empty directory (nothing on disk is overwritten)."""
+    is not an empty directory (nothing on disk is overwritten), or cannot be created."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise RunError(f"output directory {out} already exists; {advice}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"cannot create output directory {out}: {e.strerror or e}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise RunError(f"output directory {out} is not writable")
+
+
+# ---- reading -----------------------------------------------------------------------------
 
 
 def read_config(out: Path, context: str) -> dict[str, Any]:
-    """The run's ``config.json``; :class:`RunError` prefixed ``context`` if there is none."""
+    """The run's ``config.json``; :class:`RunError` prefixed ``context`` if there is none,
+    or it is not a JSON object with a ``"train"`` object."""
     saved = out / CONFIG
     if not saved.is_file():
         raise RunError(f"{context}: {out} is not a run directory (no {CONFIG})")
-    config: dict[str, Any] = json.loads(saved.read_text())
+    try:
+        config = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunError(f"{context}: {saved} is corrupt or unreadable ({e})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("train"), dict):
+        raise RunError(f"{context}: {saved} is corrupt (expected an object with a 'train' object)")
     return config
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]
+def read_jsonl(path: Path, required: tuple[str, ...] = ("step",)) -> list[dict[str, Any]]:
+    """The records of the JSON-lines file ``path`` (``[]`` if there is none). A torn last
+    line (a kill during an append) is dropped with a :class:`RunNote` warning; any other
+    bad line, or a record without the ``required`` keys or an integer ``"step"``, raises
+    :class:`RunError` naming the file and line."""
+    if not path.is_file():
+        return []
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise RunError(f"{path}: unreadable ({e.strerror or e})") from None
+    lines = text.split("\n")
+    complete = text.endswith("\n") or not text
+    records: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        last = i == len(lines) - 1 or (i == len(lines) - 2 and not lines[-1])
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if not isinstance(rec, dict) or (last and not complete):
+            if last:
+                warnings.warn(
+                    f"{path}: dropped a torn last line (line {i + 1}: a write was cut short)",
+                    RunNote,
+                    stacklevel=2,
+                )
+                break
+            raise RunError(f"{path}: line {i + 1} is not a JSON object (the file is corrupt)")
+        missing = [k for k in required if k not in rec]
+        if missing or isinstance(rec["step"], bool) or not isinstance(rec["step"], int):
+            what = f"no {', '.join(missing)}" if missing else "a non-integer step"
+            raise RunError(f"{path}: line {i + 1} has {what} (not a lowprec record)")
+        records.append(rec)
+    return records
 
 
 def read_metrics(out: str | Path) -> list[dict[str, Any]]:
-    """The metrics records of run directory ``out``, in step order."""
-    return _read_jsonl(Path(out) / METRICS)
+    """The metrics records of run directory ``out``, in step order (see :func:`read_jsonl`)."""
+    return read_jsonl(Path(out) / METRICS, _METRIC_KEYS)
 
 
 def read_run(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """``(config, metrics, numerics)`` of a finished or running run directory (numerics
     empty if none were written); :class:`RunError` naming what is wrong if ``path`` is not
-    a run directory with at least one recorded step."""
+    a run directory with at least one recorded step, or one of its files is malformed."""
     p = Path(path)
     if not p.is_dir():
         raise RunError(f"{p} is not a directory (expected a run directory of `lowprec train`)")
@@ -95,70 +219,98 @@ def read_run(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], li
             f"{p} is not a lowprec run directory: no {' or '.join(missing)} "
             "(make one with `lowprec train --out DIR` or `lowprec demo`)"
         )
-    try:
-        config = json.loads((p / CONFIG).read_text())
-        metrics = read_metrics(p)
-    except (json.JSONDecodeError, OSError) as e:
-        raise RunError(f"{p}: unreadable run files ({e})") from None
+    config = read_config(p, str(p))
+    metrics = read_metrics(p)
     if not metrics:
         raise RunError(f"{p}: the run has no recorded steps yet ({METRICS} is empty)")
-    numerics: list[dict[str, Any]] = []
-    if (p / NUMERICS).is_file():
-        try:
-            numerics = _read_jsonl(p / NUMERICS)
-        except json.JSONDecodeError as e:
-            raise RunError(f"{p}: {NUMERICS} is corrupt or truncated ({e})") from None
+    for i, r in enumerate(metrics):
+        bad = [k for k in ("loss", "grad_zero_share", "step_time") if not _is_number(r[k])]
+        if bad:
+            raise RunError(f"{p / METRICS}: record {i + 1} has a non-numeric {bad[0]}")
+    try:
+        numerics = read_jsonl(p / NUMERICS, _NUMERIC_KEYS)
+    except RunError as e:
+        raise RunError(f"{e} ({NUMERICS} is corrupt or truncated)") from None
     return config, metrics, numerics
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def truncate_jsonl(path: Path, last: int) -> None:
-    """Drop JSON lines whose ``step`` is after ``last`` (written after the checkpoint a run
-    resumes from)."""
+    """Keep the JSON lines whose ``step`` is at most ``last`` (drop those written after the
+    checkpoint a run resumes from, and a torn last line), rewriting ``path`` atomically
+    (:func:`write_atomic`): a kill during the rewrite leaves the old file."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last]
-    path.write_text("".join(ln + "\n" for ln in keep))
+    keep = [r for r in read_jsonl(path) if r["step"] <= last]
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def save_checkpoint(out: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``out/checkpoint.pt`` atomically (a temporary file, then a rename:
-    a crash never leaves a half-written checkpoint)."""
-    tmp = out / (CHECKPOINT + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out / CHECKPOINT)
+    """Write ``state`` to ``out/checkpoint.pt`` atomically (:func:`write_atomic`: a crash or
+    a kill never leaves a half-written checkpoint)."""
+    write_atomic(out / CHECKPOINT, lambda f: torch.save(state, f))
+
+
+_RUN_KEYS = ("recipe", "model", "optimizer", "scaler")
 
 
 def load_checkpoint(out: Path) -> dict[str, Any]:
-    """The checkpoint of ``out`` (keys ``step``, ``run``, ``rng``); :class:`RunError` if it
-    is missing, unreadable or lacks a key."""
+    """The checkpoint of ``out`` (keys ``step``, ``run``, ``rng``; ``run`` with the keys of
+    :meth:`lowprec.recipes.Prepared.state_dict`); :class:`RunError` if it is missing,
+    unreadable or lacks a key."""
     path = out / CHECKPOINT
     if not path.is_file():
         raise RunError(f"--resume: no checkpoint at {path}")
     try:
         state = torch.load(path, weights_only=True)
-        if not isinstance(state, dict) or not {"step", "run", "rng"} <= set(state):
-            raise ValueError("missing keys")
     except Exception as e:  # any unpickling failure means the file is corrupt
-        raise RunError(f"--resume: checkpoint {path} is corrupt or unreadable ({e})") from e
+        raise RunError(f"--resume: checkpoint {path} is corrupt or unreadable ({e})") from None
+    if not isinstance(state, dict) or not {"step", "run", "rng"} <= set(state):
+        raise RunError(f"--resume: checkpoint {path} is corrupt (missing keys)")
+    run = state["run"]
+    missing = [k for k in _RUN_KEYS if not isinstance(run, dict) or k not in run]
+    if missing or not isinstance(state["step"], int):
+        what = f"no {', '.join(repr(k) for k in missing)} in its run state" if missing else "step"
+        raise RunError(f"--resume: checkpoint {path} is corrupt ({what})")
     return state
+
+
+# ---- summary -------------------------------------------------------------------------------
 
 
 def summarize(out: str | Path) -> dict[str, Any]:
     """:func:`summary_of` the run directory ``out``."""
-    return summary_of(read_metrics(out), json.loads((Path(out) / CONFIG).read_text()))
+    return summary_of(read_metrics(out), read_config(Path(out), str(out)))
+
+
+def diverged_at(recs: list[dict[str, Any]]) -> int | None:
+    """The step at which a run diverged, or ``None``: the step of a record marked
+    ``"stopped": "nonfinite"`` (the run stopped there), else, if the last record's loss is
+    not finite (the run ended non-finite), the first step of the final run of non-finite
+    losses. A loss-scaled run whose scaler skipped a bad step and recovered did not diverge."""
+    stop = next((r["step"] for r in recs if r.get("stopped") == "nonfinite"), None)
+    if stop is not None or not recs or math.isfinite(recs[-1]["loss"]):
+        return stop
+    i = len(recs) - 1
+    while i > 0 and not math.isfinite(recs[i - 1]["loss"]):
+        i -= 1
+    step: int = recs[i]["step"]
+    return step
 
 
 def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
     """Final numbers of a run from its metrics records and ``config.json``: the mean train
     loss of the last 10 steps, the last val loss and its bits per character (``/ ln 2``),
     skipped steps, the mean share of zero gradient values and of activation-gradient
-    underflow, the median step time, and the first step with a non-finite loss."""
+    underflow, the median step time, and the step where it diverged (:func:`diverged_at`)."""
     vals = [r for r in recs if "val_loss" in r]
     tail = [r["loss"] for r in recs[-10:]]
-    diverged = next((r["step"] for r in recs if not math.isfinite(r["loss"])), None)
     final_val = vals[-1]["val_loss"] if vals else math.nan
     return {
-        "recipe": cfg["train"]["recipe"],
+        "recipe": cfg["train"].get("recipe", "?"),
         "steps": recs[-1]["step"] if recs else 0,
         "train_loss": statistics.fmean(tail) if tail else math.nan,
         "val_loss": final_val,
@@ -168,7 +320,7 @@ def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
         "act_grad_underflow": _mean(recs, "act_grad_underflow"),
         "act_grad_zero": _mean(recs, "act_grad_zero"),
         "step_time_ms": 1e3 * statistics.median(r["step_time"] for r in recs) if recs else 0,
-        "diverged_at": diverged,
+        "diverged_at": diverged_at(recs),
     }
 
 

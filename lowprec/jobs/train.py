@@ -3,18 +3,29 @@
 The run directory (:mod:`lowprec.jobs.rundir`) gets ``config.json``, one ``metrics.jsonl``
 line per step (from :func:`lowprec.recipes.step.train_step`), ``numerics.jsonl`` at the
 first and the last step, ``checkpoint.pt`` (model, optimizer, loss scaler, data position,
-RNG states; every ``ckpt_every`` steps, at the end and on Ctrl-C) and ``summary.json`` at
-the end.
+RNG states; every ``ckpt_every`` steps, at the end and on SIGINT/SIGTERM) and
+``summary.json`` at the end. Every write is atomic or a whole-line append (see rundir).
 
-Batches depend only on the seed and the step, and the checkpoint restores every piece of
-state, so ``--resume`` continues bit-exactly: N steps straight equal N/2 steps, resume,
-N/2 steps (``tests/test_train.py``).
+A step is the unit of work: SIGINT/SIGTERM take effect between steps
+(:mod:`lowprec.jobs.interrupts`), then the run checkpoints and raises
+:class:`~lowprec.jobs.interrupts.Interrupted`. Batches depend only on the seed and the
+step, and the checkpoint restores every piece of state, so ``--resume`` continues
+bit-exactly: every step is logged once, with the losses of an uninterrupted run
+(``tests/jobs/test_train.py``, ``tests/jobs/test_interrupts.py``).
+
+A step with an Inf/NaN loss or gradient never changes the weights
+(``train_step(skip_nonfinite=True)``). A loss-scaled recipe skips it, as its loss scaler
+does; otherwise ``on_nonfinite`` decides: ``"stop"`` (log the step, raise
+:class:`NonFiniteError`, keep the last checkpoint) or ``"skip"``. ``max_skips``
+consecutive skipped steps stop any run. No checkpoint is ever written with non-finite
+parameters or optimizer state.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, fields
@@ -23,16 +34,21 @@ from typing import Any
 
 import torch
 
+from lowprec.amp import NoLossScaler
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
 from lowprec.analysis.tracking import Tracker
 from lowprec.jobs.data import CharData
+from lowprec.jobs.interrupts import Interrupted, StopSignals
 from lowprec.jobs.model import CharGPT, ModelConfig
+from lowprec.jobs.progress import Progress
 from lowprec.jobs.rundir import (  # re-exported: the job's own names for its files
+    CHECKPOINT,
     CONFIG,
     METRICS,
     NUMERICS,
     SUMMARY,
     RunError,
+    append_jsonl,
     load_checkpoint,
     make_new_dir,
     read_config,
@@ -41,6 +57,7 @@ from lowprec.jobs.rundir import (  # re-exported: the job's own names for its fi
     summarize,
     summary_of,
     truncate_jsonl,
+    write_atomic,
 )
 from lowprec.recipes import Prepared, get_recipe, prepare
 from lowprec.recipes.step import train_step
@@ -49,9 +66,12 @@ __all__ = [
     "CONFIG",
     "METRICS",
     "NUMERICS",
+    "ON_NONFINITE",
     "SUMMARY",
     "TRACK_FORMATS",
     "GradMeter",
+    "Interrupted",
+    "NonFiniteError",
     "RunError",
     "TrainConfig",
     "build",
@@ -64,6 +84,17 @@ __all__ = [
 
 # Formats whose ranges the numerics records measure (lowprec.analysis.tracking).
 TRACK_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
+ON_NONFINITE = ("stop", "skip")  # what a step with an Inf/NaN loss or gradient does
+_MEMORY_SHARE = 0.8  # refuse a configuration whose step needs more of the machine's memory
+
+
+class NonFiniteError(RunError):
+    """The run stopped on an Inf/NaN loss or gradient (or too many skipped steps); the
+    last checkpoint, written before it, is kept. ``step``: the step that failed."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 @dataclass(frozen=True)
@@ -130,9 +161,9 @@ class TrainConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def build(cfg: TrainConfig) -> tuple[Prepared, CharData]:
+def build(cfg: TrainConfig, data: CharData | None = None) -> tuple[Prepared, CharData]:
     """Model, optimizer, scaler and data for ``cfg``, initialised from ``cfg.seed``."""
-    data = CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    data = data or CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     model = CharGPT(cfg.model_config(data.vocab_size))
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -156,6 +187,30 @@ def evaluate(prepared: Prepared, data: CharData, batches: int) -> float:
     return total / batches
 
 
+def check_size(cfg: TrainConfig) -> CharData:
+    """The data of ``cfg``, after checking up front that the run fits: ``seq_len`` shorter
+    than each split of the corpus, and one step's estimated memory (attention scores
+    ``batch · heads · seq_len²`` and activations ``batch · seq_len · width``, per layer,
+    FP32, kept for backward) within :data:`_MEMORY_SHARE` of the machine's memory.
+    :class:`RunError` naming the option otherwise."""
+    try:
+        data = CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    except ValueError as e:
+        raise RunError(f"--seq-len {cfg.seq_len} is too long for the corpus ({e})") from None
+    b, t, w = cfg.batch_size, cfg.seq_len, cfg.width
+    need = 4 * cfg.depth * (4 * b * cfg.heads * t * t + 24 * b * t * w) + t * t
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return data
+    if need > _MEMORY_SHARE * have:
+        raise RunError(
+            f"--seq-len {t} / --batch-size {b} / --width {w}: one step needs about "
+            f"{need / 2**30:.0f} GiB, more than this machine's {have / 2**30:.0f} GiB of memory"
+        )
+    return data
+
+
 def _rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
@@ -165,7 +220,35 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
+def _nonfinite_state(prepared: Prepared) -> str | None:
+    """The name of the first parameter or optimizer-state tensor holding Inf/NaN, if any."""
+    named: list[tuple[str, Any]] = list(prepared.model.named_parameters())
+    stack: list[tuple[str, Any]] = [("optimizer", prepared.optimizer.state_dict())]
+    while stack:
+        name, v = stack.pop()
+        if isinstance(v, dict):
+            stack += [(f"{name}.{k}", x) for k, x in v.items()]
+        elif isinstance(v, (list, tuple)):
+            stack += [(f"{name}.{i}", x) for i, x in enumerate(v)]
+        elif isinstance(v, torch.Tensor):
+            named.append((name, v))
+    for name, t in named:
+        if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+            return name
+    if not math.isfinite(prepared.scaler.loss_scale):
+        return "loss scale"
+    return None
+
+
 def _save_checkpoint(out: Path, prepared: Prepared, step: int) -> None:
+    """Checkpoint at ``step``; refuses (:class:`NonFiniteError`) to write Inf/NaN state, so
+    the last good checkpoint is never overwritten with it."""
+    bad = _nonfinite_state(prepared)
+    if bad is not None:
+        raise NonFiniteError(
+            f"step {step}: {bad} holds Inf/NaN; no checkpoint written (the last one is kept)",
+            step,
+        )
     save_checkpoint(out, {"step": step, "run": prepared.state_dict(), "rng": _rng_state()})
 
 
@@ -180,6 +263,30 @@ def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool) -> None:
     make_new_dir(out, "pass --resume or another --out")
 
 
+def _resume(out: Path, prepared: Prepared) -> int:
+    """Restore the checkpoint of ``out`` (none yet: step 0) and cut the logs back to it
+    (atomic rewrites); the step to continue from."""
+    start = 0
+    if (out / CHECKPOINT).exists():
+        state = load_checkpoint(out)
+        try:
+            prepared.load_state_dict(state["run"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as e:
+            raise RunError(f"--resume: checkpoint {out / CHECKPOINT} does not fit ({e})") from None
+        _set_rng_state(state["rng"])
+        start = int(state["step"])
+    truncate_jsonl(out / METRICS, start)  # metrics: "step" = steps done (1-based)
+    truncate_jsonl(out / NUMERICS, start - 1)  # numerics: 0-based step index
+    logged = [r["step"] for r in read_metrics(out)]
+    if logged != list(range(1, start + 1)):
+        raise RunError(
+            f"--resume: {out / METRICS} does not hold steps 1..{start} of the checkpoint once "
+            "each (edited or lost); the run cannot continue exactly"
+        )
+    (out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
+    return start
+
+
 def train(
     cfg: TrainConfig,
     out: str | Path,
@@ -187,73 +294,135 @@ def train(
     progress: bool = True,
     label: str | None = None,
     stop_after: int | None = None,
+    on_nonfinite: str = "stop",
+    max_skips: int = 25,
 ) -> dict[str, Any]:
     """Train the reference model per ``cfg``, writing the run directory ``out``.
 
     Returns the summary (also written to ``summary.json``). Raises :class:`RunError` for a
-    non-empty ``out`` without ``resume``, or a missing/corrupt checkpoint with it.
-    Ctrl-C writes a checkpoint at the last completed step and re-raises.
-    ``stop_after=k`` stops after step ``k`` as an interruption would (checkpoint written,
-    resumable), without the final summary; it returns ``{"stopped_at": k}``.
+    non-empty ``out`` without ``resume``, a corrupt checkpoint or config with it, or a
+    configuration too big for the corpus or the machine (checked before anything is
+    written). ``resume`` on a directory stopped before its first checkpoint starts at step 0.
+
+    SIGINT/SIGTERM: the current step finishes, a checkpoint is written, and
+    :class:`~lowprec.jobs.interrupts.Interrupted` is raised. ``on_nonfinite``
+    (``"stop"`` or ``"skip"``) and ``max_skips``: see the module docstring;
+    :class:`NonFiniteError` when the run stops. ``stop_after=k`` stops after step ``k``
+    as an interruption would (checkpoint written, resumable), without the final summary;
+    it returns ``{"stopped_at": k}``.
     """
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+    if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 1:
+        raise ValueError(f"max_skips must be a positive int, got {max_skips!r}")
     out = Path(out)
+    data = check_size(cfg)
     _prepare_dir(out, cfg, resume)
-    prepared, data = build(cfg)
-    start = 0
-    if resume:
-        state = load_checkpoint(out)
-        prepared.load_state_dict(state["run"])
-        _set_rng_state(state["rng"])
-        start = int(state["step"])
-        truncate_jsonl(out / METRICS, start)  # metrics: "step" = steps done (1-based)
-        truncate_jsonl(out / NUMERICS, start - 1)  # numerics: 0-based step index
-    else:
-        (out / CONFIG).write_text(
-            json.dumps(
-                {
-                    "train": cfg.to_dict(),
-                    "recipe": prepared.recipe.to_dict(),
-                    "model": cfg.model_config(data.vocab_size).to_dict(),
-                    "torch": torch.__version__,
-                },
-                indent=2,
-            )
-        )
+    prepared, data = build(cfg, data)
+    start = _resume(out, prepared) if resume else 0
+    has_ckpt = (out / CHECKPOINT).exists()
+    if not resume:
+        config = {
+            "train": cfg.to_dict(),
+            "recipe": prepared.recipe.to_dict(),
+            "model": cfg.model_config(data.vocab_size).to_dict(),
+            "torch": torch.__version__,
+        }
+        write_atomic(out / CONFIG, json.dumps(config, indent=2))
+    end = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
+    loop = _Loop(cfg, out, prepared, data, on_nonfinite, max_skips)
+    loop.last_ckpt = start if has_ckpt else None
+    bar = Progress(cfg.steps, start, label or cfg.recipe, enabled=progress)
     step = start
-    meter = GradMeter(prepared.model)
-    # Numerics of every tensor at the first and the last training step (0-based index).
-    tracker = Tracker(prepared.model, TRACK_FORMATS, auto_step=False)
-    tracked = {0, cfg.steps - 1}
-    bar = _Progress(cfg.steps, start, label or cfg.recipe, enabled=progress)
     try:
-        with open(out / METRICS, "a") as log, bar:
-            while step < (cfg.steps if stop_after is None else min(stop_after, cfg.steps)):
-                tracker.step, tracker.enabled = step, step in tracked
-                rec = _train_step(prepared, data, step, cfg, meter)
-                tracker.enabled = False
-                if tracker.records:
-                    tracker.save(out / NUMERICS)
-                    tracker.records.clear()
+        with StopSignals() as signals, bar:
+            while step < end and signals.received is None:
+                rec = loop.step(step)
                 step += 1
-                rec["step"] = step
-                if step % cfg.eval_every == 0 or step == cfg.steps:
-                    rec["val_loss"] = evaluate(prepared, data, cfg.eval_batches)
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
                 if step % cfg.ckpt_every == 0 and step < cfg.steps:
                     _save_checkpoint(out, prepared, step)
+                    loop.last_ckpt = step
                 bar.update(step, rec, prepared.scaler.skipped_steps)
-    except KeyboardInterrupt:
-        _save_checkpoint(out, prepared, step)
-        raise
+            if signals.received is not None and step < end:
+                if loop.last_ckpt != step:
+                    _save_checkpoint(out, prepared, step)
+                raise Interrupted(step, signals.received, str(out))
     finally:
-        tracker.remove()
+        loop.close()
     _save_checkpoint(out, prepared, step)
     if step < cfg.steps:
         return {"stopped_at": step}
     summary = summarize(out)
-    (out / SUMMARY).write_text(json.dumps(summary, indent=2))
+    write_atomic(out / SUMMARY, json.dumps(summary, indent=2))
     return summary
+
+
+class _Loop:
+    """One step of the job: train, track, evaluate, log; the non-finite policy."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        out: Path,
+        prepared: Prepared,
+        data: CharData,
+        on_nonfinite: str,
+        max_skips: int,
+    ) -> None:
+        self.cfg, self.out, self.prepared, self.data = cfg, out, prepared, data
+        self.on_nonfinite, self.max_skips = on_nonfinite, max_skips
+        self.scaler_skips = not isinstance(prepared.scaler, NoLossScaler)
+        self.meter = GradMeter(prepared.model)
+        # Numerics of every tensor at the first and the last training step (0-based index).
+        self.tracker = Tracker(prepared.model, TRACK_FORMATS, auto_step=False)
+        self.tracked = {0, cfg.steps - 1}
+        self.skips = 0  # consecutive skipped steps
+        self.last_ckpt: int | None = None  # the step of the checkpoint on disk
+
+    def close(self) -> None:
+        self.tracker.remove()
+
+    def step(self, step: int) -> dict[str, Any]:
+        """Run step ``step`` (0-based) to its end, metrics line included; the record."""
+        cfg, tracker = self.cfg, self.tracker
+        tracker.step, tracker.enabled = step, step in self.tracked
+        rec = _train_step(self.prepared, self.data, step, cfg, self.meter)
+        tracker.enabled = False
+        append_jsonl(self.out / NUMERICS, tracker.records)
+        tracker.records.clear()
+        done = step + 1
+        rec["step"] = done
+        self.skips = self.skips + 1 if rec["skipped"] else 0
+        stop = None
+        if rec["nonfinite"] is not None and not self.scaler_skips and self.on_nonfinite == "stop":
+            stop = (
+                f"step {done}: the {rec['nonfinite']} became NaN/Inf; the run stops "
+                "(--on-nonfinite stop) and the step was not applied"
+            )
+        elif self.skips >= self.max_skips:
+            stop = (
+                f"step {done}: {self.skips} consecutive steps skipped "
+                f"({rec['nonfinite'] or 'gradients'} NaN/Inf); the run stops (--max-skips "
+                f"{self.max_skips})"
+            )
+        if stop is not None:
+            rec["stopped"] = "nonfinite"
+        elif done % cfg.eval_every == 0 or done == cfg.steps:
+            rec["val_loss"] = evaluate(self.prepared, self.data, cfg.eval_batches)
+        append_jsonl(self.out / METRICS, [rec])
+        if stop is not None:
+            write_atomic(self.out / SUMMARY, json.dumps(summarize(self.out), indent=2))
+            kept = (
+                "no checkpoint yet"
+                if self.last_ckpt is None
+                else (f"the last checkpoint (step {self.last_ckpt}) is kept")
+            )
+            raise NonFiniteError(
+                f"{stop}; {kept}. Resume with --on-nonfinite skip, a lower --lr, or use a "
+                "recipe with loss scaling",
+                done,
+            )
+        return rec
 
 
 def _train_step(
@@ -262,7 +431,7 @@ def _train_step(
     x, y = data.batch("train", step)
     meter.reset()
     t0 = time.perf_counter()
-    r = train_step(prepared, x, y, cfg.lr_at(step), grad_stats=True)
+    r = train_step(prepared, x, y, cfg.lr_at(step), grad_stats=True, skip_nonfinite=True)
     dt = time.perf_counter() - t0
     stats = r.grad_stats
     assert stats is not None
@@ -270,6 +439,7 @@ def _train_step(
         "loss": float(r.loss.detach()),
         "loss_scale": r.loss_scale,
         "skipped": r.skipped,
+        "nonfinite": r.nonfinite,
         "grad_norm": stats["grad_norm"] / r.loss_scale,
         "grad_zero_share": stats["grad_zero_share"],
         "grad_nonfinite_share": stats["grad_nonfinite_share"],
@@ -277,51 +447,3 @@ def _train_step(
         "lr": cfg.lr_at(step),
         **meter.result(),
     }
-
-
-class _Progress:
-    """A rich progress bar with loss, step time and skipped steps (no-op when disabled)."""
-
-    def __init__(self, total: int, start: int, label: str, enabled: bool) -> None:
-        self.enabled = enabled
-        if not enabled:
-            return
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[ms]} ms/step"),
-            TextColumn("skipped {task.fields[skipped]}"),
-            TimeRemainingColumn(),
-        )
-        self.task = self.progress.add_task(
-            label, total=total, completed=start, loss="-", ms="-", skipped=0
-        )
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self.progress.stop()
-
-    def update(self, step: int, rec: dict[str, Any], skipped: int) -> None:
-        if self.enabled:
-            self.progress.update(
-                self.task,
-                completed=step,
-                loss=f"{rec['loss']:.4f}",
-                ms=f"{1e3 * rec['step_time']:.0f}",
-                skipped=skipped,
-            )

@@ -11,6 +11,14 @@ One step of a model ``model(x, y) -> (logits, loss)``:
 4. ``scaler.step(optimizer)`` (unscale by ``1/S``; skipped if a gradient is Inf/NaN),
    ``scaler.update()``, ``optimizer.zero_grad(set_to_none=True)``.
 
+With ``skip_nonfinite=True`` a step whose loss or any gradient is Inf/NaN changes nothing
+but the loss scaler's record: the update is not applied (whatever the scaler; a
+:class:`~lowprec.amp.NoLossScaler` would apply it), and the model's buffers (float8 amax
+histories and calibration maxima, any running statistics) are restored to their values
+before the step, also when the loss scaler itself skipped. The scaler records the step as
+skipped, so a dynamic scale backs off as after any overflow. ``StepResult.nonfinite`` says
+what was not finite.
+
 A run is anything with ``model``, ``optimizer``, ``scaler`` and a ``compute()`` context:
 a :class:`~lowprec.recipes.Prepared`, or :class:`Plain` for a bare model and optimizer
 (no loss scaling, no compute context).
@@ -24,10 +32,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor, nn
 
-from lowprec.amp import LossScaler, NoLossScaler
+from lowprec.amp import LossScaler, NoLossScaler, StepRecord
 from lowprec.analysis.stats import grad_stats as _grad_stats
+from lowprec.core.tensor import ScaledTensor
 
 __all__ = ["Plain", "Run", "StepResult", "set_lr", "train_step"]
 
@@ -60,12 +70,15 @@ class StepResult:
     """What one step did. ``loss`` is the unscaled loss with its autograd graph (detach it
     to keep it); ``loss_scale`` the scale ``S`` used; ``skipped`` whether the update was
     skipped (Inf/NaN gradients); ``grad_stats`` the statistics of the scaled gradients
-    when asked for (divide ``grad_norm`` by ``loss_scale`` for the true norm)."""
+    when asked for (divide ``grad_norm`` by ``loss_scale`` for the true norm);
+    ``nonfinite`` (with ``skip_nonfinite``): ``"loss"``, ``"gradients"``, ``"loss and
+    gradients"`` or ``None``, what was Inf/NaN."""
 
     loss: Tensor
     loss_scale: float
     skipped: bool
     grad_stats: dict[str, float] | None = None
+    nonfinite: str | None = None
 
 
 def set_lr(optimizer: Any, lr: float) -> None:
@@ -93,12 +106,15 @@ def train_step(
     *,
     compute: Callable[[], AbstractContextManager[None]] | None = None,
     grad_stats: bool = False,
+    skip_nonfinite: bool = False,
 ) -> StepResult:
     """One training step of ``run`` on the batch ``(x, y)`` (see the module docstring).
 
     ``lr``: the global learning rate of this step (``None`` leaves the groups' rates as
     they are). ``compute`` replaces ``run.compute`` as the forward/backward context.
-    ``grad_stats``: also measure the gradients before the update.
+    ``grad_stats``: also measure the gradients before the update. ``skip_nonfinite``: a
+    step with an Inf/NaN loss or gradient changes no weight, optimizer or scaling state
+    (see the module docstring).
 
     Example:
         >>> import torch
@@ -116,6 +132,7 @@ def train_step(
     """
     if lr is not None:
         set_lr(run.optimizer, lr)
+    saved = [b.detach().clone() for b in run.model.buffers()] if skip_nonfinite else None
     with (compute or run.compute)():
         _, loss = run.model(x, y)
         if loss is None:
@@ -123,7 +140,31 @@ def train_step(
         run.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
     scale = run.scaler.loss_scale
     stats = _grad_stats(run.model.parameters()) if grad_stats else None
-    run.scaler.step(run.optimizer)
+    bad = _nonfinite(loss, run.model.parameters()) if skip_nonfinite else None
+    if bad is None:
+        run.scaler.step(run.optimizer)
+    else:  # as the scaler's own skip: no update, the step recorded as skipped
+        run.scaler.history.append(StepRecord(scale, True))
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, scale, run.scaler.history[-1].skipped, stats)
+    skipped = run.scaler.history[-1].skipped
+    if skipped and saved is not None:
+        with torch.no_grad():
+            for b, old in zip(run.model.buffers(), saved, strict=True):
+                b.copy_(old)
+    return StepResult(loss, scale, skipped, stats, bad)
+
+
+def _all_finite(t: Tensor) -> Tensor:
+    if isinstance(t, ScaledTensor):  # a scalify gradient: its payload and its scale
+        return torch.isfinite(t.qdata).all() & torch.isfinite(t.scale).all()
+    return torch.isfinite(t.detach()).all()
+
+
+def _nonfinite(loss: Tensor, params: Any) -> str | None:
+    """What of ``loss`` and the parameters' gradients holds Inf/NaN (one synchronisation)."""
+    checks = [_all_finite(loss)]
+    checks += [_all_finite(p.grad).to(checks[0].device) for p in params if p.grad is not None]
+    ok = torch.stack(checks).tolist()
+    what = [name for name, bad in (("loss", not ok[0]), ("gradients", not all(ok[1:]))) if bad]
+    return " and ".join(what) or None
