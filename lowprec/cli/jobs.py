@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lowprec.jobs.rundir import RunError, summary_cells
-from lowprec.jobs.train import TrainConfig, train
+from lowprec.jobs.train import ON_NONFINITE, TrainConfig, train
 from lowprec.recipes import get_recipe, recipe_names
 
 __all__ = ["add_demo", "add_recipes", "add_report", "add_train"]
@@ -93,7 +93,9 @@ def add_train(subparsers: Any) -> None:
         help="train the reference char-LM with a recipe",
         description="Train the reference character-level transformer on tinyshakespeare. "
         "Writes config.json, metrics.jsonl (one line per step), checkpoint.pt and "
-        "summary.json to --out. Ctrl-C writes a checkpoint; --resume continues bit-exactly.",
+        "summary.json to --out. Ctrl-C (or SIGTERM) finishes the current step, writes a "
+        "checkpoint and exits with 130 (143); --resume continues bit-exactly. See "
+        "docs/reliability.md.",
     )
     p.add_argument(
         "--recipe",
@@ -124,7 +126,25 @@ def add_train(subparsers: Any) -> None:
         default=None,
         help="run directory (default runs/<recipe>-<time>); must not exist unless --resume",
     )
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out (from its checkpoint; from step 0 if it has none)",
+    )
+    p.add_argument(
+        "--on-nonfinite",
+        choices=ON_NONFINITE,
+        default="stop",
+        help="a step with a NaN/Inf loss or gradient (recipes without loss scaling): stop "
+        "(default; exit 1, the step not applied, the last checkpoint kept) or skip it "
+        "(no update); loss-scaled recipes always skip, as their scaler does",
+    )
+    p.add_argument(
+        "--max-skips",
+        type=_positive_int,
+        default=25,
+        help="stop after this many consecutive skipped steps (default 25)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_train, parser=p)
 
@@ -142,13 +162,16 @@ def _run_train(args: argparse.Namespace) -> int:
         parser.error(str(e))
     out = args.out or Path("runs") / f"{cfg.recipe}-{datetime.now():%Y%m%d-%H%M%S}"
     console = Console(width=max(Console().width, 120))
-    try:
-        summary = train(cfg, out, resume=args.resume, progress=not args.no_progress)
-    except RunError as e:
-        parser.error(str(e))
-    except KeyboardInterrupt:
-        console.print(f"interrupted: checkpoint written to {out}; continue with --resume")
-        return 130
+    # RunError (bad directory, too big), NonFiniteError and Interrupted: one line and the
+    # exit code from lowprec.cli.main.main.
+    summary = train(
+        cfg,
+        out,
+        resume=args.resume,
+        progress=not args.no_progress,
+        on_nonfinite=args.on_nonfinite,
+        max_skips=args.max_skips,
+    )
     table = Table(title=f"run {out}", title_justify="left")
     cells = summary_cells(summary)
     for col in cells:
@@ -244,6 +267,7 @@ def add_report(subparsers: Any) -> None:
         help="the HTML file to write (default report.html)",
     )
     p.add_argument("--title", default="", help="page title")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.set_defaults(handler=_run_report, parser=p)
 
 
@@ -252,6 +276,8 @@ def _run_report(args: argparse.Namespace) -> int:
 
     if args.out.suffix.lower() not in (".html", ".htm"):
         args.parser.error(f"--out: expected an .html file, got {args.out}")
+    if args.out.exists() and not args.force:
+        args.parser.error(f"--out: {args.out} already exists; pass --force to overwrite it")
     try:
         path = write_report(args.runs, args.out, title=args.title)
     except RunError as e:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import signal
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeAlias
+from typing import TextIO, TypeAlias
 
 from rich.console import Console, RenderableType
 from rich.measure import Measurement
@@ -33,6 +36,9 @@ from lowprec.analysis.snr import (
 )
 from lowprec.cli.jobs import add_demo, add_recipes, add_report, add_train
 from lowprec.core.formats import Format, format_names, get_format
+from lowprec.jobs.interrupts import Interrupted, exit_code
+from lowprec.jobs.rundir import RunNote
+from lowprec.jobs.train import NonFiniteError
 
 __all__ = ["build_parser", "main"]
 
@@ -232,8 +238,56 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``lowprec`` with ``argv`` (default ``sys.argv[1:]``); return the exit code.
 
-    Usage errors raise ``SystemExit(2)`` with a message on stderr, as argparse does.
+    Usage errors raise ``SystemExit(2)`` with a message on stderr, as argparse does. Every
+    other failure is one line on stderr, ``lowprec COMMAND: error: ...``, never a
+    traceback (set ``LOWPREC_TRACEBACK=1`` to see one): exit code 2 for a bad run
+    directory or argument (:class:`~lowprec.jobs.rundir.RunError`, ``ValueError``,
+    ``TypeError``), 1 for anything else (a file-system error, a run that stopped on
+    Inf/NaN). An interrupted job exits with ``128 + signal`` (130 for Ctrl-C). Notes
+    about repaired run files (:class:`~lowprec.jobs.rundir.RunNote`) print as
+    ``note: ...``.
     """
     args = build_parser().parse_args(argv)
     handler: _Handler = args.handler
-    return handler(args)
+    prog = f"lowprec {args.command}"
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return handler(args)
+    except Interrupted as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return exit_code(e.signum)
+    except KeyboardInterrupt:
+        print(f"{prog}: aborted; run directories keep their last checkpoint", file=sys.stderr)
+        return exit_code(signal.SIGINT)
+    except Exception as e:
+        if os.environ.get("LOWPREC_TRACEBACK"):
+            raise
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        usage = isinstance(e, (ValueError, TypeError)) and not isinstance(e, NonFiniteError)
+        return 2 if usage else 1
+
+
+def _one_line(e: BaseException) -> str:
+    """``e`` as one line: its message (an ``OSError``'s reason and file; the type added
+    where the message alone would not say what failed)."""
+    if isinstance(e, OSError) and e.strerror:
+        text = e.strerror + (f": {e.filename}" if e.filename else "")
+    else:
+        text = str(e) or type(e).__name__
+    if not isinstance(e, (ValueError, TypeError, OSError)):
+        text = f"{type(e).__name__}: {text}"
+    return " ".join(text.split())
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """Warnings as one line on stderr: ``note: ...`` for a repaired run file."""
+    kind = "note" if issubclass(category, RunNote) else category.__name__
+    print(f"{kind}: {message}", file=sys.stderr)

@@ -19,10 +19,24 @@ Special statistics (no division by zero, never a NaN scale):
   scalers do not record such an ``amax`` in their history and count it in
   ``nonfinite_count``.
 
+Scales are float32, so a scale covers ``[2^-126, 2^127]`` (times ``fmt.max``). float64
+inputs beyond that (the only way to get them: float32 has no such values) are refused or
+reported, never silently changed:
+
+* a finite float64 ``amax`` (or a float64 tensor's largest magnitude) above float32's
+  largest finite value raises ``ValueError``: no float32 scale could hold it, and
+  rounding would saturate it to ``fmt.max`` (``1e300 → 448``);
+* a non-zero float64 magnitude below float32's smallest normal ``2^-126``: a float64
+  ``amax`` given to :func:`compute_scale` / :func:`mx_scale` is used in float64 and the
+  scale clamped to its smallest value, as usual; :func:`amax` of such a tensor
+  underflows (to a subnormal or 0, an all-zero block's scale 1). Either way the data
+  rounds to 0 as ``1e-45`` does in float32 (``1e-300 → 0``), and :func:`amax` logs it
+  once at WARNING (:func:`~lowprec.core.warn.warn_once`), as the values are lost.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Literal, overload
 
@@ -32,6 +46,7 @@ from torch import Tensor
 from lowprec.core.formats import E8M0, Format, get_format
 from lowprec.core.granularity import Granularity, _block_views, as_granularity
 from lowprec.core.rounding import quantize
+from lowprec.core.warn import warn_once
 
 __all__ = [
     "Pow2Mode",
@@ -46,6 +61,34 @@ __all__ = [
 
 _MIN_SCALE = 2.0**-126
 _MAX_SCALE = 2.0**127
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_LOG = logging.getLogger(__name__)
+
+
+def _check_f64_range(a: Tensor, name: str) -> None:
+    """``ValueError`` if float64 ``a`` holds a finite magnitude above float32's range;
+    a WARNING (once) if it holds a non-zero one below float32's normal range."""
+    if a.dtype != torch.float64 or not a.numel():
+        return
+    m = a.detach().abs()
+    fin = torch.where(torch.isfinite(m), m, 0.0)
+    big = float(fin.max())
+    if big > _F32_MAX:
+        raise ValueError(
+            f"{name}: finite float64 magnitude {big:.4g} lies beyond float32's range "
+            f"({_F32_MAX:.4g}), in which scales are computed; rescale it into range first"
+        )
+    tiny = torch.where(fin > 0, fin, math.inf).min()
+    if float(tiny) < _MIN_SCALE:
+        warn_once(
+            _LOG,
+            "scales:f64-underflow",
+            "%s: float64 magnitudes down to %.4g lie below float32's normal range (2^-126): "
+            "the scale is clamped to 2^-126 and such values round to 0",
+            name,
+            float(tiny),
+        )
+
 
 # ---------------------------------------------------------------------------------------
 # Statistics -> scale
@@ -55,7 +98,9 @@ _MAX_SCALE = 2.0**127
 def amax(x: Tensor, granularity: str | Granularity = "tensor") -> Tensor:
     """Largest magnitude per scaling group, as float32 of shape ``granularity.scale_shape``.
 
-    NaN propagates (a group holding a NaN has amax NaN); Inf gives Inf.
+    NaN propagates (a group holding a NaN has amax NaN); Inf gives Inf. A float64 ``x``
+    is checked against float32's range (module docstring): ``ValueError`` above it, a
+    WARNING below its normal range (such an amax underflows to 0 or a subnormal).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -63,6 +108,7 @@ def amax(x: Tensor, granularity: str | Granularity = "tensor") -> Tensor:
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     g = as_granularity(granularity)
     shape = g.scale_shape(x.shape)
+    _check_f64_range(x, "x")
     if g.kind == "tensor":
         if not x.numel():
             return torch.zeros((), device=x.device)
@@ -76,12 +122,29 @@ def amax(x: Tensor, granularity: str | Granularity = "tensor") -> Tensor:
     return a.reshape(dview).amax(dim=red, keepdim=True).reshape(shape).float()
 
 
+_MAX_MARGIN = 256.0  # float32 scales span 2^-126..2^127: a larger margin means nothing
+
+
 def _check_margin(margin: float) -> float:
+    """``margin`` as a float; ``ValueError`` unless finite with ``|margin| <= 256`` (the
+    whole float32 scale range is 253 binades: a larger margin saturates or flushes
+    every value)."""
     if isinstance(margin, bool) or not isinstance(margin, (int, float)):
         raise TypeError(f"margin must be a number of binades, got {type(margin).__name__}")
-    if not math.isfinite(margin):
-        raise ValueError(f"margin must be finite, got {margin}")
+    if not (math.isfinite(margin) and abs(margin) <= _MAX_MARGIN):
+        raise ValueError(f"margin must be finite with |margin| <= {_MAX_MARGIN:g}, got {margin}")
     return float(margin)
+
+
+def _amax_arg(amax: Tensor) -> Tensor:
+    """``amax`` checked (a floating tensor; float64 within float32's range) in float64
+    when it is float64 (so a tiny value clamps instead of flushing to 0), else float32."""
+    if not isinstance(amax, Tensor):
+        raise TypeError(f"amax must be a torch.Tensor, got {type(amax).__name__}")
+    if not amax.dtype.is_floating_point:
+        raise TypeError(f"amax must be a floating-point tensor, got dtype {amax.dtype}")
+    _check_f64_range(amax, "amax")
+    return amax.detach() if amax.dtype == torch.float64 else amax.float()
 
 
 Pow2Mode = Literal["none", "down", "up"]
@@ -154,7 +217,10 @@ def compute_scale(
 ) -> Tensor:
     """``scale = amax · 2^margin / fmt.max`` (float32), optionally rounded up to a power of 2.
 
-    Zero, Inf and NaN ``amax`` give scale 1 (see the module docstring).
+    Zero, Inf and NaN ``amax`` give scale 1 (see the module docstring); the scale is
+    clamped to ``[2^-126, 2^127]``. ``margin``: finite, ``|margin| <= 256`` (else
+    ``ValueError``). A float64 ``amax`` is used in float64 (a finite value beyond float32's
+    range raises ``ValueError``; module docstring).
 
     Example:
         >>> import torch
@@ -165,12 +231,12 @@ def compute_scale(
     """
     fmt = get_format(fmt)
     margin = _check_margin(margin)
-    if not isinstance(amax, Tensor):
-        raise TypeError(f"amax must be a torch.Tensor, got {type(amax).__name__}")
-    a = amax.float()
+    a = _amax_arg(amax)
     ok = torch.isfinite(a) & (a > 0)
-    # One correctly rounded division (fmt.max · 2^-margin is exact: a power-of-two multiple).
-    s = (torch.where(ok, a, 1.0) / (fmt.max * 2.0**-margin)).clamp(_MIN_SCALE, _MAX_SCALE)
+    # One correctly rounded division (fmt.max · 2^-margin is exact: a power-of-two multiple,
+    # applied as two ldexp steps so that 2^±256 never overflows a float).
+    div = math.ldexp(fmt.max, -int(margin)) * 2.0 ** -(margin - int(margin))
+    s = (torch.where(ok, a, 1.0) / div).clamp(_MIN_SCALE, _MAX_SCALE).float()
     if power_of_two:
         s = round_pow2(s, "up").clamp(max=_MAX_SCALE)
     return torch.where(ok, s, 1.0)
@@ -180,12 +246,18 @@ def mx_scale(amax: Tensor, fmt: str | Format) -> Tensor:
     """OCP MX shared scale ``2^(floor(log2 amax) - emax_elem)``, clamped to E8M0's range.
 
     ``emax_elem`` is the exponent of ``fmt.max`` (e4m3fn: 8, e5m2: 15, e2m1: 2). Returned as
-    float32 values that are exactly representable in E8M0. Zero/Inf/NaN amax give 1.
+    float32 values that are exactly representable in E8M0. Zero/Inf/NaN amax give 1. A
+    float64 ``amax`` beyond float32's range raises ``ValueError``; a tiny one gets E8M0's
+    smallest scale (module docstring).
     """
     fmt = get_format(fmt)
-    a = amax.float()
+    a = _amax_arg(amax)
     ok = torch.isfinite(a) & (a > 0)
-    e = ((torch.where(ok, a, 1.0).view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2 a)
+    if a.dtype == torch.float64:  # floor(log2 a) = frexp's exponent - 1, exact
+        e = torch.frexp(torch.where(ok, a, 1.0))[1].to(torch.int32) - 1
+        a = a.float()
+    else:
+        e = ((torch.where(ok, a, 1.0).view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2 a)
     x = (e - fmt.max_exponent).clamp(E8M0.min_exponent, E8M0.max_exponent)
     s = torch.ldexp(torch.ones_like(a), x.float()) if a.numel() else a.clone()
     return torch.where(ok, s, 1.0)
@@ -200,10 +272,11 @@ def nv_scale(amax: Tensor, fmt: str | Format) -> Tensor:
     One float32 tensor scale ``s_t = max(amax) / (fmt.max · 448)`` maps the block scales
     into E4M3's range; each block scale ``s_b = Q_E4M3(amax / (fmt.max · s_t))`` (saturating;
     a zero rounds to E4M3's smallest subnormal); the returned scale is ``s_b · s_t``.
-    Non-finite block maxima are left out of ``s_t`` and get scale 1 (module docstring).
+    Non-finite block maxima are left out of ``s_t`` and get scale 1 (module docstring);
+    a float64 ``amax`` beyond float32's range raises ``ValueError``.
     """
     fmt = get_format(fmt)
-    a = amax.float()
+    a = _amax_arg(amax).float()
     ok = torch.isfinite(a)
     fin = torch.where(ok, a, 0.0)
     t_amax = fin.amax() if fin.numel() else fin.new_zeros(())

@@ -35,7 +35,7 @@ from lowprec.analysis.diagnosis import (  # Run and diagnose re-exported: the re
 )
 from lowprec.analysis.plots import plot_curves, plot_exp_histograms, plot_scale_chart
 from lowprec.analysis.tracking import BACKWARD_KINDS
-from lowprec.jobs.rundir import read_metrics, read_run, summary_of
+from lowprec.jobs.rundir import read_metrics, read_run, summary_of, write_atomic
 
 __all__ = ["Run", "diagnose", "load_run", "plot_runs", "write_report"]
 
@@ -242,5 +242,5 @@ def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -
         "</head><body>" + "\n".join(parts) + "</body></html>"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
+    write_atomic(out, page)  # a reader never sees half a page
     return out

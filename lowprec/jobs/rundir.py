@@ -219,10 +219,10 @@ def read_run(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], li
             f"{p} is not a lowprec run directory: no {' or '.join(missing)} "
             "(make one with `lowprec train --out DIR` or `lowprec demo`)"
         )
-    config = read_config(p, str(p))
     metrics = read_metrics(p)
     if not metrics:
         raise RunError(f"{p}: the run has no recorded steps yet ({METRICS} is empty)")
+    config = read_config(p, str(p))
     for i, r in enumerate(metrics):
         bad = [k for k in ("loss", "grad_zero_share", "step_time") if not _is_number(r[k])]
         if bad:

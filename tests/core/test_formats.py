@@ -1475,3 +1475,58 @@ def test_custom_finite_format_has_its_own_name() -> None:
     assert get_format("e4m3fn") != f and get_format("e4m3fn").special == "fn"
     # e4m3 without NaN: the all-ones code is a number, 2^8 * 1.875 = 480.
     assert f.max == 480.0 and get_format("e2m1finite") is get_format("e2m1")
+
+
+# ---- issue 14: float64 beyond float32's range, margins -------------------------------
+
+
+@pytest.mark.parametrize("fn", ["quantize_scaled", "compute_scale", "mx_scale", "nv_scale", "amax"])
+def test_float64_beyond_float32_range_is_refused(fn: str) -> None:
+    from lowprec.core import scales
+    from lowprec.core.tensor import quantize_scaled
+
+    x = torch.tensor([1e300, 1.0], dtype=torch.float64)
+    call = {
+        "quantize_scaled": lambda: quantize_scaled(x, "e4m3fn"),
+        "compute_scale": lambda: scales.compute_scale(x, "e4m3fn"),
+        "mx_scale": lambda: scales.mx_scale(x, "e4m3fn"),
+        "nv_scale": lambda: scales.nv_scale(x, "e2m1"),
+        "amax": lambda: scales.amax(x),
+    }[fn]
+    with pytest.raises(ValueError, match=r"(x|amax): finite float64 magnitude 1e\+300"):
+        call()
+
+
+def test_float64_below_float32_range_is_reported_and_clamped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from lowprec.core import scales
+    from lowprec.core.tensor import quantize_scaled
+    from lowprec.core.warn import reset_warnings
+
+    tiny = torch.tensor([1e-300, -2e-300], dtype=torch.float64)
+    # a float64 amax is used in float64: the scale is the clamp 2^-126 (not 1, as for 0)
+    assert scales.compute_scale(tiny.abs().amax(), "e4m3fn").item() == 2.0**-126
+    assert scales.mx_scale(tiny.abs().amax(), "e4m3fn").item() == 2.0**-127  # E8M0's least
+    reset_warnings("scales:")
+    with caplog.at_level("WARNING", logger="lowprec.core.scales"):
+        q = quantize_scaled(tiny, "e4m3fn")
+    assert torch.equal(q.dequantize(), torch.zeros(2, dtype=torch.float64))  # documented
+    assert "below float32's normal range" in caplog.text
+
+
+@pytest.mark.parametrize("margin", [-1e6, 1e6, 257.0, math.nan, math.inf])
+def test_compute_scale_refuses_huge_margin(margin: float) -> None:
+    from lowprec.core.scales import compute_scale
+
+    with pytest.raises(ValueError, match="margin"):
+        compute_scale(torch.tensor(1.0), "e4m3fn", margin=margin)
+
+
+def test_compute_scale_extreme_margins_clamp() -> None:
+    from lowprec.core.scales import compute_scale
+
+    one = torch.tensor(448.0)
+    assert compute_scale(one, "e4m3fn", margin=256).item() == 2.0**127
+    assert compute_scale(one, "e4m3fn", margin=-256).item() == 2.0**-126
+    assert compute_scale(one, "e4m3fn", margin=2.5).item() == pytest.approx(2.0**2.5, rel=2**-23)
