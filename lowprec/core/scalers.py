@@ -1,6 +1,14 @@
 """Stateful scalers: the scale of successive tensors of one role (dynamic, delayed, static).
 
 Each scaler turns an ``amax`` into a scale with :func:`lowprec.core.scales.compute_scale`.
+
+**State in tensors.** A scaler's state (the ``amax`` history of :class:`DelayedScaler`, the
+calibration maximum of :class:`StaticScaler`, the non-finite count) is held in tensors,
+updated in place, so that it can be reduced across ranks (``all_reduce(MAX)`` of an amax)
+and registered as module buffers: pass the tensor to the constructor (``amax_history=``,
+``calib_amax=``) and the scaler reads and writes that very tensor. A caller that threads
+the state through an autograd function (so that ``torch.compile`` sees it as an input)
+passes it per call with ``state=``.
 """
 
 from __future__ import annotations
@@ -45,21 +53,32 @@ class Scaler(ABC):
         if not isinstance(power_of_two, bool):
             raise TypeError(f"power_of_two must be a bool, got {type(power_of_two).__name__}")
         self.power_of_two = power_of_two
-        self.nonfinite_count = 0
+        self.nonfinite: Tensor | None = None  # int64 count of non-finite amax (lazily made)
+
+    @property
+    def nonfinite_count(self) -> int:
+        """How many calls saw a non-finite ``amax`` (reading it synchronises the device)."""
+        return 0 if self.nonfinite is None else int(self.nonfinite)
 
     def _scale(self, a: Tensor) -> Tensor:
         return group_scale(a, self.fmt, self.granularity, self.margin, self.power_of_two)
 
     def _amax(self, x: Tensor) -> Tensor:
         a = amax(x, self.granularity)
-        if not torch.compiler.is_compiling() and not bool(torch.isfinite(a).all()):
-            self.nonfinite_count += 1
-            if self.nonfinite_count == 1:
-                log.warning(
-                    "%s: non-finite amax (Inf/NaN in the tensor); using scale 1 for those "
-                    "groups and not recording them (reported once)",
-                    type(self).__name__,
-                )
+        if torch.compiler.is_compiling():
+            return a
+        # Counted without a host sync; the warning (once) only where checking is free (CPU).
+        bad = (~torch.isfinite(a)).any().to(torch.int64)
+        if self.nonfinite is None:
+            self.nonfinite = torch.zeros((), dtype=torch.int64, device=a.device)
+        first = a.device.type == "cpu" and int(self.nonfinite) == 0 and bool(bad)
+        self.nonfinite += bad.to(self.nonfinite.device)
+        if first:
+            log.warning(
+                "%s: non-finite amax (Inf/NaN in the tensor); using scale 1 for those "
+                "groups and not recording them (reported once)",
+                type(self).__name__,
+            )
         return a
 
     @abstractmethod
@@ -76,8 +95,8 @@ class Scaler(ABC):
         }
 
     # Attributes saved by state_dict(): optional tensors (cloned) and plain ints.
-    _STATE_TENSORS: tuple[str, ...] = ()
-    _STATE_INTS: tuple[str, ...] = ("nonfinite_count",)
+    _STATE_TENSORS: tuple[str, ...] = ("nonfinite",)
+    _STATE_INTS: tuple[str, ...] = ()
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {"config": self.config()}
@@ -95,11 +114,27 @@ class Scaler(ABC):
             raise ValueError(
                 f"state: saved scaler config {state['config']} does not match {self.config()}"
             )
+        if "nonfinite" not in state and "nonfinite_count" in state:  # states saved before 0.x
+            state = {**state, "nonfinite": torch.tensor(int(state["nonfinite_count"]))}
+        self._check_state(state)
         for name in self._STATE_INTS:
             setattr(self, name, int(state[name]))
         for name in self._STATE_TENSORS:
             t = state.get(name)
-            setattr(self, name, None if t is None else t.clone())
+            old = getattr(self, name)
+            if t is None:
+                setattr(self, name, None)
+            elif isinstance(old, Tensor) and old.shape == t.shape:
+                old.copy_(t)  # in place: a tensor the scaler was given (a buffer) stays bound
+            else:
+                setattr(self, name, t.clone())
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a state that the scaler cannot use (subclasses add their checks)."""
+        for name in self._STATE_TENSORS:
+            t = state.get(name)
+            if t is not None and not isinstance(t, Tensor):
+                raise TypeError(f"state[{name!r}] must be a tensor or None, got {type(t).__name__}")
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
@@ -115,7 +150,7 @@ class DynamicScaler(Scaler):
         2.0
     """
 
-    _STATE_TENSORS = ("last_amax",)
+    _STATE_TENSORS = ("nonfinite", "last_amax")
     last_amax: Tensor | None = None  # the amax of the latest tensor (set per call)
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -152,17 +187,21 @@ class DelayedScaler(_HistoryScaler):
     """Scale from a history of past ``amax`` values (delayed scaling, as in Transformer Engine).
 
     Each call returns the scale computed from the history *before* this tensor, then records
-    this tensor's ``amax``. ``algo="max"`` uses the largest ``amax`` of the last
-    ``history_len`` calls, ``"most_recent"`` the previous call's. Warm-up: while the history
-    holds no positive ``amax`` (the first call), the tensor's own ``amax`` is used (dynamic
-    scaling); see :func:`delayed_amax`. Because the
-    scale lags the data, use it with saturating casts: an outlier saturates for one step,
-    then dominates the ``max`` history for ``history_len`` steps and drops out.
+    this tensor's ``amax`` (with ``update=False``, e.g. in evaluation, it records nothing).
+    ``algo="max"`` uses the largest ``amax`` of the last ``history_len`` calls,
+    ``"most_recent"`` the previous call's. Warm-up: while the history holds no positive
+    ``amax`` (the first call), the tensor's own ``amax`` is used (dynamic scaling); see
+    :func:`delayed_amax`. Because the scale lags the data, use it with saturating casts: an
+    outlier saturates for one step, then dominates the ``max`` history for ``history_len``
+    steps and drops out.
 
-    A non-finite ``amax`` is not recorded: the slot repeats the previous value.
+    The history is a tensor of shape ``(history_len, *scale_shape)``, newest first, updated
+    in place: give it as ``amax_history`` (e.g. a module buffer of zeros) or let the first
+    call allocate it. A non-finite ``amax`` is not recorded: the slot repeats the previous
+    value.
     """
 
-    _STATE_TENSORS = ("amax_history",)
+    _STATE_TENSORS = ("nonfinite", "amax_history")
 
     def __init__(
         self,
@@ -172,6 +211,7 @@ class DelayedScaler(_HistoryScaler):
         granularity: str | Granularity = "tensor",
         margin: float = 0.0,
         power_of_two: bool = False,
+        amax_history: Tensor | None = None,
     ) -> None:
         super().__init__(fmt, granularity, margin, power_of_two)
         if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
@@ -180,20 +220,41 @@ class DelayedScaler(_HistoryScaler):
             raise ValueError(f"algo must be 'max' or 'most_recent', got {algo!r}")
         self.history_len = history_len
         self.algo = algo
-        self.amax_history: Tensor | None = None  # (history_len, *scale_shape); row 0 newest
+        if amax_history is not None:
+            self._check_history(amax_history, "amax_history")
+        self.amax_history: Tensor | None = amax_history  # (history_len, *scale_shape)
+
+    def _check_history(self, h: Tensor, arg: str) -> None:
+        if not isinstance(h, Tensor) or not h.dtype.is_floating_point:
+            raise TypeError(f"{arg} must be a floating-point tensor, got {h!r}")
+        if h.dim() < 1 or h.shape[0] != self.history_len:
+            raise ValueError(
+                f"{arg}: expected shape (history_len={self.history_len}, *scale_shape), got "
+                f"{tuple(h.shape)}"
+            )
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "history_len": self.history_len, "algo": self.algo}
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def _check_state(self, state: dict[str, Any]) -> None:
+        super()._check_state(state)
+        h = state.get("amax_history")
+        if h is not None:
+            self._check_history(h, "state['amax_history']")
+
+    def __call__(self, x: Tensor, update: bool = True, *, state: Tensor | None = None) -> Tensor:
+        """The scale for ``x``; records its ``amax`` when ``update``. ``state``: the history
+        tensor to use (and update in place) instead of :attr:`amax_history`."""
         cur = self._amax(x)
-        hist = self.amax_history
+        hist = self.amax_history if state is None else state
         if hist is None:
             hist = torch.zeros((self.history_len, *cur.shape), device=cur.device)
+            self.amax_history = hist
         else:
             self._check_shape(x, tuple(hist.shape[1:]), tuple(cur.shape))
         scale = self._scale(delayed_amax(hist, cur, self.algo))
-        self.amax_history = push_amax(hist, cur)
+        if update:
+            hist.copy_(push_amax(hist, cur))
         return scale
 
 
@@ -201,34 +262,45 @@ class StaticScaler(_HistoryScaler):
     """A fixed scale: given, or calibrated from the data of the first calls, then frozen.
 
     With ``scale`` given it is used as is (it must be positive and finite; a scalar or a
-    tensor of the granularity's scale shape). Without it, the first ``calibration_steps``
-    calls track the running maximum of ``amax`` and return the scale for it; then the scale
-    freezes. :meth:`freeze` ends calibration early.
+    tensor of the granularity's scale shape). Without it, calls record the running maximum
+    of ``amax`` in :attr:`calib_amax` (a tensor updated in place: give it as ``calib_amax``,
+    e.g. a module buffer of zeros, or let the first call allocate it) and return the scale
+    for it; after ``calibration_steps`` recording calls the scale freezes at
+    ``scale(calib_amax)``. ``calibration_steps=None`` calibrates until :meth:`freeze`.
+    :meth:`reset` starts a new calibration.
     """
 
-    _STATE_TENSORS = ("calib_amax", "scale")
-    _STATE_INTS = ("nonfinite_count", "steps")
+    _STATE_TENSORS = ("nonfinite", "calib_amax", "scale")
+    _STATE_INTS = ("steps",)
 
     def __init__(
         self,
         fmt: str | Format,
         scale: float | Tensor | None = None,
-        calibration_steps: int = 1,
+        calibration_steps: int | None = 1,
         granularity: str | Granularity = "tensor",
         margin: float = 0.0,
         power_of_two: bool = False,
+        calib_amax: Tensor | None = None,
     ) -> None:
         super().__init__(fmt, granularity, margin, power_of_two)
-        if (
+        if calibration_steps is not None and (
             isinstance(calibration_steps, bool)
             or not isinstance(calibration_steps, int)
             or calibration_steps < 1
         ):
-            raise ValueError(f"calibration_steps must be a positive int, got {calibration_steps!r}")
+            raise ValueError(
+                f"calibration_steps must be a positive int or None, got {calibration_steps!r}"
+            )
+        if calib_amax is not None and (
+            not isinstance(calib_amax, Tensor) or not calib_amax.dtype.is_floating_point
+        ):
+            raise TypeError(f"calib_amax must be a floating-point tensor, got {calib_amax!r}")
         self.calibration_steps = calibration_steps
         self.steps = 0
-        self.calib_amax: Tensor | None = None
+        self.calib_amax: Tensor | None = calib_amax
         self.scale: Tensor | None = None
+        self.given = scale is not None  # a user-given scale: never calibrated
         if scale is not None:
             self.scale = _check_scale_value(scale, "scale")
 
@@ -237,28 +309,59 @@ class StaticScaler(_HistoryScaler):
         return self.scale is not None
 
     def freeze(self) -> None:
-        """Stop calibrating; ``ValueError`` if nothing was seen yet."""
-        if self.scale is not None:
+        """Stop calibrating: the scale becomes ``scale(calib_amax)`` (recomputed, so a
+        scaler whose ``calib_amax`` was loaded in place freezes at the loaded value).
+        ``ValueError`` if nothing was seen yet; a given scale stays as it is."""
+        if self.given:
             return
         if self.calib_amax is None:
             raise ValueError("StaticScaler.freeze(): no tensor seen yet; call it on data first")
         self.scale = self._scale(self.calib_amax)
 
+    def reset(self) -> None:
+        """Start calibrating again from scratch (zeroes :attr:`calib_amax` in place)."""
+        if self.given:
+            raise ValueError(
+                "StaticScaler.reset(): the scale was given, there is nothing to calibrate"
+            )
+        self.scale = None
+        self.steps = 0
+        if self.calib_amax is not None:
+            self.calib_amax.zero_()
+
     def config(self) -> dict[str, Any]:
         return {**super().config(), "calibration_steps": self.calibration_steps}
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def _check_state(self, state: dict[str, Any]) -> None:
+        super()._check_state(state)
+        if state.get("scale") is not None:
+            _check_scale_value(state["scale"], "state['scale']")
+        a = state.get("calib_amax")
+        if a is not None and not bool((torch.isfinite(a) & (a >= 0)).all()):
+            raise ValueError(f"state['calib_amax'] must be finite and >= 0, got {a!r}")
+
+    def __call__(self, x: Tensor, update: bool = True, *, state: Tensor | None = None) -> Tensor:
+        """The scale for ``x``. While not frozen, ``update`` records ``x``'s ``amax`` in the
+        calibration maximum (``state``: that tensor, instead of :attr:`calib_amax`); with
+        ``update=False`` the scale of the maximum so far (or of ``x``) is returned unrecorded."""
         if self.scale is not None:
             return self.scale.to(x.device)
         cur = self._amax(x)
         cur = torch.where(torch.isfinite(cur), cur, 0.0)
-        if self.calib_amax is not None:
-            self._check_shape(x, tuple(self.calib_amax.shape), tuple(cur.shape))
-            cur = torch.maximum(self.calib_amax, cur)
-        self.calib_amax = cur
-        self.steps += 1
+        calib = self.calib_amax if state is None else state
+        if calib is not None:
+            self._check_shape(x, tuple(calib.shape), tuple(cur.shape))
+            cur = torch.maximum(calib, cur)
+        if not update:
+            return self._scale(cur)
+        if calib is None:
+            self.calib_amax = cur
+        else:
+            calib.copy_(cur)
+        if not torch.compiler.is_compiling():
+            self.steps += 1
         scale = self._scale(cur)
-        if self.steps >= self.calibration_steps:
+        if self.calibration_steps is not None and self.steps >= self.calibration_steps:
             self.scale = scale
         return scale
 

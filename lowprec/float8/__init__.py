@@ -13,13 +13,8 @@ Recipes (:func:`recipe_names`): ``tensorwise``, ``delayed``, ``static``, ``rowwi
 :class:`CastConfig` per role.
 """
 
-from lowprec.float8.linear import (
-    Float8Linear,
-    apply,
-    calibrate,
-    convert_back,
-    convert_to_float8,
-)
+from lowprec.float8.convert import apply, convert_back, convert_to_float8
+from lowprec.float8.linear import Float8Linear, calibrate
 from lowprec.float8.quant import (
     Operand,
     dequantize,

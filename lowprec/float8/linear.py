@@ -5,9 +5,12 @@ Forward ``y = Q(x) Q(W)ᵀ + b``; backward ``dx = Q(g) Q(W)``, ``dW = Q(g)ᵀ Q(
 ``W``, E5M2 for ``g`` by default). The bias is added in the output dtype. Parameters stay in
 their own dtype (the master copy); only the GEMM operands are narrow.
 
-Scaling state (delayed ``amax`` histories, static calibration maxima) lives in buffers named
-``<role>_amax_history`` / ``<role>_static_amax``, so ``state_dict()`` carries it next to the
-original ``weight``/``bias`` keys and a resumed run continues exactly. A checkpoint of the
+Delayed and static roles are scaled by the core scalers
+(:class:`~lowprec.core.scalers.DelayedScaler`, :class:`~lowprec.core.scalers.StaticScaler`),
+whose state (``amax`` histories, static calibration maxima) is held in the module's buffers
+``<role>_amax_history`` / ``<role>_static_amax`` (tensors, reducible across ranks), so
+``state_dict()`` carries it next to the original ``weight``/``bias`` keys and a resumed run
+continues exactly. A checkpoint of the
 plain model (without those keys) still loads with ``strict=True``; the state then starts
 fresh.
 """
@@ -15,24 +18,23 @@ fresh.
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 
-from lowprec.core.scalers import delayed_amax, push_amax
-from lowprec.core.scales import amax
+from lowprec.core.scalers import DelayedScaler, StaticScaler
 from lowprec.float8.quant import Operand, dequantize, matmul, quantize_operand
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 
-__all__ = ["Float8Linear", "apply", "calibrate", "convert_back", "convert_to_float8"]
+__all__ = ["Float8Linear", "calibrate"]
 
 _EDTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
-log = logging.getLogger(__name__)
+
+
+HistoryScaler = DelayedScaler | StaticScaler
 
 
 @dataclass(frozen=True)
@@ -42,26 +44,31 @@ class _Spec:
     recipe: Float8Recipe
     update: bool  # record the grad_output amax in a delayed history
     calibrating: bool  # record the grad_output amax for static calibration
+    go_scaler: HistoryScaler | None  # the grad_output's delayed/static scaler
 
 
-def _stateful_scale(
-    cast: CastConfig, state: Tensor | None, t: Tensor, update: bool, calibrating: bool
-) -> Tensor | None:
-    """The scale of a delayed/static role (``None`` for dynamic), updating ``state`` in place."""
-    if cast.scaling == "dynamic":
-        return None
-    if cast.scaling == "static" and cast.static_scale is not None:
-        return torch.tensor(cast.static_scale, dtype=torch.float32, device=t.device)
-    assert state is not None
-    cur = amax(t)
+def _make_scaler(cast: CastConfig, state: Tensor | None) -> HistoryScaler | None:
+    """The core scaler of a delayed/static role over its buffer ``state`` (None: dynamic)."""
+    kw: dict[str, Any] = {"margin": cast.margin, "power_of_two": cast.power_of_two}
     if cast.scaling == "delayed":
-        scale = cast.scale_for(delayed_amax(state, cur, cast.algo))
-        if update:
-            state.copy_(push_amax(state, cur))
-        return scale
-    if calibrating:  # static: running max of amax while calibrating
-        state.copy_(torch.maximum(state, torch.where(torch.isfinite(cur), cur, 0.0)))
-    return cast.scale_for(state)
+        return DelayedScaler(cast.fmt, cast.history_len, cast.algo, amax_history=state, **kw)
+    if cast.scaling == "static":
+        if cast.static_scale is not None:
+            return StaticScaler(cast.fmt, cast.static_scale, **kw)
+        return StaticScaler(cast.fmt, calibration_steps=None, calib_amax=state, **kw)
+    return None
+
+
+def _role_scale(
+    sc: HistoryScaler | None, t: Tensor, spec: _Spec, state: Tensor | None
+) -> Tensor | None:
+    """The scale a delayed/static scaler gives ``t`` (``None``: dynamic), updating its state
+    (``state``: the tensor threaded through the autograd function, else the scaler's own)."""
+    if isinstance(sc, DelayedScaler):
+        return sc(t, update=spec.update, state=state)
+    if isinstance(sc, StaticScaler):
+        return sc(t, update=spec.calibrating, state=state)
+    return None
 
 
 @torch.library.custom_op("lowprec::keep_for_backward", mutates_args=())
@@ -94,6 +101,7 @@ class _Float8MatmulFn(torch.autograd.Function):
         w: Tensor,
         x_scale: Tensor | None,
         w_scale: Tensor | None,
+        go_scale: Tensor | None,
         go_state: Tensor | None,
         spec: _Spec,
         out_dtype: torch.dtype,
@@ -112,7 +120,7 @@ class _Float8MatmulFn(torch.autograd.Function):
         # The grad_output state is updated in place in backward, so it is held on ctx, not
         # saved: a saved tensor modified in place fails autograd's version check when a
         # layer's backward runs twice in one graph (weight sharing, retain_graph).
-        ctx.go_state = go_state
+        ctx.go_state, ctx.go_scale = go_state, go_scale
         ctx.spec, ctx.x_meta = spec, (xq.kind, xq.shape, x.dtype)
         return y
 
@@ -124,7 +132,9 @@ class _Float8MatmulFn(torch.autograd.Function):
         r = spec.recipe
         ed = _EDTYPE[r.emulation_dtype]
         x_kind, x_shape, x_dtype = ctx.x_meta
-        g_scale = _stateful_scale(r.grad_output, go_state, g, spec.update, spec.calibrating)
+        g_scale = ctx.go_scale
+        if g_scale is None:
+            g_scale = _role_scale(spec.go_scaler, g, spec, go_state)
         gq = quantize_operand(g, r.grad_output, 1, g_scale)
         dx = dw = None
         if ctx.needs_input_grad[0]:
@@ -144,13 +154,13 @@ class _Float8MatmulFn(torch.autograd.Function):
             else:  # tensor scale: the forward's (delayed/static/dynamic alike)
                 xq = quantize_operand(x, r.input, 0, xq_scale if x_kind == "tensor" else None)
             dw = matmul(gq_t, xq, w.dtype, ed, r.emulate)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 class Float8Linear(nn.Linear):
     """``nn.Linear`` with float8 GEMMs (see the module docstring).
 
-    Build it with :meth:`from_linear` or :func:`convert_to_float8`; it shares the
+    Build it with :meth:`from_linear` or :func:`~lowprec.float8.convert_to_float8`; it shares the
     parameters of the module it replaces.
 
     Example:
@@ -185,15 +195,33 @@ class Float8Linear(nn.Linear):
             raise TypeError(f"weight must be floating point, got dtype {self.weight.dtype}")
         self.recipe = recipe
         self._calibrating = False
-        self._calibrated = False
         dev = self.weight.device
+        self._scalers: dict[str, HistoryScaler] = {}
         for role in ROLES:
             c = recipe.cast(role)
             if c.scaling == "delayed":
                 self.register_buffer(f"{role}_amax_history", torch.zeros(c.history_len, device=dev))
             elif c.scaling == "static" and c.static_scale is None:
                 self.register_buffer(f"{role}_static_amax", torch.zeros((), device=dev))
+            sc = _make_scaler(c, self._state(role))
+            if sc is not None:
+                self._scalers[role] = sc
         self.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
+
+    def _bind_state(self) -> None:
+        """Point each scaler at its buffer again (``.to()``/``.cuda()`` and ``assign=True``
+        loads replace buffer tensors)."""
+        for role, sc in self._scalers.items():
+            t = self._state(role)
+            if isinstance(sc, DelayedScaler):
+                sc.amax_history = t
+            elif not sc.given:
+                sc.calib_amax = t
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Float8Linear:
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        self._bind_state()
+        return self
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: str | Float8Recipe = "tensorwise") -> Float8Linear:
@@ -217,13 +245,16 @@ class Float8Linear(nn.Linear):
                 return t
         return None
 
+    def scaler(self, role: str) -> HistoryScaler | None:
+        """The core scaler of a delayed or static ``role`` (``None`` for a dynamic one)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        return self._scalers.get(role)
+
     @property
     def needs_calibration(self) -> bool:
         """True while a static role without ``static_scale`` has not been calibrated."""
-        return not self._calibrated and any(
-            self.recipe.cast(r).scaling == "static" and self.recipe.cast(r).static_scale is None
-            for r in ROLES
-        )
+        return any(isinstance(s, StaticScaler) and not s.frozen for s in self._scalers.values())
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
@@ -239,19 +270,24 @@ class Float8Linear(nn.Linear):
         x2d = x.reshape(-1, self.in_features)
         upd = self.training or self._calibrating
         r = self.recipe
-        xs = _stateful_scale(r.input, self._state("input"), x2d, upd, self._calibrating)
-        ws = _stateful_scale(r.weight, self._state("weight"), self.weight, upd, self._calibrating)
+        go_sc = self._scalers.get("grad_output")
+        spec = _Spec(r, upd, self._calibrating, go_sc)
+        xs = _role_scale(self._scalers.get("input"), x2d, spec, None)
+        ws = _role_scale(self._scalers.get("weight"), self.weight, spec, None)
+        # A frozen static grad_output scale is known now; otherwise backward computes it
+        # from the state threaded through the function (an input, for torch.compile).
+        gs = go_sc.scale if isinstance(go_sc, StaticScaler) and go_sc.frozen else None
+        go = self._state("grad_output")
         with torch.autocast(dev, enabled=False):
-            spec = _Spec(r, upd, self._calibrating)
-            go = self._state("grad_output")
             y: Tensor = _Float8MatmulFn.apply(  # type: ignore[no-untyped-call]
-                x2d, self.weight, xs, ws, go, spec, out_dtype
+                x2d, self.weight, xs, ws, gs, go, spec, out_dtype
             )
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(out_dtype)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args)
+        self._bind_state()
         missing: list[str] = args[2]
         own = {prefix + n for n, _ in self.named_buffers(recurse=False)}
         missing[:] = [k for k in missing if k not in own]  # plain checkpoints load: fresh state
@@ -282,133 +318,12 @@ def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
 
 
 def _after_load(module: nn.Module, incompatible: Any) -> None:
+    """A loaded calibration (every static maximum > 0) freezes the static scalers at it."""
     assert isinstance(module, Float8Linear)
-    static = [module._state(r) for r in ROLES if module.recipe.cast(r).scaling == "static"]
-    ready = [t for t in static if t is not None and t.dim() == 0]
-    if ready and all(bool(t > 0) for t in ready):
-        module._calibrated = True
-
-
-ModuleFilter = Callable[[nn.Module, str], bool]
-
-
-def convert_to_float8(
-    model: nn.Module,
-    recipe: str | Float8Recipe = "tensorwise",
-    module_filter: ModuleFilter | None = None,
-) -> nn.Module:
-    """Swap every ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear`.
-
-    ``module_filter(module, fqn)`` returns True for the layers to convert (default: all).
-    A linear used at several places becomes one ``Float8Linear`` used at all of them; its
-    hooks carry over. Subclasses of ``nn.Linear`` and parametrized linears (e.g.
-    ``weight_norm``) are left unchanged, named in a warning: their own forward would be lost.
-    Returns ``model`` (or the new module if ``model`` itself is an ``nn.Linear``).
-
-    Example:
-        >>> import torch
-        >>> nn = torch.nn
-        >>> m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-        >>> m = convert_to_float8(m, "delayed", module_filter=lambda mod, fqn: fqn != "2")
-        >>> [type(c).__name__ for c in m]
-        ['Float8Linear', 'ReLU', 'Linear']
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if isinstance(recipe, str):
-        recipe = Float8Recipe.from_name(recipe)
-    if not isinstance(recipe, Float8Recipe):
-        raise TypeError(f"recipe must be a Float8Recipe or name, got {type(recipe).__name__}")
-    if module_filter is not None and not callable(module_filter):
-        raise TypeError("module_filter must be a callable (module, fqn) -> bool")
-
-    left: list[str] = []
-
-    def wanted(mod: nn.Module, fqn: str) -> bool:
-        if not isinstance(mod, nn.Linear) or isinstance(mod, Float8Linear):
-            return False
-        if module_filter is not None and not module_filter(mod, fqn):
-            return False
-        if type(mod) is not nn.Linear or parametrize.is_parametrized(mod):
-            left.append(f"{fqn or 'the model'} ({type(mod).__name__})")
-            return False  # its own forward or parametrization would be lost
-        if not mod.weight.dtype.is_floating_point:
-            raise TypeError(
-                f"model: {fqn or 'the model'}.weight has dtype {mod.weight.dtype}; float8 "
-                "conversion needs floating-point weights"
-            )
-        return True
-
-    if wanted(model, ""):
-        assert isinstance(model, nn.Linear)
-        return Float8Linear.from_linear(model, recipe)
-    done: dict[int, Float8Linear] = {}
-    _convert_children(model, wanted, done, recipe)
-    if left:
-        log.warning(
-            "convert_to_float8: left unchanged (nn.Linear subclasses or parametrized "
-            "linears, whose own forward would be lost): %s",
-            ", ".join(dict.fromkeys(left)),
-        )
-    return model
-
-
-def apply(
-    model: nn.Module,
-    config: str | Float8Recipe = "tensorwise",
-    module_filter: ModuleFilter | None = None,
-) -> nn.Module:
-    """The float8 technique's entry point: :func:`convert_to_float8` with ``config`` (a
-    :class:`~lowprec.float8.Float8Recipe` or a preset name, see :func:`recipe_names`).
-
-    Example:
-        >>> import torch
-        >>> m = apply(torch.nn.Sequential(torch.nn.Linear(32, 32)), "rowwise")
-        >>> type(m[0]).__name__, m[0].recipe.name
-        ('Float8Linear', 'rowwise')
-    """
-    return convert_to_float8(model, config, module_filter)
-
-
-def _convert_children(
-    model: nn.Module,
-    wanted: Callable[[nn.Module, str], bool],
-    done: dict[int, Float8Linear],
-    recipe: Float8Recipe,
-) -> None:  # a module used at several places stays one module
-    for fqn, mod in list(model.named_modules(remove_duplicate=False)):
-        for name, child in list(mod._modules.items()):
-            full = f"{fqn}.{name}" if fqn else name
-            if child is None:
-                continue
-            if id(child) in done:
-                setattr(mod, name, done[id(child)])
-            elif wanted(child, full):
-                assert isinstance(child, nn.Linear)
-                done[id(child)] = Float8Linear.from_linear(child, recipe)
-                setattr(mod, name, done[id(child)])
-
-
-def convert_back(model: nn.Module) -> nn.Module:
-    """Replace every :class:`Float8Linear` by a plain ``nn.Linear`` sharing its parameters
-    (the scaling state is dropped). Returns ``model`` (or the new module)."""
-
-    def plain(m: Float8Linear) -> nn.Linear:
-        new = nn.Linear(m.in_features, m.out_features, m.bias is not None, device="meta")
-        new.weight, new.bias = m.weight, m.bias
-        new.train(m.training)
-        return new
-
-    if isinstance(model, Float8Linear):
-        return plain(model)
-    done: dict[int, nn.Linear] = {}
-    for mod in list(model.modules(remove_duplicate=False)):
-        for name, child in list(mod._modules.items()):
-            if isinstance(child, Float8Linear):
-                if id(child) not in done:
-                    done[id(child)] = plain(child)
-                setattr(mod, name, done[id(child)])
-    return model
+    static = [s for s in module._scalers.values() if isinstance(s, StaticScaler) and not s.given]
+    if static and all(s.calib_amax is not None and bool(s.calib_amax > 0) for s in static):
+        for s in static:
+            s.freeze()
 
 
 @contextlib.contextmanager
@@ -421,7 +336,7 @@ def calibrate(model: nn.Module) -> Iterator[None]:
 
     Example:
         >>> import torch
-        >>> m = convert_to_float8(torch.nn.Linear(16, 16), "static")
+        >>> m = Float8Linear.from_linear(torch.nn.Linear(16, 16), "static")
         >>> with calibrate(m):
         ...     m(torch.randn(4, 16)).sum().backward()
         >>> float(m.input_static_amax) > 0
@@ -433,10 +348,8 @@ def calibrate(model: nn.Module) -> Iterator[None]:
         raise ValueError("model: no Float8Linear with a static role to calibrate")
     for m in static:  # a new calibration starts from scratch (it may lower a scale)
         m._calibrating = True
-        for r in ROLES:
-            t = m._state(r)
-            if t is not None and t.dim() == 0:
-                t.zero_()
+        for s in _calibrated_scalers(m):
+            s.reset()
     try:
         yield
     finally:
@@ -455,4 +368,9 @@ def calibrate(model: nn.Module) -> Iterator[None]:
             "inside the calibrate block"
         )
     for m in static:
-        m._calibrated = True
+        for s in _calibrated_scalers(m):
+            s.freeze()
+
+
+def _calibrated_scalers(m: Float8Linear) -> list[StaticScaler]:
+    return [s for s in m._scalers.values() if isinstance(s, StaticScaler) and not s.given]

@@ -364,3 +364,58 @@ def test_absolute_names_round_trip_and_padding_is_explicit() -> None:
     assert not p[:, 9:].any() and pad_to_blocks(p, g) is p
     # Zero padding leaves every block's amax unchanged (the policy's reason).
     assert amax(p, g)[0, 0] == x[:4, :8].abs().max()
+
+
+def test_scalers_over_given_state_tensors() -> None:
+    """The state lives in tensors the caller gives (e.g. module buffers), updated in place;
+    ``state=`` threads another tensor through one call."""
+    hist = torch.zeros(3)
+    sc = DelayedScaler("e4m3fn", history_len=3, amax_history=hist)
+    sc(_const(4.0))
+    sc(_const(8.0), update=False)  # evaluation: nothing recorded
+    assert sc.amax_history is hist and hist.tolist() == [4.0, 0.0, 0.0]
+    other = torch.zeros(3)
+    assert sc(_const(2.0), state=other).item() == pytest.approx(2.0 / 448, rel=2**-23)
+    assert other.tolist() == [2.0, 0.0, 0.0] and hist.tolist() == [4.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="amax_history"):
+        DelayedScaler("e4m3fn", history_len=4, amax_history=torch.zeros(3))
+    calib = torch.zeros(())
+    st = StaticScaler("e4m3fn", calibration_steps=None, calib_amax=calib)
+    for a in (2.0, 8.0, 4.0):
+        st(_const(a))
+    assert not st.frozen and calib.item() == 8.0  # None: calibrates until freeze()
+    st.freeze()
+    assert st.frozen and st(_const(1e6)).item() == pytest.approx(8.0 / 448, rel=2**-23)
+    st.reset()
+    assert not st.frozen and calib.item() == 0.0 and st.calib_amax is calib
+    restored = DelayedScaler("e4m3fn", history_len=3, amax_history=torch.zeros(3))
+    bound = restored.amax_history
+    restored.load_state_dict(sc.state_dict())
+    assert restored.amax_history is bound and bound.tolist() == hist.tolist()  # in place
+
+
+def test_nonfinite_count_is_a_tensor() -> None:
+    """Counted in a tensor (no host sync per call; reducible across ranks)."""
+    sc = DynamicScaler("e4m3fn")
+    sc(_const(1.0))
+    bad = _const(1.0)
+    bad[1] = math.inf
+    sc(bad)
+    sc(bad)
+    assert isinstance(sc.nonfinite, torch.Tensor) and sc.nonfinite_count == 2
+    old = {**sc.state_dict(), "nonfinite_count": 5}
+    del old["nonfinite"]  # a state saved when the count was a Python int
+    fresh = DynamicScaler("e4m3fn")
+    fresh.load_state_dict(old)
+    assert fresh.nonfinite_count == 5
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, math.nan, math.inf])
+def test_static_scaler_refuses_a_bad_scale_on_load(bad: float) -> None:
+    sc = StaticScaler("e4m3fn", scale=0.5)
+    state = {**sc.state_dict(), "scale": torch.tensor(bad)}
+    with pytest.raises(ValueError, match=r"state\['scale'\] must be finite and > 0"):
+        StaticScaler("e4m3fn").load_state_dict(state)
+    state = {**sc.state_dict(), "calib_amax": torch.tensor(bad if bad != 0 else -2.0)}
+    with pytest.raises(ValueError, match=r"state\['calib_amax'\]"):
+        StaticScaler("e4m3fn").load_state_dict(state)
