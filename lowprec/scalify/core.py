@@ -112,10 +112,25 @@ def upcast(d: Tensor, work: torch.dtype) -> Tensor:
 
 
 def pair(x: Any, work: torch.dtype) -> Pair:
-    """``(d_x, s_x)`` in working precision; a plain tensor is its own data at scale 1."""
+    """``(d_x, s_x)`` in working precision; a plain tensor is its own data at scale 1.
+    ``TypeError`` for a complex plain tensor (scaled arithmetic is real)."""
     if isinstance(x, ScaledTensor):
         return upcast(x.qdata, work), x.scale
+    if x.is_complex():
+        raise TypeError(f"scalify: complex operands are not supported, got dtype {x.dtype}")
     return x.to(work), one(x)
+
+
+def check_real_float(op: Any, *xs: Any) -> None:
+    """``TypeError`` naming ``op`` if a plain tensor operand is not floating point (torch
+    refuses mixed-dtype matmuls too: scaled arithmetic must not accept them silently)."""
+    for i, x in enumerate(xs):
+        if isinstance(x, Tensor) and not isinstance(x, ScaledTensor):
+            if not x.is_floating_point():
+                raise TypeError(
+                    f"scalify: operand {i} of {op} has dtype {x.dtype}; a matmul needs "
+                    "floating-point operands (cast it first)"
+                )
 
 
 def deq(x: Any, work: torch.dtype) -> Tensor:
@@ -182,9 +197,12 @@ def combine(s_a: Tensor, s_b: Tensor, shape: tuple[int, ...], how: str = "") -> 
 
 
 def stat(d: Tensor, how: str) -> Tensor:
+    """max |d|, mean |d| (``l1``) or RMS (``l2``) of ``d``; 0 for an empty ``d``."""
     a = d.detach().abs()
+    if not a.numel():
+        return torch.zeros((), dtype=a.dtype, device=d.device)
     if how == "max":
-        return a.amax() if a.numel() else torch.zeros((), device=d.device)
+        return a.amax()
     if how == "l1":
         return a.mean()
     return a.square().mean().sqrt()

@@ -89,7 +89,12 @@ def as_scaled(
     """``x`` as a scalify ``ScaledTensor`` (data in the config's format).
 
     ``scale`` defaults to ``max |x|`` (power-of-two rounded per the config), so the data
-    lies in [-1, 1]. Differentiable: ``x``'s gradient is the plain ``d_g·s_g``. With
+    lies in [-1, 1]. A given ``scale`` must be finite and > 0 (``ValueError``) and
+    large enough that the finite values of ``x / scale`` fit the storage format
+    (``ValueError`` naming ``scale`` when one would overflow to ±inf; a scale so large
+    that values fall below the format's range flushes them to 0, as any rounding does).
+    NaN/±inf entries of ``x`` stay NaN/±inf. Differentiable: ``x``'s gradient is the plain
+    ``d_g·s_g``. With
     ``config``, the result records it: every op on it and on what is computed from it, in
     forward and backward, runs under ``config`` (see :mod:`lowprec.scalify.domains`);
     without, ops use the calling thread's active config.
@@ -113,6 +118,15 @@ def as_scaled(
         raise TypeError(f"config must be a ScalifyConfig or None, got {type(config).__name__}")
     key = "" if config is None else record(config)
     out: ScaledTensor = _ToScaled.apply(x, s, key)  # type: ignore[no-untyped-call]
+    if s is not None and not compiling() and x.numel():
+        fin = torch.isfinite(x)
+        if not bool(torch.isfinite(out.qdata)[fin].all()):
+            big = float((x.detach().abs() * fin).amax())
+            raise ValueError(
+                f"scale: {s.flatten()[:4].tolist()} is too small for x (max |x| = {big:.4g}): "
+                f"x/scale overflows the storage format {out.qdata.dtype}; use a scale of at "
+                "least max |x| / the format's max, or the default (max |x|)"
+            )
     return out
 
 
@@ -159,7 +173,8 @@ class _Rebalance(torch.autograd.Function):
 
 def _set_scale(x: ScaledTensor, s: Tensor) -> ScaledTensor:
     work = work_dtype(x)
-    r = (x.scale / s).to(work)
+    # s = 0 only for a known zero (scale 0) kept as it is: its data stays (never 0/0).
+    r = torch.where(s > 0, x.scale / torch.where(s > 0, s, 1.0), 1.0).to(work)
     d = (x.qdata.to(work) * r).to(x.qdata.dtype)
     return ScaledTensor._wrap(d, s, x.dtype, x._fmt, x.domain)
 
@@ -171,6 +186,8 @@ def _new_scale(x: ScaledTensor, how: str, pow2_mode: Pow2Mode | None) -> Tensor:
     if not compiling() and not bool(torch.isfinite(r)):
         raise ValueError(f"dynamic_rescale: the {how} statistic of x's data is {float(r)}")
     mode = config_of((x,)).pow2 if pow2_mode is None else pow2_mode
+    # An all-zero (or empty) x has r = 0: no range to fix, its scale is kept (a known
+    # zero's scale 0 included), so the result is x's value, never 0/0 = NaN.
     return x.scale * torch.where(r > 0, round_pow2(r, mode), 1.0)
 
 
@@ -198,7 +215,9 @@ def dynamic_rescale(
 ) -> ScaledTensor:
     """Rebalance ``x`` to the scale ``s_x·r(d_x)``: ``r`` the ``max`` |d|, mean |d| (``l1``)
     or RMS (``l2``) of the data, rounded per ``pow2`` (``"none"``, ``"down"``, ``"up"``;
-    default: the config's). So the data's max / mean |.| / RMS becomes ≈ 1. With
+    default: the config's). So the data's max / mean |.| / RMS becomes ≈ 1. An all-zero
+    or empty ``x`` (``r = 0``) keeps its scale: the result equals ``x`` (zeros, no NaN).
+    Data holding NaN/Inf raises ``ValueError`` (the statistic is not finite). With
     ``grad=True`` the gradient is rescaled the same way in backward.
 
     Example:

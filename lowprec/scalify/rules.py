@@ -22,6 +22,7 @@ from lowprec.scalify.config import current_config
 from lowprec.scalify.core import (
     Pair,
     check_compatible,
+    check_real_float,
     combine,
     deq,
     first_st,
@@ -241,6 +242,7 @@ def matmul_pair(a: Any, b: Any, op: Any) -> Pair:
     ``a``, per-column of ``b``); otherwise ``v = (d_a·s_a) @ (d_b·s_b)`` and
     ``s = max s_a · max s_b · c(K)``. FP8 data format: operands cast by :func:`_fp8` first."""
     check_compatible(a, b)
+    check_real_float(op, a, b)
     work = work_dtype(a, b)
     (da, sa), (db, sb) = pair(a, work), pair(b, work)
     if current_config().fp8_matmul:

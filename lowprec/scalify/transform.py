@@ -19,7 +19,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
 from lowprec.core.registry import Registry
 from lowprec.core.tensor import ScaledTensor
@@ -68,6 +68,19 @@ def _run(cfg: ScalifyConfig, key: str, fn: Callable[..., Any], args: Any, kwargs
         pop()
 
 
+def _check_inputs(args: Any, kwargs: Any) -> None:
+    """``TypeError`` naming the input for a complex tensor (scaled arithmetic is real).
+    Integer and bool inputs pass through unchanged (indices, masks): ops use them as
+    torch does, and a matmul of one raises ``TypeError`` (see the rules)."""
+    for path, leaf in tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, Tensor) and leaf.is_complex():
+            where = keystr(path[1:]) if path else ""
+            side = "args" if path and getattr(path[0], "idx", 0) == 0 else "kwargs"
+            raise TypeError(
+                f"{side}{where}: complex tensors are not supported by scalify, got {leaf.dtype}"
+            )
+
+
 def _leave(x: Any) -> Any:
     return unscale(x) if isinstance(x, ScaledTensor) else x
 
@@ -90,6 +103,7 @@ class Scalified(nn.Module):
         record(self.config)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _check_inputs(args, kwargs)
         params = dict(self.module.named_parameters())
 
         def call(params: dict[str, Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -134,6 +148,7 @@ def scalify(
 
     @functools.wraps(obj)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        _check_inputs(args, kwargs)
         return _run(cfg, key, obj, args, kwargs)
 
     return wrapped
