@@ -33,6 +33,9 @@ __all__ = [
     "CONSTRAINTS",
     "Constraint",
     "apply_constraint",
+    "check_dim",
+    "check_float",
+    "check_number",
     "scale_bwd",
     "scale_fwd",
     "unit_op",
@@ -153,3 +156,43 @@ def apply_constraint(
     else:  # to_grad_input_scale
         s = math.exp(sum(math.log(v) for v in grad_input_scales) / len(grad_input_scales))
     return (s,) * n
+
+
+def check_float(name: str, x: object, optional: bool = False) -> None:
+    """``TypeError`` naming ``name`` unless ``x`` is a real floating-point tensor (or
+    ``None`` when ``optional``): unit ops refuse integer, bool and complex inputs rather
+    than computing on them in a dtype the scales were not derived for."""
+    if x is None and optional:
+        return
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_number(name: str, v: object, low: float = -math.inf, *, open_low: bool = False) -> float:
+    """``v`` as a finite float ``>= low`` (``> low`` with ``open_low``); ``TypeError`` /
+    ``ValueError`` naming ``name`` otherwise (NaN and ±inf included)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    f = float(v)
+    if not math.isfinite(f) or f < low or (open_low and f == low):
+        rel = ">" if open_low else ">="
+        bound = "" if low == -math.inf else f" and {rel} {low:g}"
+        raise ValueError(f"{name} must be finite{bound}, got {v!r}")
+    return f
+
+
+def check_dim(name: str, x: Tensor, dim: object) -> int:
+    """``dim`` as a non-negative index into ``x``'s dims (a 0-dim tensor has the one dim
+    ``0``/``-1`` of size 1, as torch's reductions treat it); ``TypeError`` / ``ValueError``
+    naming ``name`` otherwise."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
+    nd = max(x.dim(), 1)
+    if not -nd <= dim < nd:
+        raise ValueError(
+            f"{name}={dim} is out of range for a tensor of {x.dim()} dims "
+            f"(shape {tuple(x.shape)}): need {-nd} <= {name} < {nd}"
+        )
+    return dim % nd

@@ -5,6 +5,11 @@ Each op reads: compute ideal scales → apply the constraint (``lowprec.unit.cor
 ``scale_bwd`` the inputs → the standard op → ``scale_fwd`` the output. "Ideal" scales
 assume unit-normal, independent inputs and a unit-normal incoming gradient ``g``; ``B``
 below is the number of rows a weight gradient sums over (all leading dims).
+
+Inputs: tensors must be real floating point (``TypeError`` naming the argument for an
+integer, bool or complex one; indices are integer), numbers finite (``ValueError``). A
+zero-size dimension gives torch's (empty or all-zero) result: each count in a scale is
+taken as at least 1, so no scale divides by zero.
 Activation constants are ``E[·]`` under ``X ~ N(0, 1)``, computed by Gauss–Hermite
 quadrature (:func:`gauss_moment`).
 
@@ -27,7 +32,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lowprec.core.casts import quantize_grad, quantize_ste
-from lowprec.unit.core import apply_constraint, scale_bwd, scale_fwd
+from lowprec.unit.core import (
+    apply_constraint,
+    check_dim,
+    check_float,
+    check_number,
+    scale_bwd,
+    scale_fwd,
+)
 from lowprec.unit.core import unit_op as _unit_op
 
 __all__ = [
@@ -101,9 +113,11 @@ def matmul(
     ``M'`` the rows ``aᵀ g`` sums over; the three scales are tied by ``constraint``.
     ``float8``: operands rounded to E4M3, the gradient into the product to E5M2.
     """
+    check_float("a", a)
+    check_float("b", b)
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError(f"a, b: need >= 2 dims, got shapes {tuple(a.shape)}, {tuple(b.shape)}")
-    k, n = b.shape[-2], b.shape[-1]
+    k, n = max(1, b.shape[-2]), max(1, b.shape[-1])
     m = max(1, a.numel() // k // max(1, b.numel() // (k * n)))
     s_out, s_a, s_b = apply_constraint(constraint, k**-0.5, n**-0.5, m**-0.5)
     return _product(torch.matmul, a, b, s_out, s_a, s_b, float8)
@@ -122,7 +136,12 @@ def _linear(
     Forward ``y = x Wᵀ/√fan_in + b``; backward ``∂x = (g W)/√fan_out`` (tied to the output
     scale by ``constraint``), ``∂W = (gᵀ x)/√B`` and ``∂b = Σ_B g/√B`` (cut edges, ideal).
     """
-    fan_out, fan_in = weight.shape
+    check_float("x", x)
+    check_float("weight", weight)
+    check_float("bias", bias, optional=True)
+    if weight.dim() != 2:
+        raise ValueError(f"weight: need 2 dims (fan_out, fan_in), got shape {tuple(weight.shape)}")
+    fan_out, fan_in = max(1, weight.shape[0]), max(1, weight.shape[1])
     batch = max(1, x.numel() // fan_in)
     s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
     y = _product(F.linear, x, weight, s_out, s_x, batch**-0.5, float8)
@@ -145,9 +164,11 @@ def linear_readout(
     forward-only ``1/√fan_in`` (μP's readout multiplier), so ``std(y) = 1/√fan_in`` at init;
     backward as :func:`linear` (``∂x`` at the linear's output scale, ``∂W`` unit).
     """
+    check_float("bias", bias, optional=True)
     y = _linear(x, weight, None, constraint=constraint, float8=float8)
-    y = scale_fwd(y, weight.shape[1] ** -0.5)
-    return y if bias is None else y + scale_bwd(bias, max(1, x.numel() // weight.shape[1]) ** -0.5)
+    fan_in = max(1, weight.shape[1])
+    y = scale_fwd(y, fan_in**-0.5)
+    return y if bias is None else y + scale_bwd(bias, max(1, x.numel() // fan_in) ** -0.5)
 
 
 @_unit_op
@@ -158,7 +179,11 @@ def add(a: Tensor, b: Tensor, weights: tuple[float, float] = (1.0, 1.0)) -> Tens
     ``∂a = ∂b = g`` (each unit). Broadcasting is allowed; the gradient of a broadcast
     input sums over the broadcast dims as usual.
     """
-    wa, wb = (float(w) for w in weights)
+    check_float("a", a)
+    check_float("b", b)
+    if not isinstance(weights, (tuple, list)) or len(weights) != 2:
+        raise TypeError(f"weights must be a pair of numbers, got {weights!r}")
+    wa, wb = (check_number("weights", w) for w in weights)
     norm = math.hypot(wa, wb)
     if norm == 0.0:
         raise ValueError(f"weights: need a non-zero weight, got {weights!r}")
@@ -172,8 +197,8 @@ def residual_split(x: Tensor, tau: float) -> tuple[Tensor, Tensor]:
     Forward: both are ``x``. Backward: ``∂x = √τ·∂residual + √(1-τ)·∂skip``, unit when
     both incoming gradients are unit and independent. Pair with :func:`residual_add`.
     """
-    if not 0.0 < tau < 1.0:
-        raise ValueError(f"tau must be in (0, 1), got {tau!r}")
+    check_float("x", x)
+    tau = _check_tau(tau)
     return scale_bwd(x, tau**0.5), scale_bwd(x, (1.0 - tau) ** 0.5)
 
 
@@ -181,9 +206,17 @@ def residual_split(x: Tensor, tau: float) -> tuple[Tensor, Tensor]:
 def residual_add(residual: Tensor, skip: Tensor, tau: float) -> Tensor:
     """Forward ``y = √τ·residual + √(1-τ)·skip`` (unit if both are); backward passes
     ``g`` unscaled to both (the weights are applied in :func:`residual_split`'s backward)."""
-    if not 0.0 < tau < 1.0:
-        raise ValueError(f"tau must be in (0, 1), got {tau!r}")
+    check_float("residual", residual)
+    check_float("skip", skip)
+    tau = _check_tau(tau)
     return scale_fwd(residual, tau**0.5) + scale_fwd(skip, (1.0 - tau) ** 0.5)
+
+
+def _check_tau(tau: object) -> float:
+    t = check_number("tau", tau)
+    if not 0.0 < t < 1.0:
+        raise ValueError(f"tau must be in (0, 1), got {tau!r}")
+    return t
 
 
 def residual_taus(
@@ -197,6 +230,8 @@ def residual_taus(
     * ``"weighted"``: embedding weight 1, each branch ``weight`` (default ``1/n``):
       ``τ_l = w/(1 + (l+1)w)`` (u-μP's depth rule, :func:`lowprec.unit.umup.umup_taus`).
 
+    ``tau`` must lie in (0, 1) and ``weight`` be finite and > 0 (``ValueError``; NaN too).
+
     Example:
         >>> residual_taus(3)
         [0.5, 0.3333333333333333, 0.25]
@@ -204,15 +239,15 @@ def residual_taus(
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be an int >= 0, got {n!r}")
     if scheme == "fixed":
-        if not 0.0 < tau < 1.0:
-            raise ValueError(f"tau must be in (0, 1), got {tau!r}")
-        return [tau] * n
+        return [_check_tau(tau)] * n
     if scheme == "running-mean":
         return [1.0 / (i + 2) for i in range(n)]
     if scheme == "weighted":
-        w = 1.0 / max(n, 1) if weight is None else weight
-        if w <= 0:
-            raise ValueError(f"weight must be > 0, got {weight!r}")
+        w = (
+            1.0 / max(n, 1)
+            if weight is None
+            else check_number("weight", weight, 0.0, open_low=True)
+        )
         return [w / (1.0 + (i + 1) * w) for i in range(n)]
     raise ValueError(f"scheme must be one of ['fixed', 'running-mean', 'weighted'], got {scheme!r}")
 
@@ -220,6 +255,7 @@ def residual_taus(
 def _pointwise(
     x: Tensor, f: Callable[[Tensor], Tensor], gains: tuple[float, float], constraint: str | None
 ) -> Tensor:
+    check_float("x", x)
     s_out, s_in = apply_constraint(constraint, gains[0] ** -0.5, gains[1] ** -0.5)
     return scale_fwd(f(scale_bwd(x, s_in)), s_out)
 
@@ -232,6 +268,7 @@ def gelu(x: Tensor, approximate: str = "none", *, mult: float = 1.0,
     by ``constraint`` (input and output are not cut edges)."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    mult = check_number("mult", mult)
     return _pointwise(x, lambda t: F.gelu(t * mult, approximate=approximate), _GELU, constraint)
 
 
@@ -240,6 +277,7 @@ def silu(x: Tensor, *, mult: float = 1.0, constraint: str | None = "gmean") -> T
     """Forward ``y = silu(mult·x)/σ_f`` (``σ_f² = Var silu(X) ≈ 0.3131``); backward
     ``∂x = mult·silu'(mult·x)·g/σ_b`` (``σ_b² = E[silu'(X)²] ≈ 0.3795``); tied by
     ``constraint``."""
+    mult = check_number("mult", mult)
     return _pointwise(x, lambda t: F.silu(t * mult), _SILU, constraint)
 
 
@@ -255,6 +293,8 @@ def silu_glu(x: Tensor, gate: Tensor, *, constraint: str | None = "gmean") -> Te
     """SwiGLU's product ``y = x·silu(gate)/√E[silu(G)²]`` (``E[silu(G)²] ≈ 0.3558``);
     backward ``∂x = silu(gate)·g/√E[silu²]``, ``∂gate = x·silu'(gate)·g/√E[silu'²]``; the
     three scales are tied by ``constraint``."""
+    check_float("x", x)
+    check_float("gate", gate)
     s_out, s_x, s_g = apply_constraint(constraint, _SILU_M2**-0.5, _SILU_M2**-0.5, _SILU[1] ** -0.5)
     return scale_fwd(scale_bwd(x, s_x) * F.silu(scale_bwd(gate, s_g)), s_out)
 
@@ -265,7 +305,10 @@ def softmax(x: Tensor, dim: int = -1, *, mult: float = 1.0,
     """Forward ``y = n·softmax(mult·x)/√(e-1)`` along ``dim`` of size ``n``: for unit-normal
     logits ``p_i ≈ e^{x_i}/(n√e)`` so ``Var p = (e²-e)/(n²e)``; backward
     ``∂x = p⊙(g - Σp g)·n/√e`` (``E[p²] ≈ e/n²``); tied by ``constraint``."""
-    n = x.shape[dim]
+    check_float("x", x)
+    d = check_dim("dim", x, dim)
+    mult = check_number("mult", mult)
+    n = max(1, x.shape[d]) if x.dim() else 1
     s_out, s_in = apply_constraint(constraint, n / math.sqrt(math.e - 1), n / math.sqrt(math.e))
     return scale_fwd(torch.softmax(scale_bwd(x, s_in) * mult, dim=dim), s_out)
 
@@ -274,6 +317,8 @@ def softmax(x: Tensor, dim: int = -1, *, mult: float = 1.0,
 def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
     """``y = x - logsumexp(x)`` is already unit: a shift of ``x`` (``Var y = Var x``), and
     ``∂x = g - p·Σg ≈ g``. Scales 1; here for completeness and the transform."""
+    check_float("x", x)
+    check_dim("dim", x, dim)
     return torch.log_softmax(x, dim=dim)
 
 
@@ -288,9 +333,20 @@ def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> T
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_float("logits", logits)
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
     if targets.is_floating_point():
         raise TypeError("targets: class-probability targets are not supported; pass class ids")
+    if targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"targets must hold integer class ids, got dtype {targets.dtype}")
+    if logits.dim() == 0:
+        raise ValueError("logits: need (N, V) or (V,) logits, got a 0-dim tensor")
     v = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+    if v == 0:
+        raise ValueError(f"logits: need at least one class, got shape {tuple(logits.shape)}")
+    if reduction == "mean" and targets.numel() == 0:
+        raise ValueError("targets: empty; the mean over no targets is undefined (use 'sum')")
     n = targets.numel() if reduction == "mean" else 1
     s = n * math.sqrt(v) / math.sqrt(1.0 + (math.e - 2.0) / v)
     return F.cross_entropy(scale_bwd(logits, s), targets, reduction=reduction)
@@ -307,6 +363,10 @@ def layer_norm(
     """LayerNorm is unit in both passes (``y = (x-μ)/σ`` and ``∂x ≈ g/σ``): scales 1.
     The affine's gradients are cut edges summing over ``B`` rows: ``∂w, ∂b`` scaled by
     ``1/√B``."""
+    check_float("x", x)
+    check_float("weight", weight, optional=True)
+    check_float("bias", bias, optional=True)
+    eps = check_number("eps", eps, 0.0)
     batch = max(1, x.numel() // max(1, math.prod(normalized_shape)))
     w = None if weight is None else scale_bwd(weight, batch**-0.5)
     b = None if bias is None else scale_bwd(bias, batch**-0.5)
@@ -319,6 +379,10 @@ def rms_norm(
     eps: float | None = None,
 ) -> Tensor:  # fmt: skip
     """RMSNorm ``y = x/rms(x)·w``: unit both ways (as :func:`layer_norm`); ``∂w`` by ``1/√B``."""
+    check_float("x", x)
+    check_float("weight", weight, optional=True)
+    if eps is not None:
+        eps = check_number("eps", eps, 0.0)
     batch = max(1, x.numel() // max(1, math.prod(normalized_shape)))
     w = None if weight is None else scale_bwd(weight, batch**-0.5)
     return F.rms_norm(x, tuple(normalized_shape), w, eps)
@@ -329,8 +393,11 @@ def embedding(idx: Tensor, weight: Tensor) -> Tensor:
     """``y = W[idx]`` is unit for a unit-variance ``W``; backward: row ``v`` of ``∂W`` sums
     ``count(v)`` gradients, ``E[count] = B/V`` for ``B`` lookups, so ``∂W`` is scaled by
     ``√(V/B)``."""
-    if idx.is_floating_point():
+    if not isinstance(idx, Tensor):
+        raise TypeError(f"idx must be a torch.Tensor, got {type(idx).__name__}")
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
         raise TypeError(f"idx: need integer indices, got {idx.dtype}")
+    check_float("weight", weight)
     return F.embedding(idx, scale_bwd(weight, math.sqrt(weight.shape[0] / max(1, idx.numel()))))
 
 
@@ -338,7 +405,8 @@ def embedding(idx: Tensor, weight: Tensor) -> Tensor:
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     """Inverted dropout multiplies kept values by ``1/(1-p)``: ``Var y = Var x/(1-p)`` and
     likewise ``∂x``; both passes are scaled by ``√(1-p)`` (one scale: a plain multiply)."""
-    if not 0.0 <= p < 1.0:
+    check_float("x", x)
+    if not 0.0 <= check_number("p", p) < 1.0:
         raise ValueError(f"p must be in [0, 1), got {p!r}")
     if not training or p == 0.0:
         return x
@@ -363,13 +431,19 @@ def scaled_dot_product_attention(
         raise ValueError(f"dropout_p: only 0.0 is supported, got {dropout_p!r}")
     if enable_gqa:
         raise ValueError("enable_gqa: grouped-query attention is not supported")
-    d, n = q.shape[-1], k.shape[-2]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{name}: need (..., L, E) with >= 2 dims, got {tuple(t.shape)}")
+    if scale is not None:
+        scale = check_number("scale", scale)
+    d, n, rows = max(1, q.shape[-1]), max(1, k.shape[-2]), max(1, q.shape[-2])
     sigma2 = (d**-0.5 if scale is None else scale) ** 2 * d
-    g = math.exp(sigma2)
+    # Σ_j p_ij² ≈ min(1, e^{σ²}/m), in logs: e^{σ²} overflows a float for σ² > 709.
     if is_causal:
-        p2 = sum(min(1.0, g / (i + 1)) for i in range(q.shape[-2])) / q.shape[-2]
+        p2 = sum(math.exp(min(0.0, sigma2 - math.log(i + 1))) for i in range(rows)) / rows
     else:
-        p2 = min(1.0, g / n)
+        p2 = math.exp(min(0.0, sigma2 - math.log(n)))
     s = p2**-0.5
     s_qk = s / max(sigma2, 1e-12) ** 0.5
     q, k, v = scale_bwd(q, s_qk), scale_bwd(k, s_qk), scale_bwd(v, s)
@@ -386,8 +460,16 @@ def conv1d(
     """``conv1d`` with ``W (C_out, C_in/groups, k)``: a matmul of fan-in ``C_in/groups·k``.
     Forward ``/√fan_in``; ``∂x`` by ``1/√(C_out·k/(groups·stride))`` (the outputs each input
     feeds), tied by ``constraint``; ``∂W, ∂b`` by ``1/√(B·L_out)`` (cut edges)."""
+    check_float("x", x)
+    check_float("weight", weight)
+    check_float("bias", bias, optional=True)
+    if weight.dim() != 3 or x.dim() not in (2, 3):
+        raise ValueError(
+            f"x, weight: need x (N, C_in, L) or (C_in, L) and weight (C_out, C_in/groups, k), "
+            f"got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
     c_out, c_in_g, ksz = weight.shape
-    fan_in = c_in_g * ksz
+    fan_in = max(1, c_in_g * ksz)
     fan_out = max(1.0, c_out * ksz / (groups * stride))
     s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
     if isinstance(padding, str):
@@ -396,7 +478,7 @@ def conv1d(
         l_out = x.shape[-1] if padding == "same" else x.shape[-1] - dilation * (ksz - 1)
     else:
         l_out = (x.shape[-1] + 2 * padding - dilation * (ksz - 1) - 1) // stride + 1
-    w_s = max(1, x.numel() // x.shape[-1] // x.shape[-2] * l_out) ** -0.5
+    w_s = max(1, x.numel() // max(1, x.shape[-1]) // max(1, x.shape[-2]) * l_out) ** -0.5
     x = scale_bwd(x, s_x)
     y = F.conv1d(x, scale_bwd(weight, w_s), None, stride, padding, dilation, groups)
     y = scale_fwd(y, s_out)
