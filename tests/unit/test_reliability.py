@@ -31,7 +31,7 @@ ZERO_SIZE: list[tuple[str, Callable[[], torch.Tensor], Callable[[], torch.Tensor
     ("gelu empty", lambda: U.gelu(_r(0)), lambda: torch.zeros(0)),
     ("layer_norm rows=0", lambda: U.layer_norm(_r(0, 4), (4,)), lambda: torch.zeros(0, 4)),
     ("conv1d N=0", lambda: U.conv1d(_r(0, 2, 5), _r(3, 2, 2)), lambda: torch.zeros(0, 3, 4)),
-    ("conv1d C=0", lambda: U.conv1d(_r(1, 0, 5), _r(3, 0, 2)), lambda: torch.zeros(1, 0, 4)),  # as torch
+    ("conv1d C=0", lambda: U.conv1d(_r(1, 0, 5), _r(3, 0, 2)), lambda: torch.zeros(1, 0, 4)),
     ("embedding none", lambda: U.embedding(torch.zeros(0, dtype=torch.long), _r(5, 4)),
      lambda: torch.zeros(0, 4)),
     ("sdpa L=0", lambda: U.scaled_dot_product_attention(_r(1, 0, 8), _r(1, 0, 8), _r(1, 0, 8)),
