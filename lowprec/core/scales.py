@@ -98,7 +98,8 @@ def _check_f64_range(a: Tensor, name: str) -> None:
 def amax(x: Tensor, granularity: str | Granularity = "tensor") -> Tensor:
     """Largest magnitude per scaling group, as float32 of shape ``granularity.scale_shape``.
 
-    NaN propagates (a group holding a NaN has amax NaN); Inf gives Inf. A float64 ``x``
+    NaN propagates (a group holding a NaN has amax NaN); Inf gives Inf; an empty group
+    (a zero-size dim) has amax 0. A float64 ``x``
     is checked against float32's range (module docstring): ``ValueError`` above it, a
     WARNING below its normal range (such an amax underflows to 0 or a subnormal).
     """
@@ -116,6 +117,8 @@ def amax(x: Tensor, granularity: str | Granularity = "tensor") -> Tensor:
         # x.abs().amax()); maximum() propagates NaN.
         lo, hi = torch.aminmax(x.detach())
         return torch.maximum(hi, -lo).float()
+    if not x.numel():  # every group empty: amax 0 (an all-zero group's scale is 1)
+        return torch.zeros(shape, device=x.device)
     a = x.detach().abs()
     dview, sview, _ = _block_views(tuple(x.shape), shape)
     red = tuple(i for i, s in enumerate(sview) if s == 1)

@@ -1530,3 +1530,15 @@ def test_compute_scale_extreme_margins_clamp() -> None:
     assert compute_scale(one, "e4m3fn", margin=256).item() == 2.0**127
     assert compute_scale(one, "e4m3fn", margin=-256).item() == 2.0**-126
     assert compute_scale(one, "e4m3fn", margin=2.5).item() == pytest.approx(2.0**2.5, rel=2**-23)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "column", "mx", "nv", "block:1x32"])
+@pytest.mark.parametrize("shape", [(4, 0), (0, 0)])
+def test_quantize_scaled_of_zero_size_tensor(granularity: str, shape: tuple[int, ...]) -> None:
+    """An empty group has amax 0 (scale 1): quantizing a zero-size tensor is a no-op."""
+    from lowprec.core.tensor import quantize_scaled
+
+    x = torch.empty(*shape)
+    q = quantize_scaled(x, "e2m1" if granularity == "nv" else "e4m3fn", granularity=granularity)
+    assert q.shape == x.shape and q.dequantize().shape == x.shape
+    assert torch.isfinite(q.scale).all()
