@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Usage errors raise ``SystemExit(2)`` with a message on stderr, as argparse does. Every
     other failure is one line on stderr, ``lowprec COMMAND: error: ...``, never a
-    traceback (set ``LOWPREC_TRACEBACK=1`` to see one): exit code 2 for a bad run
+    traceback (set ``LOWPREC_TRACEBACK=1`` to see one), and ``SystemExit``: code 2 for a bad run
     directory or argument (:class:`~lowprec.jobs.rundir.RunError`, ``ValueError``,
     ``TypeError``), 1 for anything else (a file-system error, a run that stopped on
     Inf/NaN). An interrupted job exits with ``128 + signal`` (130 for Ctrl-C). Notes
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         usage = isinstance(e, (ValueError, TypeError)) and not isinstance(e, NonFiniteError)
-        return 2 if usage else 1
+        raise SystemExit(2 if usage else 1) from None
 
 
 def _one_line(e: BaseException) -> str:

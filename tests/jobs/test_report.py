@@ -13,6 +13,7 @@ import pytest
 
 from lowprec.cli import main
 from lowprec.jobs.report import Run, diagnose, load_run, write_report
+from lowprec.jobs.rundir import RunNote
 from lowprec.jobs.train import NUMERICS, RunError, TrainConfig, train
 
 TINY = TrainConfig(
@@ -161,9 +162,14 @@ def test_truncated_numerics_and_runs_without_evaluation(
     bad = tmp_path / "bad"
     shutil.copytree(runs["fp32"], bad)
     text = (bad / NUMERICS).read_text()
-    (bad / NUMERICS).write_text(text[: len(text) // 2])  # killed mid-write
-    with pytest.raises(RunError, match="corrupt or truncated"):
-        load_run(bad)
+    lines = text.splitlines(keepends=True)
+    (bad / NUMERICS).write_text(text[: len(text) // 2])  # killed mid-write: a torn last line
+    whole = text[: len(text) // 2].count("\n")
+    with pytest.warns(RunNote, match="dropped a torn last line"):
+        assert len(load_run(bad).numerics) == whole  # the whole lines before it are kept
+    (bad / NUMERICS).write_text("".join(lines[:2]) + "{torn\n" + "".join(lines[2:]))
+    with pytest.raises(RunError, match=r"line 3 is not a JSON object.*corrupt or truncated"):
+        load_run(bad)  # a bad line in the middle is not a torn append: an error
     early = tmp_path / "early"
     train(replace(TINY, recipe="fp32"), early, progress=False, stop_after=2)  # no eval yet
     page = write_report([early, runs["fp32"]], tmp_path / "r.html").read_text()
