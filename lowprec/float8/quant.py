@@ -21,16 +21,15 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lowprec.core.formats import get_format
-from lowprec.core.granularity import Granularity, apply_scale
+from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
 from lowprec.core.rounding import quantize, to_format
 from lowprec.core.scales import amax, compute_scale, mx_scale
 from lowprec.core.tensor import ScaledTensor
 from lowprec.core.warn import warn_once
-from lowprec.float8.recipe import CastConfig, GemmGranularity
+from lowprec.float8.recipe import CastConfig
 
 __all__ = ["Operand", "dequantize", "hardware_fp8_available", "quantize_operand", "scaled_mm"]
 
@@ -55,11 +54,6 @@ class Operand:
     shape: tuple[int, int]
 
 
-def _pad_to(t: Tensor, mult: tuple[int, int]) -> Tensor:
-    pr, pc = (-t.shape[0]) % mult[0], (-t.shape[1]) % mult[1]
-    return F.pad(t, (0, pc, 0, pr)) if pr or pc else t
-
-
 def quantize_operand(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = None) -> Operand:
     """Quantize the 2-D ``t`` for a GEMM that contracts its dimension ``cd`` (0 or 1).
 
@@ -70,7 +64,7 @@ def quantize_operand(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None 
     if t.dim() != 2:
         raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
     fmt = get_format(cast.fmt)
-    g: GemmGranularity = cast.gemm_granularity
+    g = cast.bound_granularity(cd)
     shape = (int(t.shape[0]), int(t.shape[1]))
     if g.kind == "tensor":
         s = scale if scale is not None else cast.scale_for(amax(t))
@@ -84,14 +78,14 @@ def quantize_operand(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None 
     if x.numel() == 0:  # e.g. an expert that got no tokens: nothing to scale
         return _empty_operand(x, cast, g, cd, shape)
     if g.kind == "axis":
-        s = cast.scale_for(amax(x, Granularity.along(cd)))
+        s = cast.scale_for(amax(x, g))
         return Operand(to_format(x / s, fmt, saturate=True), s, "axis", cd, shape)
     if cd == 0:  # block kinds: quantize the transpose (contracted dim last), transpose back
         op = quantize_operand(t.t(), cast, 1)
         return Operand(op.data.t(), op.scale.t(), op.kind, 0, shape)
     br, bc = g.block  # (along the rows, along the contracted columns)
-    xp = _pad_to(x, (br, bc))
-    a = amax(xp, Granularity.blocks(br, bc))
+    xp = pad_to_blocks(x, g)  # the core padding policy: explicit, cropped in dequantize
+    a = amax(xp, g)
     if g.kind == "block":
         s = cast.scale_for(a)
     elif g.kind == "mx":  # E8M0: OCP's floor, or the power of two at or above amax/max
@@ -114,7 +108,7 @@ def quantize_operand(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None 
 
 
 def _empty_operand(
-    x: Tensor, cast: CastConfig, g: GemmGranularity, cd: int, shape: tuple[int, int]
+    x: Tensor, cast: CastConfig, g: Granularity, cd: int, shape: tuple[int, int]
 ) -> Operand:
     """An operand of a matrix with no elements (scales of the right shape, all 1)."""
     fmt = get_format(cast.fmt)
@@ -122,7 +116,7 @@ def _empty_operand(
         s_shape = (shape[0], 1) if cd == 1 else (1, shape[1])
         return Operand(to_format(x, fmt), x.new_ones(s_shape), "axis", cd, shape)
     br, bc = g.block if cd == 1 else (g.block[1], g.block[0])
-    xp = _pad_to(x, (br, bc))
+    xp = pad_to_blocks(x, g)
     s = x.new_ones((xp.shape[0] // br, xp.shape[1] // bc))
     return Operand(to_format(xp, fmt), s, g.kind, cd, shape)
 

@@ -12,11 +12,14 @@ wgrad      ``gᵀ (N×M) · x (M×K)``       M (tokens)
 
 Each *role* (``input`` = x, ``weight`` = W, ``grad_output`` = g) has a :class:`CastConfig`:
 its format, how its scale is chosen over time (``dynamic``, ``delayed``, ``static``) and its
-granularity, which is stated *relative to the contracted dimension of the GEMM* (that is
-what a hardware kernel requires, and why an operand may be re-quantized per GEMM):
+granularity, a name of the one grammar of :mod:`lowprec.core.granularity` in its *relative*
+form: stated along the contracted dimension ``K`` of each GEMM (that is what a hardware
+kernel requires, and why an operand may be re-quantized per GEMM). Names without an axis
+mean ``@K`` (``block:1x128`` is ``block:1x128@K``); an absolute axis is refused:
 
 * ``tensor``: one scale for the whole operand, reused by every GEMM;
-* ``axis``: one scale per index of the *non-contracted* dimension (row-wise scaling);
+* ``axis`` (aliases ``axis:K``, ``rowwise``, and ``row`` here): one scale per index of the
+  *non-contracted* dimension (row-wise scaling);
 * ``block:RxC``: blocks of ``R`` along the non-contracted and ``C`` along the contracted
   dimension (``1x128`` for activations and gradients, ``128x128`` for weights);
 * ``mx:B``: OCP Microscaling, ``B`` consecutive elements along the contracted dimension
@@ -24,9 +27,10 @@ what a hardware kernel requires, and why an operand may be re-quantized per GEMM
 * ``nv:B``: NVFP4-style two-level scaling: ``B`` elements along the contracted dimension
   share an E4M3 scale, and one float32 scale per tensor maps the block scales into E4M3.
 
-Shapes that a block does not divide are *padded with zeros* inside the quantizer and the
-padding is dropped again. Zeros change neither a block's ``amax`` nor a dot product, so the
-result equals that of the unpadded tensor quantized with partial blocks.
+Shapes that a block does not divide follow the core padding policy: the quantizer pads the
+operand with zeros *explicitly* (:func:`lowprec.core.granularity.pad_to_blocks`) and drops
+the padding again. Zeros change neither a block's ``amax`` nor a dot product, so the result
+equals that of the unpadded tensor quantized with partial blocks.
 
 Example:
     >>> r = Float8Recipe.from_name("delayed")
@@ -37,13 +41,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from torch import Tensor
 
 from lowprec.core.formats import get_format
+from lowprec.core.granularity import Granularity, K
 from lowprec.core.registry import Registry
 from lowprec.core.scales import compute_scale
 
@@ -51,37 +55,6 @@ __all__ = ["PRESETS", "CastConfig", "Float8Recipe", "recipe_names"]
 
 Scaling = Literal["dynamic", "delayed", "static"]
 ROLES = ("input", "weight", "grad_output")
-
-
-@dataclass(frozen=True)
-class GemmGranularity:
-    """Parsed granularity: ``kind`` and block ``(along non-contracted, along contracted)``."""
-
-    kind: Literal["tensor", "axis", "block", "mx", "nv"]
-    block: tuple[int, int] = (1, 1)
-
-
-def parse_granularity(name: str) -> GemmGranularity:
-    """Parse a granularity name (see the module docstring); ``ValueError`` lists valid names."""
-    if not isinstance(name, str):
-        raise TypeError(f"granularity must be a str, got {type(name).__name__}")
-    key = name.strip().lower()
-    if key in ("tensor", "tensorwise"):
-        return GemmGranularity("tensor")
-    if key in ("axis", "row", "rowwise", "axiswise"):
-        return GemmGranularity("axis")
-    m = re.fullmatch(r"(?:block:)?(\d+)x(\d+)", key)
-    if m and int(m[1]) >= 1 and int(m[2]) >= 1:
-        return GemmGranularity("block", (int(m[1]), int(m[2])))
-    m = re.fullmatch(r"(mx|nv)(?::(\d+))?", key)
-    if m:
-        size = int(m[2]) if m[2] else (32 if m[1] == "mx" else 16)
-        if size >= 1:
-            return GemmGranularity("mx" if m[1] == "mx" else "nv", (1, size))
-    raise ValueError(
-        f"granularity: unknown name {name!r}; valid: 'tensor', 'axis' (alias 'row'), "
-        "'block:RxC' (e.g. 'block:1x128', 'block:128x128'), 'mx' / 'mx:B', 'nv' / 'nv:B'"
-    )
 
 
 @dataclass(frozen=True)
@@ -126,7 +99,9 @@ class CastConfig:
         except (ValueError, TypeError) as e:
             raise type(e)(f"fmt: {e}") from None
         object.__setattr__(self, "fmt", f.name)
-        g = parse_granularity(self.granularity)
+        g = _parse(self.granularity)
+        # Bound once here: no Granularity is built while torch.compile traces a GEMM.
+        object.__setattr__(self, "_bound", (g.bind(0), g.bind(1)))
         if self.scaling not in ("dynamic", "delayed", "static"):
             raise ValueError(
                 f"scaling must be 'dynamic', 'delayed' or 'static', got {self.scaling!r}"
@@ -161,8 +136,17 @@ class CastConfig:
                 raise ValueError(f"static_scale must be a finite number > 0, got {s!r}")
 
     @property
-    def gemm_granularity(self) -> GemmGranularity:
-        return parse_granularity(self.granularity)
+    def gemm_granularity(self) -> Granularity:
+        """The granularity in the core grammar, relative to the contracted dim ``K``."""
+        return _parse(self.granularity)
+
+    def bound_granularity(self, cd: int) -> Granularity:
+        """The granularity of an operand contracted over its dim ``cd`` (0 or 1):
+        ``gemm_granularity.bind(cd)``."""
+        if cd not in (0, 1):
+            raise ValueError(f"cd must be 0 or 1, got {cd!r}")
+        g: Granularity = self._bound[cd]  # type: ignore[attr-defined]
+        return g
 
     def scale_for(self, amax: Tensor) -> Tensor:
         """``amax · 2^margin / fmt.max``, a power of two with ``power_of_two``
@@ -172,6 +156,20 @@ class CastConfig:
     def describe(self) -> str:
         """Short text such as ``dyn:tensor:e4m3fn``."""
         return f"{self.scaling[:3]}:{self.granularity}:{self.fmt}"
+
+
+def _parse(name: str) -> Granularity:
+    """A cast's granularity name in the core grammar, relative to ``K``."""
+    if not isinstance(name, str):
+        raise TypeError(f"granularity must be a str, got {type(name).__name__}")
+    key = name.strip().lower()
+    g = Granularity.from_name("axis" if key == "row" else key, axis=K)
+    if g.kind != "tensor" and not g.relative:
+        raise ValueError(
+            f"granularity {name!r} names an absolute axis; a float8 cast is stated along the "
+            "GEMM's contracted dim K: 'axis', 'block:RxC', 'mx:B', 'nv:B' (or with '@K')"
+        )
+    return g
 
 
 def _e4(**kw: Any) -> CastConfig:
