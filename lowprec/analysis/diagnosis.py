@@ -9,7 +9,9 @@ of its values below a format's smallest normal underflows; a tensor with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,12 +20,17 @@ from lowprec.analysis.tracking import BACKWARD_KINDS, KINDS
 from lowprec.core.formats import get_format
 
 __all__ = [
+    "FAIL_GAP",
     "KIND_TEXT",
     "OVERFLOW_ALERT",
     "UNDERFLOW_ALERT",
     "Run",
     "diagnose",
+    "gap_spread",
     "judged_formats",
+    "reference_of",
+    "techniques",
+    "verdict",
     "worst",
     "worst_overflow",
 ]
@@ -219,3 +226,96 @@ def diagnose(run: Run) -> list[str]:
             f"below the smallest normal, and nothing overflows ({checked})."
         )
     return notes
+
+
+# ---- verdicts: one line per run, judged against the seed-to-seed spread ------------------
+
+FAIL_GAP = 0.05  # a val-loss gap above this (and above the spread) is a failure
+
+
+def techniques(run: Run) -> list[str]:
+    """The technique kinds of the run's recipe (``"unit"``, ``"float8"``, ``"scalify"``)."""
+    rec = run.config.get("recipe", {})
+    kinds = [str(t.get("technique")) for t in rec.get("technique") or () if isinstance(t, dict)]
+    return kinds + [k for k in ("float8", "unit_fp8", "scalify_format") if rec.get(k)]
+
+
+def reference_of(recipe: str, unit_scaled: bool, available: Sequence[str]) -> str | None:
+    """The run a recipe's val loss is compared with: ``fp32-unit`` for a unit-scaled recipe
+    (the same model and u-μP learning rates in FP32) where it ran, else ``fp32``; ``None``
+    for the reference itself or when the reference did not run."""
+    ref = "fp32-unit" if unit_scaled and "fp32-unit" in available else "fp32"
+    if recipe == ref or ref not in available:
+        return None
+    return ref
+
+
+def gap_spread(val_losses: Mapping[str, Sequence[float]], reference: str) -> float | None:
+    """The seed-to-seed spread of a val-loss gap to ``reference``: for each other recipe,
+    the sample standard deviation over seeds of ``val / val_ref - 1`` (paired: same seed),
+    and the median of these over the recipes (robust to one erratic recipe). ``val_losses``
+    maps each recipe to its val loss at seeds ``0..n-1`` (the same seeds for all); ``None``
+    if fewer than 2 seeds or no other recipe has finite losses at every seed."""
+    ref = val_losses.get(reference)
+    if ref is None or len(ref) < 2 or not all(math.isfinite(v) and v > 0 for v in ref):
+        return None
+    sds = []
+    for name, vals in val_losses.items():
+        if name == reference or len(vals) != len(ref) or not all(map(math.isfinite, vals)):
+            continue
+        sds.append(statistics.stdev(v / r - 1.0 for v, r in zip(vals, ref, strict=True)))
+    return statistics.median(sds) if sds else None
+
+
+def verdict(
+    gap: float | None,
+    reference: str | None,
+    tolerance: float | None,
+    *,
+    underflow: float = 0.0,
+    skipped: int = 0,
+    diverged_at: int | None = None,
+) -> str:
+    """One line judging a run by its val-loss ``gap`` (``val / val_ref - 1``) to
+    ``reference``, against ``tolerance`` (the relative gap that seed-to-seed noise can
+    explain; ``None``: not measured for this configuration):
+
+    * a run that diverged or has no finite val loss fails;
+    * ``gap > max(tolerance, FAIL_GAP)`` fails; a gap above the tolerance only is worse;
+    * ``|gap| <= tolerance`` matches; with ``underflow`` (the share of activation gradients
+      below their format's smallest normal) of :data:`UNDERFLOW_ALERT` or more it says so;
+    * a gap below ``-tolerance`` is better.
+
+    Skipped steps are appended.
+
+    Example:
+        >>> verdict(0.30, "fp32", 0.004)
+        'fails: +30.0% val loss vs fp32'
+        >>> verdict(0.002, "fp32", 0.004, underflow=0.94)
+        'activation gradients underflow (94%) but val loss within seed spread of fp32 (±0.4%)'
+        >>> verdict(-0.0004, "fp32", 0.0035, skipped=2)
+        'matches fp32 (within seed spread ±0.35%); 2 steps skipped'
+    """
+    if diverged_at is not None:
+        return f"fails: loss NaN/Inf at step {diverged_at}"
+    tail = f"; {skipped} step{'s' if skipped > 1 else ''} skipped" if skipped else ""
+    if reference is None:
+        return f"reference{tail}"
+    if gap is None or not math.isfinite(gap):
+        return f"fails: no finite val loss{tail}"
+    pct = f"{100 * gap:+.1f}%"
+    tol = f"±{100 * tolerance:.2g}%" if tolerance is not None else "not measured"
+    if gap > max(tolerance or 0.0, FAIL_GAP):
+        return f"fails: {pct} val loss vs {reference}{tail}"
+    if tolerance is None:
+        return f"{pct} vs {reference} (seed spread {tol}){tail}"
+    if gap > tolerance:
+        return f"worse: {pct} vs {reference}, beyond seed spread ({tol}){tail}"
+    if gap < -tolerance:
+        return f"better: {pct} vs {reference}, beyond seed spread ({tol}){tail}"
+    if underflow >= UNDERFLOW_ALERT:
+        return (
+            f"activation gradients underflow ({100 * underflow:.0f}%) but val loss within "
+            f"seed spread of {reference} ({tol}){tail}"
+        )
+    return f"matches {reference} (within seed spread {tol}){tail}"

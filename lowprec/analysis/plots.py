@@ -8,19 +8,27 @@
   ranges shaded the same way.
 * :func:`plot_curves`: training curves of several runs (loss, gap to the first run,
   activation-gradient underflow, loss scale) from their metrics records.
+* :func:`plot_verdicts`: the demo's failing and cured runs side by side, train loss and
+  its gap to each run's reference with the seed-spread band.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lowprec.analysis.tracking import BACKWARD_KINDS
 from lowprec.core.formats import get_format
 
-__all__ = ["plot_curves", "plot_exp_histograms", "plot_scale_chart", "rows_at"]
+__all__ = [
+    "plot_curves",
+    "plot_exp_histograms",
+    "plot_scale_chart",
+    "plot_verdicts",
+    "rows_at",
+]
 
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 # Tensors a scale chart shows (inputs repeat the previous module's output).
@@ -243,3 +251,77 @@ def _ema(xs: Sequence[float], beta: float) -> list[float]:
         m = x if m is None or not math.isfinite(m) else beta * m + (1 - beta) * x
         out.append(m)
     return out
+
+
+def plot_verdicts(
+    runs: Mapping[str, Sequence[dict[str, Any]]],
+    panels: Sequence[tuple[str, Sequence[str]]],
+    references: Mapping[str, str | None],
+    tolerance: Mapping[str, float],
+    path: str | Path,
+) -> Path:
+    """The demo's picture: one column per panel ``(title, run names)`` (runs in no panel
+    get one more), train loss (EMA 0.9) on top and below it the gap of that EMA to each
+    run's reference (``references[name]``; paired: the same batches at the same step), the
+    seed-spread band ``±tolerance[reference]`` shaded. A run that hit NaN/Inf ends in a
+    cross. Written to ``path`` (PNG)."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rest = [n for n in runs if not any(n in names for _, names in panels)]
+    cols = [(t, [n for n in names if n in runs]) for t, names in panels]
+    cols = [c for c in cols if c[1]] + ([("other recipes", rest)] if rest else [])
+    fig = Figure(figsize=(6.5 * len(cols), 7.5), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, len(cols), squeeze=False)
+    palette = matplotlib.colormaps["tab10" if len(runs) <= 10 else "tab20"]
+    color = {n: palette(k % palette.N) for k, n in enumerate(runs)}
+    ema = {n: _ema([r["loss"] for r in recs], 0.9) for n, recs in runs.items()}
+    for j, (title, names) in enumerate(cols):
+        top, gap = axes[0][j], axes[1][j]
+        bands: set[str] = set()
+        crosses = 0
+        for n in names:
+            steps = [r["step"] for r in runs[n]]
+            top.plot(steps, ema[n], lw=1.4, color=color[n], label=n)
+            bad = [s for s, v in zip(steps, ema[n], strict=True) if not math.isfinite(v)]
+            if bad:
+                good = [(s, v) for s, v in zip(steps, ema[n], strict=True) if math.isfinite(v)]
+                if good:
+                    top.plot(*good[-1], "x", ms=10, mew=2, color=color[n])
+                top.annotate(
+                    f"{n}: NaN at step {bad[0]}",
+                    (0.98, 0.98 - 0.07 * crosses),
+                    xycoords="axes fraction",
+                    ha="right",
+                    va="top",
+                    fontsize=8,
+                    color=color[n],
+                )
+                crosses += 1
+            ref = references.get(n)
+            if ref is None or ref not in ema:
+                continue
+            pairs = [
+                (s, 100 * (a / b - 1))
+                for s, a, b in zip(steps, ema[n], ema[ref], strict=False)
+                if math.isfinite(a) and math.isfinite(b)
+            ]
+            if pairs:
+                gap.plot(*zip(*pairs, strict=True), lw=1.3, color=color[n], label=f"{n} vs {ref}")
+            if ref in tolerance and ref not in bands:
+                t = 100 * tolerance[ref]
+                gap.axhspan(-t, t, color=color[ref], alpha=0.12, label=f"seed spread vs {ref}")
+                bands.add(ref)
+        top.set(xlabel="step", ylabel="train loss (nats/char, EMA 0.9)", title=title)
+        gap.axhline(0.0, color="black", lw=0.8)
+        gap.set(xlabel="step", ylabel="% (train-loss EMA)", title="gap to the reference")
+        gap.set_yscale("symlog", linthresh=2.0)
+        for a in (top, gap):
+            a.grid(alpha=0.3)
+            if a.get_legend_handles_labels()[0]:
+                a.legend(fontsize=7, loc="upper right" if a is gap else "center right")
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)

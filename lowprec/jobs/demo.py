@@ -1,61 +1,84 @@
-"""The demo: train the reference model once per recipe and compare.
+"""The demo: train the reference model once per recipe and show why each technique exists.
 
-Every recipe gets the same seed, data, model shape, optimizer and steps. The demo prints a
-table (final train and val loss, bits per character, skipped steps, share of zero gradient
-values, step time, val-loss gap to FP32), writes a loss-curve PNG and ``results.json``.
+Every recipe gets the same seed, data, model shape, optimizer and steps. The default set
+puts each failure next to its cure: FP8 casts without scales (``fp8-naive``) against float8
+scaling (``fp8-tensorwise``, ``fp8-delayed``) and unit scaling (``fp8-unit``, judged
+against ``fp32-unit``); FP16 without loss scaling, with dynamic loss scaling, without
+master weights (``fp16-pure``), BF16 and scalify. The table gives each recipe's val-loss
+gap to its reference and a one-line verdict (:func:`lowprec.analysis.diagnosis.verdict`)
+that judges the gap against the seed-to-seed spread: measured in this run with several
+``seeds``, else the shipped measurement :data:`SEED_SPREAD` where the configuration is
+the one it was measured on. ``ms/step`` is the median of the steady-state steps (the first
+:data:`WARM_STEPS` and the tracked last step left out), marked ``emulated`` for recipes
+whose FP8/FP4 GEMMs run emulated.
 
 The demo is the composition of two jobs through their public functions: the training job
-(:func:`lowprec.jobs.train.train`, once per recipe into ``out/<recipe>``) and the report
-job (:func:`lowprec.jobs.report.write_report` over those run directories). It shares
-nothing else with them but the run directory's layout (:mod:`lowprec.jobs.rundir`).
+(:func:`lowprec.jobs.train.train`, once per recipe into ``out/<recipe>``, or
+``out/seed<k>/<recipe>`` with several seeds) and the report job
+(:func:`lowprec.jobs.report.write_report` over those run directories). It shares nothing
+else with them but the run directory's layout (:mod:`lowprec.jobs.rundir`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
-from lowprec.jobs.report import plot_runs, write_report
-from lowprec.jobs.rundir import make_new_dir, summary_cells
-from lowprec.jobs.train import TrainConfig, train
+from lowprec.analysis.diagnosis import gap_spread, reference_of, verdict
+from lowprec.analysis.plots import plot_verdicts
+from lowprec.jobs.report import write_report
+from lowprec.jobs.rundir import make_new_dir, read_metrics, summarize
+from lowprec.jobs.train import NonFiniteError, TrainConfig, train
 from lowprec.recipes import get_recipe
 
-__all__ = ["DEMO_CONFIG", "DEMO_RECIPES", "GAP_REFERENCES", "QUICK_CONFIG", "run_demo"]
+__all__ = [
+    "DEMO_CONFIG",
+    "DEMO_RECIPES",
+    "PANELS",
+    "QUICK_CONFIG",
+    "SEED_SPREAD",
+    "TOLERANCE_SIGMAS",
+    "WARM_STEPS",
+    "is_emulated",
+    "run_demo",
+    "steady_step_ms",
+]
 
 DEMO_RECIPES = (
     "fp32",
-    "bf16",
-    "amp-bf16",
-    "fp16",
-    "fp16-static-ls",
-    "fp16-dynamic-ls",
+    "fp8-naive",
     "fp8-tensorwise",
     "fp8-delayed",
-    "fp8-rowwise",
-    "mxfp8",
     "fp32-unit",
-    "fp16-unit",
-    "bf16-unit",
     "fp8-unit",
+    "fp16",
+    "fp16-dynamic-ls",
+    "fp16-pure",
+    "bf16",
     "fp16-scalify",
-    "fp8-scalify",
 )
-# Each recipe's loss gap is shown against these references, where the run has them: fp32
-# for all, bf16 for the float8 recipes (BF16 master compute), fp32-unit for the unit-scaled.
-GAP_REFERENCES = ("fp32", "bf16", "fp32-unit")
+# The plot's panels: each failure with its cures and their reference.
+PANELS = (
+    ("FP8: no scales vs float8 scaling and unit scaling", DEMO_RECIPES[:6]),
+    ("FP16 / BF16: loss scaling, master weights, scalify", ("fp32", *DEMO_RECIPES[6:])),
+)
+WARM_STEPS = 10  # steps left out of ms/step: allocator, thread pool and kernel warm-up
+TOLERANCE_SIGMAS = 2.0  # a gap within this many seed standard deviations is noise
 
 # 4096 characters a batch: the mean loss makes each logit's gradient about p/4096, so
-# with a width of 64 most FP16 activation gradients are subnormal (see the README).
+# with a width of 64 most FP16 activation gradients are subnormal (see docs/demo.md).
 DEMO_CONFIG = TrainConfig(
-    steps=300,
+    steps=150,
     batch_size=32,
     seq_len=128,
     width=64,
@@ -65,11 +88,73 @@ DEMO_CONFIG = TrainConfig(
     warmup=20,
     eval_every=50,
     eval_batches=16,
-    ckpt_every=100,
+    ckpt_every=150,
 )
 QUICK_CONFIG = replace(
-    DEMO_CONFIG, steps=40, batch_size=8, seq_len=64, eval_every=20, eval_batches=2
+    DEMO_CONFIG, steps=40, batch_size=8, seq_len=64, eval_every=20, eval_batches=2, ckpt_every=40
 )
+
+# The seed-to-seed spread, measured once on DEMO_CONFIG (val loss at seeds 0, 1, 2):
+SEED_SPREAD: dict[str, Any] = {
+    "command": "",
+    "config": {},
+    "val_loss": {},
+}
+
+
+def is_emulated(recipe: str) -> bool:
+    """Whether the recipe's narrow GEMMs run emulated here (FP8/FP4 without CUDA)."""
+    r = get_recipe(recipe)
+    narrow = (
+        r.float8 is not None
+        or (r.unit is not None and r.unit.float8)
+        or (r.scalify is not None and r.scalify.data_format == "fp8")
+    )
+    return narrow and not torch.cuda.is_available()
+
+
+def steady_step_ms(records: Sequence[dict[str, Any]], warm: int = WARM_STEPS) -> float:
+    """Median step time in ms of the steps after the first ``warm`` and before the last
+    (tracked) one; all steps if fewer remain; NaN for no steps."""
+    times = [r["step_time"] for r in records]
+    steady = times[warm:-1] if len(times) > warm + 1 else times
+    return 1e3 * statistics.median(steady) if steady else math.nan
+
+
+def _same_config(a: TrainConfig, b: dict[str, Any]) -> bool:
+    skip = ("recipe", "seed")
+    return bool(b) and {k: v for k, v in a.to_dict().items() if k not in skip} == {
+        k: v for k, v in b.items() if k not in skip
+    }
+
+
+def _tolerances(base: TrainConfig, measured: dict[str, list[float]]) -> dict[str, float]:
+    """Gap tolerance per reference: ``TOLERANCE_SIGMAS`` × :func:`gap_spread`, from this
+    run's seeds, else from :data:`SEED_SPREAD` if measured on this configuration."""
+    source = measured
+    if len(next(iter(measured.values()), [])) < 2:
+        source = SEED_SPREAD["val_loss"] if _same_config(base, SEED_SPREAD["config"]) else {}
+    out = {}
+    for ref in ("fp32", "fp32-unit"):
+        judged = {r: v for r, v in source.items() if r == ref or _reference(r, list(source)) == ref}
+        sd = gap_spread(judged, ref)
+        if sd is not None:
+            out[ref] = TOLERANCE_SIGMAS * sd
+    return out
+
+
+def _reference(recipe: str, available: Sequence[str]) -> str | None:
+    return reference_of(recipe, get_recipe(recipe).unit is not None, available)
+
+
+def _train(cfg: TrainConfig, out: Path, progress: bool) -> dict[str, Any]:
+    try:
+        s = train(cfg, out, progress=progress, label=f"{cfg.recipe} (seed {cfg.seed})")
+    except NonFiniteError:  # the run stopped at its first NaN/Inf: that is its result
+        s = summarize(out)
+    s["steady_ms"] = steady_step_ms(read_metrics(out))
+    s["emulated"] = is_emulated(cfg.recipe)
+    return s
 
 
 def run_demo(
@@ -79,35 +164,52 @@ def run_demo(
     console: Console | None = None,
     progress: bool = True,
     config: TrainConfig | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Train each recipe into ``out/<recipe>``; print the table, write the plot, the JSON
-    and the HTML report (``out/report.html``, :func:`lowprec.jobs.report.write_report`).
+    """Train each recipe into ``out/<recipe>`` (``out/seed<k>/<recipe>`` with several
+    ``seeds``); print the table with verdicts, write ``loss_curves.png``,
+    ``results.json`` and the HTML report ``out/report.html`` of the first seed's runs.
 
     ``out`` must not exist or be empty (nothing on disk is overwritten). ``config``
-    replaces the demo's configuration (its ``recipe`` field is ignored).
+    replaces the demo's configuration (its ``recipe`` field is ignored; its ``seed`` is
+    used unless ``seeds`` is given). Returns the first seed's summaries, each with
+    ``reference``, ``val_gap_to_fp32``, ``val_gap_to_ref``, ``steady_ms``, ``emulated``
+    and ``verdict``.
     """
     out = Path(out)
+    recipes = list(dict.fromkeys(recipes))
     for r in recipes:
         get_recipe(r)
+    base = config or (QUICK_CONFIG if quick else DEMO_CONFIG)
+    seeds = list(seeds) if seeds else [base.seed]
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+        raise ValueError(f"seeds must be non-negative ints, got {seeds}")
     make_new_dir(out, "choose another --out")
     console = console or Console()
-    base = config or (QUICK_CONFIG if quick else DEMO_CONFIG)
-    results = []
     t0 = time.perf_counter()
-    for r in recipes:
-        results.append(train(replace(base, recipe=r), out / r, progress=progress))
-    for base_name in GAP_REFERENCES:
-        ref = next((s["val_loss"] for s in results if s["recipe"] == base_name), None)
-        for s in results:
-            s[f"val_gap_to_{base_name}"] = None if ref is None else s["val_loss"] / ref - 1.0
-    console.print(results_table(results, base, time.perf_counter() - t0))
+    by_seed: list[list[dict[str, Any]]] = []
+    for seed in seeds:
+        where = out if len(seeds) == 1 else out / f"seed{seed}"
+        cfg = replace(base, seed=seed)
+        by_seed.append([_train(replace(cfg, recipe=r), where / r, progress) for r in recipes])
+    seconds = time.perf_counter() - t0
+    val = {r: [runs[i]["val_loss"] for runs in by_seed] for i, r in enumerate(recipes)}
+    tolerance = _tolerances(base, val)
+    results = by_seed[0]
+    _judge(results, tolerance)
+    first = out if len(seeds) == 1 else out / f"seed{seeds[0]}"
+    console.print(results_table(results, replace(base, seed=seeds[0]), seconds, tolerance))
+    if len(seeds) > 1:
+        console.print(spread_table(recipes, seeds, val))
     png = out / "loss_curves.png"
-    plot_runs([out / r for r in recipes], png)
-    (out / "results.json").write_text(
-        json.dumps({"config": base.to_dict(), "results": results}, indent=2)
-    )
+    runs = {r: read_metrics(first / r) for r in recipes}
+    plot_verdicts(runs, PANELS, {s["recipe"]: s["reference"] for s in results}, tolerance, png)
+    saved: dict[str, Any] = {"config": replace(base, seed=seeds[0]).to_dict(), "results": results}
+    if len(seeds) > 1:
+        saved["seeds"], saved["val_loss"] = seeds, val
+    (out / "results.json").write_text(json.dumps(saved, indent=2))
     report = write_report(
-        [out / r for r in recipes],
+        [first / r for r in recipes],
         out / "report.html",
         title=f"lowprec demo ({len(recipes)} recipes)",
     )
@@ -116,27 +218,90 @@ def run_demo(
     return results
 
 
-def results_table(results: list[dict[str, Any]], cfg: TrainConfig, seconds: float) -> Table:
+def _judge(results: list[dict[str, Any]], tolerance: dict[str, float]) -> None:
+    val = {s["recipe"]: s["val_loss"] for s in results}
+    for s in results:
+        ref = _reference(s["recipe"], list(val))
+        s["reference"] = ref
+        for key, name in (("val_gap_to_fp32", "fp32"), ("val_gap_to_ref", ref)):
+            v, r = s["val_loss"], val.get(name or s["recipe"])
+            ok = r is not None and math.isfinite(v) and math.isfinite(r)
+            s[key] = v / r - 1.0 if ok else None
+        s["verdict"] = verdict(
+            s["val_gap_to_ref"],
+            ref,
+            tolerance.get(ref or ""),
+            underflow=s["act_grad_underflow"],
+            skipped=s["skipped_steps"],
+            diverged_at=s["diverged_at"],
+        )
+
+
+def _pct(g: float | None) -> str:
+    return "-" if g is None or not math.isfinite(g) else f"{100 * g:+.2f}%"
+
+
+def results_table(
+    results: list[dict[str, Any]], cfg: TrainConfig, seconds: float, tolerance: dict[str, float]
+) -> Table:
+    spread = ", ".join(f"±{100 * t:.2f}% vs {r}" for r, t in tolerance.items()) or "not measured"
     table = Table(
         title=(
             f"lowprec demo: {cfg.steps} steps, batch {cfg.batch_size}x{cfg.seq_len}, "
             f"width {cfg.width}, depth {cfg.depth}, lr {cfg.lr}, seed {cfg.seed} "
             f"({seconds:.0f} s)"
-        )
+        ),
+        caption=f"seed spread of the gap ({TOLERANCE_SIGMAS:g} sd over seeds): {spread}",
     )
-    cols = ["recipe", "train loss", "val loss", "val bpc"]
-    tail = ["skipped", "act-grad underflow", "act-grad zeros", "ms/step"]
-    for col in (*cols, *(f"gap to {r}" for r in GAP_REFERENCES), *tail):
+    cols = (
+        "recipe",
+        "val loss",
+        "gap to fp32",
+        "gap to ref",
+        "act-grad underflow",
+        "skipped",
+        "ms/step",
+        "verdict",
+    )
+    width = max(len(s["recipe"]) for s in results)
+    for col in cols:
         if col == "recipe":  # never wrapped or cut: the name is what a reader looks for
-            table.add_column(col, no_wrap=True, min_width=max(len(s["recipe"]) for s in results))
+            table.add_column(col, no_wrap=True, min_width=width)
+        elif col == "verdict":
+            table.add_column(col, min_width=30)
         else:
             table.add_column(col, justify="right")
     for s in results:
-        cells = summary_cells(s)
-        gaps = [s.get(f"val_gap_to_{r}") for r in GAP_REFERENCES]
+        ms = s["steady_ms"]
+        ref = s["reference"]
         table.add_row(
-            *(cells[c] for c in cols),
-            *("-" if g is None or not math.isfinite(g) else f"{100 * g:+.2f}%" for g in gaps),
-            *(cells[c] for c in tail),
+            s["recipe"],
+            f"{s['val_loss']:.4f}",
+            _pct(s["val_gap_to_fp32"]),
+            "-" if ref in (None, "fp32") else f"{_pct(s['val_gap_to_ref'])} ({ref})",
+            f"{100 * s['act_grad_underflow']:.1f}%",
+            str(s["skipped_steps"]),
+            ("-" if not math.isfinite(ms) else f"{ms:.0f}")
+            + (" emulated" if s["emulated"] else ""),
+            s["verdict"],
+        )
+    return table
+
+
+def spread_table(
+    recipes: Sequence[str], seeds: Sequence[int], val: dict[str, list[float]]
+) -> Table:
+    table = Table(title="val loss per seed, and the gap to fp32 / fp32-unit (paired by seed)")
+    for col in ("recipe", *(f"seed {s}" for s in seeds), "gap per seed", "gap sd"):
+        table.add_column(col, justify="left" if col == "recipe" else "right")
+    for r in recipes:
+        ref = _reference(r, recipes)
+        gaps = [v / b - 1 for v, b in zip(val[r], val[ref], strict=True)] if ref else []
+        ok = len(gaps) > 1 and all(map(math.isfinite, gaps))
+        table.add_row(
+            r,
+            *(f"{v:.4f}" for v in val[r]),
+            " ".join(_pct(g) for g in gaps) or "-",
+            f"{100 * statistics.stdev(gaps):.2f}%" if ok else "-",
         )
     return table

@@ -17,7 +17,7 @@ from dataclasses import fields
 from typing import Any
 
 from lowprec.core.registry import Registry
-from lowprec.float8 import Float8Recipe
+from lowprec.float8 import CastConfig, Float8Recipe
 from lowprec.recipes.policy import Policy
 from lowprec.recipes.recipe import Recipe
 from lowprec.scalify import ScalifyConfig
@@ -191,4 +191,25 @@ _add(
     "params, FP32 master weights)",
     technique=(UnitConfig(), Float8Recipe.from_name("rowwise")),
     **_MIXED,
+)
+# The failures the techniques cure, for the demo.
+_NAIVE = Float8Recipe(
+    name="naive",
+    # A static scale of exactly 1: the values are rounded to E4M3 / E5M2 as they are.
+    input=CastConfig("e4m3fn", scaling="static", static_scale=1.0),
+    weight=CastConfig("e4m3fn", scaling="static", static_scale=1.0),
+    grad_output=CastConfig("e5m2", scaling="static", static_scale=1.0),
+)
+_add(
+    "fp8-naive",
+    "BF16 params (FP32 master weights), float8 linears with NO scaling (scale 1: values "
+    f"rounded to the formats as they are); {_F8}. The failure float8 scaling cures",
+    technique=_NAIVE,
+    **_MIXED,
+)
+_add(
+    "fp16-pure",
+    "FP16 params, compute, optimizer state and update: no FP32 master weights, no loss "
+    "scaling. The failure master weights cure",
+    param_dtype="fp16",
 )
