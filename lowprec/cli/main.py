@@ -250,22 +250,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: _Handler = args.handler
     prog = f"lowprec {args.command}"
-    try:
-        with warnings.catch_warnings():
-            warnings.showwarning = _show_warning
-            return handler(args)
-    except Interrupted as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return exit_code(e.signum)
+    try:  # the outer handler also catches a second Ctrl-C while the first is reported
+        try:
+            with warnings.catch_warnings():
+                warnings.showwarning = _show_warning
+                return handler(args)
+        except Interrupted as e:
+            print(f"{prog}: {e}", file=sys.stderr)
+            return exit_code(e.signum)
+        except Exception as e:
+            if os.environ.get("LOWPREC_TRACEBACK"):
+                raise
+            print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+            usage = isinstance(e, (ValueError, TypeError)) and not isinstance(e, NonFiniteError)
+            raise SystemExit(2 if usage else 1) from None
     except KeyboardInterrupt:
         print(f"{prog}: aborted; run directories keep their last checkpoint", file=sys.stderr)
         return exit_code(signal.SIGINT)
-    except Exception as e:
-        if os.environ.get("LOWPREC_TRACEBACK"):
-            raise
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        usage = isinstance(e, (ValueError, TypeError)) and not isinstance(e, NonFiniteError)
-        raise SystemExit(2 if usage else 1) from None
 
 
 def _one_line(e: BaseException) -> str:
