@@ -275,16 +275,20 @@ def plot_verdicts(
     fig = Figure(figsize=(6.5 * len(cols), 7.5), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, len(cols), squeeze=False)
-    palette = matplotlib.colormaps["tab10" if len(runs) <= 10 else "tab20"]
-    color = {n: palette(k % palette.N) for k, n in enumerate(runs)}
+    palette = matplotlib.colormaps["tab10"]
+    refs = [n for n in runs if references.get(n) is None]  # the references: black, grey
+    color: dict[str, Any] = {n: ("black", "grey", "silver")[min(k, 2)] for k, n in enumerate(refs)}
     ema = {n: _ema([r["loss"] for r in recs], 0.9) for n, recs in runs.items()}
     for j, (title, names) in enumerate(cols):
         top, gap = axes[0][j], axes[1][j]
         bands: set[str] = set()
         crosses = 0
+        others = [n for n in names if n not in color]
+        color.update({n: palette(k % palette.N) for k, n in enumerate(others)})
         for n in names:
             steps = [r["step"] for r in runs[n]]
-            top.plot(steps, ema[n], lw=1.4, color=color[n], label=n)
+            ref_run = references.get(n) is None
+            top.plot(steps, ema[n], lw=2.2 if ref_run else 1.4, color=color[n], label=n)
             bad = [s for s, v in zip(steps, ema[n], strict=True) if not math.isfinite(v)]
             if bad:
                 good = [(s, v) for s, v in zip(steps, ema[n], strict=True) if math.isfinite(v)]
@@ -317,7 +321,9 @@ def plot_verdicts(
         top.set(xlabel="step", ylabel="train loss (nats/char, EMA 0.9)", title=title)
         gap.axhline(0.0, color="black", lw=0.8)
         gap.set(xlabel="step", ylabel="% (train-loss EMA)", title="gap to the reference")
-        gap.set_yscale("symlog", linthresh=2.0)
+        gap.set_yscale("symlog", linthresh=1.0)
+        lo, hi = gap.get_ylim()
+        gap.set_ylim(min(lo, -2.0), max(hi, 2.0))
         for a in (top, gap):
             a.grid(alpha=0.3)
             if a.get_legend_handles_labels()[0]:
