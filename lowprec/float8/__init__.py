@@ -16,7 +16,6 @@ Recipes (:func:`recipe_names`): ``tensorwise``, ``delayed``, ``static``, ``rowwi
 from lowprec.float8.convert import apply, convert_back, convert_to_float8
 from lowprec.float8.linear import Float8Linear, calibrate
 from lowprec.float8.quant import (
-    Operand,
     dequantize,
     hardware_fp8_available,
     quantize_operand,
@@ -29,7 +28,6 @@ __all__ = [
     "CastConfig",
     "Float8Linear",
     "Float8Recipe",
-    "Operand",
     "apply",
     "calibrate",
     "convert_back",

@@ -26,7 +26,13 @@ import torch
 from torch import Tensor, nn
 
 from lowprec.core.scalers import DelayedScaler, StaticScaler
-from lowprec.float8.quant import Operand, dequantize, matmul, quantize_operand
+from lowprec.float8.quant import (
+    as_operand,
+    dequantize_parts,
+    matmul,
+    quantize_operand,
+    quantize_parts,
+)
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 
 __all__ = ["Float8Linear", "calibrate"]
@@ -88,12 +94,19 @@ def _(t: Tensor) -> Tensor:
     return torch.empty_like(t)
 
 
-def _retag(op: Operand, cd: int) -> Operand:
-    """A tensor-scaled operand used transposed in another GEMM (same values, same scale)."""
-    return Operand(op.data, op.scale, op.kind, cd, op.shape)
+def _kind(cast: CastConfig) -> str:
+    return cast.bound_granularity(1).kind
 
 
 class _Float8MatmulFn(torch.autograd.Function):
+    """The three GEMMs of a linear on :class:`~lowprec.core.tensor.ScaledTensor` operands.
+
+    Operands are built from plain ``(data, scale)`` parts (:func:`quantize_parts`) and only
+    consumed by :func:`matmul`: no payload is read back from a ScaledTensor here, so
+    ``torch.compile(fullgraph=True)`` traces the ScaledTensors made inside the function
+    (the GEMM's ScaledTensor rule runs below Dynamo).
+    """
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -108,20 +121,21 @@ class _Float8MatmulFn(torch.autograd.Function):
     ) -> Tensor:
         r = spec.recipe
         ed = _EDTYPE[r.emulation_dtype]
-        xq = quantize_operand(x, r.input, 1, x_scale)
-        wq = quantize_operand(w.t(), r.weight, 0, w_scale)
+        xd, xs, xpad = xp = quantize_parts(x, r.input, 1, x_scale)
+        wp = quantize_parts(w.t(), r.weight, 0, w_scale)
+        xq, wq = as_operand(xp, r.input, 1, x.dtype), as_operand(wp, r.weight, 0, w.dtype)
         y = matmul(xq, wq, out_dtype, ed, r.emulate)
-        w_used = wq.scale if wq.kind == "tensor" else None
+        w_used = wp[1] if _kind(r.weight) == "tensor" else None
         if r.fp8_saved_activations:
-            kept = _keep_for_backward(xq.data) if torch.compiler.is_compiling() else xq.data
-            ctx.save_for_backward(None, kept, xq.scale, w, w_used)
+            kept = _keep_for_backward(xd) if torch.compiler.is_compiling() else xd
+            ctx.save_for_backward(None, kept, xs, w, w_used)
         else:  # the forward's scale too: delayed/static scales must not become dynamic
-            ctx.save_for_backward(x, None, xq.scale, w, w_used)
+            ctx.save_for_backward(x, None, xs, w, w_used)
         # The grad_output state is updated in place in backward, so it is held on ctx, not
         # saved: a saved tensor modified in place fails autograd's version check when a
         # layer's backward runs twice in one graph (weight sharing, retain_graph).
         ctx.go_state, ctx.go_scale = go_state, go_scale
-        ctx.spec, ctx.x_meta = spec, (xq.kind, xq.shape, x.dtype)
+        ctx.spec, ctx.x_meta = spec, (xpad, x.dtype)
         return y
 
     @staticmethod
@@ -131,28 +145,30 @@ class _Float8MatmulFn(torch.autograd.Function):
         spec: _Spec = ctx.spec
         r = spec.recipe
         ed = _EDTYPE[r.emulation_dtype]
-        x_kind, x_shape, x_dtype = ctx.x_meta
+        xpad, x_dtype = ctx.x_meta
+        x_tensor = _kind(r.input) == "tensor"
         g_scale = ctx.go_scale
         if g_scale is None:
             g_scale = _role_scale(spec.go_scaler, g, spec, go_state)
-        gq = quantize_operand(g, r.grad_output, 1, g_scale)
+        gp = quantize_parts(g, r.grad_output, 1, g_scale)
+        gq = as_operand(gp, r.grad_output, 1, g.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             wq = quantize_operand(w, r.weight, 0, w_scale)
             dx = matmul(gq, wq, x_dtype, ed, r.emulate)
         if ctx.needs_input_grad[1]:
-            if gq.kind == "tensor":
-                gq_t = Operand(gq.data.t(), gq.scale, "tensor", 1, (gq.shape[1], gq.shape[0]))
+            if _kind(r.grad_output) == "tensor":  # the same values and scale, transposed
+                gq_t = as_operand((gp[0].t(), gp[1], None), r.grad_output, 1, g.dtype)
             else:
                 gq_t = quantize_operand(g.t(), r.grad_output, 1)
             if x is None:
-                saved = Operand(xq_data, xq_scale, x_kind, 1, x_shape)
-                if x_kind == "tensor":
-                    xq = _retag(saved, 0)
+                if x_tensor:  # used transposed in the wgrad GEMM: same values, same scale
+                    xq = as_operand((xq_data, xq_scale, None), r.input, 0, x_dtype)
                 else:  # re-quantize along the token dimension (documented double rounding)
-                    xq = quantize_operand(dequantize(saved), r.input, 0)
+                    deq = dequantize_parts(xq_data, xq_scale, xpad, torch.float32)
+                    xq = quantize_operand(deq, r.input, 0)
             else:  # tensor scale: the forward's (delayed/static/dynamic alike)
-                xq = quantize_operand(x, r.input, 0, xq_scale if x_kind == "tensor" else None)
+                xq = quantize_operand(x, r.input, 0, xq_scale if x_tensor else None)
             dw = matmul(gq_t, xq, w.dtype, ed, r.emulate)
         return dx, dw, None, None, None, None, None, None
 
@@ -266,7 +282,8 @@ class Float8Linear(nn.Linear):
                 "or give CastConfig(static_scale=...)"
             )
         dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        amp = dev != "meta" and torch.is_autocast_enabled(dev)  # meta: no autocast, shapes only
+        out_dtype = torch.get_autocast_dtype(dev) if amp else x.dtype
         x2d = x.reshape(-1, self.in_features)
         upd = self.training or self._calibrating
         r = self.recipe
@@ -278,7 +295,7 @@ class Float8Linear(nn.Linear):
         # from the state threaded through the function (an input, for torch.compile).
         gs = go_sc.scale if isinstance(go_sc, StaticScaler) and go_sc.frozen else None
         go = self._state("grad_output")
-        with torch.autocast(dev, enabled=False):
+        with contextlib.nullcontext() if dev == "meta" else torch.autocast(dev, enabled=False):
             y: Tensor = _Float8MatmulFn.apply(  # type: ignore[no-untyped-call]
                 x2d, self.weight, xs, ws, gs, go, spec, out_dtype
             )

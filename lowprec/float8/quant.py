@@ -1,131 +1,126 @@
 """GEMM operands in a narrow format, and the scaled matmul (hardware kernel or emulation).
 
-An :class:`Operand` is a 2-D matrix ``t ≈ data × scale`` quantized for one GEMM, with its
-scale laid out relative to the *contracted* dimension ``cd`` (see :mod:`.recipe`).
+A GEMM operand is a 2-D :class:`~lowprec.core.tensor.ScaledTensor` ``t ≈ data × scale``
+quantized for one GEMM: its ``granularity`` is the cast's granularity (relative to the
+contracted dimension ``K``, see :mod:`.recipe`) bound to the operand's contracted dim ``cd``,
+and block kinds that do not divide the matrix are zero-padded to whole blocks with the
+unpadded shape recorded (the core padding policy).
 
 The scaled matmul computes, for ``A (M×K)`` contracted over dim 1 and ``B (K×N)`` over 0,
 
     C = (A_data · B_data) ⊙ (s_A s_Bᵀ)                  (tensor / axis scales)
     C = Σ_blocks (A_data,blk · B_data,blk) · s_A,blk · s_B,blk   (block / MX scales)
 
-The hardware kernel (``torch._scaled_mm``) is used only on CUDA with compute capability 8.9
-or newer; elsewhere the *emulation* computes the same formula: the quantized values are
-real (rounded by :func:`lowprec.core.rounding.to_format`), upcast exactly to float32, multiplied
-(products of 8-bit values are exact in float32) and accumulated in float32. The CPU
-``_scaled_mm`` kernel is never used: it is thousands of times slower than a bf16 matmul.
+It is the op ``lowprec::float8_mm``, whose ScaledTensor rule (registered with
+:func:`lowprec.core.tensor.register_rule`) reads the payloads and scales: under
+``torch.compile`` operands built inside the compiled region pass through it as
+ScaledTensors and the rule is traced below Dynamo. The hardware kernel
+(``torch._scaled_mm``) is used only on CUDA with compute capability 8.9 or newer; elsewhere
+the *emulation* computes the same formula: the quantized values are real (rounded by
+:func:`lowprec.core.rounding.to_format`), upcast exactly to float32, multiplied (products
+of 8-bit values are exact in float32) and accumulated in float32. The CPU ``_scaled_mm``
+kernel is never used: it is thousands of times slower than a bf16 matmul.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lowprec.core.formats import get_format
-from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
-from lowprec.core.rounding import quantize, to_format
-from lowprec.core.scales import amax, compute_scale, mx_scale
-from lowprec.core.tensor import ScaledTensor
+from lowprec.core.granularity import apply_scale, pad_to_blocks
+from lowprec.core.rounding import to_format
+from lowprec.core.scales import amax, compute_scale, mx_scale, nv_scale
+from lowprec.core.tensor import ScaledTensor, register_rule
 from lowprec.core.warn import warn_once
 from lowprec.float8.recipe import CastConfig
 
-__all__ = ["Operand", "dequantize", "hardware_fp8_available", "quantize_operand", "scaled_mm"]
+__all__ = ["dequantize", "hardware_fp8_available", "quantize_operand", "scaled_mm"]
 
 log = logging.getLogger(__name__)
-_E4M3 = get_format("e4m3fn")
 _HW_FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-
-@dataclass
-class Operand:
-    """``data × scale`` for one GEMM; ``shape`` is the unpadded shape of the matrix.
-
-    ``data`` may be zero-padded (block kinds) to a multiple of the block; ``scale`` applies
-    to the padded ``data`` with block-wise broadcasting
-    (:func:`lowprec.core.granularity.apply_scale`).
-    """
-
-    data: Tensor
-    scale: Tensor
-    kind: str
-    cd: int
-    shape: tuple[int, int]
+Parts = tuple[Tensor, Tensor, "tuple[int, int] | None"]
 
 
-def quantize_operand(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = None) -> Operand:
-    """Quantize the 2-D ``t`` for a GEMM that contracts its dimension ``cd`` (0 or 1).
-
-    ``scale`` (tensor granularity only) is a scale chosen elsewhere (delayed or static
-    scaling); without it the scale comes from ``t`` itself. Values are divided by the scale
-    in float32 and rounded to nearest with saturation.
-    """
+def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = None) -> Parts:
+    """``(data, scale, unpadded_shape)`` of :func:`quantize_operand`, as plain tensors
+    (``unpadded_shape`` is ``None`` when nothing was padded)."""
     if t.dim() != 2:
         raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
     fmt = get_format(cast.fmt)
     g = cast.bound_granularity(cd)
-    shape = (int(t.shape[0]), int(t.shape[1]))
     if g.kind == "tensor":
         s = scale if scale is not None else cast.scale_for(amax(t))
         # A 1-element (not 0-dim) float32 divisor makes the division itself run in float32
         # for bf16/fp16 ``t``: one pass, no upcast copy, one rounding.
-        data = to_format(t / s.reshape(1, 1), fmt, saturate=True)
-        return Operand(data, s, "tensor", cd, shape)
+        return to_format(t / s.reshape(1, 1), fmt, saturate=True), s, None
     if scale is not None:
         raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
     x = t if t.dtype == torch.float64 else t.float()  # float64 is rounded once, directly
-    if x.numel() == 0:  # e.g. an expert that got no tokens: nothing to scale
-        return _empty_operand(x, cast, g, cd, shape)
     if g.kind == "axis":
+        if x.numel() == 0:  # e.g. an expert that got no tokens: nothing to scale
+            return to_format(x, fmt), x.new_ones(g.scale_shape(x.shape)), None
         s = cast.scale_for(amax(x, g))
-        return Operand(to_format(x / s, fmt, saturate=True), s, "axis", cd, shape)
-    if cd == 0:  # block kinds: quantize the transpose (contracted dim last), transpose back
-        op = quantize_operand(t.t(), cast, 1)
-        return Operand(op.data.t(), op.scale.t(), op.kind, 0, shape)
-    br, bc = g.block  # (along the rows, along the contracted columns)
-    xp = pad_to_blocks(x, g)  # the core padding policy: explicit, cropped in dequantize
+        return to_format(x / s, fmt, saturate=True), s, None
+    xp = pad_to_blocks(x, g)  # the core padding policy: explicit, recorded, cropped
+    pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
+    if x.numel() == 0:
+        return to_format(xp, fmt), xp.new_ones(g.scale_shape(xp.shape)), pad
     a = amax(xp, g)
     if g.kind == "block":
         s = cast.scale_for(a)
-    elif g.kind == "mx":  # E8M0: OCP's floor, or the power of two at or above amax/max
-        s = mx_scale(a, fmt) if cast.mx_scale == "floor" else compute_scale(a, fmt, 0.0, True)
+    else:  # mx: OCP's floor or the power of two at or above amax/max; nv: two-level
+        if g.kind == "nv":
+            s = nv_scale(a, fmt)
+        elif cast.mx_scale == "floor":
+            s = mx_scale(a, fmt)
+        else:
+            s = compute_scale(a, fmt, 0.0, True)
         # OCP MX: a block holding Inf/NaN gets the NaN scale, so the whole block reads NaN
         # (E2M1 has no Inf/NaN code: saturating would hide an overflow from loss scaling).
         s = torch.where(torch.isfinite(a), s, torch.nan)
-    else:  # nv: E4M3 block scales under one float32 tensor scale
-        fin = torch.where(torch.isfinite(a), a, 0.0)
-        t_amax = fin.amax()  # finite amax -> fmt.max * 448: block scales fill E4M3's range
-        s_t = torch.where(t_amax > 0, t_amax / (fmt.max * _E4M3.max), 1.0)
-        s_b = quantize(fin / (fmt.max * s_t), _E4M3, saturate=True)
-        s = torch.where(s_b > 0, s_b, _E4M3.min_subnormal) * s_t
-        s = torch.where(torch.isfinite(a), s, torch.nan)  # as MX: Inf/NaN blocks read NaN
-    # Round in the blocked 4-D layout, so no kernel indexes a scale by ``column // block``.
-    rows, cols = xp.shape
-    xb = xp.reshape(rows // br, br, cols // bc, bc) / s.reshape(rows // br, 1, cols // bc, 1)
-    data = to_format(xb, fmt, saturate=True).reshape(rows, cols)
-    return Operand(data, s, g.kind, cd, shape)
+    return to_format(apply_scale(xp, s, op="div"), fmt, saturate=True), s, pad
 
 
-def _empty_operand(
-    x: Tensor, cast: CastConfig, g: Granularity, cd: int, shape: tuple[int, int]
-) -> Operand:
-    """An operand of a matrix with no elements (scales of the right shape, all 1)."""
-    fmt = get_format(cast.fmt)
-    if g.kind == "axis":
-        s_shape = (shape[0], 1) if cd == 1 else (1, shape[1])
-        return Operand(to_format(x, fmt), x.new_ones(s_shape), "axis", cd, shape)
-    br, bc = g.block if cd == 1 else (g.block[1], g.block[0])
-    xp = pad_to_blocks(x, g)
-    s = x.new_ones((xp.shape[0] // br, xp.shape[1] // bc))
-    return Operand(to_format(xp, fmt), s, g.kind, cd, shape)
+def as_operand(parts: Parts, cast: CastConfig, cd: int, dtype: torch.dtype) -> ScaledTensor:
+    """The :class:`~lowprec.core.tensor.ScaledTensor` of :func:`quantize_parts`' result
+    (logical dtype ``dtype``, granularity ``cast.bound_granularity(cd)``)."""
+    data, s, pad = parts
+    g = cast.bound_granularity(cd)
+    return ScaledTensor._wrap(data, s, dtype, cast.fmt, None, g, pad)
 
 
-def dequantize(op: Operand, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``data × scale`` in ``dtype`` (computed in float32), padding removed."""
-    x = apply_scale(op.data.float(), op.scale)
-    x = x[: op.shape[0], : op.shape[1]]
+def quantize_operand(
+    t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = None
+) -> ScaledTensor:
+    """Quantize the 2-D ``t`` for a GEMM that contracts its dimension ``cd`` (0 or 1).
+
+    Returns a :class:`~lowprec.core.tensor.ScaledTensor` whose ``granularity`` is the cast's
+    granularity bound to ``cd``; block kinds zero-pad ``t`` to whole blocks and record
+    ``unpadded_shape``. ``scale`` (tensor granularity only) is a scale chosen elsewhere
+    (delayed or static scaling); without it the scale comes from ``t`` itself. Values are
+    divided by the scale in float32 and rounded to nearest with saturation.
+    """
+    return as_operand(quantize_parts(t, cast, cd, scale), cast, cd, t.dtype)
+
+
+def dequantize_parts(
+    data: Tensor, scale: Tensor, unpadded: tuple[int, ...] | None, dtype: torch.dtype
+) -> Tensor:
+    """``data × scale`` in ``dtype`` (computed in float32), cropped to ``unpadded``."""
+    x = apply_scale(data.float(), scale)
+    if unpadded is not None:
+        x = x[tuple(slice(0, n) for n in unpadded)]
     return x if dtype == torch.float32 else x.to(dtype)
+
+
+def dequantize(op: ScaledTensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``data × scale`` of an operand in ``dtype`` (computed in float32), padding removed."""
+    return dequantize_parts(op.qdata, op.scale, op._unpadded, dtype)
 
 
 def hardware_fp8_available(device: torch.device) -> bool:
@@ -135,24 +130,39 @@ def hardware_fp8_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _hardware_ok(a: Operand, b: Operand) -> bool:
-    if a.kind != b.kind or a.kind not in ("tensor", "axis"):
+def _kind(op: ScaledTensor, cd: int) -> str:
+    """The scaling kind of an operand contracted over ``cd``: its recorded granularity's,
+    else read off the scale shape (one scale: ``tensor``; one per index of the
+    non-contracted dim: ``axis``; any other block-broadcast scale: ``block``)."""
+    if op._granularity is not None:
+        return op._granularity.split(":", 1)[0]
+    s, d = op.scale, op.qdata
+    if s.numel() == 1:
+        return "tensor"
+    free = 1 - cd
+    if s.dim() == 2 and s.shape[cd] == 1 and s.shape[free] == d.shape[free]:
+        return "axis"
+    return "block"
+
+
+def _hardware_ok(a: ScaledTensor, b: ScaledTensor, ka: str, kb: str) -> bool:
+    if ka != kb or ka not in ("tensor", "axis"):
         return False
-    if a.data.dtype not in _HW_FORMATS or b.data.dtype not in _HW_FORMATS:
+    if a.qdata.dtype not in _HW_FORMATS or b.qdata.dtype not in _HW_FORMATS:
         return False
-    if a.data.dtype == b.data.dtype == torch.float8_e5m2:
+    if a.qdata.dtype == b.qdata.dtype == torch.float8_e5m2:
         return False  # cuBLAS has no e5m2 x e5m2 FP8 GEMM
     (m, k), n = a.shape, b.shape[1]
-    return m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and hardware_fp8_available(a.data.device)
+    return m % 16 == 0 and k % 16 == 0 and n % 16 == 0 and hardware_fp8_available(a.device)
 
 
-def _hardware_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> Tensor:
+def _hardware_mm(a: ScaledTensor, b: ScaledTensor, kind: str, out_dtype: torch.dtype) -> Tensor:
     # cuBLAS wants A row-major and B column-major; the scales are dequantization factors.
-    ad = a.data.contiguous()
-    bd = b.data.t().contiguous().t()
+    ad = a.qdata.contiguous()
+    bd = b.qdata.t().contiguous().t()
     sa, sb = a.scale.float(), b.scale.float()
-    if a.kind == "tensor":
-        return torch._scaled_mm(ad, bd, sa, sb, out_dtype=out_dtype)
+    if kind == "tensor":
+        return torch._scaled_mm(ad, bd, sa.reshape(()), sb.reshape(()), out_dtype=out_dtype)
     # Row-wise scaling: (M, 1) and (1, N) scales; cuBLAS/CUTLASS produce bf16 only.
     out = torch._scaled_mm(ad, bd, sa.reshape(-1, 1), sb.reshape(1, -1), out_dtype=torch.bfloat16)
     if out_dtype != torch.bfloat16:
@@ -165,19 +175,30 @@ def _hardware_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> Tensor:
     return out.to(out_dtype)
 
 
-def matmul(
-    a: Operand,
-    b: Operand,
-    out_dtype: torch.dtype,
-    emulation_dtype: torch.dtype = torch.float32,
-    emulate: bool | None = None,
+@torch.library.custom_op("lowprec::float8_mm", mutates_args=())
+def _float8_mm(
+    a: Tensor, b: Tensor, out_dtype: torch.dtype, emulation_dtype: torch.dtype, emulate: int
 ) -> Tensor:
-    """``A · B`` of two operands (``a`` contracted over dim 1, ``b`` over dim 0)."""
-    if a.cd != 1 or b.cd != 0:
-        raise ValueError("matmul: a must be contracted over dim 1 and b over dim 0")
-    if emulate is not True and _hardware_ok(a, b):
-        return _hardware_mm(a, b, out_dtype)
-    if emulate is False:
+    """``A · B`` of two ScaledTensor operands: computed by the ScaledTensor rule below."""
+    raise TypeError("lowprec::float8_mm: a and b must be ScaledTensors")
+
+
+@_float8_mm.register_fake
+def _(
+    a: Tensor, b: Tensor, out_dtype: torch.dtype, emulation_dtype: torch.dtype, emulate: int
+) -> Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@register_rule(torch.ops.lowprec.float8_mm.default)
+def _float8_mm_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    a, b, out_dtype, ed, emulate = args
+    if not isinstance(a, ScaledTensor) or not isinstance(b, ScaledTensor):
+        raise TypeError("lowprec::float8_mm: a and b must be ScaledTensors")
+    ka, kb = _kind(a, 1), _kind(b, 0)
+    if emulate != 1 and _hardware_ok(a, b, ka, kb):
+        return _hardware_mm(a, b, ka, out_dtype)
+    if emulate == 0:
         warn_once(
             log,
             "float8:hw-missing",
@@ -185,34 +206,53 @@ def matmul(
             "operands (needs CUDA sm89+, tensor/axis scales, E4M3/E5M2, dims % 16 == 0); "
             "emulating (reported once)",
         )
-    ed = emulation_dtype
-    if a.kind in ("tensor", "axis") and b.kind in ("tensor", "axis"):
+    if ka in ("tensor", "axis") and kb in ("tensor", "axis"):
         # The hardware formula: integer-like products of the narrow values, scaled after.
-        raw = (a.data.to(ed) @ b.data.to(ed)).float()
-        if a.kind == b.kind == "tensor":  # one factor, as the hardware's alpha = s_A s_B
-            out = raw.mul_(a.scale * b.scale)
+        raw = (a.qdata.to(ed) @ b.qdata.to(ed)).float()
+        if ka == kb == "tensor":  # one factor, as the hardware's alpha = s_A s_B
+            out = raw.mul_((a.scale * b.scale).reshape(()))
         else:
             out = raw.mul_(a.scale).mul_(b.scale)
     else:
-        out = dequantize(a, ed) @ dequantize(b, ed)
+        da = dequantize_parts(a.qdata, a.scale, a._unpadded, ed)
+        out = da @ dequantize_parts(b.qdata, b.scale, b._unpadded, ed)
     return out.to(out_dtype)
 
 
-def _as_operand(x: ScaledTensor, cd: int, arg: str) -> Operand:
+def _contracted_ok(op: ScaledTensor, cd: int) -> bool:
+    """False when ``op``'s recorded granularity lays its scale along the other dim."""
+    g = op.granularity
+    if g is None or g.kind == "tensor" or g.relative:
+        return True
+    assert isinstance(g.axis, int)
+    return g.axis % 2 == cd
+
+
+def matmul(
+    a: ScaledTensor,
+    b: ScaledTensor,
+    out_dtype: torch.dtype,
+    emulation_dtype: torch.dtype = torch.float32,
+    emulate: bool | None = None,
+) -> Tensor:
+    """``A · B`` of two operands (``a`` contracted over dim 1, ``b`` over dim 0)."""
+    flag = -1 if emulate is None else int(emulate)
+    out: Tensor = torch.ops.lowprec.float8_mm(a, b, out_dtype, emulation_dtype, flag)
+    return out
+
+
+def _check_operand(x: object, arg: str, cd: int) -> ScaledTensor:
     if not isinstance(x, ScaledTensor):
         raise TypeError(
             f"{arg} must be a ScaledTensor (see quantize_scaled), got {type(x).__name__}"
         )
     if x.dim() != 2:
         raise ValueError(f"{arg}: expected a 2-D ScaledTensor, got shape {tuple(x.shape)}")
-    d, s = x.qdata, x.scale
-    shape = (int(d.shape[0]), int(d.shape[1]))
-    if s.numel() == 1:
-        return Operand(d, s.reshape(()), "tensor", cd, shape)
-    free = 1 - cd  # the non-contracted dim
-    if s.dim() == 2 and s.shape[cd] == 1 and s.shape[free] == d.shape[free]:
-        return Operand(d, s, "axis", cd, shape)
-    return Operand(d, s, "block", cd, shape)
+    if not _contracted_ok(x, cd):
+        raise ValueError(
+            f"{arg}: its scales run along dim {1 - cd}; it must be contracted over {cd}"
+        )
+    return x
 
 
 def scaled_mm(
@@ -235,7 +275,10 @@ def scaled_mm(
         >>> scaled_mm(a, b).shape
         torch.Size([32, 16])
     """
-    oa, ob = _as_operand(a, 1, "a"), _as_operand(b, 0, "b")
-    if oa.shape[1] != ob.shape[0]:
-        raise ValueError(f"b: inner dimensions differ: a is {oa.shape}, b is {ob.shape}")
-    return matmul(oa, ob, out_dtype, emulate=emulate)
+    _check_operand(a, "a", 1)
+    _check_operand(b, "b", 0)
+    if a.unpadded_shape[1] != b.unpadded_shape[0]:
+        raise ValueError(
+            f"b: inner dimensions differ: a is {a.unpadded_shape}, b is {b.unpadded_shape}"
+        )
+    return matmul(a, b, out_dtype, emulate=emulate)

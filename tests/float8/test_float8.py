@@ -29,6 +29,7 @@ import lowprec.float8.linear as f8lin
 import lowprec.float8.quant as f8q
 import lowprec.float8.recipe as f8rec
 from lowprec import quantize_scaled
+from lowprec.core.tensor import ScaledTensor
 from lowprec.core.warn import reset_warnings
 from lowprec.float8 import (
     CastConfig,
@@ -131,14 +132,14 @@ def test_tensor_and_axis_operands_match_ml_dtypes() -> None:
     s = float(t.abs().max()) / 448
     assert float(op.scale) == pytest.approx(s, rel=1e-7)
     want = _ml_round((t / op.scale).double().numpy(), ml_dtypes.float8_e4m3fn)
-    np.testing.assert_array_equal(op.data.double().numpy(), want)
+    np.testing.assert_array_equal(op.qdata.double().numpy(), want)
     for cd in (0, 1):  # one scale per index of the non-contracted dimension
         op = quantize_operand(t, CastConfig("e5m2", granularity="axis"), cd)
         am = np.abs(tn).max(axis=cd, keepdims=True)
         assert tuple(op.scale.shape) == am.shape
         np.testing.assert_allclose(op.scale.double().numpy(), am / 57344, rtol=1e-7)
         want = _ml_round((t / op.scale).double().numpy(), ml_dtypes.float8_e5m2)
-        np.testing.assert_array_equal(op.data.double().numpy(), want)
+        np.testing.assert_array_equal(op.qdata.double().numpy(), want)
 
 
 def test_mx_operand_follows_ocp_mx() -> None:
@@ -151,7 +152,7 @@ def test_mx_operand_follows_ocp_mx() -> None:
     x = np.exp2(np.floor(np.log2(am)) - 8)
     np.testing.assert_array_equal(op.scale.double().numpy(), x[..., 0])
     want = _ml_round(blocks / x, ml_dtypes.float8_e4m3fn).reshape(16, 96)
-    np.testing.assert_array_equal(op.data.double().numpy(), want)
+    np.testing.assert_array_equal(op.qdata.double().numpy(), want)
 
 
 def test_mx_ceil_scale_never_saturates() -> None:
@@ -160,7 +161,7 @@ def test_mx_ceil_scale_never_saturates() -> None:
     t = torch.tensor([[1.9 * 2.0**3] + [0.5] * 31])  # amax mantissa 1.9: floor clips it
     floor = quantize_operand(t, CastConfig("e4m3fn", granularity="mx"), 1)
     ceil = quantize_operand(t, CastConfig("e4m3fn", granularity="mx", mx_scale="ceil"), 1)
-    assert float(floor.scale) == 2.0**-5 and float(floor.data[0, 0].float()) == 448.0
+    assert float(floor.scale) == 2.0**-5 and float(floor.qdata[0, 0].float()) == 448.0
     assert float(ceil.scale) == 2.0**-4
     assert float(dequantize(ceil)[0, 0]) == pytest.approx(1.9 * 8, rel=2**-4)
     g = torch.Generator().manual_seed(1)
@@ -184,7 +185,7 @@ def test_nvfp4_two_level_scales() -> None:
     s_t = float(t.abs().max()) / (6 * 448)
     block = (op.scale.double() / s_t).numpy()  # the E4M3 block scales
     np.testing.assert_allclose(block, _ml_round(block, ml_dtypes.float8_e4m3fn), rtol=1e-6)
-    data = op.data.double().numpy()
+    data = op.qdata.double().numpy()
     np.testing.assert_array_equal(data, _ml_round(data, ml_dtypes.float4_e2m1fn))
     assert sqnr(dequantize(op), t) > 14  # E2M1 with 16-element blocks
 
@@ -208,7 +209,7 @@ def test_blocks_pad_with_zeros_exactly(name: str, cd: int) -> None:
 # ---- scaled matmul: emulation vs the hardware formula -----------------------------------
 
 
-def _ops(kind: str, m: int = 64, k: int = 256, n: int = 48) -> tuple[f8q.Operand, f8q.Operand]:
+def _ops(kind: str, m: int = 64, k: int = 256, n: int = 48) -> tuple[ScaledTensor, ScaledTensor]:
     g = torch.Generator().manual_seed(4)
     a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g) * 1e-3
     gran = {"tensor": "tensor", "axis": "axis", "block": "block:1x128", "mx": "mx:32"}[kind]
@@ -227,13 +228,13 @@ def test_emulation_equals_hardware_formula(kind: str) -> None:
     """
     a, b = _ops(kind)
     got = matmul(a, b, torch.float32).double()
-    ad, bd = a.data.double(), b.data.double()
+    ad, bd = a.qdata.double(), b.qdata.double()
     if kind in ("tensor", "axis"):
         exact = (ad @ bd) * a.scale.double() * b.scale.double()
         mag = (ad.abs() @ bd.abs()) * a.scale.double().abs() * b.scale.double().abs()
     else:
-        ra = ad.reshape(64, -1, a.data.shape[1] // a.scale.shape[1]) * a.scale.double()[..., None]
-        rb = bd.reshape(-1, b.data.shape[0] // b.scale.shape[0], 48) * b.scale.double()[:, None]
+        ra = ad.reshape(64, -1, a.qdata.shape[1] // a.scale.shape[1]) * a.scale.double()[..., None]
+        rb = bd.reshape(-1, b.qdata.shape[0] // b.scale.shape[0], 48) * b.scale.double()[:, None]
         exact = ra.reshape(64, -1) @ rb.reshape(-1, 48)
         mag = ra.abs().reshape(64, -1) @ rb.abs().reshape(-1, 48)
     bound = 256 * 2.0**-24 * mag + 1e-30
@@ -245,7 +246,7 @@ def test_emulation_matches_torch_scaled_mm_oracle() -> None:
     never calls it itself: it is far too slow)."""
     a, b = _ops("tensor", 32, 64, 16)
     ref = torch._scaled_mm(
-        a.data, b.data.t().contiguous().t(), a.scale, b.scale, out_dtype=torch.float32
+        a.qdata, b.qdata.t().contiguous().t(), a.scale, b.scale, out_dtype=torch.float32
     )
     got = matmul(a, b, torch.float32)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
