@@ -29,6 +29,7 @@ __all__ = [
     "gap_spread",
     "judged_formats",
     "reference_of",
+    "summary_verdicts",
     "techniques",
     "verdict",
     "worst",
@@ -319,3 +320,31 @@ def verdict(
             f"seed spread of {reference} ({tol}){tail}"
         )
     return f"matches {reference} (within seed spread {tol}){tail}"
+
+
+def summary_verdicts(
+    runs: Sequence[Run], tolerance: Mapping[str, float] | None = None
+) -> list[tuple[str, str]]:
+    """``(run name, verdict)`` for each run: its final val loss against its reference
+    among ``runs`` (by recipe name, :func:`reference_of`), judged with :func:`verdict` and
+    ``tolerance`` (relative gap per reference name; none: the spread is not measured)."""
+    val: dict[str, float] = {}
+    for run in runs:
+        v = run.summary.get("val_loss")
+        val.setdefault(run.recipe, float(v) if isinstance(v, (int, float)) else math.nan)
+    out = []
+    for run in runs:
+        s = run.summary
+        ref = reference_of(run.recipe, "unit" in techniques(run), list(val))
+        r, v = val.get(ref or run.recipe, math.nan), val[run.recipe]
+        gap = v / r - 1.0 if math.isfinite(v) and math.isfinite(r) and r > 0 else None
+        text = verdict(
+            gap,
+            ref,
+            (tolerance or {}).get(ref or ""),
+            underflow=float(s.get("act_grad_underflow") or 0.0),
+            skipped=int(s.get("skipped_steps") or 0),
+            diverged_at=s.get("diverged_at"),
+        )
+        out.append((run.name, text))
+    return out

@@ -30,6 +30,7 @@ from lowprec.analysis.diagnosis import (  # Run and diagnose re-exported: the re
     Run,
     diagnose,
     judged_formats,
+    summary_verdicts,
     worst,
     worst_overflow,
 )
@@ -166,6 +167,12 @@ def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -
     parts = [
         f"<h1>{html.escape(title or 'lowprec numerics report')}</h1>",
         "<h2>Summary</h2>",
+        "<ul>"  # the verdicts lead (lowprec.analysis.diagnosis.summary_verdicts)
+        + "".join(
+            f"<li><b>{html.escape(n)}</b>: {html.escape(v)}</li>"
+            for n, v in summary_verdicts(loaded)
+        )
+        + "</ul>",
         _table(
             [
                 "run",

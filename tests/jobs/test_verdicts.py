@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
-from lowprec.analysis.diagnosis import FAIL_GAP, gap_spread, reference_of, verdict
+from lowprec.analysis.diagnosis import (
+    FAIL_GAP,
+    Run,
+    gap_spread,
+    reference_of,
+    summary_verdicts,
+    verdict,
+)
 
 
 def test_a_large_gap_fails_and_says_by_how_much() -> None:
@@ -64,3 +72,27 @@ def test_reference_of() -> None:
     assert reference_of("fp32", False, runs) is None
     assert reference_of("fp32-unit", True, runs) is None
     assert reference_of("fp16", False, ["fp16"]) is None
+
+
+def test_summary_verdicts_pick_each_runs_reference() -> None:
+    def run(recipe: str, val: float, technique: str | None = None, **s: object) -> Run:
+        tech = [{"technique": technique, "config": {}}] if technique else []
+        config = {"train": {"recipe": recipe}, "recipe": {"technique": tech}}
+        summary = {"val_loss": val, "act_grad_underflow": 0.0, "skipped_steps": 0, **s}
+        return Run(Path(recipe), config, [], summary)
+
+    runs = [
+        run("fp32", 2.5),
+        run("fp8-naive", 3.25, "float8"),
+        run("fp32-unit", 2.3, "unit"),
+        run("fp8-unit", 2.3, "unit"),
+        run("fp16-pure", math.nan, diverged_at=2),
+    ]
+    got = dict(summary_verdicts(runs, {"fp32": 0.005, "fp32-unit": 0.02}))
+    assert got == {
+        "fp32": "reference",
+        "fp8-naive": "fails: +30.0% val loss vs fp32",
+        "fp32-unit": "reference",
+        "fp8-unit": "matches fp32-unit (within seed spread ±2%)",
+        "fp16-pure": "fails: loss NaN/Inf at step 2",
+    }
