@@ -273,6 +273,12 @@ class Float8Linear(nn.Linear):
         return any(isinstance(s, StaticScaler) and not s.frozen for s in self._scalers.values())
 
     def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if x.dim() == 0:
+            raise ValueError(f"x: expected shape (..., in_features={self.in_features}), got 0-dim")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dim {x.shape[-1]} != in_features {self.in_features}")
         if self.needs_calibration and not self._calibrating:
@@ -303,6 +309,14 @@ class Float8Linear(nn.Linear):
         return y if self.bias is None else y + self.bias.to(out_dtype)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name, _ in self.named_buffers(recurse=False):  # amax state: finite and >= 0
+            t = state_dict.get(prefix + name)
+            if isinstance(t, Tensor) and t.device.type != "meta" and t.is_floating_point():
+                if not bool((torch.isfinite(t) & (t >= 0)).all()):
+                    raise ValueError(
+                        f"state_dict[{prefix + name!r}] must be finite and >= 0 (an amax), "
+                        f"got {t.flatten()[:4].tolist()}"
+                    )
         super()._load_from_state_dict(state_dict, prefix, *args)
         self._bind_state()
         missing: list[str] = args[2]
@@ -363,6 +377,8 @@ def calibrate(model: nn.Module) -> Iterator[None]:
     static = [m for m in layers if any(m.recipe.cast(r).scaling == "static" for r in ROLES)]
     if not static:
         raise ValueError("model: no Float8Linear with a static role to calibrate")
+    if any(m.weight.device.type == "meta" for m in static):
+        raise ValueError("model: a Float8Linear on the meta device has no data to calibrate")
     for m in static:  # a new calibration starts from scratch (it may lower a scale)
         m._calibrating = True
         for s in _calibrated_scalers(m):

@@ -250,7 +250,8 @@ def _check_operand(x: object, arg: str, cd: int) -> ScaledTensor:
         raise ValueError(f"{arg}: expected a 2-D ScaledTensor, got shape {tuple(x.shape)}")
     if not _contracted_ok(x, cd):
         raise ValueError(
-            f"{arg}: its scales run along dim {1 - cd}; it must be contracted over {cd}"
+            f"{arg}: quantized for contraction over dim {1 - cd}, but {arg} is contracted "
+            f"over dim {cd}"
         )
     return x
 

@@ -4,6 +4,7 @@ module's buffers: state_dict round trips, rebinding after ``.to()``, reducible t
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -100,3 +101,47 @@ def test_assign_load_rebinds_the_scalers() -> None:
     sc = b[0].scaler("input")
     assert isinstance(sc, DelayedScaler) and sc.amax_history is b[0].input_amax_history
     torch.testing.assert_close(b[0].input_amax_history, a[0].input_amax_history)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, -1.0])
+def test_loaded_static_amax_must_be_finite_and_non_negative(bad: float) -> None:
+    m = convert_to_float8(nn.Linear(8, 8), "static")
+    with calibrate(m):
+        m(torch.randn(4, 8)).sum().backward()
+    sd = m.state_dict()
+    sd["input_static_amax"] = torch.tensor(bad)
+    fresh = convert_to_float8(nn.Linear(8, 8), "static")
+    with pytest.raises(ValueError, match=r"state_dict\['input_static_amax'\] must be finite"):
+        fresh.load_state_dict(sd)
+    hist = convert_to_float8(nn.Linear(8, 8), "delayed").state_dict()
+    hist["weight_amax_history"][3] = bad
+    with pytest.raises(ValueError, match="weight_amax_history"):
+        convert_to_float8(nn.Linear(8, 8), "delayed").load_state_dict(hist)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_non_float_inputs_are_refused(name: str, dtype: torch.dtype) -> None:
+    m = convert_to_float8(nn.Linear(16, 8), name)
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        m(torch.ones(4, 16, dtype=dtype))
+
+
+def test_zero_dim_input_is_refused() -> None:
+    m = convert_to_float8(nn.Linear(16, 8), "rowwise")
+    with pytest.raises(ValueError, match="x: expected shape"):
+        m(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "rowwise", "blockwise", "nvfp4"])
+def test_meta_device_gives_shapes(name: str) -> None:
+    """On the meta device (shape inference, deferred init) forward and backward run."""
+    m = convert_to_float8(nn.Linear(32, 16, device="meta"), name)
+    x = torch.randn(2, 4, 32, device="meta", requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == (2, 4, 16) and y.device.type == "meta"
+    assert x.grad is not None and x.grad.shape == x.shape
+    st = convert_to_float8(nn.Linear(32, 16, device="meta"), "static")
+    with pytest.raises(ValueError, match="meta device"), calibrate(st):
+        pass
