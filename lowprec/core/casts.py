@@ -52,7 +52,7 @@ def _check(x: object, fmt: str | Format, saturate: object) -> Format:
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(saturate, bool):
         raise TypeError(f"saturate must be a bool, got {type(saturate).__name__}")
-    return get_format(fmt)
+    return get_format(fmt, arg="fmt")
 
 
 def quantize_ste(x: Tensor, fmt: str | Format = "e4m3fn", saturate: bool = True) -> Tensor:

@@ -258,13 +258,16 @@ def format_names() -> list[str]:
     return sorted({f.name for f in _REGISTRY.values()}, key=lambda n: list(_REGISTRY).index(n))
 
 
-def get_format(name: str | Format | torch.dtype) -> Format:
+def get_format(name: str | Format | torch.dtype, *, arg: str = "name") -> Format:
     """Return the :class:`Format` called ``name``.
 
     Accepts a built-in name (``fp32, tf32, bf16, fp16, e4m3fn, e5m2, e4m3fnuz, e5m2fnuz,
     e4m3, e3m4, e4m3b11fnuz, e3m2, e2m3, e2m1, e8m0``), a torch floating dtype, a ``Format``
     (returned as is), or any ``eXmY`` spelling: ``e6m9`` (IEEE-like), ``e4m3fn``,
     ``e5m2fnuz``, ``e4m3b11fnuz`` (explicit bias).
+
+    ``arg`` is the argument name the errors blame (functions taking a format as ``fmt``
+    pass ``arg="fmt"``).
 
     Raises:
         ValueError: unknown name, listing the valid ones.
@@ -276,18 +279,18 @@ def get_format(name: str | Format | torch.dtype) -> Format:
         if name in _DTYPE_TO_FORMAT:
             return _DTYPE_TO_FORMAT[name]
         raise ValueError(
-            f"name: torch dtype {name} has no lowprec format; "
+            f"{arg}: torch dtype {name} has no lowprec format; "
             f"supported dtypes: {sorted(str(d) for d in _DTYPE_TO_FORMAT)}"
         )
     if not isinstance(name, str):
-        raise TypeError(f"name must be a str, torch.dtype or Format, got {type(name).__name__}")
+        raise TypeError(f"{arg} must be a str, torch.dtype or Format, got {type(name).__name__}")
     key = name.strip().lower()
     if key in _REGISTRY:
         return _REGISTRY[key]
     m = _PATTERN.match(key)
     if m is None:
         raise ValueError(
-            f"name: unknown format {name!r}; valid names are {', '.join(format_names())} "
+            f"{arg}: unknown format {name!r}; valid names are {', '.join(format_names())} "
             "or any 'eXmY' spelling such as 'e6m9', 'e4m3fn', 'e5m2fnuz', 'e4m3b11fnuz', "
             "'e3m3finite'"
         )

@@ -164,7 +164,7 @@ def quantize(
         [448.0]
     """
     x = _check_input(x)
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, arg="fmt")
     _check_rounding(rounding, fmt, x.dtype)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
@@ -223,6 +223,8 @@ def _cast_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) ->
         return x.clone()
     if _in_range_eager(x, fmt):
         return x.to(native)  # nothing to saturate or turn into NaN: one plain cast
+    # the clamp bound in x's dtype (a wider format's max does not fit in, e.g., fp16)
+    top = min(fmt.max, torch.finfo(x.dtype).max)
     if fmt.special == "fn":
         # torch >= 2.7 saturates fp32 -> float8_e4m3fn (even Inf); ml_dtypes gives NaN.
         # Above max + half an ulp (the tie rounds down to max's even mantissa) is overflow;
@@ -230,14 +232,14 @@ def _cast_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) ->
         if saturate:
             over = x.abs() == math.inf
             if not _E4M3FN_CAST_SATURATES:
-                x = x.clamp(-fmt.max, fmt.max)
+                x = x.clamp(-top, top)
         else:
             tie = fmt.max + 2.0 ** (fmt.max_exponent - fmt.mantissa_bits - 1)
             over = x.abs() > tie
         nan = torch.copysign(torch.full_like(x, math.nan), x)  # signed, as ml_dtypes
         return torch.where(over, nan, x).to(native)
     if saturate:
-        x = torch.where(x.abs() == math.inf, x, x.clamp(-fmt.max, fmt.max))
+        x = torch.where(x.abs() == math.inf, x, x.clamp(-top, top))
     return x.to(native)
 
 
@@ -283,7 +285,7 @@ def to_format(
         tensor([1., 1.], dtype=torch.float8_e4m3fn)
     """
     x = _check_input(x)
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, arg="fmt")
     native = _native_for(x, fmt, rounding)
     if native is not None:
         return _cast_native(x, fmt, native, saturate)
@@ -298,7 +300,7 @@ def storage_dtype(fmt: str | Format) -> torch.dtype:
         >>> storage_dtype("e4m3fn"), storage_dtype("e2m1"), storage_dtype("tf32")
         (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
     """
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, arg="fmt")
     if fmt.torch_dtype is not None:
         return fmt.torch_dtype
     for cand in (BF16, FP16, FP32):
@@ -332,7 +334,7 @@ def to_bits(x: Tensor, fmt: str | Format, saturate: bool = False) -> Tensor:
         [56, 192, 126]
     """
     x = _check_input(x)
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, arg="fmt")
     q = quantize(
         x.to(torch.float64) if x.dtype == torch.float64 else x.float(), fmt, saturate=saturate
     ).double()
@@ -381,7 +383,7 @@ def from_bits(codes: Tensor, fmt: str | Format, dtype: torch.dtype = torch.float
         raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
     if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
         raise TypeError(f"codes must be an integer tensor, got dtype {codes.dtype}")
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, arg="fmt")
     c = codes.to(torch.int64)
     if c.numel() and (bool((c < 0).any()) or bool((c >= fmt.num_codes).any())):
         raise ValueError(f"codes must lie in [0, {fmt.num_codes}) for format {fmt.name}")

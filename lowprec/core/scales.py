@@ -232,7 +232,7 @@ def compute_scale(
         >>> compute_scale(torch.tensor([0.0, float("nan"), 3.0]), "e4m3fn", power_of_two=True)
         tensor([1.0000, 1.0000, 0.0078])
     """
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, arg="fmt")
     margin = _check_margin(margin)
     a = _amax_arg(amax)
     ok = torch.isfinite(a) & (a > 0)
@@ -253,7 +253,7 @@ def mx_scale(amax: Tensor, fmt: str | Format) -> Tensor:
     float64 ``amax`` beyond float32's range raises ``ValueError``; a tiny one gets E8M0's
     smallest scale (module docstring).
     """
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, arg="fmt")
     a = _amax_arg(amax)
     ok = torch.isfinite(a) & (a > 0)
     if a.dtype == torch.float64:  # floor(log2 a) = frexp's exponent - 1, exact
@@ -278,7 +278,7 @@ def nv_scale(amax: Tensor, fmt: str | Format) -> Tensor:
     Non-finite block maxima are left out of ``s_t`` and get scale 1 (module docstring);
     a float64 ``amax`` beyond float32's range raises ``ValueError``.
     """
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, arg="fmt")
     a = _amax_arg(amax).float()
     ok = torch.isfinite(a)
     fin = torch.where(ok, a, 0.0)
