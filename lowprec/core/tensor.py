@@ -321,7 +321,32 @@ def _detach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledT
 
 @register_rule(aten.clone.default)
 def _clone(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledTensor:
-    return _map_parts(args[0], lambda t: func(t, **kwargs))
+    x: ScaledTensor = args[0]  # a memory format applies to the data (the scale may be 0-dim)
+    return ScaledTensor._wrap(func(x._data, **kwargs), func(x._scale), *x._meta())
+
+
+@register_rule(aten.copy_.default)
+def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledTensor:
+    """In-place copy of a ScaledTensor into one of the same layout (``load_state_dict``)."""
+    dst, src = args[0], args[1]
+    if not isinstance(dst, ScaledTensor) or not isinstance(src, ScaledTensor):
+        raise TypeError(
+            "src: a ScaledTensor copies only from and into a ScaledTensor (dequantize first)"
+        )
+    same = (
+        dst._data.shape == src._data.shape
+        and dst._data.dtype == src._data.dtype
+        and dst._scale.shape == src._scale.shape
+        and dst._meta() == src._meta()
+    )
+    if not same:
+        raise ValueError(
+            f"src: ScaledTensor {src!r} does not match the destination {dst!r} (shape, payload "
+            "dtype, scale shape and metadata must be equal)"
+        )
+    dst._data.copy_(src._data)
+    dst._scale.copy_(src._scale)
+    return dst
 
 
 @register_rule(aten._to_copy.default)

@@ -282,3 +282,22 @@ def test_unpadded_shape_crops_and_granularity_is_kept() -> None:
     ctx = type("Ctx", (), {"padded": (2, 4)})()
     g, _ = ScaledTensor.dequantize.__globals__["_Dequantize"].backward(ctx, torch.ones(2, 3))
     assert g.tolist() == [[1.0, 1.0, 1.0, 0.0]] * 2
+
+
+def test_clone_with_memory_format_applies_to_the_data() -> None:
+    x = quantize_scaled(torch.randn(2, 3, 4, 5), "e4m3fn")
+    y = x.clone(memory_format=torch.channels_last)
+    assert y.qdata.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(y.dequantize(), x.dequantize())
+
+
+def test_load_state_dict_into_a_scaled_tensor_buffer() -> None:
+    m = torch.nn.Module()
+    m.register_buffer("b", quantize_scaled(torch.randn(4, 4), "e4m3fn", granularity="row"))
+    src = quantize_scaled(torch.randn(4, 4) * 7, "e4m3fn", granularity="row")
+    m.load_state_dict({"b": src})
+    assert torch.equal(m.b.dequantize(), src.dequantize())
+    with pytest.raises(RuntimeError, match="does not match the destination"):
+        m.load_state_dict({"b": quantize_scaled(torch.randn(4, 4), "e5m2", granularity="row")})
+    with pytest.raises(RuntimeError, match="copies only from and into a ScaledTensor"):
+        m.load_state_dict({"b": torch.randn(4, 4)})
