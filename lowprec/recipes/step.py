@@ -17,7 +17,8 @@ but the loss scaler's record: the update is not applied (whatever the scaler; a
 histories and calibration maxima, any running statistics) are restored to their values
 before the step, also when the loss scaler itself skipped. The scaler records the step as
 skipped, so a dynamic scale backs off as after any overflow. ``StepResult.nonfinite`` says
-what was not finite.
+what was not finite. A backward that raises on a non-finite loss (scalify refuses
+non-finite scales) counts as such a step.
 
 A run is anything with ``model``, ``optimizer``, ``scaler`` and a ``compute()`` context:
 a :class:`~lowprec.recipes.Prepared`, or :class:`Plain` for a bare model and optimizer
@@ -133,14 +134,24 @@ def train_step(
     if lr is not None:
         set_lr(run.optimizer, lr)
     saved = [b.detach().clone() for b in run.model.buffers()] if skip_nonfinite else None
+    failed = False
     with (compute or run.compute)():
         _, loss = run.model(x, y)
         if loss is None:
             raise ValueError("run.model(x, y) returned no loss")
-        run.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        try:
+            run.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        except (ValueError, RuntimeError, ArithmeticError):
+            # A backward that fails on a NaN/Inf loss (scalify refuses non-finite scales)
+            # is a non-finite step; any other failure is raised.
+            if not skip_nonfinite or bool(_all_finite(loss)):
+                raise
+            failed = True
     scale = run.scaler.loss_scale
     stats = _grad_stats(run.model.parameters()) if grad_stats else None
     bad = _nonfinite(loss, run.model.parameters()) if skip_nonfinite else None
+    if failed:
+        bad = "loss and gradients"
     if bad is None:
         run.scaler.step(run.optimizer)
     else:  # as the scaler's own skip: no update, the step recorded as skipped

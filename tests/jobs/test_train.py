@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import lowprec.jobs.train as train_mod
 from lowprec.cli import main
-from lowprec.jobs.train import Interrupted, RunError, TrainConfig, read_metrics, train
+from lowprec.jobs.train import (
+    Interrupted,
+    NonFiniteError,
+    RunError,
+    TrainConfig,
+    read_metrics,
+    train,
+)
 
 TINY = TrainConfig(
     steps=8,
@@ -243,3 +252,127 @@ def test_grad_meter_counts_stored_payload_of_scaled_gradients() -> None:
     payload = torch.tensor([1.0, -1.0, 0.0, 1.0], dtype=torch.float16)
     meter._on_grad(ScaledTensor(payload, torch.tensor(2.0**-20)))
     assert meter.result() == {"act_grad_underflow": 0.25, "act_grad_zero": 0.25}
+
+
+# ---- NaN/Inf during training (issue 14, defect 4) -----------------------------------------
+
+
+def _nan_at(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
+    """Make the loss (hence every gradient) NaN at the given 0-based steps of later runs,
+    through a forward hook on the model for that step only."""
+    real = train_mod.train_step
+    seen = {"step": 0}
+
+    def step(run: Any, x: torch.Tensor, y: torch.Tensor, lr: float, **kw: Any) -> Any:
+        i = round(seen["step"])
+        seen["step"] += 1
+        if i not in steps:
+            return real(run, x, y, lr, **kw)
+        hook = run.model.register_forward_hook(lambda m, a, o: (o[0], o[1] * float("nan")))
+        try:
+            return real(run, x, y, lr, **kw)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(train_mod, "train_step", step)
+
+
+def _state(out: Path) -> dict[str, Any]:
+    return torch.load(out / "checkpoint.pt", weights_only=True)  # type: ignore[no-any-return]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in _tensors(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return [tree] if isinstance(tree, torch.Tensor) else []
+
+
+def test_nonfinite_stop_keeps_the_last_good_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 (no loss scaling), NaN at step 5: the run stops with a message naming the step
+    and what was non-finite, the step is logged and marked, the checkpoint of step 4 is
+    untouched and finite, summary.json says where it diverged; a resume with skip ends."""
+    straight, out = tmp_path / "straight", tmp_path / "nan"
+    train(TINY, straight, progress=False, stop_after=4)
+    _nan_at(monkeypatch, {4})
+    with pytest.raises(NonFiniteError, match=r"step 5: the loss and gradients became NaN/Inf"):
+        train(TINY, out, progress=False)
+    recs = read_metrics(out)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5] and recs[-1]["stopped"] == "nonfinite"
+    assert recs[-1]["nonfinite"] == "loss and gradients"
+    assert json.loads((out / "summary.json").read_text())["diverged_at"] == 5
+    a, b = _state(straight), _state(out)
+    assert a["step"] == b["step"] == 4
+    assert all(
+        torch.equal(x, y) for x, y in zip(_tensors(a["run"]), _tensors(b["run"]), strict=True)
+    )
+    assert all(bool(torch.isfinite(t).all()) for t in _tensors(b["run"]) if t.is_floating_point())
+    monkeypatch.undo()
+    _nan_at(monkeypatch, {0})  # the resumed run's first step (step 5) is NaN again: skipped
+    train(TINY, out, resume=True, progress=False, on_nonfinite="skip")
+    recs = read_metrics(out)
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    assert recs[4]["skipped"] and recs[4]["nonfinite"] == "loss and gradients"
+    assert "stopped" not in recs[4] and not any(r["skipped"] for r in recs[5:])
+    assert json.loads((out / "summary.json").read_text())["diverged_at"] is None
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp16-unit", "fp16-scalify"])
+def test_nonfinite_skip_changes_no_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipe: str
+) -> None:
+    """A skipped NaN step (step 3) leaves weights, optimizer state and the float8 amax
+    histories (model buffers) exactly as after step 2; the next forward works."""
+    cfg = replace(TINY, recipe=recipe)
+    before, skipped = tmp_path / "before", tmp_path / "skipped"
+    train(cfg, before, progress=False, stop_after=2)
+    _nan_at(monkeypatch, {2})
+    train(cfg, skipped, progress=False, stop_after=3, on_nonfinite="skip")
+    a, b = _state(before)["run"], _state(skipped)["run"]
+    for key in ("model", "optimizer"):
+        ta, tb = _tensors(a[key]), _tensors(b[key])
+        assert len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb, strict=True))
+    assert read_metrics(skipped)[2]["skipped"]
+    train(cfg, skipped, resume=True, progress=False)  # later forwards are finite
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(skipped)[3:])
+
+
+def test_too_many_consecutive_skips_stop_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _nan_at(monkeypatch, set(range(2, 100)))
+    with pytest.raises(NonFiniteError, match=r"step 5: 3 consecutive steps skipped"):
+        train(TINY, tmp_path / "r", progress=False, on_nonfinite="skip", max_skips=3)
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["diverged_at"] == 5
+
+
+def test_loss_scaled_skip_and_recovery_is_not_divergence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp16-dynamic-ls: a NaN step is the scaler's normal skip (the default stop does not
+    apply), the run ends; neither summary.json nor the report calls it diverged."""
+    from lowprec.jobs.report import diagnose, load_run, write_report
+
+    _nan_at(monkeypatch, {3})
+    summary = train(replace(TINY, recipe="fp16-dynamic-ls"), tmp_path / "ls", progress=False)
+    assert summary["skipped_steps"] == 1 and summary["diverged_at"] is None
+    recs = read_metrics(tmp_path / "ls")
+    assert not math.isfinite(recs[3]["loss"]) and recs[4]["loss_scale"] == recs[3]["loss_scale"] / 2
+    assert not any("diverged" in n for n in diagnose(load_run(tmp_path / "ls")))
+    page = write_report([tmp_path / "ls"], tmp_path / "r.html").read_text()
+    assert "the run diverged" not in page
+
+
+def test_no_checkpoint_of_nonfinite_state(tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    train(TINY, out, progress=False, stop_after=2)
+    before = (out / "checkpoint.pt").read_bytes()
+    prepared, _ = train_mod.build(TINY)
+    with torch.no_grad():
+        next(prepared.model.parameters())[0] = float("inf")
+    with pytest.raises(NonFiniteError, match="holds Inf/NaN; no checkpoint written"):
+        train_mod._save_checkpoint(out, prepared, 3)
+    assert (out / "checkpoint.pt").read_bytes() == before
