@@ -148,17 +148,17 @@ def make_new_dir(out: Path, advice: str) -> None:
 
 
 def read_config(out: Path, context: str) -> dict[str, Any]:
-    """The run's ``config.json``; :class:`RunError` prefixed ``context`` if there is none,
-    or it is not a JSON object with a ``"train"`` object."""
-    saved = out / CONFIG
+    """The run's ``config.json``; :class:`RunError` prefixed ``context`` (if any) if there
+    is none, or it is not a JSON object with a ``"train"`` object."""
+    saved, pre = out / CONFIG, f"{context}: " if context else ""
     if not saved.is_file():
-        raise RunError(f"{context}: {out} is not a run directory (no {CONFIG})")
+        raise RunError(f"{pre}{out} is not a run directory (no {CONFIG})")
     try:
         config = json.loads(saved.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RunError(f"{context}: {saved} is corrupt or unreadable ({e})") from None
+        raise RunError(f"{pre}{saved} is corrupt or unreadable ({e})") from None
     if not isinstance(config, dict) or not isinstance(config.get("train"), dict):
-        raise RunError(f"{context}: {saved} is corrupt (expected an object with a 'train' object)")
+        raise RunError(f"{pre}{saved} is corrupt (expected an object with a 'train' object)")
     return config
 
 
@@ -222,7 +222,7 @@ def read_run(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], li
     metrics = read_metrics(p)
     if not metrics:
         raise RunError(f"{p}: the run has no recorded steps yet ({METRICS} is empty)")
-    config = read_config(p, str(p))
+    config = read_config(p, "")
     for i, r in enumerate(metrics):
         bad = [k for k in ("loss", "grad_zero_share", "step_time") if not _is_number(r[k])]
         if bad:
@@ -283,7 +283,7 @@ def load_checkpoint(out: Path) -> dict[str, Any]:
 
 def summarize(out: str | Path) -> dict[str, Any]:
     """:func:`summary_of` the run directory ``out``."""
-    return summary_of(read_metrics(out), read_config(Path(out), str(out)))
+    return summary_of(read_metrics(out), read_config(Path(out), ""))
 
 
 def diverged_at(recs: list[dict[str, Any]]) -> int | None:

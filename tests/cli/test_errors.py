@@ -1,0 +1,143 @@
+"""Every CLI failure is one ``error:`` line, never a traceback (issue 14, defect 8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowprec.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = [
+    *("--steps", "4", "--batch-size", "2", "--seq-len", "16", "--width", "32", "--depth", "1"),
+    *("--heads", "2", "--eval-every", "2", "--eval-batches", "1", "--ckpt-every", "2"),
+    "--no-progress",
+]
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int = 2) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == code, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "error: " in lines[0] and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "run"
+    assert main(["train", *TINY, "--out", str(out)]) == 0
+    return out
+
+
+def test_unwritable_output_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("x")
+    line = _fails(["train", *TINY, "--out", str(tmp_path / "file" / "run")], capsys)
+    assert "cannot create output directory" in line
+    if os.geteuid() == 0:  # root ignores permissions: a read-only file system instead
+        line = _fails(["train", *TINY, "--out", "/sys/lowprec-test/run"], capsys)
+        assert "cannot create output directory" in line
+
+
+def test_corrupt_config_and_checkpoint(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    config = (bad / "config.json").read_text()
+    (bad / "config.json").write_text(config[:30])
+    line = _fails(["train", *TINY, "--out", str(bad), "--resume"], capsys)
+    assert "config.json is corrupt" in line
+    (bad / "config.json").write_text(config)
+    state = torch.load(bad / "checkpoint.pt", weights_only=True)
+    del state["run"]["recipe"]
+    torch.save(state, bad / "checkpoint.pt")
+    line = _fails(["train", *TINY, "--out", str(bad), "--resume"], capsys)
+    assert "no 'recipe' in its run state" in line
+
+
+def test_huge_seq_len_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "big"
+    for n in ("100000000", "100000"):
+        args = ["train", *TINY, "--seq-len", n, "--out", str(out)]
+        assert f"--seq-len {n}" in _fails(args, capsys)
+    assert not out.exists()
+
+
+def test_report_on_malformed_files(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    (bad / "config.json").write_text("{not json")
+    line = _fails(["report", str(bad), "-o", str(tmp_path / "a.html")], capsys)
+    assert "config.json is corrupt" in line
+    (bad / "config.json").write_text((run / "config.json").read_text())
+    (bad / "metrics.jsonl").write_text('{"step": 1, "loss": "x"}\n')
+    line = _fails(["report", str(bad), "-o", str(tmp_path / "a.html")], capsys)
+    assert "metrics.jsonl" in line
+    (bad / "metrics.jsonl").write_text('[1]\n{"step": 1}\n')
+    assert "line 1 is not a JSON object" in _fails(["report", str(bad)], capsys)
+    assert not (tmp_path / "a.html").exists()
+
+
+def test_report_does_not_overwrite_without_force(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page = tmp_path / "r.html"
+    page.write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        main(["report", str(run), "-o", str(page)])
+    assert e.value.code == 2 and "pass --force" in capsys.readouterr().err
+    assert page.read_text() == "mine"
+    assert main(["report", str(run), "-o", str(page), "--force"]) == 0
+    assert page.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_nonfinite_run_stops_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fp16-scalify at a huge learning rate (the issue's traceback): one line naming the
+    step and what became NaN/Inf, exit 1, every checkpoint finite."""
+    out = tmp_path / "nan"
+    args = ["train", *TINY, "--recipe", "fp16-scalify", "--lr", "1e4", "--out", str(out)]
+    line = _fails(args, capsys, code=1)
+    assert "became NaN/Inf" in line and "--on-nonfinite stop" in line, line
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert recs[-1]["stopped"] == "nonfinite"
+    if (out / "checkpoint.pt").exists():
+        state = torch.load(out / "checkpoint.pt", weights_only=True)["run"]["model"]
+        assert all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
+    line = _fails([*args, "--resume", "--on-nonfinite", "skip", "--max-skips", "2"], capsys, 1)
+    assert "consecutive steps skipped" in line
+
+
+def test_sigterm_stops_at_a_step_boundary(tmp_path: Path) -> None:
+    """SIGTERM to `python -m lowprec train`: exit 143, one message, resumable."""
+    out = tmp_path / "term"
+    cmd = [sys.executable, "-m", "lowprec", "train", *TINY, "--steps", "200", "--out", str(out)]
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT
+    )
+    metrics = out / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err
+    assert "interrupted (SIGTERM) after step" in err and "Traceback" not in err
+    steps = metrics.read_text().count("\n")
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == steps
