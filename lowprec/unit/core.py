@@ -36,6 +36,7 @@ __all__ = [
     "check_dim",
     "check_float",
     "check_number",
+    "check_same_dtype",
     "scale_bwd",
     "scale_fwd",
     "unit_op",
@@ -196,3 +197,12 @@ def check_dim(name: str, x: Tensor, dim: object) -> int:
             f"(shape {tuple(x.shape)}): need {-nd} <= {name} < {nd}"
         )
     return dim % nd
+
+
+def check_same_dtype(**tensors: Tensor | None) -> None:
+    """``TypeError`` naming the arguments if the given tensors differ in dtype (a matmul,
+    attention or convolution does not promote: torch would fail deep inside)."""
+    given = {k: t.dtype for k, t in tensors.items() if t is not None}
+    if len(set(given.values())) > 1:
+        listing = ", ".join(f"{k}: {d}" for k, d in given.items())
+        raise TypeError(f"{', '.join(given)} must share one dtype, got {listing}")

@@ -37,6 +37,7 @@ from lowprec.unit.core import (
     check_dim,
     check_float,
     check_number,
+    check_same_dtype,
     scale_bwd,
     scale_fwd,
 )
@@ -115,6 +116,7 @@ def matmul(
     """
     check_float("a", a)
     check_float("b", b)
+    check_same_dtype(a=a, b=b)
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError(f"a, b: need >= 2 dims, got shapes {tuple(a.shape)}, {tuple(b.shape)}")
     k, n = max(1, b.shape[-2]), max(1, b.shape[-1])
@@ -139,6 +141,7 @@ def _linear(
     check_float("x", x)
     check_float("weight", weight)
     check_float("bias", bias, optional=True)
+    check_same_dtype(x=x, weight=weight, bias=bias)
     if weight.dim() != 2:
         raise ValueError(f"weight: need 2 dims (fan_out, fan_in), got shape {tuple(weight.shape)}")
     fan_out, fan_in = max(1, weight.shape[0]), max(1, weight.shape[1])
@@ -435,6 +438,7 @@ def scaled_dot_product_attention(
         check_float(name, t)
         if t.dim() < 2:
             raise ValueError(f"{name}: need (..., L, E) with >= 2 dims, got {tuple(t.shape)}")
+    check_same_dtype(q=q, k=k, v=v)
     if scale is not None:
         scale = check_number("scale", scale)
     d, n, rows = max(1, q.shape[-1]), max(1, k.shape[-2]), max(1, q.shape[-2])
@@ -468,7 +472,10 @@ def conv1d(
             f"x, weight: need x (N, C_in, L) or (C_in, L) and weight (C_out, C_in/groups, k), "
             f"got {tuple(x.shape)}, {tuple(weight.shape)}"
         )
+    check_same_dtype(x=x, weight=weight, bias=bias)
     c_out, c_in_g, ksz = weight.shape
+    if c_out == 0 or ksz == 0:
+        raise ValueError(f"weight: need C_out >= 1 and k >= 1, got shape {tuple(weight.shape)}")
     fan_in = max(1, c_in_g * ksz)
     fan_out = max(1.0, c_out * ksz / (groups * stride))
     s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)

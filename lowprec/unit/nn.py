@@ -17,16 +17,36 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from lowprec.unit import functional as U
+from lowprec.unit.core import check_number
 from lowprec.unit.umup import umup_taus
 
 __all__ = [
     "MLP", "CrossEntropyLoss", "Embedding", "LayerNorm", "Linear", "LinearReadout",
     "MultiHeadAttention", "RMSNorm", "TransformerDecoder", "TransformerLayer",
 ]  # fmt: skip
+
+
+def _size(name: str, v: object, low: int = 1) -> int:
+    """``v`` as an int ``>= low``; ``TypeError`` / ``ValueError`` naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < low:
+        raise ValueError(f"{name} must be >= {low}, got {v}")
+    return v
+
+
+def _shape(v: object) -> None:
+    dims = (v,) if isinstance(v, int) else v
+    if not isinstance(dims, (tuple, list, torch.Size)):
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {v!r}")
+    for d in dims:
+        _size("normalized_shape", d, 0)
 
 
 class Linear(nn.Linear):
@@ -41,6 +61,8 @@ class Linear(nn.Linear):
         float8: bool = False,
     ) -> None:
         self.constraint, self.float8 = constraint, float8
+        _size("in_features", in_features, 0)
+        _size("out_features", out_features, 0)
         super().__init__(in_features, out_features, bias)
 
     def reset_parameters(self) -> None:
@@ -64,6 +86,11 @@ class LinearReadout(Linear):
 class Embedding(nn.Embedding):
     """:func:`~lowprec.unit.functional.embedding`; weight ``N(0, 1)`` (nn.Embedding's)."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int, *args: Any, **kw: Any) -> None:
+        _size("num_embeddings", num_embeddings, 0)
+        _size("embedding_dim", embedding_dim, 0)
+        super().__init__(num_embeddings, embedding_dim, *args, **kw)
+
     def forward(self, idx: Tensor) -> Tensor:
         return U.embedding(idx, self.weight)
 
@@ -71,12 +98,20 @@ class Embedding(nn.Embedding):
 class LayerNorm(nn.LayerNorm):
     """:func:`~lowprec.unit.functional.layer_norm` (gain 1, bias 0)."""
 
+    def __init__(self, normalized_shape: Any, *args: Any, **kw: Any) -> None:
+        _shape(normalized_shape)
+        super().__init__(normalized_shape, *args, **kw)
+
     def forward(self, x: Tensor) -> Tensor:
         return U.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.RMSNorm):
     """:func:`~lowprec.unit.functional.rms_norm` (gain 1)."""
+
+    def __init__(self, normalized_shape: Any, *args: Any, **kw: Any) -> None:
+        _shape(normalized_shape)
+        super().__init__(normalized_shape, *args, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
         return U.rms_norm(x, self.normalized_shape, self.weight, self.eps)
@@ -90,7 +125,8 @@ class MLP(nn.Module):
         super().__init__()
         if kind not in ("gelu", "swiglu"):
             raise ValueError(f"kind must be 'gelu' or 'swiglu', got {kind!r}")
-        hidden = hidden or 4 * width
+        width = _size("width", width)
+        hidden = 4 * width if hidden is None else _size("hidden", hidden)
         self.kind = kind
         self.up = Linear(width, hidden, float8=float8)
         self.gate = Linear(width, hidden, float8=float8) if kind == "swiglu" else None
@@ -107,6 +143,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, width: int, heads: int, causal: bool = True, float8: bool = False) -> None:
         super().__init__()
+        _size("width", width)
+        _size("heads", heads)
         if width % heads:
             raise ValueError(f"width ({width}) must be divisible by heads ({heads})")
         self.heads, self.causal = heads, causal
@@ -114,6 +152,8 @@ class MultiHeadAttention(nn.Module):
         self.proj = Linear(width, width, float8=float8)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"x: need (batch, seq, width), got shape {tuple(x.shape)}")
         b, t, c = x.shape
         q, k, v = (
             z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
@@ -129,7 +169,12 @@ class TransformerLayer(nn.Module):
     def __init__(self, width: int, heads: int, tau: tuple[float, float] = (0.5, 0.5),
                  mlp: str = "gelu", causal: bool = True, float8: bool = False) -> None:  # fmt: skip
         super().__init__()
-        self.tau = tau
+        if not isinstance(tau, (tuple, list)) or len(tau) != 2:
+            raise TypeError(f"tau must be a pair of floats in (0, 1), got {tau!r}")
+        for t in tau:
+            if not 0.0 < check_number("tau", t) < 1.0:
+                raise ValueError(f"tau must be a pair of floats in (0, 1), got {tau!r}")
+        self.tau = (float(tau[0]), float(tau[1]))
         self.ln1, self.ln2 = LayerNorm(width), LayerNorm(width)
         self.attn = MultiHeadAttention(width, heads, causal, float8)
         self.mlp = MLP(width, kind=mlp, float8=float8)
@@ -161,7 +206,9 @@ class TransformerDecoder(nn.Module):
     def __init__(self, vocab_size: int, width: int, depth: int, heads: int, seq_len: int,
                  mlp: str = "gelu", float8: bool = False) -> None:  # fmt: skip
         super().__init__()
-        self.seq_len = seq_len
+        _size("vocab_size", vocab_size)
+        _size("depth", depth, 0)
+        self.seq_len = _size("seq_len", seq_len)
         self.tok, self.pos = Embedding(vocab_size, width), Embedding(seq_len, width)
         taus = umup_taus(2 * depth)
         self.layers = nn.ModuleList(
