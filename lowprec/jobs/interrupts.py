@@ -14,8 +14,10 @@ come back on exit.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -58,11 +60,27 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: int | None = None
         self._old: dict[int, Any] = {}
+        self._protected = self._abort = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
+            if self._protected:
+                self._abort = True  # raised when the protected write ends
+                return
             raise KeyboardInterrupt  # the second signal: abort now
         self.received = signum
+
+    @contextlib.contextmanager
+    def protect(self) -> Iterator[None]:
+        """A write that a second signal must not cut (a ``KeyboardInterrupt`` raised inside
+        ``torch.save`` surfaces as a ``RuntimeError``): the abort waits for its end."""
+        self._protected = True
+        try:
+            yield
+        finally:
+            self._protected = False
+        if self._abort:
+            raise KeyboardInterrupt
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

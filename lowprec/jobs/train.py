@@ -340,12 +340,14 @@ def train(
                 rec = loop.step(step)
                 step += 1
                 if step % cfg.ckpt_every == 0 and step < cfg.steps:
-                    _save_checkpoint(out, prepared, step)
+                    with signals.protect():
+                        _save_checkpoint(out, prepared, step)
                     loop.last_ckpt = step
                 bar.update(step, rec, prepared.scaler.skipped_steps)
             if signals.received is not None and step < end:
                 if loop.last_ckpt != step:
-                    _save_checkpoint(out, prepared, step)
+                    with signals.protect():
+                        _save_checkpoint(out, prepared, step)
                 raise Interrupted(step, signals.received, str(out))
     finally:
         loop.close()
