@@ -29,10 +29,23 @@ __all__ = [
 ]
 
 
+def _check_float(name: str, x: object) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def _up(x: Tensor) -> Tensor:
+    """FP16/BF16 up to FP32; FP32 and float64 as they are (never down to FP32)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def softmax_fp32(x: Tensor, dim: int = -1) -> Tensor:
     """Softmax computed in FP32 (no overflow in ``exp``, exact normalisation), returned in
-    ``x``'s dtype."""
-    return torch.softmax(x.float(), dim=dim).to(x.dtype)
+    ``x``'s dtype. ``TypeError`` for a non-floating ``x``."""
+    _check_float("x", x)
+    return torch.softmax(_up(x), dim=dim).to(x.dtype)
 
 
 def layer_norm_fp32(
@@ -43,14 +56,16 @@ def layer_norm_fp32(
     eps: float = 1e-5,
 ) -> Tensor:
     """LayerNorm with mean, variance and affine in FP32, returned in ``x``'s dtype."""
+    _check_float("x", x)
     w = None if weight is None else weight.float()
     b = None if bias is None else bias.float()
-    return F.layer_norm(x.float(), tuple(normalized_shape), w, b, eps).to(x.dtype)
+    return F.layer_norm(_up(x), tuple(normalized_shape), w, b, eps).to(x.dtype)
 
 
 def cross_entropy_fp32(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean cross-entropy over all positions, in FP32 (``logits`` ``(..., V)``)."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+    _check_float("logits", logits)
+    return F.cross_entropy(_up(logits).flatten(0, -2), targets.flatten())
 
 
 # ---------------------------------------------------------------------------------------
