@@ -47,7 +47,7 @@ class Scaler(ABC):
         margin: float = 0.0,
         power_of_two: bool = False,
     ) -> None:
-        self.fmt = get_format(fmt)
+        self.fmt = get_format(fmt, arg="fmt")
         self.granularity = as_granularity(granularity)
         self.margin = _check_margin(margin)
         if not isinstance(power_of_two, bool):

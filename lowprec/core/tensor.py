@@ -114,7 +114,7 @@ def _validate(
         dtype = data.dtype if data.dtype in _LOGICAL else torch.float32
     elif dtype not in _LOGICAL:
         raise ValueError(f"dtype must be one of {_LOGICAL}, got {dtype}")
-    return scale_t, dtype, None if fmt is None else get_format(fmt).name
+    return scale_t, dtype, None if fmt is None else get_format(fmt, arg="fmt").name
 
 
 _Meta = tuple[torch.dtype, str | None, str | None, Granularity | None, tuple[int, ...] | None]
@@ -445,7 +445,7 @@ def quantize_scaled(
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     if x.dtype not in _LOGICAL:
         raise TypeError(f"x must be float16/bfloat16/float32/float64, got dtype {x.dtype}")
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, arg="fmt")
     if scaler is not None:
         if not isinstance(scaler, Scaler):
             raise TypeError(f"scaler must be a lowprec Scaler, got {type(scaler).__name__}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,9 +103,23 @@ class Prepared:
             raise ValueError(
                 f"state: saved with recipe {saved.get('name')!r}, not {self.recipe.name!r}"
             )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
+        # All or nothing: a part that fails to load restores what the earlier parts changed.
+        snapshot = copy.deepcopy(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),
+            }
+        )
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scaler.load_state_dict(state["scaler"])
+        except Exception:
+            self.model.load_state_dict(snapshot["model"])
+            self.optimizer.load_state_dict(snapshot["optimizer"])
+            self.scaler.load_state_dict(snapshot["scaler"])
+            raise
 
 
 def _factory_lr(factory: OptimizerFactory) -> float:

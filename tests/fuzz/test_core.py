@@ -351,11 +351,6 @@ def test_load_state_dict_with_scaled_tensor_buffer() -> None:
     assert torch.equal(m.b.dequantize(), torch.full((4,), 2.0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core/tensor.py (not this suite's owner) calls "
-    "get_format(fmt) without arg='fmt': the error blames 'name'",
-)
 def test_quantize_scaled_bad_fmt_names_fmt() -> None:
     with pytest.raises(TypeError, match=r"^fmt"):
         lowprec.quantize_scaled(torch.ones(2), None)  # type: ignore[arg-type]

@@ -131,3 +131,22 @@ def test_bf16_recipes_use_fp32_products_without_native_bf16(
         y = run.model(x)
     assert y.dtype == torch.bfloat16
     assert (torch.bfloat16 in seen) is (not native and name == "bf16")
+
+
+def test_prepared_load_state_dict_is_all_or_nothing() -> None:
+    """Issue 14: a state whose scaler part is refused (negative scale) leaves the model,
+    the optimizer (FP32 masters) and the scaler exactly as they were."""
+    torch.manual_seed(0)
+    src = prepare(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), "fp16-dynamic-ls")
+    torch.manual_seed(1)
+    dst = prepare(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), "fp16-dynamic-ls")
+    before = {k: v.clone() for k, v in dst.model.state_dict().items()}
+    scale_before = dst.scaler.state_dict()
+    bad = src.state_dict()
+    bad["scaler"] = {**bad["scaler"], "scale": -1.0}
+    with pytest.raises(ValueError, match="scale"):
+        dst.load_state_dict(bad)
+    after = dst.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not torch.equal(before["0.weight"], src.model.state_dict()["0.weight"])
+    assert dst.scaler.state_dict() == scale_before
