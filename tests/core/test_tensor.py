@@ -123,7 +123,7 @@ def test_constructor_validation() -> None:
         quantize_scaled(torch.ones(3, dtype=torch.int32), "e4m3fn")
     with pytest.raises(TypeError, match="x must be a floating-point"):
         quantize_scaled(torch.ones(3, dtype=torch.complex64), "e4m3fn")
-    with pytest.raises(ValueError, match="name: unknown format"):
+    with pytest.raises(ValueError, match="fmt: unknown format"):  # the argument is fmt
         quantize_scaled(data, "e4m3x")
 
 
