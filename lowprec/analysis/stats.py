@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lowprec.core.tensor import ScaledTensor
 
@@ -139,10 +140,16 @@ def grad_stats(params: Iterable[Tensor]) -> dict[str, float]:
     global gradient L2 norm ``sqrt(Σ g²)`` over the finite values, over all parameters
     that have a gradient (one synchronisation)."""
     total: Tensor | None = None
+    group: Any = None  # the process group of sharded (DTensor) gradients, if any
     for p in params:
         if p.grad is not None:
-            vec = _count_vector(p.grad, (), (), moments=True, nonfinite=True)
+            g = p.grad
+            if isinstance(g, DTensor):  # FSDP2: count this rank's shard, sum over ranks
+                group, g = g.device_mesh.get_group(), g.to_local()
+            vec = _count_vector(g, (), (), moments=True, nonfinite=True)
             total = vec if total is None else total + vec.to(total.device)
+    if total is not None and group is not None:
+        torch.distributed.all_reduce(total, group=group)  # counts and Σg² add over shards
     if total is None or total[0] == 0:
         return {"grad_zero_share": 0.0, "grad_nonfinite_share": 0.0, "grad_norm": 0.0}
     c = _counts(total.tolist(), 0, moments=True, nonfinite=True)

@@ -35,8 +35,10 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
-from lowprec.amp import LossScaler, NoLossScaler, StepRecord
+from lowprec.amp import LossScaler, NoLossScaler
 from lowprec.analysis.stats import grad_stats as _grad_stats
 from lowprec.core.tensor import ScaledTensor
 
@@ -149,13 +151,17 @@ def train_step(
             failed = True
     scale = run.scaler.loss_scale
     stats = _grad_stats(run.model.parameters()) if grad_stats else None
-    bad = _nonfinite(loss, run.model.parameters()) if skip_nonfinite else None
+    bad = (
+        _nonfinite(loss, run.model.parameters(), _data_parallel(run.model))
+        if skip_nonfinite
+        else None
+    )
     if failed:
         bad = "loss and gradients"
     if bad is None:
         run.scaler.step(run.optimizer)
-    else:  # as the scaler's own skip: no update, the step recorded as skipped
-        run.scaler.history.append(StepRecord(scale, True))
+    else:  # as the scaler's own skip (with its cross-rank found-inf all-reduce)
+        run.scaler.skip(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     skipped = run.scaler.history[-1].skipped
@@ -167,15 +173,32 @@ def train_step(
 
 
 def _all_finite(t: Tensor) -> Tensor:
+    if isinstance(t, DTensor):  # a sharded gradient (FSDP2): this rank's shard
+        t = t.to_local()
     if isinstance(t, ScaledTensor):  # a scalify gradient: its payload and its scale
         return torch.isfinite(t.qdata).all() & torch.isfinite(t.scale).all()
     return torch.isfinite(t.detach()).all()
 
 
-def _nonfinite(loss: Tensor, params: Any) -> str | None:
-    """What of ``loss`` and the parameters' gradients holds Inf/NaN (one synchronisation)."""
-    checks = [_all_finite(loss)]
-    checks += [_all_finite(p.grad).to(checks[0].device) for p in params if p.grad is not None]
-    ok = torch.stack(checks).tolist()
-    what = [name for name, bad in (("loss", not ok[0]), ("gradients", not all(ok[1:]))) if bad]
+def _nonfinite(loss: Tensor, params: Any, distributed: bool = False) -> str | None:
+    """What of ``loss`` and the parameters' gradients holds Inf/NaN (one synchronisation).
+    Under data parallelism (``distributed``) the answer is every rank's: a NaN on one rank
+    is a NaN on all, so that all skip the same steps (one all-reduce of two flags)."""
+    params = list(params)
+    ok_loss = _all_finite(loss)
+    grads = [_all_finite(p.grad).to(ok_loss.device) for p in params if p.grad is not None]
+    ok_grads = torch.stack(grads).all() if grads else torch.ones_like(ok_loss)
+    flags = torch.stack([ok_loss, ok_grads]).int()
+    if distributed:
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+    ok = flags.tolist()
+    what = [name for name, bad in (("loss", not ok[0]), ("gradients", not ok[1])) if bad]
     return " and ".join(what) or None
+
+
+def _data_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` trains data-parallel over a process group (DDP, or FSDP2's
+    sharded parameters), so that every rank must agree on a skipped step."""
+    if isinstance(model, DistributedDataParallel):
+        return True
+    return any(isinstance(p, DTensor) for p in model.parameters())

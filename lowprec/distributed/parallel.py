@@ -1,0 +1,203 @@
+"""Data parallelism for every recipe: FSDP2 (``fully_shard``) or DDP, in the right order.
+
+:func:`prepare` is :func:`lowprec.recipes.prepare` for a process group started by
+``torchrun``. The order is fixed, and the only correct one:
+
+1. **apply the technique** (unit scaling, scalify, the float8 conversion: the same
+   :func:`lowprec.recipes.compose.apply` as on one process);
+2. **shard** (``fully_shard`` on every block and the root, or wrap in
+   ``DistributedDataParallel``): sharding replaces the parameters, so anything holding the
+   old ones would train nothing;
+3. **build the optimizer and the loss scaler** on the sharded parameters.
+
+FSDP2 and precision. Under ``parallel="fsdp"`` the parameters stay FP32 and sharded: the
+shards *are* the master weights. A recipe with ``param_dtype`` bf16/fp16 becomes FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=fp32)``: each block's
+weights are all-gathered in the low-precision dtype just before its forward (and
+backward), compute runs in it, and the gradients are reduce-scattered in FP32 into the
+FP32 shards, which the optimizer updates. No rank ever holds an unsharded FP32 copy, and
+no :class:`~lowprec.amp.MasterWeights` is built. The shards start from the initial
+weights rounded to ``param_dtype``, as on one process, where the master copies start from
+the cast model: the two runs then differ only by the rounding of the gradient sums.
+
+DDP keeps the recipe exactly as on one process (low-precision parameters, FP32
+``MasterWeights``, the loss scaler) and all-reduces the gradients in the parameters' dtype.
+
+Example (one process here; under ``torchrun`` the group has N):
+    >>> import tempfile
+    >>> import torch.distributed as dist
+    >>> from lowprec.jobs.model import CharGPT, ModelConfig
+    >>> store = dist.FileStore(tempfile.mktemp(), 1)
+    >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    >>> p = prepare(CharGPT(ModelConfig(width=32, depth=1, heads=2)), "bf16", parallel="fsdp")
+    >>> w = p.model.head.weight
+    >>> type(w).__name__, w.dtype, type(p.optimizer).__name__
+    ('DTensor', torch.float32, 'AdamW')
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from lowprec.amp import MasterWeights
+from lowprec.recipes import compose
+from lowprec.recipes.prepared import OptimizerFactory, Prepared, _factory_lr
+from lowprec.recipes.presets import get_recipe
+from lowprec.recipes.recipe import Recipe
+
+__all__ = ["PARALLEL", "Parallel", "fsdp_units", "mixed_precision_policy", "prepare", "shard"]
+
+Parallel = Literal["fsdp", "ddp"]
+PARALLEL: tuple[str, ...] = ("fsdp", "ddp")
+
+
+def _check_parallel(parallel: object) -> str:
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel must be one of {list(PARALLEL)}, got {parallel!r}")
+    return str(parallel)
+
+
+def _check_group() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "lowprec.distributed: no process group; start the script with torchrun and call "
+            "torch.distributed.init_process_group() (or lowprec.distributed.init()) first"
+        )
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules :func:`shard` wraps in ``fully_shard`` before the root: every child of
+    every ``nn.ModuleList`` (a transformer's blocks, HF models' ``layers``), outermost first.
+    Each is all-gathered on its own, just before it runs, and freed after."""
+    units: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList):
+            units += [c for c in m if not any(c is u for u in units)]
+    return units
+
+
+def mixed_precision_policy(recipe: str | Recipe) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``recipe``: all-gather and compute in its ``param_dtype`` (none
+    for FP32), reduce-scatter the gradients in FP32."""
+    r = get_recipe(recipe)
+    low = r.torch_dtype if r.param_dtype != "fp32" else None
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def _check_recipe(r: Recipe, parallel: str) -> None:
+    if parallel != "fsdp":
+        return
+    if r.scalify is not None:
+        raise ValueError(
+            f"recipe: {r.name!r} (scalify) runs with parallel='ddp' only: scalify's "
+            "parameters receive ScaledTensor gradients (payload and scale), which FSDP2's "
+            "reduce-scatter of flat plain-tensor shards cannot carry; use parallel='ddp'"
+        )
+    if r.stochastic_rounding:
+        raise ValueError(
+            f"recipe: {r.name!r} rounds master weights stochastically; under FSDP2 the "
+            "FP32 shards are cast by the all-gather (round to nearest); use parallel='ddp'"
+        )
+
+
+def shard(
+    model: nn.Module,
+    recipe: str | Recipe,
+    parallel: Parallel,
+    *,
+    mesh: DeviceMesh | None = None,
+    units: Callable[[nn.Module], Iterable[nn.Module]] = fsdp_units,
+    ddp_kwargs: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Step 2 of the order (see the module docstring): shard ``model``, to which the
+    recipe's technique has already been applied.
+
+    ``"fsdp"``: the parameters are rounded to ``param_dtype`` and kept in FP32, then
+    ``fully_shard(unit, mesh=mesh, mp_policy=mixed_precision_policy(recipe))`` for each of
+    ``units(model)`` and the root; returns ``model`` itself (now an ``FSDPModule``).
+    ``"ddp"``: returns ``DistributedDataParallel(model, **ddp_kwargs)``.
+    """
+    _check_group()
+    r = get_recipe(recipe)
+    mode = _check_parallel(parallel)
+    _check_recipe(r, mode)
+    if mode == "ddp":
+        return DistributedDataParallel(model, **(ddp_kwargs or {}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():  # the master copy starts from the cast weights
+                p.data = p.data.to(r.torch_dtype).to(torch.float32)
+    policy = mixed_precision_policy(r)
+    for unit in units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def prepare(
+    model: nn.Module,
+    recipe: str | Recipe,
+    parallel: Parallel,
+    optimizer_factory: OptimizerFactory | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    mesh: DeviceMesh | None = None,
+    units: Callable[[nn.Module], Iterable[nn.Module]] = fsdp_units,
+    ddp_kwargs: dict[str, Any] | None = None,
+) -> Prepared:
+    """:func:`lowprec.recipes.prepare` under ``torch.distributed``: apply the technique,
+    shard (:func:`shard`), then build the optimizer and the loss scaler on the sharded
+    parameters. Every rank calls it with the same model (same seed) and arguments.
+
+    ``parallel``: ``"fsdp"`` (FSDP2, FP32 sharded masters, see the module docstring) or
+    ``"ddp"``. ``mesh``: FSDP2's device mesh (default: every rank). ``units``: the
+    modules sharded before the root (default :func:`fsdp_units`). ``ddp_kwargs``: extra
+    arguments of ``DistributedDataParallel``. u-μP parameter groups (unit recipes) keep
+    their ``lr_mult`` on the sharded parameters. Under ``"fsdp"`` the returned
+    :class:`~lowprec.recipes.Prepared` has a plain optimizer (no ``MasterWeights``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    mode = _check_parallel(parallel)
+    _check_group()
+    r = get_recipe(recipe)
+    _check_recipe(r, mode)
+    factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    lr = _factory_lr(factory) if r.unit is not None else 0.0
+    # 1. the technique (as on one process)
+    model, groups = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip)
+    names = {id(p): n for n, p in model.named_parameters()}
+    named_groups = (
+        [{**g, "params": [names[id(p)] for p in g["params"]]} for g in groups]
+        if groups is not None
+        else None
+    )
+    # 2. shard
+    wrapped = shard(model, r, mode, mesh=mesh, units=units, ddp_kwargs=ddp_kwargs)  # type: ignore[arg-type]
+    # 3. optimizer and scaler, on the parameters sharding left
+    now = dict(model.named_parameters())
+    params: list[Any]
+    if named_groups is not None:
+        params = [{**g, "params": [now[n] for n in g["params"]]} for g in named_groups]
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+    optimizer: Any
+    if r.master_weights and mode == "ddp":
+        optimizer = MasterWeights(params, factory, r.stochastic_rounding, generator)
+    else:
+        optimizer = factory(params)
+    return Prepared(wrapped, optimizer, r.policy.make_scaler(), r)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel`` wrapper (else ``model`` itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
