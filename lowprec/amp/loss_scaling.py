@@ -4,31 +4,51 @@ Loss scaling multiplies the loss by ``S`` before ``backward`` so that small grad
 above the format's smallest subnormal (FP16: ``2^-24``), then divides the gradients by ``S``
 in FP32 before the update. A step whose gradients hold Inf/NaN is skipped.
 
-The API follows ``torch.amp.GradScaler``::
+The scalers are drop-ins for ``torch.amp.GradScaler``::
 
     scaler = DynamicLossScaler()
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)        # optional: to clip gradients first
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     scaler.step(optimizer)            # skipped if a gradient is Inf/NaN
     scaler.update()                   # dynamic: back off on overflow, grow when stable
 
-Every step appends ``StepRecord(scale, skipped)`` to ``scaler.history``. ``optimizer`` may be
-a :class:`~lowprec.amp.master.MasterWeights`: its gradients are copied to the FP32 masters
-first, and those are unscaled and checked.
+with GradScaler's rules: ``unscale_`` at most once per optimizer between ``update`` calls
+and not after ``step``; ``step`` at most once per optimizer between ``update`` calls;
+``update`` backs off if any optimizer's step since the last ``update`` was skipped, and
+``update(new_scale)`` sets the scale. Differences: ``step`` returns True if the update
+was applied, False if skipped (GradScaler returns the optimizer's return value or None);
+:class:`NoLossScaler` is GradScaler with ``enabled=False`` (``is_enabled()`` False,
+``unscale_`` does nothing, ``step`` always applies the update).
+
+``optimizer`` may be a :class:`~lowprec.amp.master.MasterWeights`: its gradients are
+copied to the FP32 masters, unscaled and checked there, and ``unscale_`` writes the
+unscaled gradients back into the model's gradients, so that clipping
+``model.parameters()`` clips the real update (:mod:`lowprec.amp.master`).
+
+Under ``torch.distributed`` the Inf/NaN flag is all-reduced with MAX over
+``process_group`` (default: the default group, when ``torch.distributed`` is
+initialised): one all-reduce per optimizer per step, so that an overflow on any rank
+(sharded gradients) makes every rank skip the step and back off identically.
+
+Every step appends ``StepRecord(scale, skipped)`` to ``scaler.history``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from lowprec.amp._checks import check_config, check_positive, number
 from lowprec.amp.master import MasterWeights
 
 __all__ = ["DynamicLossScaler", "LossScaler", "NoLossScaler", "StaticLossScaler", "StepRecord"]
+
+_UNSCALED, _STEPPED = "unscaled", "stepped"
 
 
 @dataclass(frozen=True)
@@ -43,64 +63,138 @@ def _params(optimizer: Any) -> list[Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-class LossScaler:
-    """Base class: scale ``S`` fixed at construction, skip on Inf/NaN gradients."""
+def _local(g: Tensor) -> Tensor:
+    """A sharded (DTensor) gradient's local shard; any other gradient itself."""
+    to_local = getattr(g, "to_local", None)
+    return to_local() if callable(to_local) else g  # type: ignore[no-any-return]
 
-    def __init__(self, scale: float = 1.0) -> None:
-        _check_positive("scale", scale)
+
+class LossScaler:
+    """Base class: scale ``S`` fixed at construction, skip on Inf/NaN gradients.
+
+    ``process_group``: the group over which the Inf/NaN flag is all-reduced (None: the
+    default group when ``torch.distributed`` is initialised, else no reduction)."""
+
+    def __init__(self, scale: float = 1.0, process_group: Any = None) -> None:
+        check_positive("scale", scale)
         self._scale = float(scale)
         self.history: list[StepRecord] = []
-        self._unscaled: set[int] = set()
-        self._found_inf: bool = False
+        self.process_group = process_group
+        self._stage: dict[int, str] = {}
+        self._found: dict[int, bool] = {}
+        self._mark = 0  # len(history) at the last update()
 
     @property
     def loss_scale(self) -> float:
         return self._scale
 
+    def get_scale(self) -> float:
+        """The current scale ``S`` (as ``GradScaler.get_scale``)."""
+        return self._scale
+
+    def is_enabled(self) -> bool:
+        """True: the loss is scaled and steps with Inf/NaN gradients are skipped."""
+        return True
+
     @property
     def skipped_steps(self) -> int:
         return sum(r.skipped for r in self.history)
 
-    def scale(self, loss: Tensor) -> Tensor:
-        """``loss · S``, computed in FP32."""
-        if not isinstance(loss, Tensor):
-            raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
-        return loss.float() * self._scale
+    def scale(self, outputs: Any) -> Any:
+        """``outputs · S``, computed in FP32; ``outputs`` a tensor or (nested) lists and
+        tuples of tensors, as for ``GradScaler.scale``."""
+        if isinstance(outputs, Tensor):
+            return outputs.float() * self._scale
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        raise TypeError(
+            f"outputs must be a torch.Tensor or a list/tuple of them, got {type(outputs).__name__}"
+        )
 
     def unscale_(self, optimizer: Any) -> None:
-        """Divide the optimizer's gradients by ``S`` (in FP32 for FP32 gradients) and record
-        whether any is Inf/NaN. Call at most once per step (``step`` calls it otherwise)."""
-        if id(optimizer) in self._unscaled:
-            raise RuntimeError("unscale_() was already called on this optimizer this step")
-        if isinstance(optimizer, MasterWeights):
+        """Divide the optimizer's gradients by ``S`` (in FP32 for FP32 gradients and for
+        :class:`MasterWeights`) and record whether any is Inf/NaN (all-reduced across
+        ranks). At most once per optimizer between ``update`` calls, and not after
+        ``step`` (which calls it otherwise)."""
+        stage = self._stage.get(id(optimizer))
+        if stage == _UNSCALED:
+            raise RuntimeError(
+                "unscale_() was already called on this optimizer since the last update()"
+            )
+        if stage == _STEPPED:
+            raise RuntimeError(
+                "unscale_() was already called on this optimizer this step (by step()); "
+                "call update() first"
+            )
+        self._unscale(optimizer, push=True)
+
+    def _unscale(self, optimizer: Any, push: bool, force_skip: bool = False) -> None:
+        master = isinstance(optimizer, MasterWeights)
+        if master:
             optimizer.copy_grads()
-        inv = 1.0 / self._scale
-        found: Tensor | None = None  # accumulated on the gradients' device: one sync
-        for p in _params(optimizer):
-            if p.grad is None:
-                continue
-            if inv != 1.0:
-                p.grad.mul_(inv)
-            bad = ~torch.isfinite(p.grad).all()
-            found = bad if found is None else found | bad.to(found.device)
-        self._found_inf = found is not None and bool(found)
-        self._unscaled.add(id(optimizer))
+        grads = [_local(p.grad) for p in _params(optimizer) if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        flags: list[Tensor] = [torch.tensor(force_skip, device=device)]
+        if not force_skip:
+            inv = 1.0 / self._scale
+            for g in grads:
+                if inv != 1.0:
+                    g.mul_(inv)
+                flags.append((~torch.isfinite(g).all()).to(device))
+        found = torch.stack(flags).any().to(torch.float32)
+        if self.process_group is not None or (dist.is_available() and dist.is_initialized()):
+            if dist.get_world_size(self.process_group) > 1:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+        self._found[id(optimizer)] = bool(found)  # one synchronisation
+        self._stage[id(optimizer)] = _UNSCALED
+        if master and push:
+            optimizer.push_grads()
 
-    def step(self, optimizer: Any) -> bool:
-        """Unscale if not done, then ``optimizer.step()`` unless a gradient is Inf/NaN.
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> bool:
+        """Unscale if not done, then ``optimizer.step(*args, **kwargs)`` unless a gradient
+        is Inf/NaN (on any rank). Returns True if the update was applied."""
+        if "closure" in kwargs:
+            raise RuntimeError("step(): a closure is not supported with loss scaling")
+        return self._step(optimizer, False, args, kwargs)
 
-        Returns True if the update was applied."""
-        if id(optimizer) not in self._unscaled:
-            self.unscale_(optimizer)
-        skipped = self._found_inf
+    def skip(self, optimizer: Any) -> None:
+        """Record this step as skipped whatever the gradients hold (a loop's own
+        non-finite check): no update; under ``torch.distributed`` it takes part in the
+        found-inf all-reduce as ``step`` does, so that every rank skips."""
+        self._step(optimizer, True, (), {})
+
+    def _step(self, optimizer: Any, force: bool, args: Any, kwargs: Any) -> bool:
+        stage = self._stage.get(id(optimizer))
+        if stage == _STEPPED:
+            raise RuntimeError("step() was already called on this optimizer since update()")
+        if stage is None:
+            self._unscale(optimizer, push=False, force_skip=force)
+        skipped = force or self._found[id(optimizer)]
         self.history.append(StepRecord(self._scale, skipped))
         if not skipped:
-            optimizer.step()
+            optimizer.step(*args, **kwargs)
+        self._stage[id(optimizer)] = _STEPPED
         return not skipped
 
-    def update(self) -> None:
-        """End the step (a fixed scale does not change)."""
-        self._unscaled.clear()
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """End the step: adjust the scale from the steps since the last ``update`` (a
+        dynamic scaler backs off if any was skipped), or set it to ``new_scale``."""
+        records = self.history[self._mark :]
+        self._stage.clear()
+        self._found.clear()
+        self._mark = len(self.history)
+        if new_scale is not None:
+            s = number("new_scale", new_scale)
+            self._check_scale("new_scale", s)
+            self._scale = s
+        elif records:
+            self._adjust(any(r.skipped for r in records))
+
+    def _adjust(self, skipped: bool) -> None:
+        """Change the scale after a step (a fixed scale does not change)."""
+
+    def _check_scale(self, name: str, s: float) -> None:
+        check_positive(name, s)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -109,10 +203,13 @@ class LossScaler:
             "history": [(r.scale, r.skipped) for r in self.history],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`: all or nothing (every entry is validated first;
         ``ValueError``/``TypeError`` naming the entry leave the scaler unchanged)."""
-        self._apply(self._check_state(state))
+        self._apply(self._check_state(state_dict))
+        self._stage.clear()
+        self._found.clear()
+        self._mark = len(self.history)
 
     def _check_state(self, state: Any) -> dict[str, Any]:
         """The validated entries of ``state``, ready to assign (nothing assigned here)."""
@@ -125,8 +222,8 @@ class LossScaler:
         for key in ("scale", "history"):
             if key not in state:
                 raise ValueError(f"state: no {key!r} entry")
-        scale = _number("state['scale']", state["scale"])
-        _check_positive("state['scale']", scale)
+        scale = number("state['scale']", state["scale"])
+        check_positive("state['scale']", scale)
         hist = state["history"]
         if not isinstance(hist, (list, tuple)):
             raise TypeError(f"state['history'] must be a list, got {type(hist).__name__}")
@@ -134,8 +231,8 @@ class LossScaler:
         for i, rec in enumerate(hist):
             if not (isinstance(rec, (list, tuple)) and len(rec) == 2):
                 raise ValueError(f"state['history'][{i}] must be a (scale, skipped) pair")
-            rec_scale = _number(f"state['history'][{i}]", rec[0])
-            _check_positive(f"state['history'][{i}]", rec_scale)
+            rec_scale = number(f"state['history'][{i}]", rec[0])
+            check_positive(f"state['history'][{i}]", rec_scale)
             history.append(StepRecord(rec_scale, bool(rec[1])))
         return {"_scale": scale, "history": history}
 
@@ -145,17 +242,25 @@ class LossScaler:
 
 
 class NoLossScaler(LossScaler):
-    """No loss scaling and no skipping: the update is applied whatever the gradients hold."""
+    """No loss scaling and no skipping: ``torch.amp.GradScaler(enabled=False)``.
+    ``unscale_`` does nothing and ``step`` always applies the update."""
 
     def __init__(self) -> None:
         super().__init__(1.0)
 
-    def step(self, optimizer: Any) -> bool:
-        if isinstance(optimizer, MasterWeights):
-            optimizer.copy_grads()
+    def is_enabled(self) -> bool:
+        return False
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Nothing to undo (the scale is 1)."""
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> bool:
         self.history.append(StepRecord(1.0, False))
-        optimizer.step()
+        optimizer.step(*args, **kwargs)
         return True
+
+    def skip(self, optimizer: Any) -> None:
+        self.history.append(StepRecord(1.0, True))
 
 
 class StaticLossScaler(LossScaler):
@@ -168,12 +273,16 @@ class StaticLossScaler(LossScaler):
     """
 
 
+_GRADSCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval"}
+
+
 class DynamicLossScaler(LossScaler):
     """Loss scale that backs off on overflow and grows after a run of good steps.
 
     After a step with Inf/NaN gradients (skipped), ``S ← max(S · backoff_factor, min_scale)``;
     after ``growth_interval`` consecutive good steps, ``S ← min(S · growth_factor, max_scale)``.
     Defaults follow ``torch.amp.GradScaler`` (``2^16``, ×2, ×0.5, 2000), with bounds.
+    ``load_state_dict`` also takes a ``torch.amp.GradScaler`` state dict.
     """
 
     def __init__(
@@ -184,8 +293,9 @@ class DynamicLossScaler(LossScaler):
         growth_interval: int = 2000,
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
+        process_group: Any = None,
     ) -> None:
-        cfg = _check_config(
+        cfg = check_config(
             {
                 "init_scale": init_scale,
                 "growth_factor": growth_factor,
@@ -196,7 +306,7 @@ class DynamicLossScaler(LossScaler):
             },
             "",
         )
-        super().__init__(init_scale)
+        super().__init__(init_scale, process_group)
         self.growth_factor = cfg["growth_factor"]
         self.backoff_factor = cfg["backoff_factor"]
         self.growth_interval = cfg["growth_interval"]
@@ -214,11 +324,8 @@ class DynamicLossScaler(LossScaler):
             "max_scale": self.max_scale,
         }
 
-    def update(self) -> None:
-        super().update()
-        if not self.history:
-            return
-        if self.history[-1].skipped:
+    def _adjust(self, skipped: bool) -> None:
+        if skipped:
             self._scale = max(self._scale * self.backoff_factor, self.min_scale)
             self._good_steps = 0
         else:
@@ -226,6 +333,14 @@ class DynamicLossScaler(LossScaler):
             if self._good_steps >= self.growth_interval:
                 self._scale = min(self._scale * self.growth_factor, self.max_scale)
                 self._good_steps = 0
+
+    def _check_scale(self, name: str, s: float) -> None:
+        check_positive(name, s)
+        if not self.min_scale <= s <= self.max_scale:
+            raise ValueError(
+                f"{name} must lie in [min_scale, max_scale] = [{self.min_scale}, "
+                f"{self.max_scale}], got {s}"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Scale, history, the count of good steps since the last change, and the
@@ -236,7 +351,20 @@ class DynamicLossScaler(LossScaler):
         """As the base class, plus ``good_steps`` (an int in ``[0, growth_interval)``) and
         the saved ``config`` (validated as the constructor does; states saved before it
         was recorded keep this scaler's configuration). The scale must lie in
-        ``[min_scale, max_scale]`` of the configuration being loaded."""
+        ``[min_scale, max_scale]`` of the configuration being loaded. A
+        ``torch.amp.GradScaler`` state (``scale``, factors, interval, ``_growth_tracker``)
+        is read as one with an empty history and this scaler's bounds."""
+        if isinstance(state, dict) and "type" not in state and "_growth_tracker" in state:
+            tracker = state["_growth_tracker"]
+            if isinstance(tracker, Tensor) and tracker.numel() == 1:
+                tracker = tracker.item()
+            state = {
+                "type": type(self).__name__,
+                "scale": state.get("scale"),
+                "history": [],
+                "good_steps": tracker,
+                "config": {k: state[k] for k in _GRADSCALER_KEYS - {"scale"} if k in state},
+            }
         checked = super()._check_state(state)
         cfg = self.config()
         if "config" in state:
@@ -246,7 +374,7 @@ class DynamicLossScaler(LossScaler):
             unknown = sorted(set(saved) - set(cfg))
             if unknown:
                 raise ValueError(f"state['config']: unknown entries {unknown}")
-            cfg = _check_config({**cfg, **saved}, "state['config']")
+            cfg = check_config({**cfg, **saved}, "state['config']")
         lo, hi = cfg["min_scale"], cfg["max_scale"]
         if not lo <= checked["_scale"] <= hi:
             raise ValueError(
@@ -262,61 +390,3 @@ class DynamicLossScaler(LossScaler):
                 f", got {good}"
             )
         return {**checked, **cfg, "_good_steps": good}
-
-
-def _number(name: str, v: Any) -> float:
-    """``v`` as a float; ``TypeError`` naming ``name`` for a non-number (bool included)."""
-    if isinstance(v, Tensor) and v.numel() == 1 and v.dtype.is_floating_point:
-        v = v.item()
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-    return float(v)
-
-
-def _check_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """Validate a dynamic scaler's configuration (every entry finite, factors and bounds
-    consistent); ``ValueError``/``TypeError`` name the entry. Returns it normalised."""
-
-    def name(k: str) -> str:
-        return f"{where}[{k!r}]" if where else k
-
-    out: dict[str, Any] = {}
-    for k in ("growth_factor", "backoff_factor", "min_scale", "max_scale", "init_scale"):
-        if k in cfg:
-            out[k] = _number(name(k), cfg[k])
-            if not math.isfinite(out[k]):
-                raise ValueError(f"{name(k)} must be finite, got {out[k]}")
-    for k in ("min_scale", "max_scale", "init_scale"):
-        if k in out:
-            _check_positive(name(k), out[k])
-    if not out["growth_factor"] > 1.0:
-        raise ValueError(
-            f"{name('growth_factor')} must be finite and > 1, got {cfg['growth_factor']}"
-        )
-    if not 0.0 < out["backoff_factor"] < 1.0:
-        raise ValueError(f"{name('backoff_factor')} must be in (0, 1), got {cfg['backoff_factor']}")
-    gi = cfg["growth_interval"]
-    if isinstance(gi, bool) or not isinstance(gi, int):
-        raise TypeError(f"{name('growth_interval')} must be an int, got {type(gi).__name__}")
-    if gi < 1:
-        raise ValueError(f"{name('growth_interval')} must be >= 1, got {gi}")
-    out["growth_interval"] = gi
-    if out["min_scale"] > out["max_scale"]:
-        raise ValueError(
-            f"{name('min_scale')} must be <= max_scale, got {out['min_scale']} > {out['max_scale']}"
-        )
-    if "init_scale" in out:
-        if not out["min_scale"] <= out["init_scale"] <= out["max_scale"]:
-            raise ValueError(
-                f"init_scale must lie in [min_scale, max_scale] = "
-                f"[{out['min_scale']}, {out['max_scale']}], got {cfg['init_scale']}"
-            )
-        del out["init_scale"]
-    return out
-
-
-def _check_positive(name: str, v: float) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {v}")

@@ -3,22 +3,62 @@
 :class:`MasterWeights` keeps FP32 copies of FP16/BF16 parameters: gradients are copied to
 FP32, the inner optimizer updates the FP32 copies, and the result is written back (rounded
 to nearest, or stochastically for BF16/FP16: unbiased, ``E[round(m)] = m``).
+
+It is a :class:`torch.optim.Optimizer`: its ``param_groups`` *are* the inner optimizer's
+groups (over the FP32 masters), so an LR scheduler or a loop that sets ``group["lr"]``
+changes the real update; ``add_param_group``, ``zero_grad``, ``state_dict`` and
+``load_state_dict`` behave as torch's.
+
+Gradient edits between ``scaler.unscale_(opt)`` and ``opt.step()`` (``clip_grad_norm_``,
+``clip_grad_value_`` or any in-place change of the model's gradients) reach the update:
+:meth:`MasterWeights.push_grads` writes the unscaled FP32 gradients into the model's
+gradients (rounded to their dtype), and ``step`` carries any change made to them onward to
+the FP32 gradients as a per-element factor ``g_after / g_before``. For a clip by ``c`` the
+FP32 gradient becomes ``c · g32`` up to one rounding of ``g_before · c`` in the model's
+dtype (relative ``2^-11`` for FP16, ``2^-8`` for BF16). An element whose low-precision
+gradient was zero (underflow) takes the tensor's least-squares factor
+``Σ g_after g_before / Σ g_before²`` (``c`` for a uniform clip), unless it was set to a
+non-zero value, which is then taken as it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lowprec.core.rounding import quantize
 
 __all__ = ["MasterWeights"]
 
 
-class MasterWeights:
+def _groups(given: list[Any]) -> list[dict[str, Any]]:
+    """``given`` (parameters or parameter groups) as a list of groups with list params."""
+    if given and all(isinstance(g, dict) for g in given):
+        groups = [dict(g) for g in given]
+        for i, g in enumerate(groups):
+            if "params" not in g:
+                raise ValueError(f"params: group {i} has no 'params' key")
+            ps = g["params"]
+            g["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
+        return groups
+    if any(isinstance(g, dict) for g in given):
+        raise TypeError("params: mix of parameter groups (dicts) and parameters")
+    return [{"params": given}]
+
+
+def _master(p: Tensor) -> nn.Parameter:
+    if not isinstance(p, Tensor):
+        raise TypeError(f"params: expected tensors, got {type(p).__name__}")
+    if not p.dtype.is_floating_point:
+        raise TypeError(f"params: expected floating-point parameters, got {p.dtype}")
+    return nn.Parameter(p.detach().to(torch.float32).clone())
+
+
+class MasterWeights(torch.optim.Optimizer):
     """FP32 master copies of low-precision parameters around an inner optimizer.
 
     ``optimizer_factory(master_params)`` builds the inner optimizer on the FP32 copies.
@@ -28,11 +68,17 @@ class MasterWeights:
     and writes the FP32 result back into the model's parameters: rounded to nearest, or
     with ``stochastic_rounding=True`` stochastically (unbiased; for BF16/FP16 parameters).
 
+    ``param_groups`` and ``state`` are the inner optimizer's (over the masters), ``defaults``
+    its defaults. ``add_param_group`` takes model parameters and gives them FP32 masters.
+
     Example:
         >>> model = nn.Linear(4, 2).bfloat16()
         >>> opt = MasterWeights(model.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1))
-        >>> opt.master_params[0].dtype
-        torch.float32
+        >>> opt.master_params[0].dtype, isinstance(opt, torch.optim.Optimizer)
+        (torch.float32, True)
+        >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+        >>> opt.optimizer.param_groups[0]["lr"]  # the scheduler set the inner optimizer's lr
+        0.05
     """
 
     def __init__(
@@ -42,38 +88,82 @@ class MasterWeights:
         stochastic_rounding: bool = False,
         generator: torch.Generator | None = None,
     ) -> None:
-        given: list[Any] = list(params)
-        groups: list[dict[str, Any]] | None = None
-        if given and all(isinstance(g, dict) for g in given):
-            groups = [dict(g) for g in given]
-            for i, g in enumerate(groups):
-                if "params" not in g:
-                    raise ValueError(f"params: group {i} has no 'params' key")
-                g["params"] = list(g["params"])
-            self.model_params = [p for g in groups for p in g["params"]]
-        elif any(isinstance(g, dict) for g in given):
-            raise TypeError("params: mix of parameter groups (dicts) and parameters")
-        else:
-            self.model_params = given  # type: ignore[assignment]
+        if isinstance(params, Tensor):
+            raise TypeError("params: expected an iterable of parameters or groups, got a Tensor")
+        groups = _groups(list(params))
+        self.model_params: list[Tensor] = [p for g in groups for p in g["params"]]
         if not self.model_params:
             raise ValueError("params: no parameters given")
-        self.master_params = [
-            nn.Parameter(p.detach().to(torch.float32).clone()) for p in self.model_params
-        ]
-        if groups is None:
-            self.optimizer = optimizer_factory(self.master_params)
+        if len({id(p) for p in self.model_params}) != len(self.model_params):
+            raise ValueError("params: a parameter appears more than once")
+        self.master_params: list[nn.Parameter] = [_master(p) for p in self.model_params]
+        it = iter(self.master_params)
+        master_groups = [{**g, "params": [next(it) for _ in g["params"]]} for g in groups]
+        if len(groups) == 1 and set(groups[0]) == {"params"}:
+            self.optimizer = optimizer_factory(master_groups[0]["params"])
         else:
-            it = iter(self.master_params)
-            master_groups = [{**g, "params": [next(it) for _ in g["params"]]} for g in groups]
             self.optimizer = optimizer_factory(master_groups)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer_factory must return a torch.optim.Optimizer, got "
+                f"{type(self.optimizer).__name__}"
+            )
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator
         self._grads_copied = False
+        self._pushed: list[tuple[Tensor | None, int]] | None = None
+        # torch.optim.Optimizer's bookkeeping, without its own param_groups/state (the
+        # inner optimizer's are used): hooks, the profiled step.
+        self.defaults = self.optimizer.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
 
-    @property
+    # -- the inner optimizer's groups and state, as this optimizer's ----------------------
+    @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property  # type: ignore[override]
+    def state(self) -> defaultdict[Tensor, Any]:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: defaultdict[Tensor, Any]) -> None:
+        self.optimizer.state = state
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of *model* parameters: each gets an FP32 master, and the inner
+        optimizer gets the group over the masters (with the group's other options)."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        (group,) = _groups([param_group])
+        known = {id(p) for p in self.model_params}
+        if any(id(p) in known for p in group["params"]):
+            raise ValueError("param_group: some parameters appear in more than one group")
+        masters = [_master(p) for p in group["params"]]
+        self.optimizer.add_param_group({**group, "params": masters})
+        self.model_params.extend(group["params"])
+        self.master_params.extend(masters)
+        if self._grads_copied:  # mid-step: the new masters get this step's gradients too
+            for p, m in zip(group["params"], masters, strict=True):
+                m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
+            if self._pushed is not None:
+                self._pushed.extend((p.grad, _version(p.grad)) for p in group["params"])
+
+    # -- gradients -------------------------------------------------------------------------
     def copy_grads(self) -> None:
         """Copy the model's gradients into the FP32 masters (once per step)."""
         if self._grads_copied:
@@ -81,11 +171,63 @@ class MasterWeights:
         for p, m in zip(self.model_params, self.master_params, strict=True):
             m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
         self._grads_copied = True
+        self._pushed = None
 
     @torch.no_grad()
-    def step(self) -> None:
+    def push_grads(self) -> None:
+        """Write the masters' FP32 gradients into the model's gradients (rounded to their
+        dtype), so that the model shows this step's (unscaled) gradients and edits of them
+        before :meth:`step` reach the update (the module docstring says how)."""
         self.copy_grads()
-        self.optimizer.step()
+        for p, m in zip(self.model_params, self.master_params, strict=True):
+            if p.grad is not None and m.grad is not None:
+                p.grad.copy_(m.grad)
+        self._pushed = [(p.grad, _version(p.grad)) for p in self.model_params]
+
+    @torch.no_grad()
+    def _pull_edits(self) -> None:
+        """Carry edits of the model's gradients made since :meth:`push_grads` to the FP32
+        gradients (per-element factor; see the module docstring)."""
+        if self._pushed is None:
+            return
+        for p, m, (g0, v0) in zip(self.model_params, self.master_params, self._pushed, strict=True):
+            g = p.grad
+            if g is g0 and (g is None or _version(g) == v0):
+                continue
+            if g is None:
+                m.grad = None
+                continue
+            now = g.detach().to(torch.float32)
+            if m.grad is None:
+                m.grad = now.clone()
+                continue
+            before = m.grad.to(p.dtype).to(torch.float32)  # what push_grads wrote
+            nz = before != 0
+            den = (before * before).sum()
+            lsq = torch.where(den > 0, (now * before).sum() / den.clamp_min(1e-38), 1.0)
+            factor = torch.where(nz, now / torch.where(nz, before, 1.0), lsq)
+            m.grad = torch.where(nz | (now == 0), m.grad * factor, now)
+        self._pushed = None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Copy the gradients to FP32 (with any edits of the model's gradients since
+        :meth:`push_grads`), step the inner optimizer, write the masters back. A
+        ``closure`` (re-evaluating the model's loss) has its gradients copied each call."""
+        if closure is None:
+            self.copy_grads()
+            self._pull_edits()
+            loss = self.optimizer.step()
+        else:
+
+            def inner() -> Any:
+                with torch.enable_grad():
+                    out = closure()
+                self._grads_copied = False
+                self.copy_grads()
+                return out
+
+            loss = self.optimizer.step(inner)
         for p, m in zip(self.model_params, self.master_params, strict=True):
             if self.stochastic_rounding and p.dtype in (torch.bfloat16, torch.float16):
                 fmt = "bf16" if p.dtype == torch.bfloat16 else "fp16"
@@ -93,6 +235,8 @@ class MasterWeights:
             else:
                 p.copy_(m)
         self._grads_copied = False
+        self._pushed = None
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.model_params:
@@ -102,50 +246,66 @@ class MasterWeights:
                 p.grad.zero_()
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._grads_copied = False
+        self._pushed = None
 
+    # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict (``"optimizer"``), the FP32 masters
+        (``"master"``), the model's low-precision parameters (``"params"``: with stochastic
+        rounding they are not the masters rounded to nearest) and the generator's state."""
         out: dict[str, Any] = {
             "optimizer": self.optimizer.state_dict(),
             "master": [m.detach().clone() for m in self.master_params],
+            "params": [p.detach().clone() for p in self.model_params],
         }
         if self.generator is not None:
             out["generator"] = self.generator.get_state()
         return out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`: the FP32 masters, the inner optimizer's state, and
-        the masters written back into the model's parameters (rounded to nearest into
-        their dtype), so model and masters agree as after a ``step``. All or nothing:
-        every master is checked (count, shape, floating dtype) before anything is
-        assigned, and the inner optimizer's state is loaded first (a ``ValueError``
-        there leaves masters and model unchanged)."""
+        the model's parameters (the saved ones, or, in a state without them, the masters
+        rounded to nearest into their dtype), so that training resumes bit-exactly. All or
+        nothing: every tensor is checked (count, shape, floating dtype) before anything is
+        assigned, and the inner optimizer's state is loaded first (a ``ValueError`` there
+        leaves masters and model unchanged)."""
+        state = state_dict
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
         for key in ("master", "optimizer"):
             if key not in state:
                 raise ValueError(f"state: no {key!r} entry")
-        masters = state["master"]
-        if not isinstance(masters, (list, tuple)):
-            raise TypeError(
-                f"state['master'] must be a list of tensors, got {type(masters).__name__}"
-            )
-        if len(masters) != len(self.master_params):
-            raise ValueError(
-                f"state: {len(masters)} master tensors for {len(self.master_params)} params"
-            )
-        for i, (m, s) in enumerate(zip(self.master_params, masters, strict=True)):
-            if not isinstance(s, torch.Tensor) or not s.dtype.is_floating_point:
-                raise TypeError(f"state['master'][{i}] must be a floating-point tensor")
-            if s.shape != m.shape:
-                raise ValueError(
-                    f"state['master'][{i}]: shape {tuple(s.shape)}, the parameter's is "
-                    f"{tuple(m.shape)}"
-                )
+        masters = _check_tensors("master", state["master"], self.master_params)
+        params = (
+            _check_tensors("params", state["params"], self.model_params)
+            if "params" in state
+            else None
+        )
         self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
-            for p, m, s in zip(self.model_params, self.master_params, masters, strict=True):
-                m.copy_(s)
-                p.copy_(m)
+            for i, (p, m) in enumerate(zip(self.model_params, self.master_params, strict=True)):
+                m.copy_(masters[i])
+                p.copy_(m if params is None else params[i])
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
         self._grads_copied = False
+        self._pushed = None
+
+
+def _version(t: Tensor | None) -> int:
+    return -1 if t is None else int(t._version)
+
+
+def _check_tensors(key: str, saved: Any, like: Sequence[Tensor]) -> list[Tensor]:
+    if not isinstance(saved, (list, tuple)):
+        raise TypeError(f"state[{key!r}] must be a list of tensors, got {type(saved).__name__}")
+    if len(saved) != len(like):
+        raise ValueError(f"state: {len(saved)} {key} tensors for {len(like)} params")
+    for i, (m, s) in enumerate(zip(like, saved, strict=True)):
+        if not isinstance(s, Tensor) or not s.dtype.is_floating_point:
+            raise TypeError(f"state[{key!r}][{i}] must be a floating-point tensor")
+        if s.shape != m.shape:
+            raise ValueError(
+                f"state[{key!r}][{i}]: shape {tuple(s.shape)}, the parameter's is {tuple(m.shape)}"
+            )
+    return list(saved)

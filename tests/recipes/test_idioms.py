@@ -1,0 +1,204 @@
+"""Issue 15 item 5: torch's idioms on what ``prepare`` returns. The optimizer is a
+``torch.optim.Optimizer`` (LR schedulers, ``param_groups``, ``add_param_group``,
+``state_dict``); ``scaler.unscale_`` then ``clip_grad_norm_(model.parameters())`` clips
+the real update, also with FP32 master weights.
+
+Oracles: SGD updates computed by hand in float64 from the model's scaled FP16 gradients
+(``g = G_scaled / S``, exact: ``S`` is a power of two), and a second, uninterrupted run
+for the resume."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from lowprec.amp import MasterWeights, StaticLossScaler
+from lowprec.recipes import Prepared, prepare
+from lowprec.recipes.presets import get_recipe
+from lowprec.recipes.step import Plain, train_step
+
+
+def _model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(seed: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+
+
+def _backward(p: Prepared, seed: int) -> None:
+    x, y = _batch(seed)
+    dtype = next(p.model.parameters()).dtype
+    with p.compute():
+        loss = (p.model(x.to(dtype)).float() - y).square().mean()
+    p.scaler.scale(loss).backward()
+
+
+def _sgd(lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    return lambda ps: torch.optim.SGD(ps, lr=lr)
+
+
+def _masters(p: Prepared) -> list[Tensor]:
+    return [m.detach().double().clone() for m in p.optimizer.master_params]
+
+
+def test_scheduler_drives_the_real_update() -> None:
+    """LambdaLR accepts the optimizer and its lr reaches the FP32 masters' update:
+    step t moves each master by ``-lr · 0.5^t · g`` (SGD)."""
+    p = prepare(_model(), "fp16-static-ls", _sgd(0.5))
+    assert isinstance(p.optimizer, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.LambdaLR(p.optimizer, lambda t: 0.5**t)
+    scale = p.scaler.get_scale()
+    for t in range(3):
+        _backward(p, t)
+        g = [q.grad.double() / scale for q in p.model.parameters()]  # type: ignore[union-attr]
+        before = _masters(p)
+        assert p.scaler.step(p.optimizer)
+        p.scaler.update()
+        p.optimizer.zero_grad()
+        sched.step()
+        for m, m0, gi in zip(_masters(p), before, g, strict=True):
+            ref = m0 - 0.5 * 0.5**t * gi
+            # one FP32 multiply-add per element: relative 2^-23 of the larger term
+            tol = 2.0**-22 * (m0.abs() + (0.5 * gi).abs())
+            assert bool(((m - ref).abs() <= tol).all()), t
+    assert p.optimizer.param_groups[0]["lr"] == 0.5 * 0.5**3
+
+
+def test_unscale_then_clip_grad_norm_clips_the_real_update() -> None:
+    """``unscale_`` + ``clip_grad_norm_(model.parameters(), c)`` with FP16 parameters and
+    FP32 masters: the masters move by ``-lr · min(1, c / ‖g‖) · g``, ``g`` the unscaled
+    gradient, ``‖g‖`` over all parameters in float64. Tolerance 2^-8 relative: the clip
+    coefficient is computed by torch from the FP16 gradients (their rounding, the FP16
+    norms and the FP16 coefficient: ≤ 4 roundings of 2^-11 each) and the edit reaches the
+    masters through one more FP16 rounding of ``g · c``."""
+    p = prepare(_model(), "fp16-static-ls", _sgd(0.5))
+    _backward(p, 0)
+    scale = p.scaler.get_scale()
+    g = [q.grad.double() / scale for q in p.model.parameters()]  # type: ignore[union-attr]
+    norm = math.sqrt(sum(float(gi.square().sum()) for gi in g))
+    c = 0.1 * norm  # clipping shrinks the update 10×: an ignored clip fails the check
+    coef = min(1.0, c / (norm + 1e-6))
+    before = _masters(p)
+    p.scaler.unscale_(p.optimizer)
+    total = torch.nn.utils.clip_grad_norm_(p.model.parameters(), c)
+    assert abs(float(total) - norm) <= 2.0**-8 * norm, "the model's gradients are unscaled"
+    assert p.scaler.step(p.optimizer)
+    p.scaler.update()
+    num = den = 0.0
+    for m, m0, gi in zip(_masters(p), before, g, strict=True):
+        ref = -0.5 * coef * gi
+        num += float((m - m0 - ref).square().sum())
+        den += float(ref.square().sum())
+    assert math.sqrt(num / den) <= 2.0**-8
+
+
+def test_clip_grad_value_edits_reach_the_masters() -> None:
+    """An elementwise edit (clip_grad_value_) reaches the FP32 update element by element:
+    ``-lr · clamp(g, -v, v)`` within 2^-10 relative (FP16 rounding of g and of v)."""
+    p = prepare(_model(), "fp16-dynamic-ls", _sgd(1.0))
+    _backward(p, 1)
+    scale = p.scaler.get_scale()
+    g = [q.grad.double() / scale for q in p.model.parameters()]  # type: ignore[union-attr]
+    v = 0.5 * max(float(gi.abs().max()) for gi in g)
+    before = _masters(p)
+    p.scaler.unscale_(p.optimizer)
+    torch.nn.utils.clip_grad_value_(p.model.parameters(), v)
+    assert p.scaler.step(p.optimizer)
+    for m, m0, gi in zip(_masters(p), before, g, strict=True):
+        ref = -gi.clamp(-v, v)
+        assert bool(((m - m0 - ref).abs() <= 2.0**-10 * ref.abs() + 1e-7).all())
+
+
+def test_add_param_group_gives_fp32_masters() -> None:
+    """A group added after ``prepare`` (a head unfrozen later) trains with its own lr."""
+    model = _model()
+    model[2].requires_grad_(False)
+    p = prepare(model, "bf16", _sgd(0.5))
+    assert len(p.optimizer.master_params) == 2
+    model[2].requires_grad_(True)
+    p.optimizer.add_param_group({"params": list(model[2].parameters()), "lr": 0.25})
+    assert len(p.optimizer.master_params) == 4
+    assert all(m.dtype == torch.float32 for m in p.optimizer.master_params)
+    assert p.optimizer.param_groups[1]["lr"] == 0.25
+    _backward(p, 2)
+    g = model[2].weight.grad
+    assert g is not None
+    g = g.double()
+    w0 = p.optimizer.master_params[2].detach().double().clone()
+    p.scaler.step(p.optimizer)
+    p.optimizer.zero_grad()
+    assert model[2].weight.grad is None
+    w1 = p.optimizer.master_params[2].detach().double()
+    assert torch.allclose(w1, w0 - 0.25 * g, rtol=0, atol=2.0**-22 * float(w0.abs().max()))
+    assert torch.equal(model[2].weight, w1.to(torch.bfloat16))
+
+
+def _run(p: Prepared, sched: torch.optim.lr_scheduler.LRScheduler, steps: range) -> None:
+    for t in steps:
+        _backward(p, t)
+        p.scaler.unscale_(p.optimizer)
+        torch.nn.utils.clip_grad_norm_(p.model.parameters(), 1.0)
+        p.scaler.step(p.optimizer)
+        p.scaler.update()
+        p.optimizer.zero_grad()
+        sched.step()
+
+
+def _prepared(seed: int) -> tuple[Prepared, torch.optim.lr_scheduler.LRScheduler]:
+    recipe = get_recipe("bf16", stochastic_rounding=True)
+    p = prepare(
+        _model(seed),
+        recipe,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        generator=torch.Generator().manual_seed(seed),
+    )
+    return p, torch.optim.lr_scheduler.LambdaLR(p.optimizer, lambda t: 1.0 / (1 + t))
+
+
+def test_state_dict_resume_is_bit_exact() -> None:
+    """Save after 3 steps, resume into a fresh model (other weights, other generator):
+    3 more steps give the uninterrupted run's weights bit for bit (stochastic rounding,
+    AdamW state, scheduler, clipping)."""
+    ref, ref_sched = _prepared(0)
+    _run(ref, ref_sched, range(3))
+    saved = copy.deepcopy((ref.state_dict(), ref_sched.state_dict()))
+    _run(ref, ref_sched, range(3, 6))
+    p, sched = _prepared(1)
+    p.load_state_dict(saved[0])
+    sched.load_state_dict(saved[1])
+    _run(p, sched, range(3, 6))
+    for a, b in zip(p.model.parameters(), ref.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(p.optimizer.master_params, ref.optimizer.master_params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_lr_mult_groups_follow_train_step() -> None:
+    """u-μP groups (``lr_mult``) under MasterWeights: ``train_step(lr=...)`` sets each
+    inner group's lr to ``lr · lr_mult`` and the update uses it (exact: powers of two)."""
+
+    class Lin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(2, dtype=torch.float16))
+            self.b = nn.Parameter(torch.ones(2, dtype=torch.float16))
+
+        def forward(self, x: Tensor, y: Tensor) -> tuple[None, Tensor]:
+            return None, (self.a.float() * x).sum() + (self.b.float() * x).sum()
+
+    m = Lin()
+    opt = MasterWeights(
+        [{"params": [m.a], "lr_mult": 0.5}, {"params": [m.b], "lr_mult": 0.25}], _sgd(1.0)
+    )
+    r = train_step(Plain(m, opt, StaticLossScaler(8.0)), torch.ones(2), torch.zeros(2), lr=0.5)
+    assert not r.skipped
+    assert [g["lr"] for g in opt.optimizer.param_groups] == [0.25, 0.125]
+    assert torch.equal(m.a, torch.full((2,), 0.75, dtype=torch.float16))
+    assert torch.equal(m.b, torch.full((2,), 0.875, dtype=torch.float16))
