@@ -18,7 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lowprec.jobs.rundir import RunError, summary_cells
+from lowprec.jobs.model import model_names
+from lowprec.jobs.rundir import RunError, read_config, summary_cells
 from lowprec.jobs.train import ON_NONFINITE, TrainConfig, train
 from lowprec.recipes import get_recipe, recipe_names
 
@@ -103,6 +104,14 @@ def add_train(subparsers: Any) -> None:
         default=d.recipe,
         help=f"one of: {', '.join(recipe_names())} (default {d.recipe})",
     )
+    p.add_argument(
+        "--model",
+        choices=model_names(),
+        default=None,
+        help="reference (default) or an HF transformers architecture, tiny and randomly "
+        "initialised, sized by --width/--depth/--heads (needs pip install 'lowprec[hf]'; "
+        "see docs/models.md); --resume reuses the run's model",
+    )
     for name in _TRAIN_OPTIONS:
         kind: Any = _positive_float if name == "lr" else _positive_int
         if name == "seed":
@@ -155,6 +164,8 @@ def _run_train(args: argparse.Namespace) -> int:
         parser.error(f"--seed: must be >= 0, got {args.seed}")
     if args.resume and args.out is None:
         parser.error("--resume needs --out (the run directory to continue)")
+    if args.model is None:  # --resume: the run's own model
+        args.model = _run_model(args.out) if args.resume else TrainConfig().model
     names = {f.name for f in fields(TrainConfig)}
     try:
         cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
@@ -179,6 +190,12 @@ def _run_train(args: argparse.Namespace) -> int:
     table.add_row(*cells.values())
     console.print(table)
     return 0
+
+
+def _run_model(out: Path) -> str:
+    """The model name recorded in run directory ``out`` (runs before --model: reference)."""
+    model = read_config(out, "--resume").get("train", {}).get("model", TrainConfig().model)
+    return str(model)
 
 
 # ---- lowprec demo --------------------------------------------------------------------------

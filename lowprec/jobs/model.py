@@ -6,6 +6,10 @@ FP32), a 4x GELU MLP, a final LayerNorm and an untied linear head. Initialisatio
 GPT-2: ``N(0, 0.02)``, the residual projections ``N(0, 0.02 / sqrt(2·depth))``.
 
 Its data is :class:`lowprec.jobs.data.CharData` (re-exported here for older imports).
+
+:func:`build_model` builds a model by name: ``reference`` (this one) or an HF transformers
+architecture of :mod:`lowprec.jobs.hf_models` (``llama``, ``gpt2``, ...), sized by the same
+:class:`ModelConfig`; every one is called as ``model(idx, targets) -> (logits, loss)``.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from torch import Tensor, nn
 
 from lowprec.amp import cross_entropy_fp32, layer_norm_fp32, softmax_fp32
 from lowprec.jobs.data import CharData, corpus_text  # re-exported
+from lowprec.jobs.hf_models import HF_MODELS, build_hf_model
 
-__all__ = ["CharData", "CharGPT", "ModelConfig", "corpus_text"]
+__all__ = ["CharData", "CharGPT", "ModelConfig", "build_model", "corpus_text", "model_names"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +149,35 @@ class CharGPT(nn.Module):
         if targets is not None:
             loss = cross_entropy_fp32(logits, targets)
         return logits, loss
+
+
+REFERENCE = "reference"
+
+
+def model_names() -> tuple[str, ...]:
+    """The names :func:`build_model` accepts: ``reference`` first, then the HF ones."""
+    return (REFERENCE, *HF_MODELS)
+
+
+def check_model_name(name: object) -> str:
+    """``name`` if :func:`build_model` knows it; ``ValueError`` listing the names otherwise."""
+    if not isinstance(name, str) or name not in model_names():
+        raise ValueError(f"model must be one of {', '.join(model_names())}, got {name!r}")
+    return name
+
+
+def build_model(name: str, cfg: ModelConfig) -> nn.Module:
+    """Model ``name`` (:func:`model_names`) of shape ``cfg``, randomly initialised from
+    torch's global RNG: :class:`CharGPT` for ``reference``, else the HF architecture
+    wrapped in :class:`~lowprec.jobs.hf_models.CausalLM` (needs ``lowprec[hf]``).
+
+    Example:
+        >>> torch.manual_seed(0) and None
+        >>> m = build_model("reference", ModelConfig(vocab_size=10, width=32, depth=1, heads=2))
+        >>> type(m).__name__
+        'CharGPT'
+    """
+    check_model_name(name)
+    if name == REFERENCE:
+        return CharGPT(cfg)
+    return build_hf_model(name, cfg)

@@ -39,7 +39,7 @@ from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
 from lowprec.analysis.tracking import Tracker
 from lowprec.jobs.data import CharData
 from lowprec.jobs.interrupts import Interrupted, StopSignals
-from lowprec.jobs.model import CharGPT, ModelConfig
+from lowprec.jobs.model import ModelConfig, build_model, check_model_name
 from lowprec.jobs.progress import Progress
 from lowprec.jobs.rundir import (  # re-exported: the job's own names for its files
     CHECKPOINT,
@@ -114,9 +114,11 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 8
     ckpt_every: int = 100
+    model: str = "reference"  # lowprec.jobs.model.model_names(): reference, llama, gpt2, ...
 
     def __post_init__(self) -> None:
         get_recipe(self.recipe)  # unknown names list the valid ones
+        check_model_name(self.model)
         for name in (
             "steps",
             "batch_size",
@@ -165,7 +167,7 @@ def build(cfg: TrainConfig, data: CharData | None = None) -> tuple[Prepared, Cha
     """Model, optimizer, scaler and data for ``cfg``, initialised from ``cfg.seed``."""
     data = data or CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = CharGPT(cfg.model_config(data.vocab_size))
+    model = build_model(cfg.model, cfg.model_config(data.vocab_size))
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     prepared = prepare(
         model, cfg.recipe, lambda ps: torch.optim.AdamW(ps, lr=cfg.lr), generator=gen

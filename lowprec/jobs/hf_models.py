@@ -1,0 +1,139 @@
+"""HF transformers architectures for the training job: tiny configs, random init, no downloads.
+
+``lowprec train --model NAME`` trains one of these on the shipped character corpus instead of
+the reference model. Each entry maps the reference model's shape
+(:class:`~lowprec.jobs.model.ModelConfig`: vocabulary, ``width``, ``depth``, ``heads``,
+``seq_len``) to the architecture's own config, so the same options size every model:
+
+=============  ==============================================================================
+``llama``      ``LlamaForCausalLM``: pre-norm RMSNorm, SwiGLU MLP (``4·width``), rotary
+               positions, grouped-query attention (``heads // 2`` key/value heads), SDPA
+``gpt2``       ``GPT2LMHeadModel``: pre-norm LayerNorm, ``Conv1D`` linears (weight ``(in, out)``),
+               learned positions, dropout 0.1 (embeddings, attention, residual), tied head
+``qwen2``      ``Qwen2ForCausalLM``: Llama's layout with biased q/k/v projections, GQA
+``gpt_neox``   ``GPTNeoXForCausalLM``: parallel attention and MLP residual branches, partial
+               rotary positions, fused q/k/v projection
+=============  ==============================================================================
+
+transformers is the optional extra ``lowprec[hf]``; it is imported only when a model is built.
+The model is wrapped in :class:`CausalLM`, which gives it the reference model's contract
+``model(idx, targets=None) -> (logits, loss)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from lowprec.amp import cross_entropy_fp32
+
+if TYPE_CHECKING:
+    from lowprec.jobs.model import ModelConfig
+
+__all__ = ["HF_MODELS", "CausalLM", "build_hf_model", "hf_config_kwargs", "require_transformers"]
+
+
+def require_transformers() -> Any:
+    """The ``transformers`` module; ``ImportError`` naming the extra when it is missing."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as e:
+        raise ImportError(
+            "HF transformers models need the optional dependency transformers: "
+            "pip install 'lowprec[hf]'"
+        ) from e
+
+
+def _kv_heads(heads: int) -> int:
+    """Grouped-query attention: half as many key/value heads when ``heads`` is even."""
+    return heads // 2 if heads % 2 == 0 else heads
+
+
+def _llama(c: ModelConfig) -> dict[str, Any]:
+    return {
+        "hidden_size": c.width,
+        "intermediate_size": 4 * c.width,
+        "num_hidden_layers": c.depth,
+        "num_attention_heads": c.heads,
+        "num_key_value_heads": _kv_heads(c.heads),
+        "max_position_embeddings": c.seq_len,
+        "tie_word_embeddings": False,
+    }
+
+
+def _gpt2(c: ModelConfig) -> dict[str, Any]:
+    return {"n_embd": c.width, "n_layer": c.depth, "n_head": c.heads, "n_positions": c.seq_len}
+
+
+def _gpt_neox(c: ModelConfig) -> dict[str, Any]:
+    return {
+        "hidden_size": c.width,
+        "intermediate_size": 4 * c.width,
+        "num_hidden_layers": c.depth,
+        "num_attention_heads": c.heads,
+        "max_position_embeddings": c.seq_len,
+    }
+
+
+# name -> (config class, model class, config kwargs of a ModelConfig, one-line description)
+HF_MODELS: dict[str, tuple[str, str, Callable[[ModelConfig], dict[str, Any]], str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _llama, "Llama: RMSNorm, SwiGLU, RoPE, GQA"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", _gpt2, "GPT-2: Conv1D linears, dropout, tied"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _llama, "Qwen2: Llama with q/k/v biases"),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        _gpt_neox,
+        "GPT-NeoX: parallel residual branches, partial RoPE",
+    ),
+}
+
+
+def hf_config_kwargs(name: str, cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config keyword arguments of architecture ``name`` sized by ``cfg``."""
+    if name not in HF_MODELS:
+        raise ValueError(f"name must be one of {sorted(HF_MODELS)}, got {name!r}")
+    kw = HF_MODELS[name][2](cfg)
+    # No special tokens: the character vocabulary has none (HF's defaults lie outside it).
+    kw.update(vocab_size=cfg.vocab_size, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return kw
+
+
+class CausalLM(nn.Module):
+    """An HF causal LM with the reference model's contract: ``forward(idx, targets=None)``
+    returns ``(logits, loss)``, the loss the mean next-token cross-entropy in nats computed
+    in FP32 (``targets`` are already shifted, as :class:`~lowprec.jobs.data.CharData` makes
+    them). The HF model is ``self.model`` (``self.model.save_pretrained`` works as usual).
+    """
+
+    def __init__(self, model: nn.Module, seq_len: int) -> None:
+        super().__init__()
+        self.model = model
+        self.seq_len = seq_len
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        if idx.dim() != 2:
+            raise ValueError(f"idx: expected (batch, time) token ids, got shape {tuple(idx.shape)}")
+        if idx.shape[1] > self.seq_len:
+            raise ValueError(f"idx: sequence length {idx.shape[1]} exceeds seq_len {self.seq_len}")
+        out = self.model(input_ids=idx, use_cache=False)
+        logits: Tensor = out.logits if hasattr(out, "logits") else out[0]
+        loss = None if targets is None else cross_entropy_fp32(logits, targets)
+        return logits, loss
+
+
+def build_hf_model(name: str, cfg: ModelConfig, **overrides: Any) -> CausalLM:
+    """Architecture ``name`` (:data:`HF_MODELS`) sized by ``cfg``, randomly initialised
+    (from torch's global RNG, as HF initialises), wrapped in :class:`CausalLM`.
+    ``overrides`` go to the HF config (e.g. ``attn_implementation="eager"``)."""
+    tf = require_transformers()
+    config_cls, model_cls, _, _ = HF_MODELS[name] if name in HF_MODELS else (None,) * 4
+    kw = hf_config_kwargs(name, cfg)
+    kw.update(overrides)
+    config = getattr(tf, config_cls)(**kw)
+    model = getattr(tf, model_cls)(config)
+    model.train()
+    return CausalLM(model, cfg.seq_len)
