@@ -10,6 +10,7 @@ from lowprec.core.rounding import from_bits, quantize, to_bits
 from lowprec.core.scalers import DelayedScaler, DynamicScaler, StaticScaler
 from lowprec.core.scales import compute_scale
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
+from lowprec.jobs.recorder import RunRecorder
 from lowprec.recipes import Recipe, prepare
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "Format",
     "Granularity",
     "Recipe",
+    "RunRecorder",
     "ScaledTensor",
     "StaticScaler",
     "compute_scale",
