@@ -1,4 +1,4 @@
-"""Converting a model: every ``nn.Linear`` to a :class:`~lowprec.float8.Float8Linear` and back.
+"""Converting a model: every linear-like layer (``nn.Linear``, HF ``Conv1D``) to float8 and back.
 
 ``apply(model, config)`` is the float8 technique's entry point.
 """
@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from lowprec.float8.conv1d import Float8Conv1D, is_conv1d
 from lowprec.float8.linear import Float8Linear
 from lowprec.float8.recipe import Float8Recipe
 
@@ -26,13 +27,20 @@ def convert_to_float8(
     recipe: str | Float8Recipe = "tensorwise",
     module_filter: ModuleFilter | None = None,
 ) -> nn.Module:
-    """Swap every ``nn.Linear`` of ``model`` (in place) for a :class:`Float8Linear`.
+    """Swap every linear-like layer ``y = x W + b`` of ``model`` (in place) for a float8 one.
 
-    ``module_filter(module, fqn)`` returns True for the layers to convert (default: all).
-    A linear used at several places becomes one ``Float8Linear`` used at all of them; its
-    hooks carry over. Subclasses of ``nn.Linear`` and parametrized linears (e.g.
-    ``weight_norm``) are left unchanged, named in a warning: their own forward would be lost.
-    Returns ``model`` (or the new module if ``model`` itself is an ``nn.Linear``).
+    ``nn.Linear`` becomes :class:`Float8Linear`; HF transformers' ``Conv1D`` (GPT-2's
+    layers, weight stored ``(in, out)``) becomes :class:`~lowprec.float8.conv1d.Float8Conv1D`,
+    which keeps that parameter's name and shape (HF checkpoints still load) and computes
+    exactly what the equivalent ``nn.Linear`` would. Parameters are shared, not copied.
+
+    ``module_filter(module, fqn)`` returns True for the layers to convert (default: all);
+    it sees the original module (an ``nn.Linear`` or a ``Conv1D``, whose sizes are ``nx``
+    and ``nf``). A layer used at several places becomes one float8 layer used at all of
+    them; its hooks carry over. What is not converted is named in one WARNING: layers the
+    filter refused, subclasses of ``nn.Linear`` and parametrized linears (e.g.
+    ``weight_norm``), whose own forward would be lost. Returns ``model`` (or the new module
+    if ``model`` itself is a linear-like layer).
 
     Example:
         >>> import torch
@@ -51,33 +59,48 @@ def convert_to_float8(
     if module_filter is not None and not callable(module_filter):
         raise TypeError("module_filter must be a callable (module, fqn) -> bool")
 
-    left: list[str] = []
+    skipped: dict[str, str] = {}  # fqn -> why
 
     def wanted(mod: nn.Module, fqn: str) -> bool:
-        if not isinstance(mod, nn.Linear) or isinstance(mod, Float8Linear):
+        conv1d = is_conv1d(mod)
+        name = fqn or "the model"
+        if isinstance(mod, Float8Linear):
+            return False
+        if not (conv1d or isinstance(mod, nn.Linear)):
+            if _looks_linear(mod):
+                skipped[name] = f"{type(mod).__name__}: not an nn.Linear or an HF Conv1D"
             return False
         if module_filter is not None and not module_filter(mod, fqn):
+            skipped[name] = f"{type(mod).__name__}: module_filter"
             return False
-        if type(mod) is not nn.Linear or parametrize.is_parametrized(mod):
-            left.append(f"{fqn or 'the model'} ({type(mod).__name__})")
-            return False  # its own forward or parametrization would be lost
-        if not mod.weight.dtype.is_floating_point:
+        if not conv1d and type(mod) is not nn.Linear:
+            skipped[name] = f"{type(mod).__name__}: nn.Linear subclass, own forward"
+            return False
+        if parametrize.is_parametrized(mod):
+            skipped[name] = f"{type(mod).__name__}: parametrized, the parametrization would be lost"
+            return False
+        w = mod.weight
+        if not isinstance(w, Tensor) or not w.dtype.is_floating_point:
             raise TypeError(
-                f"model: {fqn or 'the model'}.weight has dtype {mod.weight.dtype}; float8 "
+                f"model: {name}.weight has dtype {getattr(w, 'dtype', None)}; float8 "
                 "conversion needs floating-point weights"
             )
         return True
 
+    def make(mod: nn.Module) -> Float8Linear:
+        if isinstance(mod, nn.Linear):
+            return Float8Linear.from_linear(mod, recipe)
+        return Float8Conv1D.from_conv1d(mod, recipe)
+
     if wanted(model, ""):
-        assert isinstance(model, nn.Linear)
-        return Float8Linear.from_linear(model, recipe)
+        return make(model)
     done: dict[int, Float8Linear] = {}
-    _convert_children(model, wanted, done, recipe)
-    if left:
+    _convert_children(model, wanted, make, done)
+    if skipped:
         log.warning(
-            "convert_to_float8: left unchanged (nn.Linear subclasses or parametrized "
-            "linears, whose own forward would be lost): %s",
-            ", ".join(dict.fromkeys(left)),
+            "convert_to_float8: %d linear-like layer(s) left unconverted: %s",
+            len(skipped),
+            "; ".join(f"{k} ({v})" for k, v in skipped.items()),
         )
     return model
 
@@ -99,11 +122,19 @@ def apply(
     return convert_to_float8(model, config, module_filter)
 
 
+def _looks_linear(mod: nn.Module) -> bool:
+    """A module named like a linear layer with a 2-D weight (e.g. a quantized or
+    tensor-parallel linear of another library) that this conversion does not handle."""
+    name = type(mod).__name__
+    w = getattr(mod, "weight", None)
+    return ("Linear" in name or "Conv1D" in name) and isinstance(w, Tensor) and w.dim() == 2
+
+
 def _convert_children(
     model: nn.Module,
     wanted: Callable[[nn.Module, str], bool],
+    make: Callable[[nn.Module], Float8Linear],
     done: dict[int, Float8Linear],
-    recipe: Float8Recipe,
 ) -> None:  # a module used at several places stays one module
     for fqn, mod in list(model.named_modules(remove_duplicate=False)):
         for name, child in list(mod._modules.items()):
@@ -113,16 +144,18 @@ def _convert_children(
             if id(child) in done:
                 setattr(mod, name, done[id(child)])
             elif wanted(child, full):
-                assert isinstance(child, nn.Linear)
-                done[id(child)] = Float8Linear.from_linear(child, recipe)
+                done[id(child)] = make(child)
                 setattr(mod, name, done[id(child)])
 
 
 def convert_back(model: nn.Module) -> nn.Module:
-    """Replace every :class:`Float8Linear` by a plain ``nn.Linear`` sharing its parameters
-    (the scaling state is dropped). Returns ``model`` (or the new module)."""
+    """Replace every :class:`Float8Linear` by a plain ``nn.Linear`` and every
+    :class:`~lowprec.float8.conv1d.Float8Conv1D` by the ``Conv1D`` it came from, sharing
+    their parameters (the scaling state is dropped). Returns ``model`` (or the new module)."""
 
-    def plain(m: Float8Linear) -> nn.Linear:
+    def plain(m: Float8Linear) -> nn.Module:
+        if isinstance(m, Float8Conv1D):
+            return m.to_conv1d()
         new = nn.Linear(m.in_features, m.out_features, m.bias is not None, device="meta")
         new.weight, new.bias = m.weight, m.bias
         new.train(m.training)
@@ -130,7 +163,7 @@ def convert_back(model: nn.Module) -> nn.Module:
 
     if isinstance(model, Float8Linear):
         return plain(model)
-    done: dict[int, nn.Linear] = {}
+    done: dict[int, nn.Module] = {}
     for mod in list(model.modules(remove_duplicate=False)):
         for name, child in list(mod._modules.items()):
             if isinstance(child, Float8Linear):

@@ -254,6 +254,11 @@ class Float8Linear(nn.Linear):
         _carry_hooks(mod, new)
         return new
 
+    def _gemm_weight(self) -> Tensor:
+        """The weight as the GEMMs read it, ``(out_features, in_features)``; a layer that
+        stores it transposed (:class:`~lowprec.float8.conv1d.Float8Conv1D`) returns a view."""
+        return self.weight
+
     def _state(self, role: str) -> Tensor | None:
         for suffix in ("_amax_history", "_static_amax"):
             t = getattr(self, role + suffix, None)
@@ -295,15 +300,16 @@ class Float8Linear(nn.Linear):
         r = self.recipe
         go_sc = self._scalers.get("grad_output")
         spec = _Spec(r, upd, self._calibrating, go_sc)
+        w = self._gemm_weight()
         xs = _role_scale(self._scalers.get("input"), x2d, spec, None)
-        ws = _role_scale(self._scalers.get("weight"), self.weight, spec, None)
+        ws = _role_scale(self._scalers.get("weight"), w, spec, None)
         # A frozen static grad_output scale is known now; otherwise backward computes it
         # from the state threaded through the function (an input, for torch.compile).
         gs = go_sc.scale if isinstance(go_sc, StaticScaler) and go_sc.frozen else None
         go = self._state("grad_output")
         with contextlib.nullcontext() if dev == "meta" else torch.autocast(dev, enabled=False):
             y: Tensor = _Float8MatmulFn.apply(  # type: ignore[no-untyped-call]
-                x2d, self.weight, xs, ws, gs, go, spec, out_dtype
+                x2d, w, xs, ws, gs, go, spec, out_dtype
             )
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(out_dtype)

@@ -130,8 +130,8 @@ def build_hf_model(name: str, cfg: ModelConfig, **overrides: Any) -> CausalLM:
     (from torch's global RNG, as HF initialises), wrapped in :class:`CausalLM`.
     ``overrides`` go to the HF config (e.g. ``attn_implementation="eager"``)."""
     tf = require_transformers()
-    config_cls, model_cls, _, _ = HF_MODELS[name] if name in HF_MODELS else (None,) * 4
-    kw = hf_config_kwargs(name, cfg)
+    kw = hf_config_kwargs(name, cfg)  # refuses unknown names
+    config_cls, model_cls, _, _ = HF_MODELS[name]
     kw.update(overrides)
     config = getattr(tf, config_cls)(**kw)
     model = getattr(tf, model_cls)(config)

@@ -1,0 +1,137 @@
+"""float8 on HF transformers' linear-like layers: ``Conv1D`` (GPT-2), and the one warning
+that names every linear-like layer left unconverted."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec.float8 import Float8Linear, convert_back, convert_to_float8
+from lowprec.float8.conv1d import Float8Conv1D, is_conv1d
+
+transformers = pytest.importorskip("transformers")
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+
+def _pair(nx: int, nf: int) -> tuple[nn.Module, nn.Linear]:
+    """A Conv1D and the nn.Linear computing the same ``x W + b`` (weight transposed)."""
+    torch.manual_seed(0)
+    c = Conv1D(nf, nx)
+    nn.init.normal_(c.bias)
+    lin = nn.Linear(nx, nf)
+    with torch.no_grad():
+        lin.weight.copy_(c.weight.t())
+        lin.bias.copy_(c.bias)
+    return c, lin
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "mxfp8"])
+def test_conv1d_equals_the_equivalent_linear(recipe: str) -> None:
+    """Bit-identical forward, dx, dW (transposed) and db: the GEMMs read the same operands
+    (the (out, in) view of the stored weight), so no tolerance is needed."""
+    c, lin = _pair(64, 48)
+    fc = convert_to_float8(c, recipe)
+    fl = convert_to_float8(lin, recipe)
+    assert isinstance(fc, Float8Conv1D) and fc.weight is c.weight
+    assert fc.weight.shape == (64, 48)
+    for step in range(2):  # the second step uses the delayed histories of the first
+        x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(step))
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = fc(xa), fl(xb)
+        assert torch.equal(ya, yb)
+        g = torch.randn_like(ya)
+        ya.backward(g)
+        yb.backward(g)
+        assert xa.grad is not None and xb.grad is not None
+        assert torch.equal(xa.grad, xb.grad)
+    assert fc.weight.grad is not None and fl.weight.grad is not None
+    assert torch.equal(fc.weight.grad, fl.weight.grad.t())
+    assert fc.bias is not None and fc.bias.grad is not None and fl.bias.grad is not None
+    assert torch.equal(fc.bias.grad, fl.bias.grad)
+    for k, v in fl.state_dict().items():
+        if "amax" in k:
+            assert torch.equal(fc.state_dict()[k], v), k
+
+
+def _gpt2(n_layer: int = 2) -> nn.Module:
+    cfg = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=32,
+        n_embd=32,
+        n_layer=n_layer,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_gpt2_every_conv1d_converted_checkpoint_keys_unchanged() -> None:
+    """GPT-2: 4 Conv1D per block (c_attn, c_proj, mlp.c_fc, mlp.c_proj) plus lm_head; the
+    state_dict keeps its keys and shapes, so the original checkpoint loads strictly."""
+    model = _gpt2().eval()  # no dropout: the outputs are compared
+    ref = copy.deepcopy(model)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    convert_to_float8(model, "delayed")
+    assert sum(isinstance(m, Float8Conv1D) for m in model.modules()) == 4 * 2
+    assert sum(type(m) is Float8Linear for m in model.modules()) == 1  # lm_head
+    got = {k: v.shape for k, v in model.state_dict().items() if "amax" not in k}
+    assert got == shapes
+    model.load_state_dict(ref.state_dict(), strict=True)  # a plain HF checkpoint loads
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = model(idx, labels=idx).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    # E4M3 operands in every GEMM: the loss of a random-init model moves by well under 1%
+    ref_loss = ref(idx, labels=idx).loss
+    assert abs(float(loss.detach()) / float(ref_loss) - 1) < 0.01
+    back = convert_back(model)
+    assert sum(type(m) is Conv1D for m in back.modules()) == 4 * 2
+    assert not any(isinstance(m, Float8Linear) for m in back.modules())
+    torch.testing.assert_close(back(idx).logits, ref(idx).logits, rtol=0, atol=0)
+
+
+def test_is_conv1d_duck_typing() -> None:
+    assert is_conv1d(Conv1D(8, 4))
+
+    class Conv1D_(nn.Module):  # another name: not recognised
+        pass
+
+    odd = Conv1D(8, 4)
+    odd.nf = 5  # inconsistent layout: not treated as a Conv1D
+    assert not is_conv1d(odd) and not is_conv1d(Conv1D_()) and not is_conv1d(nn.Linear(4, 8))
+
+
+def test_one_warning_names_every_skipped_layer(caplog: pytest.LogCaptureFixture) -> None:
+    class Doubled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    class QuantLinear(nn.Module):  # another library's linear: not handled, named
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight.t()
+
+    m = nn.Sequential(nn.Linear(8, 8), Doubled(8, 8), QuantLinear(), Conv1D(8, 8), nn.Linear(8, 8))
+    with caplog.at_level(logging.WARNING, logger="lowprec.float8.convert"):
+        convert_to_float8(m, "tensorwise", module_filter=lambda mod, fqn: fqn != "4")
+    recs = [r for r in caplog.records if r.name == "lowprec.float8.convert"]
+    assert len(recs) == 1
+    msg = recs[0].getMessage()
+    assert "3 linear-like layer(s)" in msg
+    assert "1 (Doubled" in msg and "2 (QuantLinear" in msg and "4 (Linear: module_filter" in msg
+    assert [type(c).__name__ for c in m] == [
+        "Float8Linear",
+        "Doubled",
+        "QuantLinear",
+        "Float8Conv1D",
+        "Linear",
+    ]
