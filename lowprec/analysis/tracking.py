@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from lowprec.analysis.stats import count_values
@@ -165,6 +166,8 @@ class Tracker:
             self._grads_step = self.step if self.sampling else None
 
     def _record(self, name: str, kind: str, x: Tensor) -> None:
+        if isinstance(x, DTensor):  # an FSDP2 shard: the whole tensor (every rank records)
+            x = x.full_tensor()
         self.records.append(
             {"step": self.step, "name": name, "kind": kind, **tensor_stats(x, self.formats)}
         )

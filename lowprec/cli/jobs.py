@@ -15,9 +15,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
+from lowprec.cli import parallel as cli_parallel
+from lowprec.distributed import env
 from lowprec.jobs.model import model_names
 from lowprec.jobs.rundir import RunError, read_config, summary_cells
 from lowprec.jobs.train import ON_NONFINITE, TrainConfig, train
@@ -155,6 +158,7 @@ def add_train(subparsers: Any) -> None:
         help="stop after this many consecutive skipped steps (default 25)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cli_parallel.add_options(p)
     p.set_defaults(handler=_run_train, parser=p)
 
 
@@ -171,18 +175,28 @@ def _run_train(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     except ValueError as e:
         parser.error(str(e))
-    out = args.out or Path("runs") / f"{cfg.recipe}-{datetime.now():%Y%m%d-%H%M%S}"
+    if args.nproc_per_node is not None:  # torch's launcher runs this command N times
+        return cli_parallel.launch(args, getattr(args, "argv", None) or sys.argv[1:])
+    out = cli_parallel.setup(args)
     console = Console(width=max(Console().width, 120))
     # RunError (bad directory, too big), NonFiniteError and Interrupted: one line and the
     # exit code from lowprec.cli.main.main.
-    summary = train(
-        cfg,
-        out,
-        resume=args.resume,
-        progress=not args.no_progress,
-        on_nonfinite=args.on_nonfinite,
-        max_skips=args.max_skips,
-    )
+    try:
+        summary = train(
+            cfg,
+            out,
+            resume=args.resume,
+            progress=not args.no_progress,
+            on_nonfinite=args.on_nonfinite,
+            max_skips=args.max_skips,
+            parallel=args.parallel,
+        )
+        main = env.is_main()
+    finally:
+        if args.parallel is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if not main:
+        return 0  # rank 0 prints
     table = Table(title=f"run {out}", title_justify="left")
     cells = summary_cells(summary)
     for col in cells:

@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ``note: ...``.
     """
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for a relaunch (torchrun)
     handler: _Handler = args.handler
     prog = f"lowprec {args.command}"
     try:  # the outer handler also catches a second Ctrl-C while the first is reported

@@ -36,13 +36,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
 from lowprec.distributed.parallel import unwrap
@@ -111,7 +113,7 @@ def save(prepared: Prepared, path: str | Path, extra: dict[str, Any] | None = No
     tensors: dict[str, Any] = {}
     skeleton = _flatten(state, "", tensors)
     blob = pickle.dumps(skeleton)  # one opaque object: DCP would flatten a nested dict
-    dcp.save({"skeleton": blob, **tensors}, checkpoint_id=str(path))
+    dcp_save({"skeleton": blob, **tensors}, checkpoint_id=str(path))
 
 
 def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
@@ -120,7 +122,7 @@ def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
     another recipe or layout (FSDP2 shards vs a replicated model)."""
     path = str(path)
     box: dict[str, Any] = {"skeleton": None}
-    dcp.load(box, checkpoint_id=path)
+    dcp_load(box, checkpoint_id=path)
     skeleton = pickle.loads(box["skeleton"]) if isinstance(box["skeleton"], bytes) else None
     if not isinstance(skeleton, dict) or "recipe" not in skeleton:
         raise ValueError(f"checkpoint {path}: not a lowprec checkpoint (no skeleton)")
@@ -139,7 +141,7 @@ def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
     # what this run does not hold yet (loaded optimizer moments, extra) the saved shapes.
     template: dict[str, Any] = {}
     _flatten(live, "", template)
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
     wanted: dict[str, Any] = {}
     for key, md in meta.items():
         if key == "skeleton" or not isinstance(md, TensorStorageMetadata):
@@ -149,7 +151,7 @@ def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
             wanted[key] = own if isinstance(own, DTensor) else torch.empty_like(own)
         else:
             wanted[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load(wanted, checkpoint_id=path)
+    dcp_load(wanted, checkpoint_id=path)
     state = _rebuild(skeleton, wanted)
     if live["layout"] == "fsdp":
         set_state_dict(

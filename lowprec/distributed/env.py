@@ -109,23 +109,23 @@ def agreed_signal(received: int | None) -> int | None:
     return int(t.item()) or None
 
 
-def on_main(check: Callable[[], T], error: type[Exception] = ValueError) -> T | None:
-    """Run ``check()`` on rank 0 only; if it raises, every rank raises ``error`` with its
-    message (rank 0 re-raises the original). Returns its result on rank 0, ``None``
-    elsewhere."""
+def on_main(check: Callable[[], T], error: type[Exception] = ValueError) -> T:
+    """Run ``check()`` on rank 0 only and return its result on every rank (broadcast: it
+    must pickle); if it raises, every rank raises ``error`` with its message (rank 0
+    re-raises the original), so that no rank waits for one that gave up."""
     if world_size() == 1:
         return check()
     failure: Exception | None = None
-    result: T | None = None
+    box: list[object] = [None, None]
     if is_main():
         try:
-            result = check()
+            box[1] = check()
         except Exception as e:  # sent to the other ranks, then raised here
             failure = e
-    box: list[object] = [None if failure is None else str(failure)]
+            box[0] = str(e)
     dist.broadcast_object_list(box, src=0)
     if failure is not None:
         raise failure
     if box[0] is not None:
         raise error(str(box[0]))
-    return result
+    return box[1]  # type: ignore[return-value]

@@ -37,6 +37,10 @@ import torch
 from lowprec.amp import NoLossScaler
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
 from lowprec.analysis.tracking import Tracker
+from lowprec.distributed import env
+from lowprec.distributed.parallel import PARALLEL
+from lowprec.distributed.parallel import prepare as dist_prepare
+from lowprec.jobs import parallel as par
 from lowprec.jobs.data import CharData
 from lowprec.jobs.interrupts import Interrupted, StopSignals
 from lowprec.jobs.model import ModelConfig, build_model, check_model_name
@@ -163,16 +167,23 @@ class TrainConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def build(cfg: TrainConfig, data: CharData | None = None) -> tuple[Prepared, CharData]:
-    """Model, optimizer, scaler and data for ``cfg``, initialised from ``cfg.seed``."""
+def build(
+    cfg: TrainConfig, data: CharData | None = None, parallel: str | None = None
+) -> tuple[Prepared, CharData]:
+    """Model, optimizer, scaler and data for ``cfg``, initialised from ``cfg.seed``;
+    ``parallel`` (``"fsdp"``/``"ddp"``, under ``torchrun``): sharded by
+    :func:`lowprec.distributed.parallel.prepare`."""
     data = data or CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.model_config(data.vocab_size))
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    prepared = prepare(
-        model, cfg.recipe, lambda ps: torch.optim.AdamW(ps, lr=cfg.lr), generator=gen
-    )
-    return prepared, data
+
+    def factory(ps: list[Any]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(ps, lr=cfg.lr)
+
+    if parallel is not None:
+        return dist_prepare(model, cfg.recipe, parallel, factory, gen), data  # type: ignore[arg-type]
+    return prepare(model, cfg.recipe, factory, generator=gen), data
 
 
 @torch.no_grad()
@@ -242,32 +253,49 @@ def _nonfinite_state(prepared: Prepared) -> str | None:
     return None
 
 
-def _save_checkpoint(out: Path, prepared: Prepared, step: int) -> None:
+def _save_checkpoint(out: Path, prepared: Prepared, step: int, parallel: str | None = None) -> None:
     """Checkpoint at ``step``; refuses (:class:`NonFiniteError`) to write Inf/NaN state, so
-    the last good checkpoint is never overwritten with it."""
+    the last good checkpoint is never overwritten with it. ``parallel``: a DCP checkpoint
+    written by every rank (:mod:`lowprec.jobs.parallel`)."""
     bad = _nonfinite_state(prepared)
     if bad is not None:
         raise NonFiniteError(
             f"step {step}: {bad} holds Inf/NaN; no checkpoint written (the last one is kept)",
             step,
         )
+    if parallel is not None:
+        par.save_checkpoint(out, prepared, step, parallel)
+        return
     save_checkpoint(out, {"step": step, "run": prepared.state_dict(), "rng": _rng_state()})
 
 
-def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool) -> None:
+def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None) -> None:
     if resume:
-        old = TrainConfig.from_dict(read_config(out, "--resume")["train"])
+        saved = read_config(out, "--resume")
+        old = TrainConfig.from_dict(saved["train"])
         if {**old.to_dict(), "steps": 0} != {**cfg.to_dict(), "steps": 0}:
             raise RunError(
                 f"--resume: {out} was made with a different configuration; only --steps may change"
+            )
+        was = (saved.get("parallel") or {}).get("mode")
+        if was != parallel:
+            raise RunError(
+                f"--resume: {out} was trained with --parallel {was or '(none)'}, not "
+                f"{parallel or '(none)'}; the process count may change, the mode may not"
             )
         return
     make_new_dir(out, "pass --resume or another --out")
 
 
-def _resume(out: Path, prepared: Prepared) -> int:
+def _resume(out: Path, prepared: Prepared, parallel: str | None = None) -> int:
     """Restore the checkpoint of ``out`` (none yet: step 0) and cut the logs back to it
     (atomic rewrites); the step to continue from."""
+    if parallel is not None:
+        start = 0
+        if env.on_main(lambda: par.has_checkpoint(out), RunError):
+            start = par.load_checkpoint(out, prepared, parallel)
+        env.on_main(lambda: _cut_logs(out, start), RunError)
+        return start
     start = 0
     if (out / CHECKPOINT).exists():
         state = load_checkpoint(out)
@@ -277,6 +305,12 @@ def _resume(out: Path, prepared: Prepared) -> int:
             raise RunError(f"--resume: checkpoint {out / CHECKPOINT} does not fit ({e})") from None
         _set_rng_state(state["rng"])
         start = int(state["step"])
+    _cut_logs(out, start)
+    return start
+
+
+def _cut_logs(out: Path, start: int) -> None:
+    """Cut the logs of ``out`` back to the checkpoint's step ``start`` (atomic rewrites)."""
     truncate_jsonl(out / METRICS, start)  # metrics: "step" = steps done (1-based)
     truncate_jsonl(out / NUMERICS, start - 1)  # numerics: 0-based step index
     logged = [r["step"] for r in read_metrics(out)]
@@ -286,7 +320,6 @@ def _resume(out: Path, prepared: Prepared) -> int:
             "each (edited or lost); the run cannot continue exactly"
         )
     (out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
-    return start
 
 
 def train(
@@ -298,6 +331,7 @@ def train(
     stop_after: int | None = None,
     on_nonfinite: str = "stop",
     max_skips: int = 25,
+    parallel: str | None = None,
 ) -> dict[str, Any]:
     """Train the reference model per ``cfg``, writing the run directory ``out``.
 
@@ -312,52 +346,78 @@ def train(
     :class:`NonFiniteError` when the run stops. ``stop_after=k`` stops after step ``k``
     as an interruption would (checkpoint written, resumable), without the final summary;
     it returns ``{"stopped_at": k}``.
+
+    ``parallel`` (``"fsdp"`` or ``"ddp"``): every rank of a ``torchrun`` job calls
+    ``train`` with the same arguments (:mod:`lowprec.jobs.parallel`: ``cfg.batch_size`` is
+    the global batch, rank 0 writes the files and the progress bar, checkpoints are DCP
+    directories, all ranks stop at the same step on a signal).
     """
+    if parallel is not None and parallel not in PARALLEL:
+        raise ValueError(f"parallel must be None or one of {list(PARALLEL)}, got {parallel!r}")
+    if parallel is not None and not torch.distributed.is_initialized():
+        raise RunError(
+            "--parallel needs a process group: start with torchrun (or lowprec train "
+            "--nproc-per-node N)"
+        )
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
     if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 1:
         raise ValueError(f"max_skips must be a positive int, got {max_skips!r}")
     out = Path(out)
     data = check_size(cfg)
-    _prepare_dir(out, cfg, resume)
-    prepared, data = build(cfg, data)
-    start = _resume(out, prepared) if resume else 0
-    has_ckpt = (out / CHECKPOINT).exists()
-    if not resume:
+    if parallel is not None and cfg.batch_size % env.world_size():
+        raise RunError(
+            f"--batch-size {cfg.batch_size} is the global batch: it must be divisible by the "
+            f"number of processes ({env.world_size()})"
+        )
+    env.on_main(lambda: _prepare_dir(out, cfg, resume, parallel), RunError)
+    prepared, data = build(cfg, data, parallel)
+    start = _resume(out, prepared, parallel) if resume else 0
+    has_ckpt = env.on_main(
+        lambda: (out / (CHECKPOINT if parallel is None else par.POINTER)).exists(), RunError
+    )
+    if not resume and env.is_main():
         config = {
             "train": cfg.to_dict(),
             "recipe": prepared.recipe.to_dict(),
             "model": cfg.model_config(data.vocab_size).to_dict(),
             "torch": torch.__version__,
+            "parallel": None
+            if parallel is None
+            else {"mode": parallel, "world_size": env.world_size()},
         }
         write_atomic(out / CONFIG, json.dumps(config, indent=2))
     end = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
-    loop = _Loop(cfg, out, prepared, data, on_nonfinite, max_skips)
+    loop = _Loop(cfg, out, prepared, data, on_nonfinite, max_skips, parallel)
     loop.last_ckpt = start if has_ckpt else None
-    bar = Progress(cfg.steps, start, label or cfg.recipe, enabled=progress)
+    bar = Progress(cfg.steps, start, label or cfg.recipe, enabled=progress and env.is_main())
     step = start
+    stops = StopSignals() if parallel is None else par.WorkerStopSignals()
     try:
-        with StopSignals() as signals, bar:
-            while step < end and signals.received is None:
+        with stops as signals, bar:
+            received = env.agreed_signal(signals.received)
+            while step < end and received is None:
                 rec = loop.step(step)
                 step += 1
                 if step % cfg.ckpt_every == 0 and step < cfg.steps:
                     with signals.protect():
-                        _save_checkpoint(out, prepared, step)
+                        _save_checkpoint(out, prepared, step, parallel)
                     loop.last_ckpt = step
                 bar.update(step, rec, prepared.scaler.skipped_steps)
-            if signals.received is not None and step < end:
+                received = env.agreed_signal(signals.received)  # every rank stops here
+            if received is not None and step < end:
                 if loop.last_ckpt != step:
                     with signals.protect():
-                        _save_checkpoint(out, prepared, step)
-                raise Interrupted(step, signals.received, str(out))
+                        _save_checkpoint(out, prepared, step, parallel)
+                raise Interrupted(step, received, str(out))
     finally:
         loop.close()
-    _save_checkpoint(out, prepared, step)
+    _save_checkpoint(out, prepared, step, parallel)
     if step < cfg.steps:
         return {"stopped_at": step}
-    summary = summarize(out)
-    write_atomic(out / SUMMARY, json.dumps(summary, indent=2))
+    summary = env.on_main(lambda: summarize(out), RunError)
+    if env.is_main():
+        write_atomic(out / SUMMARY, json.dumps(summary, indent=2))
     return summary
 
 
@@ -372,8 +432,10 @@ class _Loop:
         data: CharData,
         on_nonfinite: str,
         max_skips: int,
+        parallel: str | None = None,
     ) -> None:
         self.cfg, self.out, self.prepared, self.data = cfg, out, prepared, data
+        self.parallel, self.main = parallel, env.is_main()
         self.on_nonfinite, self.max_skips = on_nonfinite, max_skips
         self.scaler_skips = not isinstance(prepared.scaler, NoLossScaler)
         self.meter = GradMeter(prepared.model)
@@ -389,10 +451,12 @@ class _Loop:
     def step(self, step: int) -> dict[str, Any]:
         """Run step ``step`` (0-based) to its end, metrics line included; the record."""
         cfg, tracker = self.cfg, self.tracker
+        # Every rank tracks (a statistic of a sharded tensor is a collective); rank 0 writes.
         tracker.step, tracker.enabled = step, step in self.tracked
-        rec = _train_step(self.prepared, self.data, step, cfg, self.meter)
+        rec = _train_step(self.prepared, self.data, step, cfg, self.meter, self.parallel)
         tracker.enabled = False
-        append_jsonl(self.out / NUMERICS, tracker.records)
+        if self.main:  # rank 0 writes the run directory
+            append_jsonl(self.out / NUMERICS, tracker.records)
         tracker.records.clear()
         done = step + 1
         rec["step"] = done
@@ -413,9 +477,11 @@ class _Loop:
             rec["stopped"] = "nonfinite"
         elif done % cfg.eval_every == 0 or done == cfg.steps:
             rec["val_loss"] = evaluate(self.prepared, self.data, cfg.eval_batches)
-        append_jsonl(self.out / METRICS, [rec])
+        if self.main:
+            append_jsonl(self.out / METRICS, [rec])
         if stop is not None:
-            write_atomic(self.out / SUMMARY, json.dumps(summarize(self.out), indent=2))
+            if self.main:
+                write_atomic(self.out / SUMMARY, json.dumps(summarize(self.out), indent=2))
             kept = (
                 "no checkpoint yet"
                 if self.last_ckpt is None
@@ -430,17 +496,27 @@ class _Loop:
 
 
 def _train_step(
-    prepared: Prepared, data: CharData, step: int, cfg: TrainConfig, meter: GradMeter
+    prepared: Prepared,
+    data: CharData,
+    step: int,
+    cfg: TrainConfig,
+    meter: GradMeter,
+    parallel: str | None = None,
 ) -> dict[str, Any]:
     x, y = data.batch("train", step)
+    if parallel is not None:
+        x, y = par.local_batch(x, y)  # this rank's share of the global batch
     meter.reset()
     t0 = time.perf_counter()
     r = train_step(prepared, x, y, cfg.lr_at(step), grad_stats=True, skip_nonfinite=True)
     dt = time.perf_counter() - t0
     stats = r.grad_stats
-    assert stats is not None
+    assert stats is not None  # global: DDP's gradients are all-reduced, FSDP2's summed
+    acts = meter.result()
+    # Per-rank values of equal shares of the batch: their mean is the global batch's.
+    loss, *shares = env.mean([float(r.loss.detach()), *acts.values()])
     return {
-        "loss": float(r.loss.detach()),
+        "loss": loss,
         "loss_scale": r.loss_scale,
         "skipped": r.skipped,
         "nonfinite": r.nonfinite,
@@ -449,5 +525,5 @@ def _train_step(
         "grad_nonfinite_share": stats["grad_nonfinite_share"],
         "step_time": dt,
         "lr": cfg.lr_at(step),
-        **meter.result(),
+        **dict(zip(acts, shares, strict=True)),
     }
