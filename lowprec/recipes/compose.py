@@ -121,7 +121,8 @@ def apply(
     (:func:`lowprec.unit.apply` with :func:`lowprec.unit.recipe_param_groups`,
     :func:`lowprec.scalify.scalify`, :func:`lowprec.float8.apply`) and cast it to
     ``dtype``; return the model (a new module for unit and scalify) and u-μP parameter
-    groups (unit) or ``None``.
+    groups (unit) or ``None``. Unit scaling re-initialises the model's weights to unit
+    variance (``reinit=True``; a pretrained model's weights are not kept).
 
     ``lr`` is the optimizer's base learning rate (u-μP's groups are relative to it); the
     float8 conversion leaves every linear whose last name component is in ``float8_skip``.
@@ -129,7 +130,8 @@ def apply(
     by: dict[str, Any] = {kind_of(c): c for c in technique}
     groups: list[Any] | None = None
     if "unit" in by:
-        model = lowprec.unit.apply(model, by["unit"])
+        # unit scaling re-initialises every weight (unit variance); prepare() documents it
+        model = lowprec.unit.apply(model, by["unit"], reinit=True)
         groups = lowprec.unit.recipe_param_groups(model, lr)
     if "scalify" in by:
         model = scalify(model, None, by["scalify"])

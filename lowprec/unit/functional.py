@@ -13,6 +13,9 @@ taken as at least 1, so no scale divides by zero.
 Activation constants are ``E[·]`` under ``X ~ N(0, 1)``, computed by Gauss–Hermite
 quadrature (:func:`gauss_moment`).
 
+Attention and dropout live in :mod:`lowprec.unit.attention`, embedding and cross-entropy in
+:mod:`lowprec.unit.lookup`; they are re-exported here.
+
 Example:
     >>> import torch
     >>> from lowprec.unit import functional as U
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lowprec.core.casts import quantize_grad, quantize_ste
+from lowprec.unit.attention import dropout, scaled_dot_product_attention
 from lowprec.unit.core import (
     apply_constraint,
     check_dim,
@@ -42,6 +46,7 @@ from lowprec.unit.core import (
     scale_fwd,
 )
 from lowprec.unit.core import unit_op as _unit_op
+from lowprec.unit.lookup import cross_entropy, embedding
 
 __all__ = [
     "add", "conv1d", "cross_entropy", "dropout", "embedding", "gauss_moment", "gelu",
@@ -326,36 +331,6 @@ def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
 
 
 @_unit_op
-def cross_entropy(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
-    """Cross-entropy of ``logits (N, V)`` (or ``(N, V, ...)``) and class ``targets``.
-
-    Forward: the TRUE loss (same value as ``F.cross_entropy``). Backward:
-    ``∂logits = (p - onehot)·c/N_red`` times ``N_red·√V/√(1 + (e-2)/V)``, where ``N_red`` is
-    the mean's divisor (1 for ``"sum"``): for unit-normal logits
-    ``E[(p - onehot)²] ≈ 1/V + (e-2)/V²`` per element, so the gradient is unit.
-    """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    check_float("logits", logits)
-    if not isinstance(targets, Tensor):
-        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
-    if targets.is_floating_point():
-        raise TypeError("targets: class-probability targets are not supported; pass class ids")
-    if targets.is_complex() or targets.dtype == torch.bool:
-        raise TypeError(f"targets must hold integer class ids, got dtype {targets.dtype}")
-    if logits.dim() == 0:
-        raise ValueError("logits: need (N, V) or (V,) logits, got a 0-dim tensor")
-    v = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
-    if v == 0:
-        raise ValueError(f"logits: need at least one class, got shape {tuple(logits.shape)}")
-    if reduction == "mean" and targets.numel() == 0:
-        raise ValueError("targets: empty; the mean over no targets is undefined (use 'sum')")
-    n = targets.numel() if reduction == "mean" else 1
-    s = n * math.sqrt(v) / math.sqrt(1.0 + (math.e - 2.0) / v)
-    return F.cross_entropy(scale_bwd(logits, s), targets, reduction=reduction)
-
-
-@_unit_op
 def layer_norm(
     x: Tensor,
     normalized_shape: Sequence[int],
@@ -389,70 +364,6 @@ def rms_norm(
     batch = max(1, x.numel() // max(1, math.prod(normalized_shape)))
     w = None if weight is None else scale_bwd(weight, batch**-0.5)
     return F.rms_norm(x, tuple(normalized_shape), w, eps)
-
-
-@_unit_op
-def embedding(idx: Tensor, weight: Tensor) -> Tensor:
-    """``y = W[idx]`` is unit for a unit-variance ``W``; backward: row ``v`` of ``∂W`` sums
-    ``count(v)`` gradients, ``E[count] = B/V`` for ``B`` lookups, so ``∂W`` is scaled by
-    ``√(V/B)``."""
-    if not isinstance(idx, Tensor):
-        raise TypeError(f"idx must be a torch.Tensor, got {type(idx).__name__}")
-    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
-        raise TypeError(f"idx: need integer indices, got {idx.dtype}")
-    check_float("weight", weight)
-    return F.embedding(idx, scale_bwd(weight, math.sqrt(weight.shape[0] / max(1, idx.numel()))))
-
-
-@_unit_op
-def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
-    """Inverted dropout multiplies kept values by ``1/(1-p)``: ``Var y = Var x/(1-p)`` and
-    likewise ``∂x``; both passes are scaled by ``√(1-p)`` (one scale: a plain multiply)."""
-    check_float("x", x)
-    if not 0.0 <= check_number("p", p) < 1.0:
-        raise ValueError(f"p must be in [0, 1), got {p!r}")
-    if not training or p == 0.0:
-        return x
-    return F.dropout(x, p, training=True) * math.sqrt(1.0 - p)
-
-
-@_unit_op
-def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-) -> Tensor:  # fmt: skip
-    """``softmax(q kᵀ·scale [+ causal mask]) v`` with the output and ``∂v`` scaled by
-    ``1/√E[Σ_j p_ij²]`` and ``∂q, ∂k`` by that over ``σ = scale·√d`` (the logits' std for
-    unit ``q, k``): with ``p_ij ≈ e^{x_ij}/(m e^{σ²/2})`` over a row of ``m`` keys,
-    ``Var y_i = Σ_j p_ij² ≈ min(1, e^{σ²}/m)`` and ``Var ∂q_i ≈ σ²·Σ_j p_ij²``; averaged over
-    rows (``m = n`` without, ``m = i+1`` with ``is_causal``). Only ``attn_mask=None`` and
-    ``dropout_p=0`` are supported.
-    """
-    if attn_mask is not None:
-        raise ValueError("attn_mask: only None is supported (use is_causal=True for causal)")
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p: only 0.0 is supported, got {dropout_p!r}")
-    if enable_gqa:
-        raise ValueError("enable_gqa: grouped-query attention is not supported")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float(name, t)
-        if t.dim() < 2:
-            raise ValueError(f"{name}: need (..., L, E) with >= 2 dims, got {tuple(t.shape)}")
-    check_same_dtype(q=q, k=k, v=v)
-    if scale is not None:
-        scale = check_number("scale", scale)
-    d, n, rows = max(1, q.shape[-1]), max(1, k.shape[-2]), max(1, q.shape[-2])
-    sigma2 = (d**-0.5 if scale is None else scale) ** 2 * d
-    # Σ_j p_ij² ≈ min(1, e^{σ²}/m), in logs: e^{σ²} overflows a float for σ² > 709.
-    if is_causal:
-        p2 = sum(math.exp(min(0.0, sigma2 - math.log(i + 1))) for i in range(rows)) / rows
-    else:
-        p2 = math.exp(min(0.0, sigma2 - math.log(n)))
-    s = p2**-0.5
-    s_qk = s / max(sigma2, 1e-12) ** 0.5
-    q, k, v = scale_bwd(q, s_qk), scale_bwd(k, s_qk), scale_bwd(v, s)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-    return scale_fwd(y, s)
 
 
 @_unit_op

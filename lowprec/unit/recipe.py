@@ -31,18 +31,22 @@ __all__ = ["UMUP_LR_PER_LR", "apply", "apply_unit", "recipe_param_groups"]
 UMUP_LR_PER_LR = 1.0 / 3e-3
 
 
-def apply(model: nn.Module, config: UnitConfig | None = None) -> nn.Module:
+def apply(
+    model: nn.Module, config: UnitConfig | None = None, *, reinit: bool = False, **kw: Any
+) -> nn.Module:
     """A unit-scaled u-μP copy of ``model`` (``model`` is not changed): the unit technique's
     one entry point.
 
     :func:`lowprec.unit.unit_scale` with ``config`` (default ``UnitConfig()``), residual τ
     by u-μP's depth rule and the readout found automatically (the last ``nn.Linear``).
-    Cast the result afterwards as usual; train it with :func:`recipe_param_groups` (or
-    :func:`lowprec.unit.umup_param_groups`).
+    Every weight is re-initialised to unit variance, so ``reinit=True`` is required (a
+    model's own weights are never discarded silently); ``kw`` goes to ``unit_scale``
+    (e.g. ``example_inputs``). Cast the result afterwards as usual; train it with
+    :func:`recipe_param_groups` (or :func:`lowprec.unit.umup_param_groups`).
 
     Example:
         >>> from lowprec.jobs.model import CharGPT, ModelConfig
-        >>> m = apply(CharGPT(ModelConfig(width=32, depth=1, heads=2)), UnitConfig())
+        >>> m = apply(CharGPT(ModelConfig(width=32, depth=1, heads=2)), UnitConfig(), reinit=True)
         >>> [t.split()[-1] for t in m.unit_report["residual_adds"]]  # umup_taus(2)
         ['(tau=0.3333)', '(tau=0.25)']
     """
@@ -50,7 +54,7 @@ def apply(model: nn.Module, config: UnitConfig | None = None) -> nn.Module:
         config = UnitConfig()
     if not isinstance(config, UnitConfig):
         raise TypeError(f"config must be a UnitConfig, got {type(config).__name__}")
-    return unit_scale(model, residual=umup_taus, config=config)
+    return unit_scale(model, reinit=reinit, residual=umup_taus, config=config, **kw)
 
 
 def recipe_param_groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
@@ -72,15 +76,15 @@ def recipe_param_groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
 
 
 def apply_unit(
-    model: nn.Module, *, float8: bool, lr: float
+    model: nn.Module, *, float8: bool, lr: float, reinit: bool = False
 ) -> tuple[nn.Module, list[dict[str, Any]]]:
-    """``(apply(model, UnitConfig(float8=float8)), recipe_param_groups(·, lr))``.
+    """``(apply(model, UnitConfig(float8=float8), reinit=reinit), recipe_param_groups(·, lr))``.
 
     Example:
         >>> from lowprec.jobs.model import CharGPT, ModelConfig
-        >>> m, groups = apply_unit(CharGPT(ModelConfig(width=32, depth=1, heads=2)), float8=False, lr=3e-3)
+        >>> m, groups = apply_unit(CharGPT(ModelConfig(width=32, depth=1, heads=2)), float8=False, lr=3e-3, reinit=True)
         >>> sorted(round(g["lr_mult"], 1) for g in groups)  # η/lr · (1/√128, 1/√32, 1)
         [29.5, 58.9, 333.3]
     """  # noqa: E501
-    unit = apply(model, UnitConfig(float8=float8))
+    unit = apply(model, UnitConfig(float8=float8), reinit=reinit)
     return unit, recipe_param_groups(unit, lr)

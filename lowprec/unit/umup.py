@@ -27,6 +27,10 @@ is the *relative* step of a tensor whose scale is 1 (all are, at unit-scaled ini
 * embedding: a unit-variance table read out as it is: μP's input-weight rule ``η``
   (constant in width), not u-μP's ``η/√fan_out`` (compared in ``docs/unit-scaling.md``).
 * readout: forward ``1/fan_in`` (μP), entries step ``η``: the logits move by up to ``η``.
+* tied input/output embedding (one parameter used by the embedding and the readout, as
+  GPT-2 and BERT): one group, under its first module's role, ``embedding``. Both roles
+  have the same rule here (``η``, decayed), so the tie changes no learning rate.
+* a weight stored ``(in, out)`` (HF's ``Conv1D``): its fan-in is ``shape[0]``.
 
 ``depth`` (optional, the number of residual layers): depth-μP's ``1/√depth`` on hidden
 weights, paired with the residual rule of :func:`umup_taus`: the embedding carries weight
@@ -69,14 +73,18 @@ def umup_taus(n: int, residual_mult: float = 1.0) -> list[float]:
     return residual_taus(n, "weighted", weight=residual_mult**2 / max(n, 1))
 
 
-def _fan_in(p: Tensor) -> int:
+def _fan_in(module: nn.Module, p: Tensor) -> int:
+    """Fan-in of a weight: ``numel / shape[0]``, or ``shape[0]`` for a weight stored
+    ``(in, out)`` (HF's ``Conv1D``, converted by :func:`lowprec.unit.unit_scale`)."""
+    if getattr(module, "_unit_weight_in_dim", None) == 0:
+        return int(p.shape[0])
     return p.numel() // p.shape[0]
 
 
 def _bias_fan_in(module: nn.Module, p: Tensor) -> int:
     """Fan-in of the layer a bias belongs to (its module's ≥2-D ``weight``), else its size."""
     w = getattr(module, "weight", None)
-    return _fan_in(w) if isinstance(w, Tensor) and w.dim() >= 2 else p.numel()
+    return _fan_in(module, w) if isinstance(w, Tensor) and w.dim() >= 2 else p.numel()
 
 
 def _readout_name(model: nn.Module) -> str | None:
@@ -98,15 +106,19 @@ def tag_params(model: nn.Module) -> dict[str, Role]:
     """  # noqa: E501
     head = _readout_name(model)
     roles: dict[str, Role] = {}
+    seen: set[int] = set()
     for mname, m in model.named_modules():
         for pname, p in m.named_parameters(recurse=False):
-            if not p.requires_grad:
-                continue
+            if not p.requires_grad or id(p) in seen:
+                continue  # a tied weight: one parameter, one role, its first module's
+            seen.add(id(p))
             full = f"{mname}.{pname}" if mname else pname
             role: Role
             if isinstance(m, nn.Embedding):
                 role = "embedding"
-            elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            elif (
+                isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or getattr(m, "_unit_role", "") == "norm"
+            ):
                 role = "norm"
             elif pname == "bias" or p.dim() < 2:
                 role = "bias"
@@ -147,14 +159,18 @@ def umup_param_groups(
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     roles = tag_params(model)
-    params = dict(model.named_parameters())
-    owner = {f"{mn}.{pn}" if mn else pn: m for mn, m in model.named_modules()
-             for pn, _ in m.named_parameters(recurse=False)}  # fmt: skip
+    owner: dict[str, nn.Module] = {}
+    for mn, m in model.named_modules():
+        for pn, _ in m.named_parameters(recurse=False):
+            owner.setdefault(f"{mn}.{pn}" if mn else pn, m)
+    params = {n: p for mn, m in model.named_modules()
+              for pn, p in m.named_parameters(recurse=False)
+              for n in [f"{mn}.{pn}" if mn else pn]}  # fmt: skip
     groups: dict[tuple[float, float], dict[str, Any]] = {}
     for name, role in roles.items():
         p = params[name]
         if role == "weight":
-            mult = _fan_in(p) ** -0.5 * (1.0 if depth is None else depth**-0.5)
+            mult = _fan_in(owner[name], p) ** -0.5 * (1.0 if depth is None else depth**-0.5)
         elif role == "bias":
             mult = _bias_fan_in(owner[name], p) ** -0.5
         elif role == "norm":

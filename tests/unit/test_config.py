@@ -43,14 +43,15 @@ def test_config_rejects_bad_values(kwargs: dict[str, object], err: type, match: 
 
 
 def test_apply_is_unit_scale_with_umup_residuals() -> None:
-    """apply(model, cfg) is exactly unit_scale(model, residual=umup_taus, config=cfg): same
-    report, same re-initialised weights (same seed) and bit-identical outputs and grads."""
+    """apply(model, cfg, reinit=True) is exactly unit_scale(model, reinit=True,
+    residual=umup_taus, config=cfg): same report, same re-initialised weights (same seed) and
+    bit-identical outputs and grads."""
     cfg = UnitConfig(float8=True, act_mult=1.5)
     m = CharGPT(CFG)
     torch.manual_seed(1)
-    a = apply(m, cfg)
+    a = apply(m, cfg, reinit=True)
     torch.manual_seed(1)
-    b = unit_scale(m, residual=umup_taus, config=cfg)
+    b = unit_scale(m, reinit=True, residual=umup_taus, config=cfg)
     assert a.unit_report == b.unit_report
     idx = torch.randint(0, 65, (4, 32), generator=torch.Generator().manual_seed(0))
     (la, lossa), (lb, lossb) = a(idx, idx), b(idx, idx)
@@ -61,15 +62,18 @@ def test_apply_is_unit_scale_with_umup_residuals() -> None:
     for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb) and pa.grad is not None and pb.grad is not None, n
         assert torch.equal(pa.grad, pb.grad), n
-    assert lowprec.unit.apply is apply and apply(nn.Linear(4, 4)).unit_report["readout"] == ""
+    assert (
+        lowprec.unit.apply is apply
+        and apply(nn.Linear(4, 4), reinit=True).unit_report["readout"] == ""
+    )
 
 
 def test_apply_unit_is_apply_plus_groups() -> None:
     m = CharGPT(CFG)
     torch.manual_seed(2)
-    u, groups = apply_unit(m, float8=False, lr=1e-3)
+    u, groups = apply_unit(m, float8=False, lr=1e-3, reinit=True)
     torch.manual_seed(2)
-    ref = apply(m, UnitConfig())
+    ref = apply(m, UnitConfig(), reinit=True)
     assert all(torch.equal(p, q) for p, q in zip(u.parameters(), ref.parameters(), strict=True))
     ref_groups = recipe_param_groups(ref, 1e-3)
     assert [(g["lr"], g["lr_mult"], len(g["params"])) for g in groups] == [
@@ -82,8 +86,8 @@ def test_apply_unit_is_apply_plus_groups() -> None:
 
 def test_apply_rejects_bad_arguments() -> None:
     with pytest.raises(TypeError, match="config must be a UnitConfig"):
-        apply(nn.Linear(4, 4), {"float8": True})  # type: ignore[arg-type]
+        apply(nn.Linear(4, 4), {"float8": True}, reinit=True)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="config must be a UnitConfig or None"):
-        unit_scale(nn.Linear(4, 4), config="fp8")  # type: ignore[arg-type]
+        unit_scale(nn.Linear(4, 4), reinit=True, config="fp8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="lr must be a finite float > 0"):
-        recipe_param_groups(apply(nn.Linear(4, 4)), 0.0)
+        recipe_param_groups(apply(nn.Linear(4, 4), reinit=True), 0.0)

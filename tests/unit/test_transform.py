@@ -27,7 +27,7 @@ def _idx(b: int = 8, t: int = 64, seed: int = 0) -> Tensor:
 def test_chargpt_loss_is_true_ce_and_structure_kept() -> None:
     torch.manual_seed(0)
     m = CharGPT(CFG)
-    u = unit_scale(m)
+    u = unit_scale(m, reinit=True)
     assert type(u) is not type(m) and isinstance(u, CharGPT)
     assert sorted(u.state_dict()) == sorted(m.state_dict())  # same names: checkpoints work
     logits, loss = u(_idx(), _idx())
@@ -42,12 +42,12 @@ def test_chargpt_loss_is_true_ce_and_structure_kept() -> None:
     assert u.blocks[0].fc.weight.std().item() == pytest.approx(1.0, rel=0.05)
     assert m.blocks[0].fc.weight.std().item() == pytest.approx(0.02, rel=0.1)
     with pytest.raises(ValueError, match=r"already unit-scaled"):
-        unit_scale(u)
+        unit_scale(u, reinit=True)
 
 
 def test_chargpt_scales_near_unit_and_trains() -> None:
     torch.manual_seed(0)
-    u = unit_scale(CharGPT(CFG))
+    u = unit_scale(CharGPT(CFG), reinit=True)
     acts: dict[str, float] = {}
     grads: dict[str, float] = {}
     for name, mod in u.named_modules():
@@ -85,7 +85,7 @@ def test_chargpt_scales_near_unit_and_trains() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_cast(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    u = unit_scale(CharGPT(CFG)).to(dtype)
+    u = unit_scale(CharGPT(CFG), reinit=True).to(dtype)
     logits, loss = u(_idx(), _idx())
     assert logits.dtype == dtype and loss is not None and loss.dtype == torch.float32
     loss.backward()
@@ -97,7 +97,7 @@ def test_plain_mlp() -> None:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.GELU(),
                       nn.Linear(1024, 10))  # fmt: skip
-    u = unit_scale(m, readout=None)
+    u = unit_scale(m, reinit=True, readout=None)
     x = torch.randn(512, 256, requires_grad=True)
     seen: list[Tensor] = []
     u[3].register_forward_hook(lambda m, a, o: seen.append(o))
@@ -107,7 +107,7 @@ def test_plain_mlp() -> None:
     y.backward(torch.randn_like(y))
     # two to_output_scale linears whose fan_out is 4x their fan_in: 0.5 each -> ~0.25
     assert x.grad is not None and 0.15 <= x.grad.std().item() <= 1.5
-    assert unit_scale(m).unit_report["readout"] == "4"
+    assert unit_scale(m, reinit=True).unit_report["readout"] == "4"
 
 
 class _SDPABlock(nn.Module):
@@ -153,7 +153,7 @@ class _Attn(_SDPABlock):
 
 def test_sdpa_model() -> None:
     torch.manual_seed(0)
-    u = unit_scale(_SDPAModel())
+    u = unit_scale(_SDPAModel(), reinit=True)
     assert len(u.unit_report["residual_adds"]) == 2
     idx = _idx(8, 128)
     seen: list[Tensor] = []
@@ -167,23 +167,23 @@ def test_sdpa_model() -> None:
 def test_unsupported_ops_reported(caplog: pytest.LogCaptureFixture) -> None:
     m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.BatchNorm1d(8), nn.Linear(8, 2))
     with caplog.at_level(logging.WARNING, logger="lowprec.unit"):
-        u = unit_scale(m)
+        u = unit_scale(m, reinit=True)
         u(torch.randn(4, 8))
     text = caplog.text
     assert "BatchNorm1d" in text and "left unchanged" in text and "tanh" in text
     with pytest.raises(NotImplementedError, match="BatchNorm1d"):
-        unit_scale(m, strict=True)
+        unit_scale(m, reinit=True, strict=True)
     with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
-        unit_scale("model")  # type: ignore[arg-type]
+        unit_scale("model", reinit=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="readout"):
-        unit_scale(m, readout="1")
+        unit_scale(m, reinit=True, readout="1")
     with pytest.raises(ValueError, match="residual adds found"):
-        unit_scale(CharGPT(CFG), residual=[0.5])
+        unit_scale(CharGPT(CFG), reinit=True, residual=[0.5])
 
 
 def test_float8_rounds_operands_and_grads() -> None:
     torch.manual_seed(0)
-    u = unit_scale(CharGPT(CFG), config=UnitConfig(float8=True, float8_readout=True))
+    u = unit_scale(CharGPT(CFG), reinit=True, config=UnitConfig(float8=True, float8_readout=True))
     seen_in: list[Tensor] = []
     seen_grad: list[Tensor] = []
 
@@ -213,7 +213,7 @@ def test_float8_rounds_operands_and_grads() -> None:
     for g in seen_grad:
         assert torch.equal(quantize(g, "e5m2", saturate=True), g)
     # and they are not already E4M3 without float8
-    u32 = unit_scale(CharGPT(CFG))
+    u32 = unit_scale(CharGPT(CFG), reinit=True)
     x = u32.tok.weight.detach()
     assert not torch.equal(quantize(x, "e4m3fn"), x)
 
@@ -222,7 +222,7 @@ def test_float8_leaves_the_readout_unrounded() -> None:
     """Default ``float8``: the readout's matmul sees unrounded operands (its output is the
     plain unit linear with the readout's 1/√fan_in); every other linear is FP8."""
     torch.manual_seed(0)
-    u = unit_scale(CharGPT(CFG), float8=True)
+    u = unit_scale(CharGPT(CFG), reinit=True, float8=True)
     seen: dict[str, tuple[Tensor, Tensor]] = {}
     for name in ("head", "blocks.0.fc"):
         u.get_submodule(name).register_forward_hook(
@@ -242,7 +242,7 @@ def test_float8_leaves_the_readout_unrounded() -> None:
 
 def test_umup_groups_and_apply_unit() -> None:
     m = CharGPT(CFG)
-    u, groups = apply_unit(m, float8=False, lr=3e-3)
+    u, groups = apply_unit(m, float8=False, lr=3e-3, reinit=True)
     roles = tag_params(u)
     assert roles["head.weight"] == "readout" and roles["tok.weight"] == "embedding"
     assert roles["blocks.0.fc.weight"] == "weight" and roles["blocks.0.ln1.bias"] == "norm"
@@ -265,7 +265,9 @@ def test_umup_groups_and_apply_unit() -> None:
 @pytest.mark.slow
 def test_compile_chargpt() -> None:
     torch.manual_seed(0)
-    u = unit_scale(CharGPT(ModelConfig(vocab_size=65, width=32, depth=1, heads=2, seq_len=16)))
+    u = unit_scale(
+        CharGPT(ModelConfig(vocab_size=65, width=32, depth=1, heads=2, seq_len=16)), reinit=True
+    )
     idx = _idx(2, 16)
     _, eager = u(idx, idx)
     c = torch.compile(u, fullgraph=True)

@@ -27,7 +27,7 @@ def _mults(model: nn.Module, eta: float = 1.0) -> dict[str, float]:
 def test_lr_rules_by_role() -> None:
     """The module table: hidden weight and its bias η/√fan_in, norm η/√width, embedding and
     readout η (exact: the rules are closed-form)."""
-    u = unit_scale(CharGPT(ModelConfig(width=64, depth=2, heads=4)))
+    u = unit_scale(CharGPT(ModelConfig(width=64, depth=2, heads=4)), reinit=True)
     m = _mults(u)
     assert m["blocks.0.fc.weight"] == pytest.approx(64**-0.5)
     assert m["blocks.0.fc.bias"] == pytest.approx(64**-0.5)
@@ -40,8 +40,8 @@ def test_lr_rules_by_role() -> None:
 def test_lr_rules_scale_with_width() -> None:
     """μP: only the fan-in factors change with width (x2 width -> hidden, bias and norm
     learning rates / √2); embedding and readout stay at η."""
-    a = _mults(unit_scale(CharGPT(ModelConfig(width=32, depth=1, heads=2))))
-    b = _mults(unit_scale(CharGPT(ModelConfig(width=64, depth=1, heads=2))))
+    a = _mults(unit_scale(CharGPT(ModelConfig(width=32, depth=1, heads=2)), reinit=True))
+    b = _mults(unit_scale(CharGPT(ModelConfig(width=64, depth=1, heads=2)), reinit=True))
     for name in ("blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias", "ln_f.weight"):
         assert a[name] / b[name] == pytest.approx(math.sqrt(2))
     assert a["tok.weight"] == b["tok.weight"] == a["head.weight"] == b["head.weight"] == 1.0

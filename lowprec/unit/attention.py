@@ -1,0 +1,114 @@
+"""Unit-scaled attention and dropout (re-exported by :mod:`lowprec.unit.functional`).
+
+``scaled_dot_product_attention`` supports what HF transformers' attention calls pass:
+causal or not, a boolean ``attn_mask``, attention dropout and grouped-query attention
+(``enable_gqa``). A float (additive) mask is refused by name: its values are not a
+pattern of allowed keys, so the softmax's spread cannot be derived from it.
+
+Example:
+    >>> import torch
+    >>> q = torch.randn(2, 4, 64, 16); kv = torch.randn(2, 2, 64, 16)
+    >>> y = scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+    >>> y.shape
+    torch.Size([2, 4, 64, 16])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lowprec.unit.core import check_float, check_number, check_same_dtype, scale_bwd, scale_fwd
+from lowprec.unit.core import unit_op as _unit_op
+
+__all__ = ["dropout", "scaled_dot_product_attention"]
+
+
+@_unit_op
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    """Inverted dropout multiplies kept values by ``1/(1-p)``: ``Var y = Var x/(1-p)`` and
+    likewise ``∂x``; both passes are scaled by ``√(1-p)`` (one scale: a plain multiply)."""
+    check_float("x", x)
+    if not 0.0 <= check_number("p", p) < 1.0:
+        raise ValueError(f"p must be in [0, 1), got {p!r}")
+    if not training or p == 0.0:
+        return x
+    return F.dropout(x, p, training=True) * math.sqrt(1.0 - p)
+
+
+def _mean_p2(sigma2: float, keys: Tensor | list[int]) -> float:
+    """Mean over rows of ``Σ_j p_ij² ≈ min(1, e^{σ²}/m_i)`` for rows of ``m_i`` keys, in logs
+    (``e^{σ²}`` overflows a float for ``σ² > 709``); a row with no key counts as 1."""
+    if isinstance(keys, list):
+        return sum(math.exp(min(0.0, sigma2 - math.log(max(m, 1)))) for m in keys) / len(keys)
+    m = keys.clamp(min=1).to(torch.float64)
+    return float(torch.exp((sigma2 - m.log()).clamp(max=0.0)).mean().item())
+
+
+@_unit_op
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+) -> Tensor:  # fmt: skip
+    """``softmax(q kᵀ·scale [+ mask]) v`` (torch's arguments) with fixed unit scales.
+
+    For unit ``q, k, v`` the logits have std ``σ = scale·√d``; over a row of ``m`` allowed
+    keys ``p_ij ≈ e^{x_ij}/(m e^{σ²/2})``, so ``Var y_i = Σ_j p_ij² ≈ min(1, e^{σ²}/m)``
+    and ``Var ∂q_i ≈ σ²·Σ_j p_ij²``. Averaged over rows (``m = n`` keys; ``m = i+1`` with
+    ``is_causal``; the count of ``True`` entries of a boolean ``attn_mask``, read once per
+    call), ``P2 = mean_i Σ_j p_ij²``:
+
+    * dropout ``p`` keeps ``p_ij/(1-p)`` with probability ``1-p``: ``P2 → P2/(1-p)``;
+    * output and ``∂v`` scaled by ``1/√P2``, ``∂q, ∂k`` by ``1/√(P2·σ²)``;
+    * ``enable_gqa`` (``H_q = G·H_kv`` query heads share a key/value head): ``∂k, ∂v`` sum
+      ``G`` heads' contributions, so they get a further ``1/√G``. The forward equals the
+      repeated-key/value formulation (``k, v`` repeated ``G`` times along the head dim).
+
+    A float ``attn_mask`` is refused (``ValueError``): its additive values are not a set
+    of allowed keys.
+    """
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise ValueError(
+            f"attn_mask: a float (additive) mask of dtype {attn_mask.dtype} is not supported "
+            "(its values are not a set of allowed keys); pass a boolean mask or is_causal=True"
+        )
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask, is_causal: give one of them, not both (as torch)")
+    p_drop = check_number("dropout_p", dropout_p)
+    if not 0.0 <= p_drop < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{name}: need (..., L, E) with >= 2 dims, got {tuple(t.shape)}")
+    check_same_dtype(q=q, k=k, v=v)
+    if scale is not None:
+        scale = check_number("scale", scale)
+    group = 1
+    if enable_gqa:
+        if q.dim() < 3 or k.dim() < 3 or k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
+            raise ValueError(
+                f"q, k: enable_gqa needs (..., H, L, E) with q's heads a multiple of k's, "
+                f"got {tuple(q.shape)}, {tuple(k.shape)}"
+            )
+        group = q.shape[-3] // k.shape[-3]
+    d, n, rows = max(1, q.shape[-1]), max(1, k.shape[-2]), max(1, q.shape[-2])
+    sigma2 = (d**-0.5 if scale is None else scale) ** 2 * d
+    if attn_mask is not None:
+        p2 = _mean_p2(sigma2, attn_mask.sum(-1))
+    elif is_causal:
+        p2 = _mean_p2(sigma2, [min(i + 1, n) for i in range(rows)])
+    else:
+        p2 = _mean_p2(sigma2, [n])
+    s = (p2 / (1.0 - p_drop)) ** -0.5
+    s_q = s / max(sigma2, 1e-12) ** 0.5
+    q = scale_bwd(q, s_q)
+    k, v = scale_bwd(k, s_q * group**-0.5), scale_bwd(v, s * group**-0.5)
+    kw = {"enable_gqa": True} if enable_gqa else {}
+    y = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=p_drop, is_causal=is_causal, scale=scale, **kw
+    )
+    return scale_fwd(y, s)

@@ -1,0 +1,228 @@
+"""Module conversion and unit-variance re-initialisation for :func:`lowprec.unit.unit_scale`.
+
+torch's own layers (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``,
+``nn.Conv1d``) call ``torch.nn.functional`` ops that the unit mode converts. Other leaf
+modules with parameters are recognised by what they compute, never by their class: a
+*probe* runs the module once on a random input, with a random ``weight`` (restored after),
+and compares the output with a candidate formula:
+
+* norm-like (1-D ``weight``, optional 1-D ``bias``): ``F.rms_norm`` or ``F.layer_norm``
+  with the module's ``eps``/``variance_epsilon``/``epsilon`` (HF's ``LlamaRMSNorm``, T5's
+  norm, ...);
+* linear-like (2-D ``weight``, optional 1-D ``bias``): ``x @ W + b`` (HF's ``Conv1D``,
+  weight ``(in, out)``) or ``x Wᵀ + b`` (a custom linear);
+* activation-like (no parameters, not a ``torch.nn`` class): ``gelu`` (exact or tanh:
+  GPT-2's ``NewGELUActivation``), ``silu``, ``relu``.
+
+A match swaps the module's class for a subclass whose ``forward`` calls that formula as
+the ``F`` op (``F.rms_norm``, ``F.linear(x, Wᵀ, b)``, ...), so the unit mode turns it into
+the unit op; parameters, names and ``state_dict`` keys are unchanged. A module that
+matches no formula (e.g. Gemma's ``(1 + w)`` gain) is left as it is and reported.
+
+Example:
+    >>> from torch import nn
+    >>> class MyRMSNorm(nn.Module):
+    ...     def __init__(self, d):
+    ...         super().__init__(); self.weight = nn.Parameter(torch.ones(d)); self.eps = 1e-6
+    ...     def forward(self, x):
+    ...         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    >>> m = nn.Sequential(nn.Linear(4, 8), MyRMSNorm(8))
+    >>> convert_modules(m)
+    (['1 (MyRMSNorm: rms_norm)'], [])
+    >>> type(m[1]).__name__
+    'UnitMyRMSNorm'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["convert_modules", "reinit"]
+
+_TORCH_TYPES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, nn.Conv1d)
+_EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+
+
+def _eps(m: nn.Module) -> float | None:
+    for a in _EPS_NAMES:
+        v = getattr(m, a, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def _rms_forward(self: nn.Module, x: Tensor) -> Tensor:
+    w = self.weight
+    return F.rms_norm(x, (w.shape[0],), w.to(x.dtype), self._unit_eps)
+
+
+def _ln_forward(self: nn.Module, x: Tensor) -> Tensor:
+    w, b = self.weight, self.bias
+    return F.layer_norm(x, (w.shape[0],), w.to(x.dtype), b.to(x.dtype), self._unit_eps or 1e-5)
+
+
+def _linear_t_forward(self: nn.Module, x: Tensor) -> Tensor:
+    return F.linear(x, self.weight.t(), self.bias)
+
+
+def _linear_forward(self: nn.Module, x: Tensor) -> Tensor:
+    return F.linear(x, self.weight, self.bias)
+
+
+_ACTS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,
+    "gelu (tanh)": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "relu": F.relu,
+}
+
+
+def _act_forward(self: nn.Module, x: Tensor) -> Tensor:
+    return _ACTS[self._unit_form](x)
+
+
+def _probe_act(m: nn.Module) -> str | None:
+    """The activation a parameter-free module computes (``_ACTS``), or ``None``."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)) * 2.0
+    try:
+        with torch.no_grad():
+            out = m(x)
+    except Exception:
+        return None
+    return next((name for name, f in _ACTS.items() if _close(out, f(x))), None)
+
+
+_FORMS: dict[str, tuple[Callable[..., Tensor], dict[str, Any]]] = {
+    "rms_norm": (_rms_forward, {"_unit_role": "norm"}),
+    "layer_norm": (_ln_forward, {"_unit_role": "norm"}),
+    "linear (x @ W + b, W (in, out))": (_linear_t_forward, {"_unit_weight_in_dim": 0}),
+    "linear (x Wᵀ + b)": (_linear_forward, {}),
+}
+
+
+def _close(a: object, b: Tensor) -> bool:
+    if not isinstance(a, Tensor) or a.shape != b.shape:
+        return False
+    tol = 1e-4 if a.dtype in (torch.float32, torch.float64) else 3e-2
+    return bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))
+
+
+def _probe(m: nn.Module) -> str | None:
+    """The name of the formula ``m`` computes (see the module doc), or ``None``."""
+    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    if not isinstance(w, Tensor) or not w.is_floating_point() or w.device.type == "meta":
+        return None
+    if b is not None and not (isinstance(b, Tensor) and b.dim() == 1):
+        return None
+    saved = [p.detach().clone() for p in (w, b) if p is not None]
+    gen = torch.Generator(device=w.device).manual_seed(0)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, device=w.device).to(w.dtype)
+
+    cands: list[tuple[str, Tensor, Callable[[Tensor], Tensor]]] = []
+    with torch.no_grad():
+        w.copy_(rand(*w.shape) + (1.0 if w.dim() == 1 else 0.0))
+        if b is not None:
+            b.copy_(rand(*b.shape))
+        eps = _eps(m)
+        if w.dim() == 1:
+            x = rand(5, w.shape[0]) * 3.0
+            if b is None:
+                cands.append(("rms_norm", x, lambda x: F.rms_norm(x, w.shape, w, eps)))
+            else:
+                ln_eps = 1e-5 if eps is None else eps
+                cands.append(("layer_norm", x, lambda x: F.layer_norm(x, w.shape, w, b, ln_eps)))
+        elif w.dim() == 2:
+            n_in, n_out = w.shape
+            if b is None or b.shape[0] == n_out:
+                cands.append(("linear (x @ W + b, W (in, out))", rand(5, n_in),
+                              lambda x: x @ w if b is None else x @ w + b))  # fmt: skip
+            if b is None or b.shape[0] == n_in:
+                cands.append(("linear (x Wᵀ + b)", rand(5, n_out), lambda x: F.linear(x, w, b)))
+        found = None
+        for name, x, ref in cands:
+            try:
+                out = m(x)
+            except Exception:
+                continue
+            if _close(out, ref(x)):
+                found = name
+                break
+        for p, s in zip([p for p in (w, b) if p is not None], saved, strict=True):
+            p.copy_(s)
+    return found
+
+
+def convert_modules(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Swap the class of each norm-like and linear-like leaf module of ``model`` (in place)
+    for one that calls the matching ``F`` op (see the module doc).
+
+    Returns ``(converted, left)``: ``"name (Class: formula)"`` for each converted module
+    and ``"name (Class): cause"`` for each leaf module with parameters that has no rule.
+    """
+    converted, left = [], []
+    for name, m in model.named_modules():
+        own = dict(m.named_parameters(recurse=False))
+        cls = type(m)
+        if isinstance(m, _TORCH_TYPES) or list(m.children()):
+            continue
+        if not own:  # an activation written out (GPT-2's tanh GELU), not torch's module
+            act = None if cls.__module__.startswith("torch.") else _probe_act(m)
+            if act is not None:
+                attrs = {"forward": _act_forward, "__module__": cls.__module__, "_unit_form": act}
+                m.__class__ = type(f"Unit{cls.__name__}", (cls,), attrs)
+                converted.append(f"{name or '<root>'} ({cls.__name__}: {act})")
+            continue
+        form = _probe(m) if set(own) <= {"weight", "bias"} else None
+        if form is None:
+            left.append(
+                f"{name or '<root>'} ({cls.__name__}): parameters {sorted(own)} of a module "
+                "whose forward matches no unit rule (rms_norm, layer_norm, linear); its "
+                "weights keep their init and its ops run with their own rules"
+            )
+            continue
+        fwd, attrs = _FORMS[form]
+        new = type(f"Unit{cls.__name__}", (cls,), {"forward": fwd, "__module__": cls.__module__,
+                                                   "_unit_form": form, **attrs})  # fmt: skip
+        m.__class__ = new
+        object.__setattr__(m, "_unit_eps", _eps(m))
+        converted.append(f"{name or '<root>'} ({cls.__name__}: {form.split(' (')[0]})")
+    return converted, left
+
+
+def reinit(model: nn.Module) -> list[str]:
+    """Unit-variance init in place: linear-like weights (torch's and converted) and
+    embeddings ``N(0, 1)`` (an embedding's ``padding_idx`` row zero, as torch's init),
+    biases 0, norm gains 1; a weight tied to an earlier module's (an output layer sharing
+    the input embedding) keeps that module's init. Returns the names of modules whose own
+    parameters it left."""
+    left: list[str] = []
+    seen: set[int] = set()  # a tied weight is initialised once, by its first module
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            form = getattr(type(m), "_unit_form", "")
+            w = getattr(m, "weight", None)
+            if isinstance(w, Tensor) and id(w) in seen:
+                continue
+            seen.update(id(p) for p in m.parameters(recurse=False))
+            if isinstance(m, (nn.Linear, nn.Embedding, nn.Conv1d)) or form.startswith("linear"):
+                nn.init.normal_(m.weight)
+                pad = getattr(m, "padding_idx", None) if isinstance(m, nn.Embedding) else None
+                if pad is not None:
+                    m.weight[pad].zero_()
+                if isinstance(getattr(m, "bias", None), Tensor):
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or form.endswith("norm"):
+                if getattr(m, "weight", None) is not None:
+                    nn.init.ones_(m.weight)
+                if isinstance(getattr(m, "bias", None), Tensor):
+                    nn.init.zeros_(m.bias)
+            elif any(True for _ in m.parameters(recurse=False)):
+                left.append(f"{name or '<root>'} ({type(m).__name__})")
+    return left

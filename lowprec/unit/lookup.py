@@ -1,0 +1,98 @@
+"""Unit-scaled embedding lookup and cross-entropy (re-exported by
+:mod:`lowprec.unit.functional`).
+
+Example:
+    >>> import torch
+    >>> w = torch.randn(10, 4, requires_grad=True)
+    >>> embedding(torch.tensor([0, 3, 0]), w, padding_idx=0).sum().backward()
+    >>> w.grad[0].abs().sum().item()   # the padding row gets no gradient, as in torch
+    0.0
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lowprec.unit.core import check_float, scale_bwd
+from lowprec.unit.core import unit_op as _unit_op
+
+__all__ = ["cross_entropy", "embedding"]
+
+
+class _DivFwd(torch.autograd.Function):
+    """Forward ``x / d`` (``d`` a tensor); backward passes ``∂L/∂y`` unscaled."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, d: Tensor) -> Tensor:
+        return x / d.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return g, None
+
+
+@_unit_op
+def cross_entropy(
+    logits: Tensor, targets: Tensor, reduction: str = "mean", ignore_index: int = -100
+) -> Tensor:
+    """Cross-entropy of ``logits (N, V)`` (or ``(N, V, ...)``) and class ``targets``;
+    targets equal to ``ignore_index`` count for nothing, as in ``F.cross_entropy``.
+
+    Forward: the TRUE loss (same value as ``F.cross_entropy``: for ``"mean"`` the sum over
+    the ``N_valid`` counted targets divided by ``N_valid``). Backward: each counted row
+    gets ``∂logits = (p - onehot)·√V/√(1 + (e-2)/V)`` times the incoming gradient (the
+    mean's ``1/N_valid`` is forward-only): for unit-normal logits
+    ``E[(p - onehot)²] ≈ 1/V + (e-2)/V²`` per element, so the gradient is unit.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_float("logits", logits)
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.is_floating_point():
+        raise TypeError("targets: class-probability targets are not supported; pass class ids")
+    if targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"targets must hold integer class ids, got dtype {targets.dtype}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if logits.dim() == 0:
+        raise ValueError("logits: need (N, V) or (V,) logits, got a 0-dim tensor")
+    v = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+    if v == 0:
+        raise ValueError(f"logits: need at least one class, got shape {tuple(logits.shape)}")
+    if reduction == "mean" and targets.numel() == 0:
+        raise ValueError("targets: empty; the mean over no targets is undefined (use 'sum')")
+    s = math.sqrt(v) / math.sqrt(1.0 + (math.e - 2.0) / v)
+    total = F.cross_entropy(
+        scale_bwd(logits, s), targets, reduction="sum", ignore_index=ignore_index
+    )
+    if reduction == "sum":
+        return total
+    counted = (targets != ignore_index).sum()
+    return cast(Tensor, _DivFwd.apply(total, counted))  # type: ignore[no-untyped-call]
+
+
+@_unit_op
+def embedding(idx: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:
+    """``y = W[idx]`` is unit for a unit-variance ``W``; backward: row ``v`` of ``∂W`` sums
+    ``count(v)`` gradients, ``E[count] = B/V`` for ``B`` lookups, so ``∂W`` is scaled by
+    ``√(V/B)``. ``padding_idx`` (as ``F.embedding``): that row's gradient stays zero."""
+    if not isinstance(idx, Tensor):
+        raise TypeError(f"idx must be a torch.Tensor, got {type(idx).__name__}")
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise TypeError(f"idx: need integer indices, got {idx.dtype}")
+    check_float("weight", weight)
+    if padding_idx is not None:
+        if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+            raise TypeError(f"padding_idx must be an int or None, got {padding_idx!r}")
+        if not -weight.shape[0] <= padding_idx < weight.shape[0]:
+            raise ValueError(
+                f"padding_idx must be within num_embeddings ({weight.shape[0]}), got {padding_idx}"
+            )
+    w = scale_bwd(weight, math.sqrt(weight.shape[0] / max(1, idx.numel())))
+    return F.embedding(idx, w, padding_idx=padding_idx)

@@ -1,0 +1,189 @@
+"""The op-converting torch function mode of :func:`lowprec.unit.unit_scale`.
+
+Inside a unit-scaled model's ``forward`` every ``torch.nn.functional`` (and ``torch``) op
+that has a unit rule runs as its :mod:`lowprec.unit.functional` version. A call the unit
+rule does not handle (e.g. ``F.scaled_dot_product_attention`` with a float mask,
+``F.cross_entropy`` with ``label_smoothing``) and an op with no rule at all run unchanged,
+with one WARNING naming the module (where known) and the precise cause; ``strict``
+raises ``NotImplementedError`` instead. Residual adds found by running the model
+(:mod:`lowprec.unit.residual_run`) are applied here too, through the model's runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from lowprec.core.warn import warn_once
+from lowprec.unit import functional as U
+from lowprec.unit.config import UnitConfig
+from lowprec.unit.core import scale_fwd
+
+__all__ = ["UNIT_OPS", "UnitMode"]
+
+log = logging.getLogger("lowprec.unit")
+
+UNIT_OPS: dict[Any, Callable[..., Any]] = {}
+for _name in dir(U):
+    _f = getattr(U, _name)
+    if callable(_f) and hasattr(_f, "__wrapped__"):
+        UNIT_OPS[_f] = _f.__wrapped__
+UNIT_OPS[scale_fwd] = scale_fwd.__wrapped__  # type: ignore[attr-defined]
+
+_MATMUL = {torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.mm,
+           Tensor.mm}  # fmt: skip
+_SOFTMAX = {torch.softmax, F.softmax, Tensor.softmax}
+_LOG_SOFTMAX = {torch.log_softmax, F.log_softmax, Tensor.log_softmax}
+_RELU = {F.relu, torch.relu, Tensor.relu}
+_NO_RULE = {
+    F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.batch_norm, F.group_norm,
+    F.instance_norm, torch.einsum, torch.baddbmm, torch.addmm, F.bilinear, torch.tanh,
+    torch.sigmoid, F.sigmoid, F.tanh, F.softplus, F.elu, F.leaky_relu, F.mish, F.hardswish,
+    F.glu, F.mse_loss, F.nll_loss, F.binary_cross_entropy, F.binary_cross_entropy_with_logits,
+    F.multi_head_attention_forward, F.normalize, torch.exp,
+}  # fmt: skip
+
+
+def _ce(cfg: UnitConfig, x: Tensor, target: Tensor, weight: Any = None, size_average: Any = None,
+        ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+        label_smoothing: float = 0.0) -> Tensor:  # fmt: skip
+    if weight is not None or size_average is not None or reduce is not None:
+        raise ValueError("class weight, size_average and reduce have no unit rule")
+    if label_smoothing != 0.0:
+        raise ValueError(f"label_smoothing={label_smoothing} has no unit rule")
+    return cast(Tensor, UNIT_OPS[U.cross_entropy](x, target, reduction, ignore_index))
+
+
+def _embedding(cfg: UnitConfig, idx: Tensor, w: Tensor, padding_idx: Any = None,
+               max_norm: Any = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+               sparse: bool = False) -> Tensor:  # fmt: skip
+    if max_norm is not None or scale_grad_by_freq or sparse:
+        raise ValueError("max_norm, scale_grad_by_freq and sparse have no unit rule")
+    return cast(Tensor, UNIT_OPS[U.embedding](idx, w, padding_idx))
+
+
+def _softmax(cfg: UnitConfig, x: Tensor, dim: int | None = None, _stacklevel: int = 3,
+             dtype: torch.dtype | None = None) -> Tensor:  # fmt: skip
+    if dim is None:
+        raise ValueError("softmax without dim has no unit rule")
+    x = x if dtype is None else x.to(dtype)
+    return cast(Tensor, UNIT_OPS[U.softmax](x, dim, mult=cfg.softmax_mult))
+
+
+def _log_softmax(cfg: UnitConfig, x: Tensor, dim: int | None = None, _stacklevel: int = 3,
+                 dtype: torch.dtype | None = None) -> Tensor:  # fmt: skip
+    if dim is None:
+        raise ValueError("log_softmax without dim has no unit rule")
+    return cast(Tensor, UNIT_OPS[U.log_softmax](x if dtype is None else x.to(dtype), dim))
+
+
+def _first(v: Any) -> Any:
+    return v[0] if isinstance(v, (tuple, list)) else v
+
+
+def _dropout(cfg: UnitConfig, *args: Any, **kw: Any) -> Tensor:
+    if kw.get("inplace", len(args) > 3 and args[3]):
+        raise ValueError("inplace=True has no unit rule")
+    return cast(Tensor, UNIT_OPS[U.dropout](*args[:3], **{k: v for k, v in kw.items()
+                                                        if k != "inplace"}))  # fmt: skip
+
+
+def _conv1d(cfg: UnitConfig, *args: Any) -> Tensor:
+    x, w, b, stride, padding, dilation, groups = list(args) + [None] * (7 - len(args))
+    return cast(Tensor, UNIT_OPS[U.conv1d](
+        x, w, b, _first(stride or 1), _first(padding or 0), _first(dilation or 1), groups or 1
+    ))  # fmt: skip
+
+
+def _rule(cfg: UnitConfig, func: Any) -> Callable[..., Any] | None:
+    """The unit version of ``func`` (called with ``func``'s arguments), or ``None``."""
+    if func in UNIT_OPS:
+        return UNIT_OPS[func]
+    if func is F.linear:
+        return lambda *a, **k: UNIT_OPS[U.linear](*a, **k, float8=cfg.float8)
+    if func in _MATMUL:
+        return lambda a, b: UNIT_OPS[U.matmul](a, b, float8=cfg.float8)
+    if func is F.gelu:
+        return lambda x, approximate="none": UNIT_OPS[U.gelu](x, approximate, mult=cfg.act_mult)
+    if func is F.silu:
+        return lambda x, inplace=False: UNIT_OPS[U.silu](x, mult=cfg.act_mult)
+    if func in _RELU:
+        return lambda x, inplace=False: UNIT_OPS[U.relu](x)
+    table: dict[Any, Callable[..., Any]] = {
+        F.embedding: _embedding, F.cross_entropy: _ce, F.dropout: _dropout, F.conv1d: _conv1d,
+    }  # fmt: skip
+    if func in table:
+        f = table[func]
+        return lambda *a, **k: f(cfg, *a, **k)
+    if func in _SOFTMAX:
+        return lambda *a, **k: _softmax(cfg, *a, **k)
+    if func in _LOG_SOFTMAX:
+        return lambda *a, **k: _log_softmax(cfg, *a, **k)
+    direct = {F.layer_norm: U.layer_norm, F.rms_norm: U.rms_norm,
+              F.scaled_dot_product_attention: U.scaled_dot_product_attention}  # fmt: skip
+    return UNIT_OPS[direct[func]] if func in direct else None
+
+
+def _name(func: Any) -> str:
+    """``F.x``, ``torch.x`` or ``Tensor.x``: how the call reads in the model's code."""
+    mod = getattr(func, "__module__", "") or ""
+    qual = str(getattr(func, "__qualname__", repr(func)))
+    if mod == "torch.nn.functional":
+        return "F." + qual
+    if "_VariableFunctions" in qual or mod == "torch":
+        return "torch." + qual.rpartition(".")[2]
+    return qual
+
+
+class UnitMode(TorchFunctionMode):
+    """Converts standard ops to unit-scaled ones (see the module doc).
+
+    ``runtime``: a :class:`lowprec.unit.residual_run.Runtime` (residual adds found by
+    running the model, module names for messages) or ``None``; ``collect``: a list that
+    receives unhandled calls as ``(key, message)`` instead of a WARNING each (the
+    transform's analysis run gathers them into its one WARNING).
+    """
+
+    def __init__(
+        self, cfg: UnitConfig, runtime: Any = None, collect: list[tuple[str, str]] | None = None
+    ) -> None:
+        super().__init__()
+        self.cfg, self.runtime, self.collect = cfg, runtime, collect
+
+    def _unhandled(self, func: Any, cause: str) -> None:
+        where = self.runtime.where() if self.runtime is not None else None
+        msg = f"{where}: {cause}" if where else cause
+        if self.cfg.strict:
+            raise NotImplementedError(f"unit_scale: {msg}")
+        key = f"unit:unhandled:{where}:{_name(func)}:{cause[:80]}"
+        if self.collect is not None:
+            self.collect.append((key, msg))
+        elif not torch.compiler.is_compiling():
+            warn_once(log, key, "unit_scale: %s; it runs unchanged (standard op)", msg)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kw = kwargs or {}
+        rt = self.runtime
+        if rt is not None and rt.frames:
+            out = rt.on_op(func, args, kw)
+            if out is not NotImplemented:
+                return out
+            args, kw = rt.substitute(args, kw)
+        rule = _rule(self.cfg, func)
+        if rule is not None:
+            try:
+                return rule(*args, **kw)
+            except (ValueError, TypeError) as e:
+                self._unhandled(func, f"{_name(func)} called with arguments its unit rule "
+                                      f"does not handle: {e}")  # fmt: skip
+        elif func in _NO_RULE:
+            self._unhandled(func, f"{_name(func)} has no unit-scaling rule")
+        return func(*args, **kw)
