@@ -91,7 +91,7 @@ def main() -> None:
             torch.manual_seed(0)
             m: torch.nn.Module = CharGPT(cfg)
             if name == "unit":
-                m = unit_scale(m)
+                m = unit_scale(m, reinit=True)
                 opt = torch.optim.AdamW(umup_param_groups(m, 1.0))
             else:
                 opt = torch.optim.AdamW(m.parameters(), lr=3e-3)

@@ -153,7 +153,7 @@ def test_tracks_a_unit_scaled_model() -> None:
     from lowprec.unit import unit_scale
 
     torch.manual_seed(0)
-    m = unit_scale(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)))
+    m = unit_scale(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)), reinit=True)
     x = torch.randn(512, 256)
     with track(m, ["e4m3fn", "e5m2"]) as t:
         m(x).backward(torch.randn(512, 256))
