@@ -257,17 +257,25 @@ def main(argv: list[str] | None = None) -> int:
                 warnings.showwarning = _show_warning
                 return handler(args)
         except Interrupted as e:
-            print(f"{prog}: {e}", file=sys.stderr)
+            if not _other_rank():
+                print(f"{prog}: {e}", file=sys.stderr)
             return exit_code(e.signum)
         except Exception as e:
             if os.environ.get("LOWPREC_TRACEBACK"):
                 raise
-            print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+            if not _other_rank():
+                print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
             usage = isinstance(e, (ValueError, TypeError)) and not isinstance(e, NonFiniteError)
             raise SystemExit(2 if usage else 1) from None
     except KeyboardInterrupt:
         print(f"{prog}: aborted; run directories keep their last checkpoint", file=sys.stderr)
         return exit_code(signal.SIGINT)
+
+
+def _other_rank() -> bool:
+    """Whether this is a worker of ``torchrun`` other than rank 0 (which reports for all:
+    every rank reaches the same error or interruption)."""
+    return os.environ.get("RANK", "0") != "0"
 
 
 def _one_line(e: BaseException) -> str:
