@@ -14,8 +14,8 @@ API:
 
 * :func:`apply` (the entry point: ``apply(model, config)`` with a :class:`ScalifyConfig` or a
   preset name), :func:`scalify` (module or function, by data format and policy),
-  :class:`Scalified` (the module wrapper: the original is ``.module``, so state_dict keys
-  gain the prefix ``"module."``), :func:`apply_scalify` (the recipes' hook: ``"fp16"`` or
+  :class:`Scalified` (the module wrapper: the original is ``.module``; state_dict keys are
+  the original's), :func:`apply_scalify` (the recipes' hook: ``"fp16"`` or
   ``"fp8"``).
 * :class:`ScalifyConfig` (data format, power-of-two rounding ``none``/``down``/``up``,
   ``max``/``unit`` add rule, automatic rescale before each cast; presets by

@@ -22,7 +22,7 @@ from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import current_config
 from lowprec.scalify.domains import out_domain, sts
 
-__all__ = ["Pair", "combine", "out", "pair", "wrap"]
+__all__ = ["Pair", "combine", "guard", "out", "pair", "wrap"]
 
 Pair = tuple[Tensor, Tensor]  # (data in working precision, scale)
 
@@ -121,6 +121,16 @@ def pair(x: Any, work: torch.dtype) -> Pair:
     return x.to(work), one(x)
 
 
+def scalar_pair(x: Any, work: torch.dtype) -> Pair:
+    """:func:`pair` with a per-tensor scale: a block scale is folded to its max,
+    ``d = d_x·s_x / max s_x``, ``s = max s_x`` (for rules whose maths mixes blocks)."""
+    d, s = pair(x, work)
+    if s.numel() == 1:
+        return d, s.reshape(())
+    m = s.amax()
+    return apply_scale(d, (s / torch.where(m > 0, m, 1.0)).to(work)), m
+
+
 def check_real_float(op: Any, *xs: Any) -> None:
     """``TypeError`` naming ``op`` if a plain tensor operand is not floating point (torch
     refuses mixed-dtype matmuls too: scaled arithmetic must not accept them silently)."""
@@ -206,6 +216,30 @@ def stat(d: Tensor, how: str) -> Tensor:
     if how == "l1":
         return a.mean()
     return a.square().mean().sqrt()
+
+
+GUARD = 4  # a guarded rule keeps the max |data| of its output within [2^-GUARD, 2^GUARD]
+
+
+def guard(d: Tensor, s: Tensor) -> Pair:
+    """``(d, s)``, or ``(d/m, s·m)`` with ``m = 2^⌊log2 M⌋`` when the largest finite
+    ``M = max |d|`` lies outside ``[2^-GUARD, 2^GUARD]`` (``M = 0``: unchanged). The value
+    ``d·s`` is the same (``m`` is a power of two: exact); sync-free (no host branch).
+
+    The static rules choose an output's scale from the inputs' scales, which keeps data
+    near 1 for linear maps of data near 1. Rules whose data are a *nonlinear* function of
+    their inputs' data, so not bounded by them, pass through this guard before the cast to
+    the storage format: products ``d_a·d_b`` and matmuls (data below 1 shrink
+    multiplicatively, towards FP16's subnormals), quotients and powers ``d^p`` (an
+    rsqrt's data is ~2^7 when its input's is ~2^-14, and the cube in its backward, ~2^21,
+    overflows FP16 at the scale ``s^p``)."""
+    a = d.detach().abs()
+    if not a.numel():
+        return d, s
+    a = torch.where(torch.isfinite(a), a, 0.0).amax().float()
+    off = (a > 2.0**GUARD) | ((a > 0) & (a < 2.0**-GUARD))
+    m = torch.where(off, round_pow2(torch.where(a > 0, a, 1.0), "down"), 1.0)
+    return d / m.to(d.dtype), s * m
 
 
 def wrap(

@@ -23,7 +23,7 @@ SCALIFY_FORMATS = ("fp16", "fp8")
 def apply(model: nn.Module, config: ScalifyConfig | str) -> Scalified:
     """``model`` run in scaled arithmetic under ``config``: a :class:`ScalifyConfig` or a
     preset name of :meth:`ScalifyConfig.from_name`. Returns a :class:`Scalified` wrapper
-    that keeps ``model`` (state_dict keys gain the prefix ``"module."``).
+    that keeps ``model`` (and its state_dict keys).
 
     Example:
         >>> import torch
@@ -53,7 +53,7 @@ def apply_scalify(model: nn.Module, *, data_format: str) -> nn.Module:
         >>> m = apply_scalify(CharGPT(ModelConfig(width=32, depth=1, heads=2)), data_format="fp16")
         >>> logits, loss = m(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
         >>> type(loss).__name__, loss.dtype, next(iter(m.state_dict()))
-        ('Tensor', torch.float32, 'module.tok.weight')
+        ('Tensor', torch.float32, 'tok.weight')
     """  # noqa: E501
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

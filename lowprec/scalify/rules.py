@@ -27,6 +27,7 @@ from lowprec.scalify.core import (
     deq,
     first_st,
     fscale,
+    guard,
     is_st,
     is_zero,
     one,
@@ -124,8 +125,8 @@ def _times_number(func: Any, args: Any, x: ScaledTensor, c: float) -> ScaledTens
 
 @rule(aten.mul.Tensor, aten.mul.Scalar)
 def _mul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``a·b``: ``d = d_a·d_b``, ``s = s_a·s_b`` (a plain operand has ``s = 1``); a number
-    goes to the scale (:func:`_times_number`)."""
+    """``a·b``: ``d = d_a·d_b``, ``s = s_a·s_b`` (a plain operand has ``s = 1``; then
+    :func:`~lowprec.scalify.core.guard`); a number goes to the scale (:func:`_times_number`)."""
     a, b = args[0], args[1]
     if not isinstance(a, Tensor):
         a, b = b, a
@@ -141,15 +142,16 @@ def _mul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     d = da * db
     try:
         s = pad(sa, d.dim()) * pad(sb, d.dim())
-        return out(func, args, d, s)
+        return out(func, args, *guard(d, s))
     except (RuntimeError, ValueError):  # block layouts that do not combine: elementwise
         s = torch.ones(d.shape, device=d.device)
-        return out(func, args, d, apply_scale(apply_scale(s, sa), sb))
+        return out(func, args, *guard(d, apply_scale(apply_scale(s, sa), sb)))
 
 
 @rule(aten.div.Tensor, aten.div.Scalar)
 def _div(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``a / b``: ``d = d_a / d_b``, ``s = s_a / s_b``; by a number: ``x·(1/c)``."""
+    """``a / b``: ``d = d_a / d_b``, ``s = s_a / s_b`` (:func:`~lowprec.scalify.core.guard`:
+    a small ``d_b`` makes ``d`` large); by a number: ``x·(1/c)``."""
     a, b = args[0], args[1]
     if not isinstance(b, Tensor):
         return _times_number(func, args, a, 1.0 / float(b))
@@ -160,7 +162,7 @@ def _div(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     (da, sa), (db, sb) = pair(a, work), pair(b, work)
     d = da / db
     try:
-        return out(func, args, d, pad(sa, d.dim()) / pad(sb, d.dim()))
+        return out(func, args, *guard(d, pad(sa, d.dim()) / pad(sb, d.dim())))
     except (RuntimeError, ValueError):
         return out(func, args, deq(a, work) / deq(b, work), one(d))
 
@@ -214,12 +216,13 @@ def _unscale(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 @rule(aten.pow.Tensor_Scalar, aten.sqrt.default, aten.rsqrt.default)
 def _power(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``x^p`` (sqrt: p = ½, rsqrt: p = -½): ``d = d_x^p``, ``s = s_x^p``."""
+    """``x^p`` (sqrt: p = ½, rsqrt: p = -½): ``d = d_x^p``, ``s = s_x^p``
+    (:func:`~lowprec.scalify.core.guard`: ``d_x^p`` leaves [-1, 1] for ``p ≠ 1``)."""
     x = args[0]
     p = {aten.sqrt.default: 0.5, aten.rsqrt.default: -0.5}.get(func)
     p = float(args[1]) if p is None else p
     d = x.qdata.to(work_dtype(x))
-    return out(func, args, d.pow(p) if p != 2.0 else d * d, x.scale.pow(p))
+    return out(func, args, *guard(d.pow(p) if p != 2.0 else d * d, x.scale.pow(p)))
 
 
 # ---- matmul ------------------------------------------------------------------------------
@@ -236,11 +239,18 @@ def _fp8(d: Tensor, s: Tensor, grad: bool) -> Pair:
     return q.dequantize(), s
 
 
+def fp8_round(d: Tensor, grad: bool) -> Tensor:
+    """The data ``d`` as a scaled FP8 GEMM sees them (:func:`_fp8`): E5M2 for gradients,
+    E4M3 otherwise."""
+    return _fp8(d, torch.ones(()), grad)[0]
+
+
 def matmul_pair(a: Any, b: Any, op: Any) -> Pair:
     """``a @ b`` (mm/bmm) with K the contracted size: ``d = (d_a @ d_b) / c(K)``,
     ``s = s_a·s_b·c(K)`` when both scales are constant along K (per-tensor, per-row of
     ``a``, per-column of ``b``); otherwise ``v = (d_a·s_a) @ (d_b·s_b)`` and
-    ``s = max s_a · max s_b · c(K)``. FP8 data format: operands cast by :func:`_fp8` first."""
+    ``s = max s_a · max s_b · c(K)``; then :func:`~lowprec.scalify.core.guard`. FP8 data
+    format: operands cast by :func:`_fp8` first."""
     check_compatible(a, b)
     check_real_float(op, a, b)
     work = work_dtype(a, b)
@@ -253,12 +263,12 @@ def matmul_pair(a: Any, b: Any, op: Any) -> Pair:
     if pa.shape[-1] == 1 and pb.shape[-2] == 1:
         try:
             s = pa * pb * c
-            return _mm_scaled(op, da, db, 1.0 / c), s
+            return guard(_mm_scaled(op, da, db, 1.0 / c), s)
         except RuntimeError:
             pass
     s = sa.amax() * sb.amax() * c
     v = op(apply_scale(da, sa.to(work)), apply_scale(db, sb.to(work)))
-    return v / s.to(work), s
+    return guard(v / s.to(work), s)
 
 
 def _mm_scaled(op: Any, a: Tensor, b: Tensor, alpha: float) -> Tensor:
@@ -297,7 +307,7 @@ def _addmm_fast(
 ) -> ScaledTensor | None:
     """Per-tensor scales, eager, max add rule: one GEMM (after the FP8 casts, if any),
     ``d = (β·s_bias/s)·d_bias + (α·s_a·s_b/s)·(d_a @ d_b)``,
-    ``s = max(α·s_a·s_b·c(K), β·s_bias)``."""
+    ``s = max(α·s_a·s_b·c(K), β·s_bias)``, then :func:`~lowprec.scalify.core.guard`."""
     cfg = current_config()
     if cfg.add_rule != "max" or not all(is_st(t) for t in (bias, a, b)):
         return None
@@ -316,7 +326,7 @@ def _addmm_fast(
     if cfg.fp8_matmul:
         da, db = _fp8(da, a.scale, is_grad(a))[0], _fp8(db, b.scale, is_grad(b))[0]
     d = func(bias.qdata.to(work), da, db, beta=beta * fbias / s, alpha=fm / (c * s))
-    return out(func, args, d, bias.scale.new_tensor(s))
+    return out(func, args, *guard(d, bias.scale.new_tensor(s)))
 
 
 # ---- reductions --------------------------------------------------------------------------

@@ -19,17 +19,19 @@ from typing import Any, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from lowprec.core.registry import Registry
 from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify import fallback as _fallback  # noqa: F401  (registers the rules)
 from lowprec.scalify import rules as _rules  # noqa: F401
+from lowprec.scalify import rules_attn as _rules_attn  # noqa: F401
 from lowprec.scalify import rules_nn as _rules_nn  # noqa: F401
 from lowprec.scalify.config import ScalifyConfig, pop, push
 from lowprec.scalify.core import compiling
 from lowprec.scalify.domains import record
 from lowprec.scalify.ops import enter, unscale
+from lowprec.scalify.structures import convert
 
 __all__ = ["POLICIES", "Scalified", "resolve_config", "scalify"]
 
@@ -52,18 +54,28 @@ def resolve_config(data_format: str | None, policy: str | ScalifyConfig) -> Scal
 def _run(cfg: ScalifyConfig, key: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` with floating inputs entering scaled arithmetic under
     ``cfg`` (recorded as ``key``), ``cfg`` pushed for the call (eagerly: a compiled graph
-    needs no push, its tensors carry the key) and plain outputs."""
+    needs no push, its tensors carry the key) and plain outputs. Tensors inside objects
+    (a KV cache passed in, updated in place and returned) enter and leave too, see
+    :mod:`lowprec.scalify.structures`: after the call no object reachable from the inputs
+    or outputs holds a ScaledTensor."""
 
-    def into(x: Any) -> Any:
-        if isinstance(x, Tensor) and not isinstance(x, ScaledTensor) and x.is_floating_point():
+    def into(x: Tensor) -> Tensor:
+        if not isinstance(x, ScaledTensor) and x.is_floating_point():
             return enter(x, key)
         return x
 
+    def call() -> Any:
+        try:
+            res = fn(*convert(args, into), **convert(kwargs, into))
+            return convert(res, _leave)
+        finally:
+            convert((args, kwargs), _leave)  # caches passed in and not returned
+
     if compiling():
-        return tree_map(_leave, fn(*tree_map(into, args), **tree_map(into, kwargs)))
+        return call()
     push(cfg)
     try:
-        return tree_map(_leave, fn(*tree_map(into, args), **tree_map(into, kwargs)))
+        return call()
     finally:
         pop()
 
@@ -81,13 +93,54 @@ def _check_inputs(args: Any, kwargs: Any) -> None:
             )
 
 
-def _leave(x: Any) -> Any:
+def _leave(x: Tensor) -> Tensor:
     return unscale(x) if isinstance(x, ScaledTensor) else x
+
+
+_INNER = "module."
+
+
+def _strip_prefix(
+    mod: nn.Module, state: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> None:
+    """state_dict post-hook: ``prefix + "module." + k`` becomes ``prefix + k`` (in order),
+    and the inner modules' metadata (versions) move with their keys."""
+    inner = prefix + _INNER
+    keys = [k for k in state if k.startswith(inner)]
+    for k in keys:
+        state[prefix + k[len(inner) :]] = state.pop(k)
+    meta = getattr(state, "_metadata", None)
+    if meta is not None:
+        for k in [k for k in meta if k == inner[:-1] or k.startswith(inner)]:
+            meta[(prefix + k[len(inner) :]) if k != inner[:-1] else prefix[:-1]] = meta.pop(k)
+
+
+def _add_prefix(
+    mod: nn.Module, state: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+) -> None:
+    """load_state_dict pre-hook: the wrapped model's keys ``prefix + k`` load into
+    ``self.module``; keys already written ``prefix + "module." + k`` (checkpoints from
+    before keys were kept) load as they are."""
+    assert isinstance(mod, Scalified)
+    own = set(mod.module.state_dict().keys())
+    inner = prefix + _INNER
+    for k in [k for k in state if k.startswith(prefix)]:
+        rest = k[len(prefix) :]
+        if rest in own or not (rest.startswith(_INNER) and rest[len(_INNER) :] in own):
+            state[inner + rest] = state.pop(k)
+    meta = getattr(state, "_metadata", None)
+    if meta is not None:  # module versions, keyed by module name: the inner names too
+        for k in list(meta):
+            if k == prefix[:-1] or (k.startswith(prefix) and not k.startswith(inner)):
+                rest = "" if k == prefix[:-1] else k[len(prefix) :]
+                meta.setdefault(inner + rest if rest else inner[:-1], meta[k])
 
 
 class Scalified(nn.Module):
     """``module`` run in scaled arithmetic (see :func:`scalify`). The original module is
-    ``self.module``: state_dict keys gain the prefix ``"module."``."""
+    ``self.module``; ``state_dict()`` has the original's keys (no ``"module."`` prefix),
+    and ``load_state_dict`` takes them (or, from older checkpoints, the prefixed ones).
+    ``named_parameters()`` names them ``"module." + name``."""
 
     def __init__(self, module: nn.Module, config: ScalifyConfig) -> None:
         super().__init__()
@@ -96,6 +149,8 @@ class Scalified(nn.Module):
         self.module = module
         self.config = config
         self._key = record(config)
+        self.register_state_dict_post_hook(_strip_prefix)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_add_prefix)  # type: ignore[no-untyped-call]
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickled (in another process, say): register the config's domains there too."""
@@ -129,7 +184,7 @@ def scalify(
     Same signature and output structure as ``obj``; outputs are plain tensors equal to the
     original's up to the rounding of the data format (``"fp16"``, ``"bf16"``, ``"fp32"``,
     or ``"fp8"``: FP8 matmul inputs, FP16 elsewhere). A module is wrapped in
-    :class:`Scalified` (state_dict prefix ``"module."``), its parameters untouched.
+    :class:`Scalified` (same state_dict keys as ``obj``), its parameters untouched.
 
     Example:
         >>> import torch
