@@ -93,6 +93,26 @@ def _check_inputs(args: Any, kwargs: Any) -> None:
             )
 
 
+def _check_not_sharded_inside(module: nn.Module) -> None:
+    """``TypeError`` if FSDP shards a module inside a :class:`Scalified` (see
+    docs/scalify.md, "Distributed"): its pre-forward hook would gather the parameters
+    after scalify took them and replace them by plain tensors, which then skip scaled
+    arithmetic. ``fully_shard(scalify(model))`` (the wrapper as FSDP's root) is fine."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    for name, m in module.named_modules():
+        if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
+            where = f"module {name!r} ({type(m).__name__})" if name else "the wrapped model"
+            raise TypeError(
+                f"scalify: {where} is sharded by FSDP (fully_shard) inside a Scalified "
+                "wrapper: FSDP would gather its parameters after scalify takes them, so "
+                "they would skip scaled arithmetic. Shard the wrapper itself instead: "
+                "fully_shard(scalify(model)) (one FSDP unit), or use DDP"
+            )
+
+
 def _leave(x: Tensor) -> Tensor:
     return unscale(x) if isinstance(x, ScaledTensor) else x
 
@@ -159,6 +179,7 @@ class Scalified(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _check_inputs(args, kwargs)
+        _check_not_sharded_inside(self.module)
         params = dict(self.module.named_parameters())
 
         def call(params: dict[str, Tensor], *args: Any, **kwargs: Any) -> Any:
