@@ -3,3 +3,21 @@ found-inf across ranks, FSDP2 all-gather hooks for float8 weights, tensor parall
 sharded checkpoints — built on torch's own machinery (``fully_shard``, DTensor,
 ``torch.distributed.tensor.parallel``, ``torch.distributed.checkpoint``, ``torchrun``).
 """
+
+# float8 under torch.distributed: FP8 all-gather (FSDP2), tensor parallel, scaling state.
+from lowprec.distributed.float8_fsdp import enable_fp8_all_gather, fp8_all_gather_eligible
+from lowprec.distributed.float8_tp import Float8ColwiseParallel
+from lowprec.distributed.scaling_sync import (
+    attach_scaling_sync,
+    scaling_state,
+    sync_scaling_state,
+)
+
+__all__ = [
+    "Float8ColwiseParallel",
+    "attach_scaling_sync",
+    "enable_fp8_all_gather",
+    "fp8_all_gather_eligible",
+    "scaling_state",
+    "sync_scaling_state",
+]

@@ -24,8 +24,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from lowprec.core.scalers import DelayedScaler, StaticScaler
+from lowprec.core.scalers import DelayedScaler, StaticScaler, delayed_amax, push_amax
+from lowprec.core.tensor import ScaledTensor
+from lowprec.float8.dtensor import dtensor_forward, mesh_amax
 from lowprec.float8.quant import (
     as_operand,
     dequantize_parts,
@@ -51,6 +54,7 @@ class _Spec:
     update: bool  # record the grad_output amax in a delayed history
     calibrating: bool  # record the grad_output amax for static calibration
     go_scaler: HistoryScaler | None  # the grad_output's delayed/static scaler
+    go_mesh: Any = None  # tensor parallel: a dynamic grad_output's amax is over this mesh
 
 
 def _make_scaler(cast: CastConfig, state: Tensor | None) -> HistoryScaler | None:
@@ -66,12 +70,22 @@ def _make_scaler(cast: CastConfig, state: Tensor | None) -> HistoryScaler | None
 
 
 def _role_scale(
-    sc: HistoryScaler | None, t: Tensor, spec: _Spec, state: Tensor | None
+    sc: HistoryScaler | None, t: Tensor, spec: _Spec, state: Tensor | None, mesh: Any = None
 ) -> Tensor | None:
     """The scale a delayed/static scaler gives ``t`` (``None``: dynamic), updating its state
-    (``state``: the tensor threaded through the autograd function, else the scaler's own)."""
+    (``state``: the tensor threaded through the function, else the scaler's own). ``mesh``
+    (tensor parallel): ``t`` is a shard; a delayed role uses and records the ``amax`` of the
+    whole tensor (:func:`mesh_amax`), as one process would."""
     if isinstance(sc, DelayedScaler):
-        return sc(t, update=spec.update, state=state)
+        if mesh is None:
+            return sc(t, update=spec.update, state=state)
+        hist = sc.amax_history if state is None else state
+        assert hist is not None  # Float8Linear binds every history to its buffer
+        a = mesh_amax(t, mesh)
+        scale = sc._scale(delayed_amax(hist, a, sc.algo))
+        if spec.update:
+            hist.copy_(push_amax(hist, a))
+        return scale
     if isinstance(sc, StaticScaler):
         return sc(t, update=spec.calibrating, state=state)
     return None
@@ -121,12 +135,23 @@ class _Float8MatmulFn(torch.autograd.Function):
     ) -> Tensor:
         r = spec.recipe
         ed = _EDTYPE[r.emulation_dtype]
-        xd, xs, xpad = xp = quantize_parts(x, r.input, 1, x_scale)
-        wp = quantize_parts(w.t(), r.weight, 0, w_scale)
+        # A ScaledTensor operand arrives quantized (tensor-wise) by the distributed layer:
+        # an FP8-gathered FSDP2 weight, an FP8-gathered sequence-parallel input.
+        xp: tuple[Tensor, Tensor, Any]
+        if isinstance(x, ScaledTensor):
+            xd, xs, xpad = xp = (x.qdata, x.scale, None)
+        else:
+            xd, xs, xpad = xp = quantize_parts(x, r.input, 1, x_scale)
+        if isinstance(w, ScaledTensor):
+            wp: tuple[Tensor, Tensor, Any] = (w.qdata.t(), w.scale, None)
+        else:
+            wp = quantize_parts(w.t(), r.weight, 0, w_scale)
         xq, wq = as_operand(xp, r.input, 1, x.dtype), as_operand(wp, r.weight, 0, w.dtype)
         y = matmul(xq, wq, out_dtype, ed, r.emulate)
-        w_used = wp[1] if _kind(r.weight) == "tensor" else None
-        if r.fp8_saved_activations:
+        # (A ScaledTensor weight carries its scale; FSDP2 refills it in place on re-gather.)
+        w_tensor = _kind(r.weight) == "tensor" and not isinstance(w, ScaledTensor)
+        w_used = wp[1] if w_tensor else None
+        if r.fp8_saved_activations or isinstance(x, ScaledTensor):
             kept = _keep_for_backward(xd) if torch.compiler.is_compiling() else xd
             ctx.save_for_backward(None, kept, xs, w, w_used)
         else:  # the forward's scale too: delayed/static scales must not become dynamic
@@ -149,12 +174,17 @@ class _Float8MatmulFn(torch.autograd.Function):
         x_tensor = _kind(r.input) == "tensor"
         g_scale = ctx.go_scale
         if g_scale is None:
-            g_scale = _role_scale(spec.go_scaler, g, spec, go_state)
+            g_scale = _role_scale(spec.go_scaler, g, spec, go_state, spec.go_mesh)
+        if g_scale is None and spec.go_mesh is not None and _kind(r.grad_output) == "tensor":
+            g_scale = r.grad_output.scale_for(mesh_amax(g, spec.go_mesh))
         gp = quantize_parts(g, r.grad_output, 1, g_scale)
         gq = as_operand(gp, r.grad_output, 1, g.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            wq = quantize_operand(w, r.weight, 0, w_scale)
+            if isinstance(w, ScaledTensor):  # tensor-wise: the forward's values, transposed
+                wq = as_operand((w.qdata, w.scale, None), r.weight, 0, w.dtype)
+            else:
+                wq = quantize_operand(w, r.weight, 0, w_scale)
             dx = matmul(gq, wq, x_dtype, ed, r.emulate)
         if ctx.needs_input_grad[1]:
             if _kind(r.grad_output) == "tensor":  # the same values and scale, transposed
@@ -292,17 +322,39 @@ class Float8Linear(nn.Linear):
                 "batches (forward and backward) inside `with lowprec.float8.calibrate(model):` "
                 "or give CastConfig(static_scale=...)"
             )
+        w = self._gemm_weight()
+        if isinstance(w, DTensor):  # tensor parallel: local GEMMs on the shards
+            return dtensor_forward(self, x, w)
+        y = self._gemm(x, w)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _gemm(self, x: Tensor, w: Tensor, mesh: Any = None, sharded: str = "") -> Tensor:
+        """``Q(x) Q(w)ᵀ`` (no bias) of local tensors, shape ``(..., w.shape[0])``.
+
+        ``mesh``/``sharded`` (tensor parallel): the roles among ``"xwg"`` (input, weight,
+        grad_output) whose local tensors are shards over ``mesh``; their dynamic
+        tensor-wise scales use the ``amax`` of the whole tensor (:func:`mesh_amax`).
+        """
         dev = x.device.type
         amp = dev != "meta" and torch.is_autocast_enabled(dev)  # meta: no autocast, shapes only
         out_dtype = torch.get_autocast_dtype(dev) if amp else x.dtype
-        x2d = x.reshape(-1, self.in_features)
+        x2d = x.reshape(-1, x.shape[-1])
         upd = self.training or self._calibrating
         r = self.recipe
         go_sc = self._scalers.get("grad_output")
-        spec = _Spec(r, upd, self._calibrating, go_sc)
-        w = self._gemm_weight()
-        xs = _role_scale(self._scalers.get("input"), x2d, spec, None)
-        ws = _role_scale(self._scalers.get("weight"), w, spec, None)
+        spec = _Spec(r, upd, self._calibrating, go_sc, mesh if "g" in sharded else None)
+        # An FP8-gathered operand (lowprec.distributed) is quantized, its scaler updated.
+        xs = ws = None
+        if not isinstance(x2d, ScaledTensor):
+            xm = mesh if "x" in sharded else None
+            xs = _role_scale(self._scalers.get("input"), x2d, spec, None, xm)
+            if xs is None and xm is not None and _kind(r.input) == "tensor":
+                xs = r.input.scale_for(mesh_amax(x2d, mesh))
+        if not isinstance(w, ScaledTensor):
+            wm = mesh if "w" in sharded else None
+            ws = _role_scale(self._scalers.get("weight"), w, spec, None, wm)
+            if ws is None and wm is not None and _kind(r.weight) == "tensor":
+                ws = r.weight.scale_for(mesh_amax(w, mesh))
         # A frozen static grad_output scale is known now; otherwise backward computes it
         # from the state threaded through the function (an input, for torch.compile).
         gs = go_sc.scale if isinstance(go_sc, StaticScaler) and go_sc.frozen else None
@@ -311,8 +363,7 @@ class Float8Linear(nn.Linear):
             y: Tensor = _Float8MatmulFn.apply(  # type: ignore[no-untyped-call]
                 x2d, w, xs, ws, gs, go, spec, out_dtype
             )
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(out_dtype)
+        return y.reshape(*x.shape[:-1], w.shape[0])
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         for name, _ in self.named_buffers(recurse=False):  # amax state: finite and >= 0

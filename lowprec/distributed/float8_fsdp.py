@@ -1,0 +1,359 @@
+"""FP8 all-gather of :class:`~lowprec.float8.Float8Linear` weights under FSDP2 (``fully_shard``).
+
+FSDP2 all-gathers a parameter's shards before each forward (and, with
+``reshard_after_forward``, again before backward). Without help it gathers the FP32 (or
+``MixedPrecisionPolicy.param_dtype``) master shards, 4 (2) bytes per element, and every
+rank then casts the whole weight to FP8 itself. :func:`enable_fp8_all_gather` wraps each
+eligible ``Float8Linear.weight`` in :class:`Float8AllGatherWeight`, a tensor subclass that
+implements FSDP2's extension points:
+
+* ``fsdp_pre_all_gather``: quantize the local shard ``W_r`` with the scale ``s`` of the
+  *whole* weight and hand FSDP the 1-byte payload ``Q(W_r / s)`` (as ``uint8``);
+* ``fsdp_post_all_gather``: view the gathered bytes as FP8 and return the unsharded
+  weight as a :class:`~lowprec.core.tensor.ScaledTensor` ``(Q(W / s), s)``, which
+  ``Float8Linear`` uses as its weight operand without quantizing again.
+
+Because ``s`` is the same on every rank and rounding is elementwise,
+``concat_r Q(W_r / s) = Q(W / s)``: the gathered weight is bit-identical to the one a
+single process quantizes, so the three GEMMs see the same operands.
+
+**One batched all-reduce per step.** ``s = amax(W) · 2^margin / fmt.max`` (dynamic) or the
+delayed scaler's scale from its history and ``amax(W)`` (delayed) needs the global
+``amax(W) = max_r amax(W_r)``. At the first all-gather after the weights changed (the
+optimizer step bumps each shard's version counter) the local ``amax`` of *every* wrapped
+weight on that mesh is stacked into one tensor and reduced with a single
+``all_reduce(MAX)``; all scales are then cached until the weights change again, so the
+re-gather in backward reuses the forward's scale. No call by the user is needed; for a
+delayed weight the global ``amax`` is recorded in ``weight_amax_history`` once per
+weight update in training mode (as a single process records it once per forward).
+
+**Which layouts gather in the narrow format.** Only weights whose one quantization
+serves all three GEMMs: ``tensor`` granularity with ``dynamic`` or ``delayed`` scaling
+(the presets ``tensorwise``, ``delayed``, ``static`` — whose weight is dynamic). Row-wise,
+``1x128`` and MX weight scales are laid along the contracted dimension, which differs
+between the forward GEMM (``K`` = in-features) and the input-gradient GEMM
+(``N`` = out-features): that GEMM needs the weight quantized along the other dimension,
+which the FP8 payload no longer allows without a second rounding. Those weights (and
+static weights) stay in their own dtype for the gather, with a WARNING once.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+
+from lowprec.core.formats import get_format
+from lowprec.core.granularity import Granularity
+from lowprec.core.rounding import to_format
+from lowprec.core.scalers import delayed_amax, push_amax
+from lowprec.core.tensor import ScaledTensor, register_rule
+from lowprec.core.warn import warn_once
+from lowprec.float8.linear import Float8Linear
+
+__all__ = ["Float8AllGatherWeight", "enable_fp8_all_gather", "fp8_all_gather_eligible"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+_DOMAIN = "float8_fsdp"
+_TENSOR = Granularity.from_name("tensor")
+
+# Ops whose results stay wrapped: what FSDP2 does to a parameter while sharding, padding,
+# moving and copying it. Every other op sees the plain master tensor.
+_PRESERVE = {
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.slice.Tensor,
+    aten.view.default,
+    aten.as_strided.default,
+    aten._to_copy.default,
+    aten._pin_memory.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.narrow.default,
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
+}
+
+
+@dataclass(eq=False)
+class _Slot:
+    """What every shard/view of one wrapped weight shares: its layer and scale cache."""
+
+    layer: weakref.ref[Float8Linear]
+    sharded: weakref.ref[DTensor] | None = None  # FSDP's sharded parameter
+    key: tuple[int, int, bool] | None = None  # (id, version, training) the scale is for
+    scale: Tensor | None = None
+
+
+@dataclass(eq=False)
+class _Group:
+    """The wrapped weights of one :func:`enable_fp8_all_gather` call (a model)."""
+
+    slots: list[_Slot] = field(default_factory=list)
+    reductions: int = 0  # all-reduces issued (for tests and the benchmark)
+    param_dtype: torch.dtype | None = None  # FSDP2's MixedPrecisionPolicy.param_dtype
+
+
+class Float8AllGatherWeight(Tensor):
+    """A ``Float8Linear`` weight that FSDP2 all-gathers in FP8 (see the module docstring).
+
+    It wraps the master tensor (``._hp``) and behaves like it: every op but the few FSDP2
+    uses to shard and copy parameters runs on the plain master tensor and returns plain
+    tensors; in-place ops (the optimizer's) update the master tensor.
+    """
+
+    _hp: Tensor
+    _slot: _Slot
+    _group: _Group
+
+    @staticmethod
+    def __new__(cls, hp: Tensor, slot: _Slot, group: _Group) -> Float8AllGatherWeight:
+        out: Float8AllGatherWeight = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls,
+            hp.shape,
+            strides=hp.stride(),
+            storage_offset=hp.storage_offset(),
+            dtype=hp.dtype,
+            device=hp.device,
+            layout=hp.layout,
+            requires_grad=hp.requires_grad,
+        )
+        out._hp, out._slot, out._group = hp, slot, group
+        return out
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Float8AllGatherWeight({self._hp!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[_Slot, _Group]]:
+        return ["_hp"], (self._slot, self._group)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, Tensor], meta: tuple[_Slot, _Group], size: Any, stride: Any
+    ) -> Float8AllGatherWeight:
+        return Float8AllGatherWeight(inner["_hp"], *meta)
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        first: Float8AllGatherWeight | None = None
+        for a in (*args, *(kwargs or {}).values()):
+            if isinstance(a, Float8AllGatherWeight):
+                first = a
+                break
+        assert first is not None
+        slot, group = first._slot, first._group
+        unwrap = tree_map_only(Float8AllGatherWeight, lambda t: t._hp, (args, kwargs or {}))
+        out = func(*unwrap[0], **unwrap[1])
+        if func in _PRESERVE:
+            return tree_map_only(Tensor, lambda t: Float8AllGatherWeight(t, slot, group), out)
+        if func._schema.name.endswith("_") and isinstance(args[0], Float8AllGatherWeight):
+            return args[0]  # in place: the wrapper stays the handle
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    # ---- FSDP2 extension points ----------------------------------------------------------
+    def fsdp_pre_all_gather(
+        self,
+        mesh: DeviceMesh,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: nn.Module,
+        mp_policy: Any,
+    ) -> tuple[tuple[Tensor, ...], Any]:
+        layer = self._slot.layer()
+        if layer is None:
+            raise RuntimeError("Float8AllGatherWeight: its Float8Linear no longer exists")
+        w = layer.weight  # sharded now: FSDP installs the gathered weight after this call
+        if isinstance(w, DTensor) and w._local_tensor is self:
+            self._slot.sharded = weakref.ref(w)
+        # FSDP2's MixedPrecisionPolicy: quantize the weight as it would have been gathered
+        # (rounded to param_dtype first), so the FP8 payload equals that of an HP gather.
+        pd = getattr(mp_policy, "param_dtype", None)
+        self._group.param_dtype = pd
+        scale = _scale_for(self._slot, self._group, mesh)
+        cast = layer.recipe.weight
+        hp = self._hp if pd is None else self._hp.to(pd)
+        rows = -(-int(outer_size[0]) // mesh.size())  # FSDP pads every shard to this
+        if hp.shape[0] != rows:
+            padded = hp.new_zeros((rows, *hp.shape[1:]))
+            padded[: hp.shape[0]] = hp
+            hp = padded
+        data = to_format(hp / scale.reshape(1, 1), cast.fmt, saturate=True)
+        return (data.view(torch.uint8),), (scale, cast.fmt)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: Tensor | None = None,
+    ) -> tuple[ScaledTensor, tuple[Tensor, ...]] | None:
+        (raw,) = all_gather_outputs
+        scale, fmt = metadata
+        data = raw.view(to_format(raw.new_zeros(0, dtype=torch.float32), fmt).dtype)
+        if out is not None:  # a re-gather into the same storage: only the scale may move
+            assert isinstance(out, ScaledTensor)
+            out.scale.copy_(scale)
+            return None
+        st = ScaledTensor._wrap(data, scale, param_dtype, get_format(fmt).name, _DOMAIN, _TENSOR)
+        return st, (data,)
+
+
+@register_rule(aten.as_strided.default, domain=_DOMAIN)
+def _as_strided(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledTensor:
+    """FSDP2 views the gathered weight at its unpadded size: the data is viewed, the
+    tensor-wise scale is kept."""
+    x: ScaledTensor = args[0]
+    return ScaledTensor._wrap(func(x.qdata, *args[1:], **kwargs), x.scale, *x._meta())
+
+
+def _sharded_of(slot: _Slot) -> DTensor:
+    """FSDP's sharded parameter of a wrapped weight: the one last gathered, else the
+    layer's parameter (not gathered yet, so still sharded)."""
+    d = slot.sharded() if slot.sharded is not None else None
+    if d is None:
+        layer = slot.layer()
+        w = None if layer is None else layer.weight
+        if isinstance(w, DTensor) and isinstance(w._local_tensor, Float8AllGatherWeight):
+            d = w
+    if d is None:
+        raise RuntimeError(
+            "Float8AllGatherWeight: a wrapped weight is not sharded; call fully_shard after "
+            "enable_fp8_all_gather on every rank"
+        )
+    return d
+
+
+def _key(d: DTensor, layer: Float8Linear) -> tuple[int, int, bool]:
+    # The optimizer's in-place updates bump the sharded parameter's version counter.
+    return (id(d), d._version, layer.training)
+
+
+def _scale_for(slot: _Slot, group: _Group, mesh: DeviceMesh) -> Tensor:
+    """The scale of ``slot``'s whole weight, refreshing every scale of its group with one
+    ``all_reduce(MAX)`` of the stacked local ``amax`` values when any weight changed."""
+    layer = slot.layer()
+    assert layer is not None
+    if slot.scale is not None and slot.key == _key(_sharded_of(slot), layer):
+        return slot.scale
+    refresh(group, mesh)
+    assert slot.scale is not None
+    return slot.scale
+
+
+def refresh(group: _Group, mesh: DeviceMesh) -> None:
+    """Recompute the scale of every live weight of ``group``: one ``all_reduce(MAX)``."""
+    live = [s for s in group.slots if s.layer() is not None]
+    shards = [_sharded_of(s) for s in live]
+    hps = [d._local_tensor._hp for d in shards]  # type: ignore[attr-defined]
+    amaxes = torch.stack(
+        [
+            h.detach().abs().amax().float() if h.numel() else h.new_zeros((), dtype=torch.float32)
+            for h in hps
+        ]
+    )
+    if group.param_dtype is not None:  # amax(round(W)) = round(amax(W)): rounding is monotonic
+        amaxes = amaxes.to(group.param_dtype).float()
+    dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    group.reductions += 1
+    for s, d, a in zip(live, shards, amaxes, strict=True):
+        m = s.layer()
+        assert m is not None
+        cast = m.recipe.weight
+        hist = getattr(m, "weight_amax_history", None)
+        if cast.scaling == "delayed" and isinstance(hist, Tensor):
+            s.scale = cast.scale_for(delayed_amax(hist, a, cast.algo))
+            if m.training:
+                hist.copy_(push_amax(hist, a))
+        else:
+            s.scale = cast.scale_for(a)
+        s.key = _key(d, m)
+
+
+def fp8_all_gather_eligible(layer: Float8Linear) -> bool:
+    """True when ``layer``'s weight can be all-gathered in its narrow format: tensor
+    granularity with dynamic or delayed scaling (see the module docstring)."""
+    c = layer.recipe.weight
+    return c.bound_granularity(0).kind == "tensor" and c.scaling in ("dynamic", "delayed")
+
+
+def enable_fp8_all_gather(model: nn.Module) -> int:
+    """Make FSDP2 all-gather ``model``'s ``Float8Linear`` weights in FP8.
+
+    Call it on every rank after converting to float8 and before ``fully_shard``. Eligible
+    weights (:func:`fp8_all_gather_eligible`) are wrapped in :class:`Float8AllGatherWeight`;
+    the others are left alone (gathered in their own dtype) and named in one WARNING.
+    Idempotent. Returns the number of weights wrapped by this call.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    group = _Group()
+    skipped: list[str] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, Float8Linear):
+            continue
+        w = m.weight
+        if isinstance(w, DTensor):
+            raise ValueError(
+                f"model: {name or 'model'}.weight is already a DTensor; call "
+                "enable_fp8_all_gather before fully_shard"
+            )
+        if isinstance(w, Float8AllGatherWeight):
+            continue
+        if not fp8_all_gather_eligible(m):
+            skipped.append(f"{name or 'model'} ({m.recipe.weight.describe()})")
+            continue
+        slot = _Slot(weakref.ref(m))
+        group.slots.append(slot)
+        m.weight = nn.Parameter(
+            Float8AllGatherWeight(w.detach(), slot, group), requires_grad=w.requires_grad
+        )
+    if skipped:
+        warn_once(
+            log,
+            f"float8-fsdp-skip:{','.join(sorted(set(s.split(' ', 1)[1] for s in skipped)))}",
+            "enable_fp8_all_gather: weights gathered in their own dtype (the layout needs "
+            "the weight re-quantized per GEMM): %s",
+            ", ".join(skipped),
+        )
+    return len(group.slots)
+
+
+def fp8_all_gather_reductions(model: nn.Module) -> int:
+    """How many scale all-reduces the FP8 all-gather of ``model`` has issued so far
+    (one per weight update once every weight has been gathered)."""
+    groups = {
+        id(g): g
+        for m in model.modules()
+        if isinstance(m, Float8Linear)
+        for g in [_group_of(m)]
+        if g is not None
+    }
+    return sum(g.reductions for g in groups.values())
+
+
+def _group_of(m: Float8Linear) -> _Group | None:
+    w = m.weight
+    if isinstance(w, DTensor):
+        w = w._local_tensor
+    return w._group if isinstance(w, Float8AllGatherWeight) else None

@@ -1,0 +1,134 @@
+"""The same float8 scaling state on every rank: ``MAX`` reduction of amax histories and
+static calibration maxima.
+
+Each rank records the ``amax`` of *its* activations and gradients in the delayed histories
+(``<role>_amax_history``) and static calibration maxima (``<role>_static_amax``) of its
+``Float8Linear`` layers. Left alone, the ranks' scales drift apart and every rank's
+checkpoint is different. Because
+
+    amax(x_1 ∪ … ∪ x_R) = max_r amax(x_r),
+
+an element-wise ``all_reduce(MAX)`` of the histories turns each rank's record of its own
+shard into the record of the whole global batch, which is what one process would have
+recorded for it (for tensor-parallel shards too: the ``amax`` of a tensor split over ranks
+is the ``max`` of the shards' ``amax``). After the reduction all ranks hold identical state,
+compute identical scales, and any rank's checkpoint is *the* checkpoint.
+
+:func:`sync_scaling_state` does it now, with one ``all_reduce`` of all buffers of the model
+concatenated; :func:`attach_scaling_sync` does it automatically at the end of every
+backward pass (after the ``grad_output`` histories were updated), through autograd's
+end-of-backward callback (the mechanism FSDP uses for its own post-backward work).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+from lowprec.core.scalers import StaticScaler
+from lowprec.float8.linear import Float8Linear
+from lowprec.float8.recipe import ROLES
+
+__all__ = ["attach_scaling_sync", "scaling_state", "sync_scaling_state"]
+
+_SUFFIXES = ("_amax_history", "_static_amax")
+
+
+def scaling_state(model: nn.Module) -> dict[str, Tensor]:
+    """The float8 scaling buffers of ``model`` by state-dict name (histories and static
+    maxima of every ``Float8Linear``), as the tensors themselves (no copy)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    out: dict[str, Tensor] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, Float8Linear):
+            continue
+        for role in ROLES:
+            for suffix in _SUFFIXES:
+                key = role + suffix
+                t = m._buffers.get(key)
+                if isinstance(t, DTensor):  # tensor parallel replicates buffers: use the local
+                    t = t.to_local()
+                    m._buffers[key] = t
+                    m._bind_state()
+                if isinstance(t, Tensor):
+                    out[f"{name}.{key}" if name else key] = t
+    return out
+
+
+def sync_scaling_state(model: nn.Module, group: dist.ProcessGroup | None = None) -> int:
+    """``all_reduce(MAX)`` of every float8 scaling buffer of ``model`` over ``group``
+    (default: the whole world), in one collective; frozen calibrated static scales are
+    recomputed from the reduced maxima. Returns the number of elements reduced.
+
+    Call it on every rank (it is a collective). Outside ``torch.distributed`` (or on one
+    rank) it is a no-op.
+    """
+    bufs = list(scaling_state(model).values())
+    if not bufs or not dist.is_available() or not dist.is_initialized():
+        return 0
+    if dist.get_world_size(group) == 1:
+        return 0
+    flat = torch.cat([b.detach().reshape(-1).float() for b in bufs])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    with torch.no_grad():
+        for b, part in zip(bufs, torch.split(flat, [b.numel() for b in bufs]), strict=True):
+            b.copy_(part.view_as(b))
+    for m in model.modules():
+        if isinstance(m, Float8Linear):
+            for role in ROLES:
+                sc = m.scaler(role)
+                if isinstance(sc, StaticScaler) and sc.frozen and not sc.given:
+                    sc.freeze()  # the scale of the reduced maximum
+    return int(flat.numel())
+
+
+class _Sync:
+    """Forward hook: queue one :func:`sync_scaling_state` for the end of the backward pass
+    that the outputs of this forward start."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
+        self.model, self.group = model, group
+        self.queued = False
+        self.count = 0
+
+    def _run(self) -> None:
+        self.queued = False
+        sync_scaling_state(self.model, self.group)
+        self.count += 1
+
+    def _on_grad(self, grad: Tensor) -> Tensor:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
+        return grad
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for t in tree_leaves(output):
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+
+def attach_scaling_sync(
+    model: nn.Module, group: dist.ProcessGroup | None = None
+) -> RemovableHandle:
+    """Reduce ``model``'s float8 scaling state with ``MAX`` over ``group`` at the end of
+    every backward pass (once per backward, one collective for all layers).
+
+    Attach it to the model you call (before or after ``fully_shard`` / ``DDP``; with DDP
+    attach it to the wrapped module). Calibration that runs no backward is reduced by an
+    explicit :func:`sync_scaling_state` after :func:`lowprec.float8.calibrate`. Returns the
+    hook's handle (``.remove()`` detaches it).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    scaling_state(model)  # tensor-parallel DTensor buffers become plain local tensors now
+    return model.register_forward_hook(_Sync(model, group))

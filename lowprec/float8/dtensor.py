@@ -1,0 +1,132 @@
+"""``Float8Linear`` on DTensor parameters: tensor parallelism with local FP8 GEMMs.
+
+``ColwiseParallel`` / ``RowwiseParallel`` (``torch.distributed.tensor.parallel``) turn a
+linear's weight (and bias) into DTensors sharded over a device mesh and hand the layer
+DTensor inputs. The float8 GEMMs are not DTensor ops, so the layer computes on the local
+shards and states the placement of its output, per mesh dimension:
+
+==================  ==================  ==================  =============================
+weight              input (redistributed to)  output        GEMM on the shards
+==================  ==================  ==================  =============================
+``Shard(0)`` (col)  ``Replicate``       ``Shard(-1)``       ``x · W_rᵀ`` = columns of y
+``Shard(1)`` (row)  ``Shard(-1)``       ``Partial(sum)``    ``x_r · W_rᵀ``, summed later
+``Replicate``       as given            as the input        ``x_r · Wᵀ``
+==================  ==================  ==================  =============================
+
+The bias is added as a DTensor (sharded with the columns, or replicated after the
+partial sums), so DTensor adds it exactly once.
+
+**Scales of sharded tensors.** A dynamic tensor-wise scale needs the ``amax`` of the whole
+tensor, not of the local shard: :func:`mesh_amax` takes the shard's ``amax`` as a
+``Partial("max")`` DTensor and makes it whole (one ``all_reduce(MAX)`` of one number).
+Then every shard is quantized exactly as one process quantizes the whole tensor, and the
+output equals the one-process output up to the order of float32 summation. Delayed and
+static roles record the local ``amax``; :mod:`lowprec.distributed.scaling_sync` reduces
+the histories with ``MAX`` (which is the same global ``amax``). The module's buffers,
+which ``distribute_module`` replicates as DTensors, are kept as plain local tensors.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+if TYPE_CHECKING:
+    from lowprec.float8.linear import Float8Linear
+
+__all__ = ["dtensor_forward", "mesh_amax"]
+
+
+def mesh_amax(t: Tensor, mesh: DeviceMesh) -> Tensor:
+    """``max |t|`` over the whole tensor whose local shard on this rank is ``t``: the local
+    ``amax`` reduced with ``MAX`` over every dimension of ``mesh`` (float32, 0-dim)."""
+    local = t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+    whole = DTensor.from_local(local, mesh, [Partial("max")] * mesh.ndim, run_check=False)
+    return whole.full_tensor()
+
+
+def _is_shard(p: Placement, dim: int, ndim: int) -> bool:
+    return isinstance(p, Shard) and p.dim % ndim == dim
+
+
+def _localize_buffers(layer: Float8Linear) -> None:
+    """``distribute_module`` replicates buffers as DTensors: keep the scaling state plain
+    (each rank's own record, reduced by the scaling sync) and rebind the scalers."""
+    changed = False
+    for name, b in list(layer._buffers.items()):
+        if isinstance(b, DTensor):
+            layer._buffers[name] = b.to_local()
+            changed = True
+    if changed:
+        layer._bind_state()
+
+
+def dtensor_forward(layer: Float8Linear, x: Tensor, w: DTensor) -> Tensor:
+    """The forward of ``layer`` whose GEMM weight ``w`` is a DTensor (see the module
+    docstring). ``x``: a DTensor, or a local tensor that is the same on every rank (a
+    :class:`~lowprec.core.tensor.ScaledTensor` gathered in FP8 included)."""
+    _localize_buffers(layer)
+    mesh, nd = w.device_mesh, x.dim()
+    for p in w.placements:
+        if not (isinstance(p, Replicate) or _is_shard(p, 0, 2) or _is_shard(p, 1, 2)):
+            raise ValueError(
+                f"weight: placement {p} is not supported (Shard(0), Shard(1) or Replicate)"
+            )
+    if isinstance(x, DTensor):
+        need: list[Placement] = []
+        for wp, xp in zip(w.placements, x.placements, strict=True):
+            if _is_shard(wp, 0, 2):
+                need.append(Replicate())
+            elif _is_shard(wp, 1, 2):
+                need.append(Shard(nd - 1))
+            elif isinstance(xp, Partial) or _is_shard(xp, nd - 1, nd):
+                need.append(Replicate())
+            else:
+                need.append(xp)
+        if tuple(need) != tuple(x.placements):
+            x = x.redistribute(mesh, need)
+        x_pl, x_shape, x_local = need, x.shape, x.to_local()
+    else:
+        if any(_is_shard(p, 1, 2) for p in w.placements):
+            raise ValueError(
+                "x: a weight sharded over in_features (RowwiseParallel) needs a DTensor input "
+                "sharded on its last dim"
+            )
+        x_pl, x_shape, x_local = [Replicate()] * mesh.ndim, x.shape, x
+    y_pl: list[Placement] = []
+    for wp, xp in zip(w.placements, x_pl, strict=True):
+        if _is_shard(wp, 0, 2):
+            y_pl.append(Shard(nd - 1))
+        elif _is_shard(wp, 1, 2):
+            y_pl.append(Partial())
+        else:
+            y_pl.append(xp)
+    sharded = "".join(
+        role
+        for role, pls in (("x", x_pl), ("w", w.placements), ("g", y_pl))
+        if any(isinstance(p, Shard) for p in pls)
+    )
+    y_local = layer._gemm(x_local, w.to_local(), mesh, sharded)
+    shape = torch.Size((*x_shape[:-1], w.shape[0]))
+    y = DTensor.from_local(
+        y_local, mesh, y_pl, run_check=False, shape=shape, stride=_contiguous(shape)
+    )
+    b: Tensor | None = layer.bias
+    if b is None:
+        return y
+    if not isinstance(b, DTensor):
+        b = DTensor.from_local(b, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return y + b.to(y.dtype)
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(strides))

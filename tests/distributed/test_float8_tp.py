@@ -1,0 +1,46 @@
+"""Float8Linear under tensor and sequence parallelism: a 2-rank CPU mesh against one process.
+
+One launch (``_float8_worker.py case_tp``) trains, for 3 SGD steps, a float8 MLP under
+torch's ``ColwiseParallel`` + ``RowwiseParallel`` and a pre-norm transformer block under
+``SequenceParallel`` norms, :class:`Float8ColwiseParallel` (FP8 all-gather of the
+sequence-sharded input) for q/k/v and the MLP's up-projection and ``RowwiseParallel`` with
+sequence-sharded outputs; the same modules train on one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.distributed._float8_worker import launch
+
+pytestmark = pytest.mark.slow
+
+CASES = ("mlp-tensorwise", "mlp-delayed", "block-tensorwise", "block-delayed")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return launch("case_tp", tmp_path_factory.mktemp("tp"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp_matches_one_process(result: dict[str, Any], case: str) -> None:
+    # Every shard is quantized with the scale of the whole tensor (dynamic: the amax over
+    # the mesh; delayed: the history of the whole tensor's amax), so the FP8 operands are
+    # those of one process. What differs is the float32 order of the row-parallel partial
+    # sums and of the input-gradient sums: relative 1e-5 on the loss and the weights.
+    r = result[case]
+    assert r["tp"] == pytest.approx(r["ref"], rel=1e-5)
+    assert r["param_rel_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("case", ("block-tensorwise", "block-delayed"))
+def test_sequence_parallel_input_gathered_in_fp8(result: dict[str, Any], case: str) -> None:
+    # The q projection receives the gathered input as a ScaledTensor of E4M3 payloads
+    # (1 byte per element on the wire) equal, bit for bit, to one process quantizing the
+    # whole normalized input.
+    r = result[case]
+    assert r["q_in_dtype"] == "torch.float8_e4m3fn"
+    assert r["q_in_equal"]
