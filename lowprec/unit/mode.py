@@ -132,12 +132,12 @@ def _rule(cfg: UnitConfig, func: Any) -> Callable[..., Any] | None:
 
 def _name(func: Any) -> str:
     """``F.x``, ``torch.x`` or ``Tensor.x``: how the call reads in the model's code."""
-    mod = getattr(func, "__module__", "") or ""
     qual = str(getattr(func, "__qualname__", repr(func)))
-    if mod == "torch.nn.functional":
-        return "F." + qual
-    if "_VariableFunctions" in qual or mod == "torch":
-        return "torch." + qual.rpartition(".")[2]
+    short = qual.rpartition(".")[2]
+    if getattr(F, short, None) is func:
+        return "F." + short
+    if getattr(torch, short, None) is func:
+        return "torch." + short
     return qual
 
 

@@ -254,6 +254,8 @@ class Runtime:
         fr.skips[st.ordinal] = (x, skip)
 
     def _pre(self, name: str, module: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        if name == "<root>":  # a new forward (an earlier one may have raised mid-way)
+            self.reset()
         fr = _RFrame(name, self.plans.get(name))
         if any(st.skip is not None and st.skip[0] == "view" for st in (fr.steps or {}).values()):
             fr.locs = {}

@@ -86,8 +86,6 @@ def _unit_forward_class(cls: type[nn.Module]) -> type[nn.Module]:
     @functools.wraps(cls.forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         rt = self.__dict__.get("_unit_runtime")
-        if rt is not None:
-            rt.reset()
         with UnitMode(cast(UnitConfig, self._unit_config), rt):
             return super(new_cls, self).forward(*args, **kwargs)  # type: ignore[arg-type]
 

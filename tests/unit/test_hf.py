@@ -1,0 +1,246 @@
+"""lowprec.unit.unit_scale on HF transformers models (tiny configs, random init, no
+downloads): Llama (GQA, SDPA, RMSNorm), GPT-2 (Conv1D, dropout, tied embeddings), GPT-NeoX
+(parallel residual), BERT (post-norm, padding_idx); the unhandled-call report; reinit."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lowprec.unit import functional as U
+from lowprec.unit import recipe_param_groups, unit_scale
+from lowprec.unit.mode import UnitMode
+from lowprec.unit.umup import tag_params
+
+T = pytest.importorskip("transformers")
+
+V = 96
+
+
+@functools.cache
+def _llama() -> nn.Module:  # built once: unit_scale copies it
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+
+
+@functools.cache
+def _gpt2() -> nn.Module:  # built once: unit_scale copies it
+    return T.GPT2LMHeadModel(T.GPT2Config(
+        vocab_size=V, n_embd=64, n_layer=4, n_head=4, n_positions=64, attn_pdrop=0.1,
+        resid_pdrop=0.1, embd_pdrop=0.1, bos_token_id=0, eos_token_id=0))  # fmt: skip
+
+
+@functools.cache
+def _neox() -> nn.Module:  # built once: unit_scale copies it
+    return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+        vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=128))  # fmt: skip
+
+
+@functools.cache
+def _bert(tie: bool = True) -> nn.Module:
+    return T.BertForMaskedLM(T.BertConfig(
+        vocab_size=V, hidden_size=64, num_hidden_layers=2 if tie else 1, num_attention_heads=4,
+        intermediate_size=128, tie_word_embeddings=tie))  # fmt: skip
+
+
+def _layers(u: nn.Module) -> Any:
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "bert.encoder.layer"):
+        try:
+            return u.get_submodule(path)
+        except AttributeError:
+            continue
+    raise AssertionError("no layers")
+
+
+def _ids(b: int = 4, t: int = 32, seed: int = 0) -> Tensor:
+    return torch.randint(1, V, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    ("build", "n_res"), [(_llama, 8), (_gpt2, 8), (_neox, 4)], ids=["llama", "gpt2", "neox"]
+)
+def test_residual_stream_near_unit(build: Callable[[], nn.Module], n_res: int) -> None:
+    """Pre-norm models: every residual add is found (2 a layer; GPT-NeoX's parallel
+    attention + MLP is one, its branch sum a unit add) and the residual stream after every
+    layer has std in [0.7, 1.4] at init (the standard model's grows with depth; a missed
+    residual gives √2 per add)."""
+    torch.manual_seed(0)
+    u = unit_scale(build(), reinit=True)
+    rep = u.unit_report
+    assert len(rep["residual_adds"]) == n_res and rep["unsupported"] == [], rep
+    stds: list[float] = []
+    for layer in _layers(u):
+        layer.register_forward_hook(
+            lambda m, a, o: stds.append((o[0] if isinstance(o, tuple) else o).std().item())
+        )
+    u.eval()
+    with torch.no_grad():
+        out = u(input_ids=_ids(4, 16), labels=_ids(4, 16))
+    assert len(stds) == 4 and all(0.7 <= s <= 1.4 for s in stds), stds
+    # readout 1/fan_in: near-uniform logits, loss ≈ ln V (±0.1: logits std 1/8)
+    assert abs(out.loss.item() - math.log(V)) < 0.1
+
+
+def test_conversions_llama_gpt2() -> None:
+    """RMSNorm and Conv1D are converted (by what they compute) and compute the unit ops;
+    GPT-2's tied embedding is one parameter in one u-μP group."""
+    torch.manual_seed(0)
+    u = unit_scale(_llama(), reinit=True)
+    norms = [c for c in u.unit_report["converted_modules"] if "LlamaRMSNorm" in c]
+    assert len(norms) == 9  # 2 a layer + the final norm
+    x = torch.randn(8, 16, 64, requires_grad=True)
+    with UnitMode(u._unit_config):  # the mode the model's forward enters
+        y = u.model.norm(x)
+    w = u.model.norm.weight
+    torch.testing.assert_close(y, F.rms_norm(x, (64,), w, u.model.norm.variance_epsilon))
+    y.backward(torch.randn_like(y))
+    assert w.grad is not None and 0.8 <= w.grad.std().item() <= 1.25  # ∂w scaled 1/√B
+
+    g = unit_scale(_gpt2(), reinit=True)
+    assert sum("Conv1D: linear" in c for c in g.unit_report["converted_modules"]) == 16
+    fc = g.transformer.h[0].mlp.c_fc  # weight (in=64, out=256)
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(fc(x), x @ fc.weight + fc.bias)  # outside the mode: GPT-2's
+    with UnitMode(g._unit_config):
+        torch.testing.assert_close(fc(x), U.linear(x, fc.weight.t(), fc.bias))
+    assert g.lm_head.weight is g.transformer.wte.weight
+    groups = recipe_param_groups(g, 3e-3)
+    assert sum(len(gr["params"]) for gr in groups) == len(list(g.parameters()))
+    roles = tag_params(g)
+    assert roles["transformer.wte.weight"] == "embedding" and "lm_head.weight" not in roles
+    mult = {id(p): gr["lr_mult"] for gr in groups for p in gr["params"]}
+    # Conv1D's fan-in is its weight's shape[0]: c_fc 64, c_proj (256, 64) 256
+    ratio = mult[id(fc.weight)] / mult[id(g.transformer.h[0].mlp.c_proj.weight)]
+    assert ratio == pytest.approx(2.0)
+
+
+def _train(u: nn.Module, steps: int = 5, **kw: Tensor) -> list[float]:
+    opt = torch.optim.AdamW(recipe_param_groups(u, 3e-3), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = u(**kw).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [_llama, _gpt2, _neox, _bert], ids=["llama", "gpt2", "neox", "bert"])  # fmt: skip  # noqa: E501
+def test_trains(build: Callable[[], nn.Module]) -> None:
+    """A few u-μP AdamW steps on one batch: finite, falling loss (memorising 4 sequences:
+    a working model drops well over 0.1 nats in 5 steps)."""
+    torch.manual_seed(0)
+    u = unit_scale(build(), reinit=True)
+    ids = _ids(4, 16, seed=1)
+    if build is _bert:
+        labels = ids.clone()
+        labels[:, ::2] = -100  # masked-LM: half the positions count
+        am = torch.ones_like(ids)
+        am[0, -5:] = 0  # padding: a boolean mask into SDPA
+        losses = _train(u, input_ids=ids, labels=labels, attention_mask=am)
+    else:
+        losses = _train(u, input_ids=ids, labels=ids)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.1, losses
+
+
+def test_bert_post_norm_and_padding_row() -> None:
+    """Post-norm BERT: no pre-norm residual (its adds are normalised by the LayerNorm that
+    follows), the token + position + type embedding sum is unit, and the padding row's
+    gradient stays zero (untied: a tied output layer gives row 0 a gradient, as in torch)."""
+    torch.manual_seed(0)
+    u = unit_scale(_bert(False), reinit=True)
+    rep = u.unit_report
+    assert rep["residual_adds"] == [] and len(rep["unit_adds"]) == 2, rep
+    emb = u.bert.embeddings.word_embeddings
+    assert emb.padding_idx == 0 and torch.equal(emb.weight[0], torch.zeros(64))
+    ids = _ids(2, 16)
+    ids[:, -3:] = 0
+    out = u(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert emb.weight.grad is not None and torch.equal(emb.weight.grad[0], torch.zeros(64))
+
+
+class _Block(nn.Module):
+    """A block fx cannot trace (Python ``if`` on a tensor) whose attention passes a float
+    mask: a call the unit ops do not handle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.qkv = nn.LayerNorm(16), nn.Linear(16, 48)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.sum() < -1e9:
+            return x
+        q, k, v = self.qkv(self.ln(x)).unsqueeze(1).chunk(3, dim=-1)
+        mask = torch.zeros(x.shape[1], x.shape[1])
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).squeeze(1)
+
+
+class _Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.blk, self.head = nn.Embedding(32, 16), _Block(), nn.Linear(16, 32)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.blk(self.emb(idx))
+        if x.sum() < -1e9:
+            return x.sum()
+        return F.cross_entropy(self.head(x).flatten(0, 1), idx.flatten(), label_smoothing=0.1)
+
+
+def test_unhandled_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    """What is not handled is named with the module and the precise cause, in the report
+    and in ONE warning at transform time (not again at run time); the residual add of the
+    untraceable module is still found by running it; the loss keeps its true value."""
+    torch.manual_seed(0)
+    m = _Untraceable()
+    idx = torch.randint(0, 32, (2, 8))
+    with caplog.at_level(logging.WARNING, logger="lowprec.unit"):
+        u = unit_scale(m, reinit=True, example_inputs=(idx,))
+        loss = u(idx)
+        loss.backward()
+    rep = u.unit_report
+    assert len(rep["residual_adds"]) == 1
+    text = "\n".join(rep["unsupported"])
+    assert "blk: F.scaled_dot_product_attention called with" in text
+    assert "<root>: F.cross_entropy called with" in text
+    assert "attn_mask: a float (additive) mask" in text and "label_smoothing=0.1" in text
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "attn_mask: a float" in warnings[0].getMessage()
+    assert math.isfinite(loss.item())
+    with pytest.raises(NotImplementedError, match="attn_mask: a float"):
+        unit_scale(m, reinit=True, example_inputs=(idx,), strict=True)
+
+
+def test_reinit_required_and_gemma_style_norm_left() -> None:
+    """No silent discard of weights: without ``reinit=True`` unit_scale refuses. A norm
+    whose gain is ``(1 + w)`` matches no rule: left as it is, named with its cause."""
+
+    class OnePlusNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(8))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return F.rms_norm(x, (8,), None, 1e-6) * (1.0 + self.weight)
+
+    m = nn.Sequential(nn.Linear(8, 8), OnePlusNorm(), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="reinit=True"):
+        unit_scale(m)
+    u = unit_scale(m, reinit=True)
+    assert any(
+        s.startswith("1 (OnePlusNorm): parameters ['weight']") for s in u.unit_report["unsupported"]
+    )
+    assert torch.equal(u[1].weight, torch.zeros(8))  # its own init kept
