@@ -56,21 +56,21 @@ def _eps(m: nn.Module) -> float | None:
     return None
 
 
-def _rms_forward(self: nn.Module, x: Tensor) -> Tensor:
+def _rms_forward(self: Any, x: Tensor) -> Tensor:
     w = self.weight
     return F.rms_norm(x, (w.shape[0],), w.to(x.dtype), self._unit_eps)
 
 
-def _ln_forward(self: nn.Module, x: Tensor) -> Tensor:
+def _ln_forward(self: Any, x: Tensor) -> Tensor:
     w, b = self.weight, self.bias
     return F.layer_norm(x, (w.shape[0],), w.to(x.dtype), b.to(x.dtype), self._unit_eps or 1e-5)
 
 
-def _linear_t_forward(self: nn.Module, x: Tensor) -> Tensor:
+def _linear_t_forward(self: Any, x: Tensor) -> Tensor:
     return F.linear(x, self.weight.t(), self.bias)
 
 
-def _linear_forward(self: nn.Module, x: Tensor) -> Tensor:
+def _linear_forward(self: Any, x: Tensor) -> Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
@@ -82,7 +82,7 @@ _ACTS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-def _act_forward(self: nn.Module, x: Tensor) -> Tensor:
+def _act_forward(self: Any, x: Tensor) -> Tensor:
     return _ACTS[self._unit_form](x)
 
 

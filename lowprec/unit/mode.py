@@ -30,8 +30,8 @@ __all__ = ["UNIT_OPS", "UnitMode"]
 log = logging.getLogger("lowprec.unit")
 
 UNIT_OPS: dict[Any, Callable[..., Any]] = {}
-for _name in dir(U):
-    _f = getattr(U, _name)
+for _op_name in dir(U):
+    _f = getattr(U, _op_name)
     if callable(_f) and hasattr(_f, "__wrapped__"):
         UNIT_OPS[_f] = _f.__wrapped__
 UNIT_OPS[scale_fwd] = scale_fwd.__wrapped__  # type: ignore[attr-defined]
