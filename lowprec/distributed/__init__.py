@@ -5,8 +5,18 @@ sharded checkpoints — built on torch's own machinery (``fully_shard``, DTensor
 """
 
 # float8 under torch.distributed: FP8 all-gather (FSDP2), tensor parallel, scaling state.
+# data parallelism for every recipe (FSDP2, DDP), torchrun's process group, DCP checkpoints.
+from lowprec.distributed import checkpoint
+from lowprec.distributed.env import init
 from lowprec.distributed.float8_fsdp import enable_fp8_all_gather, fp8_all_gather_eligible
 from lowprec.distributed.float8_tp import Float8ColwiseParallel
+from lowprec.distributed.parallel import (
+    PARALLEL,
+    fsdp_units,
+    mixed_precision_policy,
+    prepare,
+    shard,
+)
 from lowprec.distributed.scaling_sync import (
     attach_scaling_sync,
     scaling_state,
@@ -14,10 +24,17 @@ from lowprec.distributed.scaling_sync import (
 )
 
 __all__ = [
+    "PARALLEL",
     "Float8ColwiseParallel",
     "attach_scaling_sync",
+    "checkpoint",
     "enable_fp8_all_gather",
     "fp8_all_gather_eligible",
+    "fsdp_units",
+    "init",
+    "mixed_precision_policy",
+    "prepare",
     "scaling_state",
+    "shard",
     "sync_scaling_state",
 ]

@@ -61,10 +61,29 @@ def is_sharded(prepared: Prepared) -> bool:
     return any(isinstance(p, DTensor) for p in prepared.model.parameters())
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a plain local tensor: a DTensor whose local shard is a tensor subclass
+    (an FP8 all-gather weight wrapping its FP32 master) as the same DTensor over the
+    wrapped tensor (shares its memory), which DCP can write and read."""
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        if type(local) is not torch.Tensor and hasattr(local, "__tensor_flatten__"):
+            names, _ = local.__tensor_flatten__()
+            return DTensor.from_local(
+                getattr(local, names[0]),
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+    return t
+
+
 def _flatten(obj: Any, path: str, out: dict[str, Any]) -> Any:
     """``obj`` with every tensor replaced by a marker of its key; the tensors go to ``out``."""
     if isinstance(obj, torch.Tensor):
-        out[path] = obj
+        out[path] = _plain(obj)
         return _TENSOR + path
     if isinstance(obj, dict):
         return {k: _flatten(v, f"{path}/{k}", out) for k, v in obj.items()}

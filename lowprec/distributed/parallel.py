@@ -49,6 +49,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lowprec.amp import MasterWeights
+from lowprec.distributed.float8_fsdp import enable_fp8_all_gather
+from lowprec.distributed.scaling_sync import attach_scaling_sync
 from lowprec.recipes import compose
 from lowprec.recipes.prepared import OptimizerFactory, Prepared, _factory_lr
 from lowprec.recipes.presets import get_recipe
@@ -96,12 +98,6 @@ def mixed_precision_policy(recipe: str | Recipe) -> MixedPrecisionPolicy:
 def _check_recipe(r: Recipe, parallel: str) -> None:
     if parallel != "fsdp":
         return
-    if r.scalify is not None:
-        raise ValueError(
-            f"recipe: {r.name!r} (scalify) runs with parallel='ddp' only: scalify's "
-            "parameters receive ScaledTensor gradients (payload and scale), which FSDP2's "
-            "reduce-scatter of flat plain-tensor shards cannot carry; use parallel='ddp'"
-        )
     if r.stochastic_rounding:
         raise ValueError(
             f"recipe: {r.name!r} rounds master weights stochastically; under FSDP2 the "
@@ -117,6 +113,7 @@ def shard(
     mesh: DeviceMesh | None = None,
     units: Callable[[nn.Module], Iterable[nn.Module]] = fsdp_units,
     ddp_kwargs: dict[str, Any] | None = None,
+    fp8_all_gather: bool = True,
 ) -> nn.Module:
     """Step 2 of the order (see the module docstring): shard ``model``, to which the
     recipe's technique has already been applied.
@@ -125,19 +122,33 @@ def shard(
     ``fully_shard(unit, mesh=mesh, mp_policy=mixed_precision_policy(recipe))`` for each of
     ``units(model)`` and the root; returns ``model`` itself (now an ``FSDPModule``).
     ``"ddp"``: returns ``DistributedDataParallel(model, **ddp_kwargs)``.
+
+    With a float8 recipe, the scaling state (delayed amax histories, calibration maxima)
+    is reduced with MAX over the ranks after every backward
+    (:func:`lowprec.distributed.scaling_sync.attach_scaling_sync`), so every rank uses
+    the same scales; under FSDP2 the eligible float8 weights are all-gathered in FP8
+    (:func:`lowprec.distributed.float8_fsdp.enable_fp8_all_gather`; ``fp8_all_gather=False``
+    gathers them in ``param_dtype``).
     """
     _check_group()
     r = get_recipe(recipe)
     mode = _check_parallel(parallel)
     _check_recipe(r, mode)
+    if mode == "fsdp":
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():  # the master copy starts from the cast weights
+                    p.data = p.data.to(r.torch_dtype).to(torch.float32)
+    if r.float8 is not None:
+        attach_scaling_sync(model)
+        if mode == "fsdp" and fp8_all_gather:
+            enable_fp8_all_gather(model)
     if mode == "ddp":
         return DistributedDataParallel(model, **(ddp_kwargs or {}))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():  # the master copy starts from the cast weights
-                p.data = p.data.to(r.torch_dtype).to(torch.float32)
     policy = mixed_precision_policy(r)
-    for unit in units(model):
+    # scalify: the Scalified wrapper is the one unit (a module sharded inside it would
+    # gather parameters that bypass scaled arithmetic).
+    for unit in units(model) if r.scalify is None else ():
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
@@ -153,6 +164,7 @@ def prepare(
     mesh: DeviceMesh | None = None,
     units: Callable[[nn.Module], Iterable[nn.Module]] = fsdp_units,
     ddp_kwargs: dict[str, Any] | None = None,
+    fp8_all_gather: bool = True,
 ) -> Prepared:
     """:func:`lowprec.recipes.prepare` under ``torch.distributed``: apply the technique,
     shard (:func:`shard`), then build the optimizer and the loss scaler on the sharded
@@ -161,9 +173,10 @@ def prepare(
     ``parallel``: ``"fsdp"`` (FSDP2, FP32 sharded masters, see the module docstring) or
     ``"ddp"``. ``mesh``: FSDP2's device mesh (default: every rank). ``units``: the
     modules sharded before the root (default :func:`fsdp_units`). ``ddp_kwargs``: extra
-    arguments of ``DistributedDataParallel``. u-μP parameter groups (unit recipes) keep
-    their ``lr_mult`` on the sharded parameters. Under ``"fsdp"`` the returned
-    :class:`~lowprec.recipes.Prepared` has a plain optimizer (no ``MasterWeights``).
+    arguments of ``DistributedDataParallel``. ``fp8_all_gather``: see :func:`shard`.
+    u-μP parameter groups (unit recipes) keep their ``lr_mult`` on the sharded parameters.
+    Under ``"fsdp"`` the returned :class:`~lowprec.recipes.Prepared` has a plain
+    optimizer (no ``MasterWeights``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -182,7 +195,15 @@ def prepare(
         else None
     )
     # 2. shard
-    wrapped = shard(model, r, mode, mesh=mesh, units=units, ddp_kwargs=ddp_kwargs)  # type: ignore[arg-type]
+    wrapped = shard(
+        model,
+        r,
+        mode,  # type: ignore[arg-type]
+        mesh=mesh,
+        units=units,
+        ddp_kwargs=ddp_kwargs,
+        fp8_all_gather=fp8_all_gather,
+    )
     # 3. optimizer and scaler, on the parameters sharding left
     now = dict(model.named_parameters())
     params: list[Any]
