@@ -206,6 +206,9 @@ def _float8_mm_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
             "operands (needs CUDA sm89+, tensor/axis scales, E4M3/E5M2, dims % 16 == 0); "
             "emulating (reported once)",
         )
+    # Below the autocast dispatch keys: these GEMMs run in ``ed`` whatever the caller's
+    # autocast. (A plain mm in Float8Linear's backward, compiled under FP16 autocast, ran in
+    # FP16 and overflowed on E5M2 x E4M3 payload products: tests/float8/test_autocast_compile.py)
     if ka in ("tensor", "axis") and kb in ("tensor", "axis"):
         # The hardware formula: integer-like products of the narrow values, scaled after.
         raw = (a.qdata.to(ed) @ b.qdata.to(ed)).float()

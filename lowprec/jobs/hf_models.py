@@ -26,6 +26,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 
 from lowprec.amp import cross_entropy_fp32
@@ -113,6 +114,12 @@ class CausalLM(nn.Module):
         super().__init__()
         self.model = model
         self.seq_len = seq_len
+
+    @property
+    def dummy_inputs(self) -> dict[str, Tensor]:
+        """Example inputs, as HF models carry them (what ``unit_scale`` runs once)."""
+        p = next(self.model.parameters())
+        return {"idx": torch.zeros(2, self.seq_len, dtype=torch.long, device=p.device)}
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         if idx.dim() != 2:

@@ -1,0 +1,262 @@
+"""Model × technique matrix: every technique trains HF transformers architectures.
+
+Models (tiny configs, random init, no downloads; width 32, 2 layers, 4 heads, 16 tokens):
+
+* ``llama``: pre-norm RMSNorm, grouped-query attention (2 key/value heads), SDPA;
+* ``gpt2``: pre-norm, ``Conv1D`` linears, dropout 0.1, SDPA, tied embeddings;
+* ``gpt_neox``: pre-norm, parallel residual branches, eager attention;
+* ``bert``: encoder, post-norm, masked-LM head.
+
+Techniques: ``unit_scale``, float8 with every preset, scalify fp16 and fp8, and ``prepare``
+with every recipe. Each case trains a few steps on one fixed batch (memorising it): the loss
+is finite at every step and lower at the end than at the start. Besides:
+
+* unit scaling: the residual stream (every layer's output) has std in [0.7, 1.4] at init
+  for the pre-norm models (and the same measurement of the plain model is far below, so the
+  check can fail);
+* float8: the number of converted layers equals the linear-like layers of the architecture;
+* scalify: the gradients match FP32's within the bound of the data format.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lowprec.float8 import Float8Linear, calibrate, convert_to_float8, recipe_names
+from lowprec.jobs.hf_models import CausalLM, build_hf_model
+from lowprec.jobs.model import ModelConfig
+from lowprec.recipes import prepare
+from lowprec.recipes import recipe_names as prepare_recipes
+from lowprec.recipes.step import Plain, train_step
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, WIDTH, DEPTH, HEADS, SEQ, BATCH = 48, 32, 2, 4, 16, 4
+STEPS = 4
+CFG = ModelConfig(vocab_size=VOCAB, width=WIDTH, depth=DEPTH, heads=HEADS, seq_len=SEQ)
+
+
+class _MaskedLM(nn.Module):
+    """BERT with the (idx, targets) -> (logits, loss) contract of the training loop."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    @property
+    def dummy_inputs(self) -> dict[str, Tensor]:
+        return {"idx": torch.zeros(2, SEQ, dtype=torch.long)}
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        logits: Tensor = self.model(input_ids=idx).logits
+        loss = None
+        if targets is not None:
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def _bert() -> nn.Module:
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        num_hidden_layers=DEPTH,
+        num_attention_heads=HEADS,
+        intermediate_size=4 * WIDTH,
+        max_position_embeddings=SEQ,
+        pad_token_id=0,
+    )
+    return _MaskedLM(transformers.BertForMaskedLM(cfg))
+
+
+BUILDERS: dict[str, Callable[[], nn.Module]] = {
+    "llama": lambda: build_hf_model("llama", CFG),
+    "gpt2": lambda: build_hf_model("gpt2", CFG),
+    "gpt_neox": lambda: build_hf_model("gpt_neox", CFG, attn_implementation="eager"),
+    "bert": _bert,
+}
+PRE_NORM = ("llama", "gpt2", "gpt_neox")
+# Linear-like layers (x W + b) by structure: per layer, plus the heads.
+LINEARS = {
+    "llama": 7 * DEPTH + 1,  # q, k, v, o, gate, up, down; lm_head
+    "gpt2": 4 * DEPTH + 1,  # Conv1D c_attn, c_proj, mlp.c_fc, mlp.c_proj; lm_head (tied)
+    "gpt_neox": 4 * DEPTH + 1,  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h; embed_out
+    "bert": 6 * DEPTH + 2,  # q, k, v, attention out, intermediate, output; transform, decoder
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """Tiny GEMMs: one intra-op thread is faster, and immune to a busy machine's
+    oversubscription (measured 10x on 2 shared cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return BUILDERS[name]().train()
+
+
+def _batch() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(1, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _train(run: Any, lr: float | None = None) -> list[float]:
+    """``STEPS`` steps on the fixed batch; the losses (finite, falling) are asserted."""
+    x, y = _batch()
+    losses = []
+    for _ in range(STEPS):
+        r = train_step(run, x, y, lr)
+        losses.append(float(r.loss.detach()))
+        assert not r.skipped, (losses, r.nonfinite)
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0], losses
+    return losses
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    """The list of transformer layers (the one ``nn.ModuleList`` of ``DEPTH`` modules)."""
+    found = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == DEPTH]
+    assert found, "no ModuleList of the model's layers"
+    return found[0]
+
+
+@torch.no_grad()
+def _residual_stds(model: nn.Module) -> list[float]:
+    """Std of the residual stream after every layer, at init, on the fixed batch."""
+    stds: list[float] = []
+
+    def hook(mod: nn.Module, args: Any, out: Any) -> None:
+        h = out[0] if isinstance(out, (tuple, list)) else out
+        stds.append(float(h.float().std()))
+
+    handles = [layer.register_forward_hook(hook) for layer in _layers(model)]
+    try:
+        model(*_batch())
+    finally:
+        for h in handles:
+            h.remove()
+    return stds
+
+
+MODELS = list(BUILDERS)
+
+
+# ---- unit scaling --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_unit_scale(name: str) -> None:
+    from lowprec.unit import umup_param_groups, unit_scale
+
+    model = _model(name)
+    plain = _residual_stds(model)
+    x, y = _batch()
+    unit = unit_scale(model, reinit=True, example_inputs=(x, y))
+    if name in PRE_NORM:
+        stds = _residual_stds(unit)
+        assert len(stds) == DEPTH
+        assert all(0.7 <= s <= 1.4 for s in stds), stds
+        assert max(plain) < 0.7, plain  # HF's N(0, 0.02) init: the check can fail
+    opt = torch.optim.AdamW(umup_param_groups(unit, lr=2**-4))
+    _train(Plain(unit, opt))
+
+
+# ---- float8 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", recipe_names())
+@pytest.mark.parametrize("name", MODELS)
+def test_float8(name: str, preset: str) -> None:
+    model = convert_to_float8(_model(name), preset)
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) == LINEARS[name]
+    x, y = _batch()
+    if any(isinstance(m, Float8Linear) and m.needs_calibration for m in model.modules()):
+        with calibrate(model):  # the static preset: scales from one batch, then frozen
+            loss = model(x, y)[1]
+            assert loss is not None
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+    _train(Plain(model, torch.optim.AdamW(model.parameters(), lr=1e-2)))
+
+
+# ---- scalify --------------------------------------------------------------------------------
+
+# Relative L2 error of the gradients against FP32 (whole model, and per tensor against the
+# larger of its norm and 1e-3 of the whole): fp16 rounds every op's data to 11 bits
+# (u = 2^-11 ≈ 4.9e-4), a few tens of roundings in series: 2e-2 (≈ 40 u). fp8 rounds the
+# matmul inputs to E4M3 (u = 2^-4) and their gradients to E5M2 (u = 2^-3): a GEMM of random
+# signs keeps ≈ u/√3 relative error per rounded operand, a few in series: 0.35.
+SCALIFY_BOUND = {"fp16": 2e-2, "fp8": 0.35}
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("name", MODELS)
+def test_scalify(name: str, fmt: str) -> None:
+    from lowprec.scalify import scalify
+
+    model = _model(name).eval()  # no dropout: the gradients are compared
+    ref = copy.deepcopy(model)
+    x, y = _batch()
+    ref(x, y)[1].backward()
+    sm = scalify(model, fmt)
+    sm(x, y)[1].backward()
+    g_ref = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    got = dict(model.named_parameters())
+    total = torch.cat([g.flatten() for g in g_ref.values()]).norm()
+    err = torch.cat([(got[n].grad - g).flatten() for n, g in g_ref.items()])  # type: ignore[operator]
+    bound = SCALIFY_BOUND[fmt]
+    assert float(err.norm() / total) < bound
+    for n, g in g_ref.items():
+        gg = got[n].grad
+        assert gg is not None and bool(torch.isfinite(gg).all()), n
+        floor = max(float(g.norm()), 1e-3 * float(total))
+        assert float((gg - g).norm()) <= bound * floor, n
+    model.zero_grad(set_to_none=True)
+    model.train()
+    _train(Plain(sm, torch.optim.AdamW(model.parameters(), lr=1e-2)))
+
+
+# ---- prepare with every recipe ----------------------------------------------------------------
+
+
+# Recipes that exist to show a failure (their description says so): the negative controls.
+# fp16-pure keeps Adam's state in FP16, where eps = 1e-8 underflows to 0: 0/0 on the first
+# update of any weight whose gradient rounds to zero, so the weights turn NaN.
+FAILS_BY_DESIGN = ("fp16-pure",)
+
+
+@pytest.mark.parametrize("recipe", prepare_recipes())
+@pytest.mark.parametrize("name", MODELS)
+def test_prepare(name: str, recipe: str) -> None:
+    # lr 3e-3: lowprec train's default; the unit recipes map it to u-μP's rates (lr_mult)
+    run = prepare(_model(name), recipe, lambda ps: torch.optim.AdamW(ps, lr=3e-3))
+    if recipe in FAILS_BY_DESIGN:
+        with pytest.raises(AssertionError):
+            _train(run)
+        return
+    _train(run)
+
+
+def test_causal_lm_contract() -> None:
+    """The adapter's loss is HF's own next-token loss (labels shifted inside HF) on the same
+    logits, up to FP32 summation order."""
+    model = _model("llama").eval()
+    assert isinstance(model, CausalLM)
+    seq = _batch()[0]
+    logits, loss = model(seq[:, :-1], seq[:, 1:])
+    hf = model.model(input_ids=seq, labels=seq)
+    torch.testing.assert_close(logits, hf.logits[:, :-1])
+    assert loss is not None
+    torch.testing.assert_close(loss, hf.loss, rtol=1e-5, atol=1e-6)
