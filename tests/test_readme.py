@@ -28,6 +28,7 @@ PUBLIC = {
     "lowprec.scalify",
     "lowprec.analysis",
     "lowprec.recipes",
+    "lowprec.distributed",
 }
 
 

@@ -4,8 +4,9 @@ sharded checkpoints — built on torch's own machinery (``fully_shard``, DTensor
 ``torch.distributed.tensor.parallel``, ``torch.distributed.checkpoint``, ``torchrun``).
 """
 
-# float8 under torch.distributed: FP8 all-gather (FSDP2), tensor parallel, scaling state.
-# data parallelism for every recipe (FSDP2, DDP), torchrun's process group, DCP checkpoints.
+# Data parallelism for every recipe (FSDP2, DDP), torchrun's process group, DCP checkpoints
+# (parallel, env, checkpoint); float8 under torch.distributed: FP8 all-gather (FSDP2),
+# tensor parallel, scaling state (float8_fsdp, float8_tp, scaling_sync).
 from lowprec.distributed import checkpoint
 from lowprec.distributed.env import init
 from lowprec.distributed.float8_fsdp import enable_fp8_all_gather, fp8_all_gather_eligible
