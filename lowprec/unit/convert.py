@@ -6,9 +6,9 @@ modules with parameters are recognised by what they compute, never by their clas
 *probe* runs the module once on a random input, with a random ``weight`` (restored after),
 and compares the output with a candidate formula:
 
-* norm-like (1-D ``weight``, optional 1-D ``bias``): ``F.rms_norm`` or ``F.layer_norm``
-  with the module's ``eps``/``variance_epsilon``/``epsilon`` (HF's ``LlamaRMSNorm``, T5's
-  norm, ...);
+* norm-like (1-D ``weight``, optional 1-D ``bias``): ``F.rms_norm`` (gain ``w``, or
+  ``1 + w`` as Gemma's) or ``F.layer_norm`` with the module's ``eps``/``variance_epsilon``/
+  ``epsilon`` (HF's ``LlamaRMSNorm``, T5's norm, ...);
 * linear-like (2-D ``weight``, optional 1-D ``bias``): ``x @ W + b`` (HF's ``Conv1D``,
   weight ``(in, out)``) or ``x Wᵀ + b`` (a custom linear);
 * activation-like (no parameters, not a ``torch.nn`` class): ``gelu`` (exact or tanh:
@@ -17,7 +17,8 @@ and compares the output with a candidate formula:
 A match swaps the module's class for a subclass whose ``forward`` calls that formula as
 the ``F`` op (``F.rms_norm``, ``F.linear(x, Wᵀ, b)``, ...), so the unit mode turns it into
 the unit op; parameters, names and ``state_dict`` keys are unchanged. A module that
-matches no formula (e.g. Gemma's ``(1 + w)`` gain) is left as it is and reported.
+matches no formula (e.g. a norm by the L2 norm, ``x/‖x‖·w``) is left as it is and
+reported.
 
 Example:
     >>> from torch import nn
@@ -61,6 +62,11 @@ def _rms_forward(self: Any, x: Tensor) -> Tensor:
     return F.rms_norm(x, (w.shape[0],), w.to(x.dtype), self._unit_eps)
 
 
+def _rms1p_forward(self: Any, x: Tensor) -> Tensor:
+    w = self.weight
+    return F.rms_norm(x, (w.shape[0],), 1.0 + w.to(x.dtype), self._unit_eps)
+
+
 def _ln_forward(self: Any, x: Tensor) -> Tensor:
     w, b = self.weight, self.bias
     return F.layer_norm(x, (w.shape[0],), w.to(x.dtype), b.to(x.dtype), self._unit_eps or 1e-5)
@@ -99,6 +105,7 @@ def _probe_act(m: nn.Module) -> str | None:
 
 _FORMS: dict[str, tuple[Callable[..., Tensor], dict[str, Any]]] = {
     "rms_norm": (_rms_forward, {"_unit_role": "norm"}),
+    "rms_norm (1 + w)": (_rms1p_forward, {"_unit_role": "norm"}),
     "layer_norm": (_ln_forward, {"_unit_role": "norm"}),
     "linear (x @ W + b, W (in, out))": (_linear_t_forward, {"_unit_weight_in_dim": 0}),
     "linear (x Wᵀ + b)": (_linear_forward, {}),
@@ -135,6 +142,7 @@ def _probe(m: nn.Module) -> str | None:
             x = rand(5, w.shape[0]) * 3.0
             if b is None:
                 cands.append(("rms_norm", x, lambda x: F.rms_norm(x, w.shape, w, eps)))
+                cands.append(("rms_norm (1 + w)", x, lambda x: F.rms_norm(x, w.shape, 1 + w, eps)))
             else:
                 ln_eps = 1e-5 if eps is None else eps
                 cands.append(("layer_norm", x, lambda x: F.layer_norm(x, w.shape, w, b, ln_eps)))
@@ -218,9 +226,9 @@ def reinit(model: nn.Module) -> list[str]:
                     m.weight[pad].zero_()
                 if isinstance(getattr(m, "bias", None), Tensor):
                     nn.init.zeros_(m.bias)
-            elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or form.endswith("norm"):
-                if getattr(m, "weight", None) is not None:
-                    nn.init.ones_(m.weight)
+            elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or "norm" in form:
+                if getattr(m, "weight", None) is not None:  # gain 1: w = 1, or 0 in (1 + w)
+                    (nn.init.zeros_ if "1 + w" in form else nn.init.ones_)(m.weight)
                 if isinstance(getattr(m, "bias", None), Tensor):
                     nn.init.zeros_(m.bias)
             elif any(True for _ in m.parameters(recurse=False)):

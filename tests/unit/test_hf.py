@@ -224,23 +224,29 @@ def test_unhandled_named_once(caplog: pytest.LogCaptureFixture) -> None:
         unit_scale(m, reinit=True, example_inputs=(idx,), strict=True)
 
 
-def test_reinit_required_and_gemma_style_norm_left() -> None:
-    """No silent discard of weights: without ``reinit=True`` unit_scale refuses. A norm
-    whose gain is ``(1 + w)`` matches no rule: left as it is, named with its cause."""
+def test_reinit_required_and_unknown_norm_left() -> None:
+    """No silent discard of weights: without ``reinit=True`` unit_scale refuses. A Gemma
+    ``(1 + w)`` norm is converted (``w`` re-initialised to 0: gain 1); a norm by the L2
+    norm (``x/‖x‖·w``) matches no rule: left as it is, named with its cause."""
 
     class OnePlusNorm(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.weight = nn.Parameter(torch.zeros(8))
+            self.weight = nn.Parameter(torch.full((8,), 0.3))
 
         def forward(self, x: Tensor) -> Tensor:
             return F.rms_norm(x, (8,), None, 1e-6) * (1.0 + self.weight)
 
-    m = nn.Sequential(nn.Linear(8, 8), OnePlusNorm(), nn.Linear(8, 4))
+    class L2Norm(OnePlusNorm):
+        def forward(self, x: Tensor) -> Tensor:
+            return F.normalize(x, dim=-1) * self.weight
+
+    m = nn.Sequential(nn.Linear(8, 8), OnePlusNorm(), L2Norm(), nn.Linear(8, 4))
     with pytest.raises(ValueError, match="reinit=True"):
         unit_scale(m)
     u = unit_scale(m, reinit=True)
-    assert any(
-        s.startswith("1 (OnePlusNorm): parameters ['weight']") for s in u.unit_report["unsupported"]
-    )
-    assert torch.equal(u[1].weight, torch.zeros(8))  # its own init kept
+    assert u.unit_report["converted_modules"] == ["1 (OnePlusNorm: rms_norm)"]
+    assert torch.equal(u[1].weight, torch.zeros(8))
+    left = [s for s in u.unit_report["unsupported"] if s.startswith("2 (L2Norm)")]
+    assert len(left) == 1 and "matches no unit rule" in left[0]
+    assert torch.equal(u[2].weight, torch.full((8,), 0.3))  # its own weights kept
