@@ -290,6 +290,25 @@ def refresh(group: _Group, mesh: DeviceMesh) -> None:
         s.key = _key(d, m)
 
 
+def _plain_state_dict(module: nn.Module, sd: dict[str, Any], prefix: str, meta: Any) -> None:
+    """``state_dict()`` holds the master weight itself (a plain tensor, or a DTensor of
+    plain local shards, sharing storage): checkpoints (``torch.save``, DCP) never see the
+    wrapper, and a checkpoint loads into a model with or without FP8 all-gather."""
+    key = prefix + "weight"
+    v = sd.get(key)
+    if isinstance(v, DTensor) and isinstance(v._local_tensor, Float8AllGatherWeight):
+        sd[key] = DTensor.from_local(
+            v._local_tensor._hp,
+            v.device_mesh,
+            v.placements,
+            run_check=False,
+            shape=v.shape,
+            stride=v.stride(),
+        )
+    elif isinstance(v, Float8AllGatherWeight):
+        sd[key] = v._hp
+
+
 def fp8_all_gather_eligible(layer: Float8Linear) -> bool:
     """True when ``layer``'s weight can be all-gathered in its narrow format: tensor
     granularity with dynamic or delayed scaling (see the module docstring)."""
@@ -328,6 +347,7 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
         m.weight = nn.Parameter(
             Float8AllGatherWeight(w.detach(), slot, group), requires_grad=w.requires_grad
         )
+        m.register_state_dict_post_hook(_plain_state_dict)  # type: ignore[no-untyped-call]
     if skipped:
         warn_once(
             log,

@@ -7,6 +7,7 @@ its one-process reference (on every rank, the same), so the tests compare number
 from __future__ import annotations
 
 import copy
+import io
 import json
 import sys
 from typing import Any
@@ -126,8 +127,12 @@ def fsdp_run(recipe: str, fp8: bool, param_dtype: torch.dtype | None = None) -> 
         lt = loss.detach().clone()
         dist.all_reduce(lt)
         losses.append(lt.item() / 2)
+    sd = m.state_dict()  # plain master shards: torch.save and DCP never see the wrapper
+    torch.save(sd, io.BytesIO())
+    plain = all(type(getattr(v, "_local_tensor", v)) is torch.Tensor for v in sd.values())
     return {
         "losses": losses,
+        "plain_state_dict": plain,
         "bytes": CountingAllGather.bytes,
         "reductions": fp8_all_gather_reductions(m) if fp8 else 0,
         "buffers": all_ranks(buffers(m)),
@@ -330,7 +335,11 @@ def main() -> None:
     case, path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     try:
-        result = {"case_fsdp": case_fsdp, "case_tp": case_tp, "case_sync": case_sync}[case]()
+        cases = {"case_fsdp": case_fsdp, "case_tp": case_tp, "case_sync": case_sync}
+        if case == "all":  # one launch for the three test files: processes start once
+            result = {name: fn() for name, fn in cases.items()}
+        else:
+            result = cases[case]()
         if dist.get_rank() == 0:
             with open(path, "w") as f:
                 json.dump(result, f, default=lambda t: t.tolist())
@@ -340,6 +349,18 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+_RESULTS: dict[str, Any] = {}
+
+
+def results(case: str, tmp_path_factory: Any) -> dict[str, Any]:
+    """``case``'s result from one 2-process launch of every case, shared by the test files
+    of a pytest session."""
+    if not _RESULTS:
+        _RESULTS.update(launch("all", tmp_path_factory.mktemp("float8_dist")))
+    out: dict[str, Any] = _RESULTS[case]
+    return out
 
 
 def launch(case: str, out_dir: Any) -> dict[str, Any]:

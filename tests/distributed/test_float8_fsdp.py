@@ -1,6 +1,7 @@
 """FP8 all-gather of Float8Linear weights under FSDP2: 2 processes (gloo) against one.
 
-One launch (``_float8_worker.py case_fsdp``) trains a 3-layer float8 MLP (no biases, so
+The case ``case_fsdp`` of ``_float8_worker.py`` (one 2-process launch shared by the float8
+distributed test files) trains a 3-layer float8 MLP (no biases, so
 every gathered byte is a float8 weight) for 3 steps with ``fully_shard`` on each layer and
 the root: once gathering the FP32 shards, once with :func:`enable_fp8_all_gather`, and
 the one-process reference.
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.distributed._float8_worker import STEPS, launch
+from tests.distributed._float8_worker import STEPS, results
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,7 @@ RECIPES = ("tensorwise", "delayed")
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return launch("case_fsdp", tmp_path_factory.mktemp("fsdp"))
+    return results("case_fsdp", tmp_path_factory)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -32,6 +33,7 @@ def test_fp8_gather_is_bit_identical_to_fp32_gather(result: dict[str, Any], reci
     assert r["fp8"]["losses"] == r["fp32"]["losses"]
     assert r["fp8"]["type"] == "ScaledTensor" and r["fp8"]["dtype"] == "torch.float8_e4m3fn"
     assert r["fp32"]["type"] != "ScaledTensor" and r["fp32"]["dtype"] == "torch.float32"
+    assert r["fp8"]["plain_state_dict"]  # checkpoints hold the plain FP32 master shards
     # The gathered payload equals one process's quantized weight, bit for bit.
     assert r["w0_equal"]
 

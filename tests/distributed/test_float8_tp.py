@@ -1,6 +1,7 @@
 """Float8Linear under tensor and sequence parallelism: a 2-rank CPU mesh against one process.
 
-One launch (``_float8_worker.py case_tp``) trains, for 3 SGD steps, a float8 MLP under
+The case ``case_tp`` of ``_float8_worker.py`` (one 2-process launch shared by the float8
+distributed test files) trains, for 3 SGD steps, a float8 MLP under
 torch's ``ColwiseParallel`` + ``RowwiseParallel`` and a pre-norm transformer block under
 ``SequenceParallel`` norms, :class:`Float8ColwiseParallel` (FP8 all-gather of the
 sequence-sharded input) for q/k/v and the MLP's up-projection and ``RowwiseParallel`` with
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.distributed._float8_worker import launch
+from tests.distributed._float8_worker import results
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,7 @@ CASES = ("mlp-tensorwise", "mlp-delayed", "block-tensorwise", "block-delayed")
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return launch("case_tp", tmp_path_factory.mktemp("tp"))
+    return results("case_tp", tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,6 +1,7 @@
 """The same float8 scaling state on every rank (2 processes, gloo, different data per rank).
 
-One launch (``_float8_worker.py case_sync``) trains a delayed-scaling float8 MLP for 3
+The case ``case_sync`` of ``_float8_worker.py`` (one 2-process launch shared by the float8
+distributed test files) trains a delayed-scaling float8 MLP for 3
 steps under DDP with and without :func:`attach_scaling_sync`, and under FSDP2 with it;
 then calibrates a static recipe on different data per rank and calls
 :func:`sync_scaling_state`.
@@ -12,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from tests.distributed._float8_worker import launch
+from tests.distributed._float8_worker import results
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return launch("case_sync", tmp_path_factory.mktemp("sync"))
+    return results("case_sync", tmp_path_factory)
 
 
 @pytest.mark.parametrize("mode", ("ddp", "fsdp"))
