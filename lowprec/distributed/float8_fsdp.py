@@ -27,14 +27,14 @@ re-gather in backward reuses the forward's scale. No call by the user is needed;
 delayed weight the global ``amax`` is recorded in ``weight_amax_history`` once per
 weight update in training mode (as a single process records it once per forward).
 
-**Which layouts gather in the narrow format.** Only weights whose one quantization
-serves all three GEMMs: ``tensor`` granularity with ``dynamic`` or ``delayed`` scaling
-(the presets ``tensorwise``, ``delayed``, ``static`` — whose weight is dynamic). Row-wise,
-``1x128`` and MX weight scales are laid along the contracted dimension, which differs
-between the forward GEMM (``K`` = in-features) and the input-gradient GEMM
-(``N`` = out-features): that GEMM needs the weight quantized along the other dimension,
-which the FP8 payload no longer allows without a second rounding. Those weights (and
-static weights) stay in their own dtype for the gather, with a WARNING once.
+**Which layouts gather in the narrow format.** Weights whose one quantization serves all
+three GEMMs: ``tensor`` granularity with ``dynamic`` or ``delayed`` scaling (the presets
+``tensorwise``, ``delayed``, ``static`` — whose weight is dynamic). Row-wise, ``1x128``
+and MX weight scales are laid along the contracted dimension, which differs between the
+forward GEMM (``K`` = in-features) and the input-gradient GEMM (``N`` = out-features), so
+one narrow payload cannot serve both without a second rounding; those weights, ``128x128``
+block weights and static weights stay in their own dtype for the gather, with a WARNING
+once (``docs/distributed.md`` says what a narrow gather of them would take).
 """
 
 from __future__ import annotations
@@ -352,8 +352,8 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
         warn_once(
             log,
             f"float8-fsdp-skip:{','.join(sorted(set(s.split(' ', 1)[1] for s in skipped)))}",
-            "enable_fp8_all_gather: weights gathered in their own dtype (the layout needs "
-            "the weight re-quantized per GEMM): %s",
+            "enable_fp8_all_gather: weights gathered in their own dtype (only tensor-wise "
+            "dynamic or delayed weights are gathered in FP8): %s",
             ", ".join(skipped),
         )
     return len(group.slots)
