@@ -9,10 +9,14 @@ the one-process reference.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
+import torch
 
+from lowprec.distributed import enable_fp8_all_gather, fp8_all_gather_eligible
+from lowprec.float8 import Float8Linear, convert_to_float8
 from tests.distributed._float8_worker import STEPS, results
 
 pytestmark = pytest.mark.slow
@@ -85,3 +89,47 @@ def test_fp8_gather_under_bf16_mixed_precision(result: dict[str, Any]) -> None:
     # With MixedPrecisionPolicy(param_dtype=bf16) the shard is rounded to BF16 before it
     # is quantized, so the FP8 gather reproduces the BF16 gather's run to the last bit.
     assert result["bf16"]["fp8"] == result["bf16"]["hp"]
+
+
+# ---- one process: wrapping, eligibility, errors ------------------------------------------------
+
+
+def _mlp(recipe: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    return convert_to_float8(m, recipe)
+
+
+def test_enable_wraps_eligible_weights_and_names_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    m = _mlp("tensorwise")
+    assert enable_fp8_all_gather(m) == 2
+    assert enable_fp8_all_gather(m) == 0  # idempotent
+    assert all(fp8_all_gather_eligible(x) for x in m if isinstance(x, Float8Linear))
+    r = _mlp("rowwise")
+    with caplog.at_level(logging.WARNING):
+        assert enable_fp8_all_gather(r) == 0
+    assert "0 (dyn:axis:e4m3fn)" in caplog.text and "2 (dyn:axis:e4m3fn)" in caplog.text
+
+
+def test_wrapped_weight_trains_like_the_plain_one_without_fsdp() -> None:
+    # Outside FSDP2 the wrapper is the master tensor: same outputs, gradients and updates.
+    a, b = _mlp("delayed"), _mlp("delayed")
+    enable_fp8_all_gather(b)
+    oa, ob = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b))
+    x = torch.randn(16, 32)
+    for m, o in ((a, oa), (b, ob)):
+        for _ in range(2):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert torch.equal(a(x), b(x))
+    sd = b.state_dict()  # plain tensors: torch.save never sees the wrapper
+    assert type(sd["0.weight"]) is torch.Tensor
+    assert torch.equal(sd["0.weight"], a.state_dict()["0.weight"])
+
+
+def test_enable_refuses_bad_input() -> None:
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
+        enable_fp8_all_gather("model")  # type: ignore[arg-type]
