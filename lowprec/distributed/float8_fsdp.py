@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_map_only
 
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity
-from lowprec.core.rounding import to_format
+from lowprec.core.rounding import storage_dtype, to_format
 from lowprec.core.scalers import delayed_amax, push_amax
 from lowprec.core.tensor import ScaledTensor, register_rule
 from lowprec.core.warn import warn_once
@@ -210,7 +210,7 @@ class Float8AllGatherWeight(Tensor):
     ) -> tuple[ScaledTensor, tuple[Tensor, ...]] | None:
         (raw,) = all_gather_outputs
         scale, fmt = metadata
-        data = raw.view(to_format(raw.new_zeros(0, dtype=torch.float32), fmt).dtype)
+        data = raw.view(storage_dtype(fmt))
         if out is not None:  # a re-gather into the same storage: only the scale may move
             assert isinstance(out, ScaledTensor)
             out.scale.copy_(scale)
@@ -256,12 +256,12 @@ def _scale_for(slot: _Slot, group: _Group, mesh: DeviceMesh) -> Tensor:
     assert layer is not None
     if slot.scale is not None and slot.key == _key(_sharded_of(slot), layer):
         return slot.scale
-    refresh(group, mesh)
+    _refresh(group, mesh)
     assert slot.scale is not None
     return slot.scale
 
 
-def refresh(group: _Group, mesh: DeviceMesh) -> None:
+def _refresh(group: _Group, mesh: DeviceMesh) -> None:
     """Recompute the scale of every live weight of ``group``: one ``all_reduce(MAX)``."""
     live = [s for s in group.slots if s.layer() is not None]
     shards = [_sharded_of(s) for s in live]
