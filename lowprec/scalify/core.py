@@ -218,6 +218,20 @@ def stat(d: Tensor, how: str) -> Tensor:
     return a.square().mean().sqrt()
 
 
+def saturate(d: Tensor) -> Tensor:
+    """``d`` with finite entries beyond the storage format's largest value clamped to it
+    (±inf and NaN kept). For rules that take plain tensors or fill values, whose range
+    no scale tracks: an additive attention mask of -3.4e38 (HF's float32 minimum) at the
+    scores' scale overflows FP16 to -inf, and a fully masked row's softmax becomes NaN,
+    where float32 gives a finite (uniform) row. Saturated, the value is still below every
+    unmasked score by far more than ``exp`` can resolve, so softmax is FP32's."""
+    store = current_config().storage_dtype
+    if d.dtype == store or not d.is_floating_point():
+        return d
+    m = torch.finfo(store).max
+    return torch.where(torch.isfinite(d), d.clamp(-m, m), d)
+
+
 GUARD = 4  # a guarded rule keeps the max |data| of its output within [2^-GUARD, 2^GUARD]
 
 

@@ -1,10 +1,11 @@
 """The fallback for ops without a rule, and in-place ops.
 
 An op on scalify ``ScaledTensor``s without a rule runs on the dequantized values
-``d·s`` (float32) and its floating outputs are wrapped at scale 1: correct values, but the
-output's scale no longer tracks its range (counted by :func:`~lowprec.scalify.coverage`,
-warned once per op). An in-place op ``x.op_(...)`` runs its out-of-place twin's rule and
-puts the result's data and scale into ``x``.
+``d·s`` (float32) and its floating outputs are wrapped at scale 1 (a power of two when
+their max leaves [2^-4, 2^4], :func:`~lowprec.scalify.core.guard`): correct values, but
+the output's scale no longer follows its inputs' scales (counted by
+:func:`~lowprec.scalify.coverage`, warned once per op). An in-place op ``x.op_(...)`` runs
+its out-of-place twin's rule and puts the result's data and scale into ``x``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch.utils._pytree import tree_map
 
 from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import count_fallback
-from lowprec.scalify.core import deq, first_st, one, work_dtype, wrap
+from lowprec.scalify.core import deq, first_st, guard, one, work_dtype, wrap
 from lowprec.scalify.domains import fallback, out_domain, rule
 
 aten = torch.ops.aten
@@ -43,7 +44,7 @@ def _fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
     def back(t: Any) -> Any:
         if isinstance(t, Tensor) and t.is_floating_point():
-            return wrap(t.to(work), one(t), ref, dom, func)
+            return wrap(*guard(t.to(work), one(t)), ref, dom, func)
         return t
 
     return tree_map(back, res)

@@ -34,6 +34,7 @@ from lowprec.scalify.core import (
     out,
     pad,
     pair,
+    saturate,
     scalar,
     sqrt_factor,
     upcast,
@@ -87,7 +88,9 @@ def number_pair(x: Any, ref: Tensor, work: torch.dtype) -> Pair:
 
 @rule(aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar)
 def _add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``a ± α·b``: :func:`add_pairs`; a zero-scale operand short-circuits to the other."""
+    """``a ± α·b``: :func:`add_pairs`; a zero-scale operand short-circuits to the other.
+    With a plain operand (an additive mask), finite data saturate
+    (:func:`~lowprec.scalify.core.saturate`)."""
     a, b = args[0], args[1]
     alpha = float(kwargs.get("alpha", args[2] if len(args) > 2 else 1))
     if func in (aten.sub.Tensor, aten.sub.Scalar):
@@ -104,6 +107,8 @@ def _add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     pa, pb = number_pair(a, ref, work), number_pair(b, ref, work)
     shape = tuple(torch.broadcast_shapes(pa[0].shape, pb[0].shape))  # type: ignore[no-untyped-call]
     d, s = add_pairs(pa, pb, alpha, shape)
+    if not (is_st(a) and is_st(b)):  # a plain operand (a mask): its range is not tracked
+        d = saturate(d)
     return out(func, args, d, s)
 
 
@@ -204,13 +209,16 @@ def _act_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
 
 @rule(aten.exp.default, aten.log.default, aten.tanh.default, aten.sigmoid.default)
 def _unscale(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """exp, tanh, sigmoid: ``v = f(d_x·s_x)``, ``s = 1`` (the scale leaves).
+    r"""exp, tanh, sigmoid: ``v = f(d_x·s_x)``, ``s = 1`` (the scale leaves; exp's then
+    :func:`~lowprec.scalify.core.guard`\ ed).
     log: ``d = log d_x + log s_x``, ``s = 1`` (exact for any scale)."""
     x = args[0]
     work = work_dtype(x)
     if func is aten.log.default:
         d, s = pair(x, work)
         return out(func, args, torch.log(d) + torch.log(s.to(work)), one(d))
+    if func is aten.exp.default:  # e^x spans far more than FP16 at scale 1
+        return out(func, args, *guard(func(deq(x, work)), one(x)))
     return out(func, args, func(deq(x, work)), one(x))
 
 

@@ -27,6 +27,7 @@ from lowprec.scalify.core import (
     out,
     pad,
     pair,
+    saturate,
     scalar,
     sqrt_factor,
     work_dtype,
@@ -142,7 +143,7 @@ def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 @rule(aten.where.self)
 def _where(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``where(c, a, b)``: ``s = max(s_a, s_b)``, ``d = where(c, a, b) / s`` (a number c
-    counts as scale |c|)."""
+    counts as scale |c|; finite data saturate, :func:`~lowprec.scalify.core.saturate`)."""
     c, a, b = args
     check_compatible(a, b)
     ref = first_st((a, b))
@@ -150,13 +151,15 @@ def _where(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     (da, sa), (db, sb) = number_pair(a, ref, work), number_pair(b, ref, work)
     v = torch.where(c, apply_scale(da, sa.to(work)), apply_scale(db, sb.to(work)))
     s = combine(sa, sb, tuple(v.shape))
-    return out(func, args, apply_scale(v, torch.where(s > 0, s, 1.0).to(work), "div"), s)
+    d = apply_scale(v, torch.where(s > 0, s, 1.0).to(work), "div")
+    return out(func, args, saturate(d), s)
 
 
 @rule(aten.masked_fill.Scalar)
 def _masked_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``masked_fill(x, m, v)``: ``d = masked_fill(d_x, m, v / s_x)``, ``s = s_x`` (±inf
-    stays ±inf)."""
+    stays ±inf; a finite fill beyond the format saturates,
+    :func:`~lowprec.scalify.core.saturate`)."""
     x, mask, v = args
     work = work_dtype(x)
     f = fscale(x.scale)
@@ -165,9 +168,10 @@ def _masked_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
         if not math.isfinite(fill) or abs(fill) <= torch.finfo(x.qdata.dtype).max:
             # in the storage format directly: no casts; only the fill value is rounded
             return _same(x, x.qdata.masked_fill(mask, fill), x.scale, func, args)
-        return out(func, args, x.qdata.to(work).masked_fill(mask, fill), x.scale)
+        return out(func, args, saturate(x.qdata.to(work).masked_fill(mask, fill)), x.scale)
     s = x.scale.amax()
-    return out(func, args, deq(x, work).masked_fill(mask, float(v)) / s.to(work), s)
+    d = deq(x, work).masked_fill(mask, float(v)) / torch.where(s > 0, s, 1.0).to(work)
+    return out(func, args, saturate(d), s)
 
 
 # ---- softmax -----------------------------------------------------------------------------

@@ -93,17 +93,26 @@ def _check_inputs(args: Any, kwargs: Any) -> None:
             )
 
 
+def _fsdp_types() -> tuple[type, ...]:
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return (FSDPModule, FullyShardedDataParallel)
+
+
+_FSDP = _fsdp_types()
+
+
 def _check_not_sharded_inside(module: nn.Module) -> None:
     """``TypeError`` if FSDP shards a module inside a :class:`Scalified` (see
     docs/scalify.md, "Distributed"): its pre-forward hook would gather the parameters
     after scalify took them and replace them by plain tensors, which then skip scaled
     arithmetic. ``fully_shard(scalify(model))`` (the wrapper as FSDP's root) is fine."""
-    if not torch.distributed.is_available():
+    if not _FSDP:
         return
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
     for name, m in module.named_modules():
-        if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
+        if isinstance(m, _FSDP):
             where = f"module {name!r} ({type(m).__name__})" if name else "the wrapped model"
             raise TypeError(
                 f"scalify: {where} is sharded by FSDP (fully_shard) inside a Scalified "
