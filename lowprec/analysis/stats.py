@@ -101,7 +101,8 @@ def _count_vector(
 
 
 def _counts(vec: list[float], n_below: int, moments: bool, nonfinite: bool) -> Counts:
-    ints = [int(c) for c in vec]
+    # the moments (entries 4 to 6) stay floats: a sum of squares beyond float64 is +Inf
+    ints = [0 if 4 <= i < _FIXED + 1 else int(c) for i, c in enumerate(vec)]
     return Counts(
         numel=ints[0],
         zero=ints[1],

@@ -85,12 +85,18 @@ def tensor_stats(x: Tensor, formats: Sequence[str | Format]) -> dict[str, Any]:
     counts = torch.bincount(e, minlength=2 * _EXP_OFFSET).tolist()
     used = [i for i, cnt in enumerate(counts) if cnt and i > 0]
     lo, hi = (used[0], used[-1]) if used else (0, -1)
+    rms, mean_abs = math.sqrt(c.sumsq / n), c.sum_abs / n
+    if not (math.isfinite(rms) and math.isfinite(mean_abs)) and math.isfinite(c.amax):
+        # float64 values whose squares (or sum) pass float64's max: the moments of x / amax
+        r = af.double() / c.amax
+        rms = c.amax * math.sqrt(float((r * r).sum()) / n)
+        mean_abs = c.amax * float(r.sum()) / n
     return {
         "numel": c.numel,
         "dtype": str(x.dtype).replace("torch.", ""),
         "amax": c.amax,
-        "rms": math.sqrt(c.sumsq / n),
-        "mean_abs": c.sum_abs / n,
+        "rms": rms,
+        "mean_abs": mean_abs,
         "zero": c.zero / n,
         "nonfinite": c.nonfinite / n,
         "below_subnormal": {f.name: c.below[i] / n for i, f in enumerate(fmts)},

@@ -225,8 +225,9 @@ def add_demo(subparsers: Any) -> None:
         "steps): each failure (FP8 without scales, FP16 without loss scaling or master "
         "weights) next to the techniques that cure it. Prints a table with a verdict per "
         "recipe judged against the seed-to-seed spread, writes loss curves and the HTML "
-        "numerics report. Default (11 recipes, 150 steps): under 5 minutes on 2 CPU cores; "
-        "--quick: under a minute.",
+        "numerics report. Default: 11 recipes, 100 steps each; --quick: a smoke run "
+        "(docs/demo.md gives the measured times). Ctrl-C stops at a step boundary; "
+        "--resume DIR finishes an interrupted demo.",
     )
     p.add_argument("--quick", action="store_true", help="a smoke run (40 short steps per recipe)")
     which = p.add_mutually_exclusive_group()
@@ -234,7 +235,7 @@ def add_demo(subparsers: Any) -> None:
         "--recipes",
         type=_recipe_arg,
         nargs="+",
-        default=list(DEMO_RECIPES),
+        default=None,
         metavar="NAME",
         help=f"default: {' '.join(DEMO_RECIPES)}",
     )
@@ -261,6 +262,14 @@ def add_demo(subparsers: Any) -> None:
         default=None,
         help="output directory (default runs/demo-<time>); must not exist",
     )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="finish the interrupted demo in DIR with its own settings (no other option "
+        "but --no-progress)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=_run_demo, parser=p)
 
@@ -271,7 +280,24 @@ def _run_demo(args: argparse.Namespace) -> int:
     seeds = args.seeds or ([args.seed] if args.seed is not None else None)
     if seeds is not None and min(seeds) < 0:
         args.parser.error(f"--seed/--seeds: must be >= 0, got {min(seeds)}")
-    out = args.out or Path("runs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
+    if args.resume is not None:
+        given = [
+            flag
+            for flag, v in (
+                ("--quick", args.quick),
+                ("--recipes", args.recipes),
+                ("--all", args.all),
+                ("--seed/--seeds", seeds),
+                ("--out", args.out),
+            )
+            if v
+        ]
+        if given:
+            args.parser.error(
+                f"--resume: the demo's settings come from {args.resume}/demo.json; "
+                f"leave out {', '.join(given)}"
+            )
+    out = args.resume or args.out or Path("runs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
     try:
         run_demo(
             out,
@@ -280,6 +306,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             console=Console(file=sys.stdout, width=180),
             seeds=seeds,
+            resume=args.resume is not None,
         )
     except RunError as e:
         args.parser.error(str(e))

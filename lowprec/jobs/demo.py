@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import statistics
 import time
 from collections.abc import Sequence
@@ -36,19 +37,29 @@ from rich.table import Table
 
 from lowprec.analysis.diagnosis import gap_spread, reference_of, verdict
 from lowprec.analysis.plots import plot_verdicts
+from lowprec.jobs.interrupts import Interrupted
 from lowprec.jobs.report import write_report
-from lowprec.jobs.rundir import make_new_dir, read_metrics, summarize
+from lowprec.jobs.rundir import (
+    SUMMARY,
+    RunError,
+    make_new_dir,
+    read_metrics,
+    summarize,
+    write_atomic,
+)
 from lowprec.jobs.train import NonFiniteError, TrainConfig, train
 from lowprec.recipes import get_recipe
 
 __all__ = [
     "DEMO_CONFIG",
     "DEMO_RECIPES",
+    "MANIFEST",
     "PANELS",
     "QUICK_CONFIG",
     "SEED_SPREAD",
     "TOLERANCE_SIGMAS",
     "WARM_STEPS",
+    "DemoInterrupted",
     "is_emulated",
     "run_demo",
     "steady_step_ms",
@@ -78,7 +89,7 @@ TOLERANCE_SIGMAS = 2.0  # a gap within this many seed standard deviations is noi
 # 4096 characters a batch: the mean loss makes each logit's gradient about p/4096, so
 # with a width of 64 most FP16 activation gradients are subnormal (see docs/demo.md).
 DEMO_CONFIG = TrainConfig(
-    steps=150,
+    steps=100,
     batch_size=32,
     seq_len=128,
     width=64,
@@ -87,8 +98,8 @@ DEMO_CONFIG = TrainConfig(
     lr=3e-3,
     warmup=20,
     eval_every=50,
-    eval_batches=16,
-    ckpt_every=150,
+    eval_batches=8,
+    ckpt_every=100,
 )
 QUICK_CONFIG = replace(
     DEMO_CONFIG, steps=40, batch_size=8, seq_len=64, eval_every=20, eval_batches=2, ckpt_every=40
@@ -103,6 +114,29 @@ SEED_SPREAD: dict[str, Any] = {
     "config": {},
     "val_loss": {},
 }
+
+
+MANIFEST = "demo.json"  # in the demo directory: what --resume needs to finish the demo
+
+
+class DemoInterrupted(Interrupted):
+    """The demo stopped on SIGINT/SIGTERM: the recipe being trained wrote its checkpoint
+    (``step``; None when no recipe was training) and ``lowprec demo --resume`` finishes."""
+
+    def __init__(self, step: int | None, signum: int, out: str, recipe: str | None) -> None:
+        super().__init__(-1 if step is None else step, signum, out)
+        self.recipe = recipe
+
+    def __str__(self) -> str:
+        where = (
+            f" in {self.recipe} after step {self.step} (checkpoint written)"
+            if self.recipe is not None and self.step >= 0
+            else ""
+        )
+        return (
+            f"interrupted ({self.signal_name}){where}; finish the demo with "
+            f"`lowprec demo --resume {self.out}`"
+        )
 
 
 def is_emulated(recipe: str) -> bool:
@@ -125,10 +159,12 @@ def steady_step_ms(records: Sequence[dict[str, Any]], warm: int = WARM_STEPS) ->
 
 
 def _same_config(a: TrainConfig, b: dict[str, Any]) -> bool:
-    skip = ("recipe", "seed")
-    return bool(b) and {k: v for k, v in a.to_dict().items() if k not in skip} == {
-        k: v for k, v in b.items() if k not in skip
-    }
+    """Whether ``a`` is the configuration ``b`` (a saved ``TrainConfig.to_dict()``), seed
+    and recipe aside; a field added after ``b`` was saved must hold its default."""
+    if not b:
+        return False
+    mine, default = a.to_dict(), TrainConfig().to_dict()
+    return all(b.get(k, default[k]) == v for k, v in mine.items() if k not in ("recipe", "seed"))
 
 
 def _tolerances(base: TrainConfig, measured: dict[str, list[float]]) -> dict[str, float]:
@@ -150,11 +186,22 @@ def _reference(recipe: str, available: Sequence[str]) -> str | None:
     return reference_of(recipe, get_recipe(recipe).unit is not None, available)
 
 
-def _train(cfg: TrainConfig, out: Path, progress: bool) -> dict[str, Any]:
-    try:
-        s = train(cfg, out, progress=progress, label=f"{cfg.recipe} (seed {cfg.seed})")
-    except NonFiniteError:  # the run stopped at its first NaN/Inf: that is its result
+def _train(cfg: TrainConfig, out: Path, progress: bool, resume: bool) -> dict[str, Any]:
+    """Train one recipe into ``out``; with ``resume``, a finished run (its summary written)
+    is read back and an unfinished one continues from its checkpoint."""
+    if resume and (out / SUMMARY).is_file():
         s = summarize(out)
+    else:
+        try:
+            s = train(
+                cfg,
+                out,
+                resume=resume and out.exists(),
+                progress=progress,
+                label=f"{cfg.recipe} (seed {cfg.seed})",
+            )
+        except NonFiniteError:  # the run stopped at its first NaN/Inf: that is its result
+            s = summarize(out)
     s["steady_ms"] = steady_step_ms(read_metrics(out))
     s["emulated"] = is_emulated(cfg.recipe)
     return s
@@ -163,39 +210,99 @@ def _train(cfg: TrainConfig, out: Path, progress: bool) -> dict[str, Any]:
 def run_demo(
     out: str | Path,
     quick: bool = False,
-    recipes: Sequence[str] = DEMO_RECIPES,
+    recipes: Sequence[str] | None = None,
     console: Console | None = None,
     progress: bool = True,
     config: TrainConfig | None = None,
     seeds: Sequence[int] | None = None,
+    resume: bool = False,
 ) -> list[dict[str, Any]]:
-    """Train each recipe into ``out/<recipe>`` (``out/seed<k>/<recipe>`` with several
-    ``seeds``); print the table with verdicts, write ``loss_curves.png``,
-    ``results.json`` and the HTML report ``out/report.html`` of the first seed's runs.
+    """Train each recipe (default :data:`DEMO_RECIPES`) into ``out/<recipe>``
+    (``out/seed<k>/<recipe>`` with several ``seeds``); print the table with verdicts, write
+    ``loss_curves.png``, ``results.json`` and the HTML report ``out/report.html`` of the
+    first seed's runs.
 
     ``out`` must not exist or be empty (nothing on disk is overwritten). ``config``
     replaces the demo's configuration (its ``recipe`` field is ignored; its ``seed`` is
     used unless ``seeds`` is given). Returns the first seed's summaries, each with
     ``reference``, ``val_gap_to_fp32``, ``val_gap_to_ref``, ``steady_ms``, ``emulated``
     and ``verdict``.
+
+    ``resume=True`` finishes an interrupted demo in ``out``: its settings come from
+    ``out/demo.json`` (``quick``, ``recipes``, ``config`` and ``seeds`` must then be left
+    out); finished recipes are read back, an unfinished one continues from its checkpoint
+    (bit-exactly), the rest are trained. SIGINT/SIGTERM stop the recipe being trained at
+    a step boundary with its checkpoint written, and raise :class:`DemoInterrupted`.
     """
     out = Path(out)
-    recipes = list(dict.fromkeys(recipes))
+    if resume:
+        if quick or recipes is not None or config is not None or seeds is not None:
+            raise ValueError(
+                "resume: the demo's settings come from its demo.json; leave out quick, "
+                "recipes, config and seeds"
+            )
+        recipes, base, seeds, quick = _read_manifest(out)
+    else:
+        recipes = list(dict.fromkeys(DEMO_RECIPES if recipes is None else recipes))
+        base = config or (QUICK_CONFIG if quick else DEMO_CONFIG)
+        seeds = list(seeds) if seeds else [base.seed]
     for r in recipes:
         get_recipe(r)
-    base = config or (QUICK_CONFIG if quick else DEMO_CONFIG)
-    seeds = list(seeds) if seeds else [base.seed]
     if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
         raise ValueError(f"seeds must be non-negative ints, got {seeds}")
-    make_new_dir(out, "choose another --out")
+    if not resume:
+        make_new_dir(out, "choose another --out, or finish that demo with --resume")
+        manifest = {"recipes": recipes, "seeds": seeds, "config": base.to_dict(), "quick": quick}
+        write_atomic(out / MANIFEST, json.dumps(manifest, indent=2))
     console = console or Console()
-    t0 = time.perf_counter()
-    by_seed: list[list[dict[str, Any]]] = []
-    for seed in seeds:
-        where = out if len(seeds) == 1 else out / f"seed{seed}"
-        cfg = replace(base, seed=seed)
-        by_seed.append([_train(replace(cfg, recipe=r), where / r, progress) for r in recipes])
-    seconds = time.perf_counter() - t0
+    current: str | None = None
+    try:
+        t0 = time.perf_counter()
+        by_seed: list[list[dict[str, Any]]] = []
+        for seed in seeds:
+            where = out if len(seeds) == 1 else out / f"seed{seed}"
+            cfg = replace(base, seed=seed)
+            runs = []
+            for r in recipes:
+                current = r
+                runs.append(_train(replace(cfg, recipe=r), where / r, progress, resume))
+            by_seed.append(runs)
+        current = None
+        seconds = time.perf_counter() - t0
+        return _conclude(out, recipes, base, seeds, by_seed, seconds, console, not quick)
+    except Interrupted as e:
+        raise DemoInterrupted(e.step, e.signum, str(out), current) from None
+    except KeyboardInterrupt:  # outside a training loop (building a model, the report)
+        raise DemoInterrupted(None, signal.SIGINT, str(out), None) from None
+
+
+def _read_manifest(out: Path) -> tuple[list[str], TrainConfig, list[int], bool]:
+    try:
+        saved = json.loads((out / MANIFEST).read_text())
+        return (
+            list(saved["recipes"]),
+            TrainConfig(**saved["config"]),
+            [int(s) for s in saved["seeds"]],
+            bool(saved["quick"]),
+        )
+    except FileNotFoundError:
+        raise RunError(f"--resume: {out} is not a demo directory (no {MANIFEST})") from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise RunError(f"--resume: {out / MANIFEST} is damaged ({e})") from None
+
+
+def _conclude(
+    out: Path,
+    recipes: list[str],
+    base: TrainConfig,
+    seeds: list[int],
+    by_seed: list[list[dict[str, Any]]],
+    seconds: float,
+    console: Console,
+    detail: bool,
+) -> list[dict[str, Any]]:
+    """Judge, print, plot and report the demo's runs (the report's per-run charts only
+    with ``detail``: the quick demo leaves them out)."""
     val = {r: [runs[i]["val_loss"] for runs in by_seed] for i, r in enumerate(recipes)}
     tolerance = _tolerances(base, val)
     results = by_seed[0]
@@ -210,11 +317,12 @@ def run_demo(
     saved: dict[str, Any] = {"config": replace(base, seed=seeds[0]).to_dict(), "results": results}
     if len(seeds) > 1:
         saved["seeds"], saved["val_loss"] = seeds, val
-    (out / "results.json").write_text(json.dumps(saved, indent=2))
+    write_atomic(out / "results.json", json.dumps(saved, indent=2))
     report = write_report(
         [first / r for r in recipes],
         out / "report.html",
         title=f"lowprec demo ({len(recipes)} recipes)",
+        detail=detail,
     )
     console.print(f"loss curves: {png}\nresults: {out / 'results.json'}")
     console.print(f"report: {report}  (open it in a browser)")

@@ -20,8 +20,11 @@ from __future__ import annotations
 import base64
 import html
 import math
+import multiprocessing
+import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -156,11 +159,34 @@ def _unique_labels(runs: Sequence[Run]) -> None:
         r.label = lab
 
 
-def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -> Path:
+_Figure = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+def _draw(figures: Sequence[_Figure]) -> None:
+    """Draw ``figures`` (function, arguments); over the CPUs this process may use, in
+    spawned processes, when there are enough of them to pay for those processes' start."""
+    workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 4)
+    if workers < 2 or len(figures) < 8:
+        for fn, args in figures:
+            fn(*args)
+        return
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that runs torch
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        for done in [pool.submit(fn, *args) for fn, args in figures]:
+            done.result()
+
+
+def write_report(
+    runs: Sequence[str | Path], out: str | Path, title: str = "", detail: bool = True
+) -> Path:
     """Write the HTML report comparing ``runs`` (run directories) to ``out``; see the
-    module docstring. Raises :class:`RunError` naming any directory that is not a run."""
+    module docstring. ``detail=False`` leaves out each run's scale charts and exponent
+    histograms (the diagnosis and the tables stay). Raises :class:`RunError` naming any
+    directory that is not a run."""
     if not runs:
         raise ValueError("runs: give at least one run directory")
+    if not isinstance(detail, bool):
+        raise TypeError(f"detail must be a bool, got {type(detail).__name__}")
     loaded = [load_run(r) for r in runs]
     _unique_labels(loaded)
     out = Path(out)
@@ -195,8 +221,17 @@ def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -
     ]
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        plot_runs([r.path for r in loaded], t / "curves.png")
-        parts += ["<h2>Loss curves and loss scale</h2>", _img(t / "curves.png", "loss curves")]
+        # Figures are drawn together at the end (in parallel where that pays): the page
+        # holds a placeholder per image until then.
+        figures: list[_Figure] = [(plot_runs, ([r.path for r in loaded], t / "curves.png"))]
+        images: list[tuple[Path, str]] = [(t / "curves.png", "loss curves")]
+
+        def image(fn: Callable[..., Any], args: tuple[Any, ...], png: Path, alt: str) -> str:
+            figures.append((fn, args))
+            images.append((png, alt))
+            return f"\0img{len(images) - 1}\0"
+
+        parts += ["<h2>Loss curves and loss scale</h2>", "\0img0\0"]
         for i, run in enumerate(loaded):
             parts.append(
                 f'<div class="run"><h2>{html.escape(run.name)} '
@@ -212,10 +247,10 @@ def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -
                 ("at initialisation", steps[0] if steps else None),
                 ("at the end", steps[-1] if len(steps) > 1 else None),
             ):
-                if step is None:
+                if step is None or not detail:
                     continue
                 png = t / f"scales{i}_{step}.png"
-                plot_scale_chart(
+                args: tuple[Any, ...] = (
                     run.numerics,
                     step,
                     run.formats,
@@ -224,29 +259,35 @@ def write_report(runs: Sequence[str | Path], out: str | Path, title: str = "") -
                 )
                 parts += [
                     f"<h3>Tensor scales {label} (step {step})</h3>",
-                    _img(png, f"{run.name} scales {label}"),
+                    image(plot_scale_chart, args, png, f"{run.name} scales {label}"),
                 ]
             if steps:
                 last = steps[-1]
-                most = list(
-                    dict.fromkeys(
-                        (r["name"], r["kind"]) for _, _, r in worst(run, last, "below_normal")
-                    )
-                )[:6]
-                png = t / f"hist{i}.png"
-                plot_exp_histograms(run.numerics, last, most, run.formats, png)
-                parts += [
-                    f"<h3>Exponent histograms of the most underflowing tensors (step {last})</h3>",
-                    _img(png, f"{run.name} exponent histograms"),
-                ]
+                if detail:
+                    most = list(
+                        dict.fromkeys(
+                            (r["name"], r["kind"]) for _, _, r in worst(run, last, "below_normal")
+                        )
+                    )[:6]
+                    png = t / f"hist{i}.png"
+                    args = (run.numerics, last, most, run.formats, png)
+                    parts += [
+                        "<h3>Exponent histograms of the most underflowing tensors "
+                        f"(step {last})</h3>",
+                        image(plot_exp_histograms, args, png, f"{run.name} exponent histograms"),
+                    ]
                 parts.append(_tensor_table(run, last, "below_normal", "Most underflow"))
                 parts.append(_tensor_table(run, last, "above_max", "Most overflow"))
             parts.append("</div>")
+        _draw(figures)
+        body = "\n".join(parts)
+        for k, (png, alt) in enumerate(images):
+            body = body.replace(f"\0img{k}\0", _img(png, alt), 1)
     page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<link rel="icon" href="data:,">'
         f"<title>{html.escape(title or 'lowprec report')}</title><style>{_CSS}</style>"
-        "</head><body>" + "\n".join(parts) + "</body></html>"
+        "</head><body>" + body + "</body></html>"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, page)  # a reader never sees half a page

@@ -227,15 +227,14 @@ def test_float8_linear_0dim() -> None:
         m(torch.tensor(1.0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="lowprec/analysis (not this "
-    "suite's owner): tensor_stats of a float64 value beyond float32's range "
-    "raises OverflowError 'cannot convert float infinity to integer'",
-)
 def test_tensor_stats_float64_beyond_float32() -> None:
-    analysis.tensor_stats(torch.tensor(1e155, dtype=torch.float64), ["fp16"])
+    """Squares beyond float64's max: the moments are still the exact ones (the RMS of
+    [1e155, -3e155, 0, 1e300] is 1e300 * sqrt(1/4), to float64 rounding)."""
+    x = torch.tensor([1e155, -3e155, 0.0, 1e300], dtype=torch.float64)
+    s = analysis.tensor_stats(x, ["fp16"])
+    assert s["rms"] == pytest.approx(0.5e300, rel=1e-12)
+    assert s["mean_abs"] == pytest.approx((4e155 + 1e300) / 4, rel=1e-12)
+    assert s["amax"] == 1e300 and s["above_max"]["fp16"] == 0.75 and s["zero"] == 0.25
 
 
 @FUZZ

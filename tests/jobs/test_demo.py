@@ -26,6 +26,7 @@ from lowprec.jobs.demo import (
     run_demo,
     steady_step_ms,
 )
+from lowprec.jobs.rundir import read_metrics
 from lowprec.jobs.train import RunError
 from lowprec.recipes import get_recipe
 
@@ -93,7 +94,7 @@ def test_default_recipes_cover_the_issue() -> None:
         "bf16",
         "fp16-scalify",
     }
-    assert DEMO_CONFIG.steps == 150
+    assert DEMO_CONFIG.steps == 100
     assert {n for _, names in PANELS for n in names} == set(DEMO_RECIPES)
 
 
@@ -187,3 +188,86 @@ def test_short_demo_shows_fp8_naive_failing(tmp_path: Path) -> None:
     naive = results[1]
     assert naive["val_gap_to_fp32"] > FAIL_GAP
     assert naive["verdict"].startswith("fails: +") and "vs fp32" in naive["verdict"]
+
+
+_INTERRUPTED_DEMO = """
+import sys
+from dataclasses import replace
+from lowprec.jobs.demo import QUICK_CONFIG, DemoInterrupted, run_demo
+cfg = replace(QUICK_CONFIG, **{cfg!r})
+try:
+    run_demo(sys.argv[1], recipes={recipes!r}, config=cfg, progress=False)
+except DemoInterrupted as e:
+    print(e)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.slow
+def test_demo_interrupted_by_sigint_then_resumed_equals_an_uninterrupted_demo(
+    tmp_path: Path,
+) -> None:
+    """A real SIGINT while the second recipe trains: the demo stops at a step boundary with
+    a message naming `lowprec demo --resume`; the resumed demo's table equals the table of
+    an uninterrupted demo exactly (same seeds, batches and checkpointed state)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    recipes = ["fp32", "fp16-dynamic-ls", "bf16"]
+    cfg = {
+        k: getattr(TINY, k)
+        for k in ("batch_size", "seq_len", "width", "depth", "heads", "eval_batches")
+    }
+    cfg.update(steps=200, eval_every=100, ckpt_every=100, warmup=5)
+    script = _INTERRUPTED_DEMO.format(cfg=cfg, recipes=recipes)
+    out = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 900
+    second = out / recipes[1] / "metrics.jsonl"
+    while not (second.is_file() and second.stat().st_size > 0):  # the 2nd recipe trains
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 130, stdout
+    assert f"lowprec demo --resume {out}" in stdout and "interrupted (SIGINT)" in stdout
+    assert not (out / "results.json").exists() and (out / recipes[1] / "checkpoint.pt").exists()
+    assert (out / recipes[0] / "summary.json").is_file()  # finished: read back, not retrained
+    resumed = run_demo(out, resume=True, progress=False)
+    whole = run_demo(
+        tmp_path / "whole", recipes=recipes, config=replace(QUICK_CONFIG, **cfg), progress=False
+    )
+    for a, b in zip(resumed, whole, strict=True):
+        assert (a["recipe"], a["val_loss"], a["train_loss"]) == (
+            b["recipe"],
+            b["val_loss"],
+            b["train_loss"],
+        )
+    steps = [r["step"] for r in read_metrics(out / recipes[1])]
+    assert steps == list(range(1, 201))  # every step logged exactly once
+
+
+def test_demo_resume_refuses_other_settings_and_non_demo_dirs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match="leave out quick, recipes"):
+        run_demo(tmp_path, resume=True, recipes=["fp32"])
+    with pytest.raises(RunError, match="not a demo directory"):
+        run_demo(tmp_path, resume=True)
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--resume", str(tmp_path), "--quick", "--recipes", "fp32"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "leave out --quick, --recipes" in err
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--resume", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "not a demo directory" in err
+    # a repeated name is one recipe, never a clash of directories
+    out = tmp_path / "twice"
+    results = run_demo(out, recipes=["fp32", "fp32"], progress=False, config=TINY)
+    assert [r["recipe"] for r in results] == ["fp32"]
