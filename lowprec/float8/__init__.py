@@ -13,8 +13,9 @@ Recipes (:func:`recipe_names`): ``tensorwise``, ``delayed``, ``static``, ``rowwi
 :class:`CastConfig` per role.
 """
 
+from lowprec.float8.calibration import calibrate
 from lowprec.float8.convert import apply, convert_back, convert_to_float8
-from lowprec.float8.linear import Float8Linear, calibrate
+from lowprec.float8.linear import Float8Linear
 from lowprec.float8.quant import (
     dequantize,
     hardware_fp8_available,

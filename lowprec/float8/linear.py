@@ -18,7 +18,6 @@ fresh.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +37,7 @@ from lowprec.float8.quant import (
 )
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 
-__all__ = ["Float8Linear", "calibrate"]
+__all__ = ["Float8Linear"]
 
 _EDTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -412,55 +411,3 @@ def _after_load(module: nn.Module, incompatible: Any) -> None:
     if static and all(s.calib_amax is not None and bool(s.calib_amax > 0) for s in static):
         for s in static:
             s.freeze()
-
-
-@contextlib.contextmanager
-def calibrate(model: nn.Module) -> Iterator[None]:
-    """Calibrate the static roles of every ``Float8Linear`` in ``model``.
-
-    Inside the block, forward (and backward, for a static ``grad_output``) passes record
-    the running maximum of each static role's ``amax``; on exit the scales freeze. Roles
-    that saw no data raise ``ValueError`` naming them.
-
-    Example:
-        >>> import torch
-        >>> m = Float8Linear.from_linear(torch.nn.Linear(16, 16), "static")
-        >>> with calibrate(m):
-        ...     m(torch.randn(4, 16)).sum().backward()
-        >>> float(m.input_static_amax) > 0
-        True
-    """
-    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
-    static = [m for m in layers if any(m.recipe.cast(r).scaling == "static" for r in ROLES)]
-    if not static:
-        raise ValueError("model: no Float8Linear with a static role to calibrate")
-    if any(m.weight.device.type == "meta" for m in static):
-        raise ValueError("model: a Float8Linear on the meta device has no data to calibrate")
-    for m in static:  # a new calibration starts from scratch (it may lower a scale)
-        m._calibrating = True
-        for s in _calibrated_scalers(m):
-            s.reset()
-    try:
-        yield
-    finally:
-        for m in static:
-            m._calibrating = False
-    names = {id(m): n for n, m in model.named_modules()}
-    empty = [
-        f"{names[id(m)] or 'model'}.{r}"
-        for m in static
-        for r in ROLES
-        if (t := m._state(r)) is not None and t.dim() == 0 and not bool(t > 0)
-    ]
-    if empty:
-        raise ValueError(
-            f"calibrate: no data reached {empty}; run forward and backward (for grad_output) "
-            "inside the calibrate block"
-        )
-    for m in static:
-        for s in _calibrated_scalers(m):
-            s.freeze()
-
-
-def _calibrated_scalers(m: Float8Linear) -> list[StaticScaler]:
-    return [s for s in m._scalers.values() if isinstance(s, StaticScaler) and not s.given]
