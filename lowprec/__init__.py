@@ -4,6 +4,10 @@ The foundation lives in :mod:`lowprec.core`: number formats, rounding, granulari
 scales, scalers and the scaled tensor type.
 """
 
+from lowprec._startup import guard_startup
+
+guard_startup()  # a Ctrl-C while the lowprec command imports torch: one line, no traceback
+
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity
 from lowprec.core.rounding import from_bits, quantize, to_bits

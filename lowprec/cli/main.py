@@ -27,6 +27,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lowprec import __version__
+from lowprec._startup import end_startup_guard
 from lowprec.analysis.snr import (
     SNR_DEFAULT_FORMATS,
     SNR_WINDOW_DB,
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     handler: _Handler = args.handler
     prog = f"lowprec {args.command}"
     try:  # the outer handler also catches a second Ctrl-C while the first is reported
+        end_startup_guard()  # from here a Ctrl-C is a KeyboardInterrupt handled below
         try:
             with warnings.catch_warnings():
                 warnings.showwarning = _show_warning

@@ -1,0 +1,57 @@
+"""Ctrl-C while the ``lowprec`` command starts: one line, never a traceback.
+
+Importing torch and the package takes seconds, and a SIGINT then would raise
+``KeyboardInterrupt`` somewhere inside an import. In a ``lowprec`` command process (the
+console script, ``python -m lowprec``, or a ``torchrun -m lowprec`` worker) the package's
+``__init__`` installs :func:`_quit` for SIGINT first thing; :func:`lowprec.cli.main`
+puts Python's own handler back once its error handling is in place. A library import
+(``import lowprec`` in a user's program) changes no handler. Standard library only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+__all__ = ["end_startup_guard", "guard_startup"]
+
+_guarded = False
+
+
+def _is_cli() -> bool:
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if Path(sys.argv[0]).name == "lowprec":
+        return True
+    return any(a == "-m" and b == "lowprec" for a, b in itertools.pairwise(argv))
+
+
+def _quit(signum: int, frame: FrameType | None) -> None:
+    sys.stderr.write("lowprec: interrupted while starting; nothing was written\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def guard_startup() -> None:
+    """In a ``lowprec`` command process, make SIGINT end it quietly until
+    :func:`end_startup_guard`; elsewhere do nothing."""
+    global _guarded
+    if (
+        _is_cli()
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        signal.signal(signal.SIGINT, _quit)
+        _guarded = True
+
+
+def end_startup_guard() -> None:
+    """Give SIGINT back to Python (``KeyboardInterrupt``) if :func:`guard_startup` took it."""
+    global _guarded
+    if _guarded and signal.getsignal(signal.SIGINT) is _quit:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    _guarded = False

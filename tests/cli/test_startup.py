@@ -1,0 +1,67 @@
+"""A Ctrl-C while the ``lowprec`` command imports torch ends it with one line, never a
+traceback; importing lowprec as a library changes no signal handler."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_sigint_after_the_package_import_of_a_cli_process_is_one_line() -> None:
+    # sys.argv[0] == "lowprec": the console script; cli.main() has not run yet
+    r = _run(
+        "import sys; sys.argv = ['lowprec']\n"
+        "import os, signal, time, lowprec\n"
+        "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)\n"
+    )
+    assert r.returncode == 130, r.stderr
+    assert r.stderr == "lowprec: interrupted while starting; nothing was written\n"
+
+
+def test_library_import_keeps_python_s_handler_and_main_restores_it() -> None:
+    r = _run(
+        "import signal, lowprec\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+        "import sys; sys.argv = ['lowprec']\n"
+        "import lowprec._startup as s; s.guard_startup()\n"
+        "assert signal.getsignal(signal.SIGINT) is s._quit\n"
+        "from lowprec.cli import main\n"
+        "assert main(['recipes']) == 0\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_sigint_while_torch_is_being_imported_is_one_line() -> None:
+    """The real command, interrupted while it loads torch's libraries (seen in
+    /proc/PID/maps): the start-up guard is in place, so one line and 130.
+
+    (A SIGINT before the package's first line, inside Python's own ``site`` start-up,
+    is Python's to report; it is not tested here.)"""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "lowprec", "recipes"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    maps = Path(f"/proc/{p.pid}/maps")
+    if not maps.exists():
+        p.kill()
+        pytest.skip("no /proc: cannot see when torch loads")
+    deadline = time.monotonic() + 240
+    while "libtorch" not in maps.read_text():
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err
+    assert err == "lowprec: interrupted while starting; nothing was written\n"
