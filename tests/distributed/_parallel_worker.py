@@ -69,13 +69,12 @@ def main(path: str) -> None:
         p = dist_prepare(_model(), recipe, mode, _factory)  # type: ignore[arg-type]
         par = _train(p, 0, STEPS, True)
         ref = _train(prepare(_model(), recipe, _factory), 0, STEPS, False)
+        head = next(w for n, w in p.model.named_parameters() if n.endswith("head.weight"))
         result[f"{mode}/{recipe}"] = {
             "parallel": par,
             "reference": ref,
             "optimizer": type(p.optimizer).__name__,
-            "weight": [type(p.model.head.weight).__name__, str(p.model.head.weight.dtype)]
-            if mode == "fsdp"
-            else None,
+            "weight": [type(head).__name__, str(head.dtype)],
         }
     # DCP under DDP (replicated state, MasterWeights and a dynamic loss scaler): save after
     # 2 steps, continue; a fresh prepare loads it and continues the same steps.
