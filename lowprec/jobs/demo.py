@@ -323,6 +323,7 @@ def _conclude(
         out / "report.html",
         title=f"lowprec demo ({len(recipes)} recipes)",
         detail=detail,
+        tolerance=tolerance,
     )
     console.print(f"loss curves: {png}\nresults: {out / 'results.json'}")
     console.print(f"report: {report}  (open it in a browser)")

@@ -23,7 +23,7 @@ import math
 import multiprocessing
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -177,12 +177,19 @@ def _draw(figures: Sequence[_Figure]) -> None:
 
 
 def write_report(
-    runs: Sequence[str | Path], out: str | Path, title: str = "", detail: bool = True
+    runs: Sequence[str | Path],
+    out: str | Path,
+    title: str = "",
+    detail: bool = True,
+    tolerance: Mapping[str, float] | None = None,
 ) -> Path:
     """Write the HTML report comparing ``runs`` (run directories) to ``out``; see the
     module docstring. ``detail=False`` leaves out each run's scale charts and exponent
-    histograms (the diagnosis and the tables stay). Raises :class:`RunError` naming any
-    directory that is not a run."""
+    histograms (the diagnosis and the tables stay). ``tolerance``: the seed spread of the
+    val-loss gap per reference recipe, as the demo judges it
+    (:func:`lowprec.analysis.diagnosis.summary_verdicts`; none: gaps below the failure
+    threshold are reported, not judged). Raises :class:`RunError` naming any directory
+    that is not a run."""
     if not runs:
         raise ValueError("runs: give at least one run directory")
     if not isinstance(detail, bool):
@@ -196,7 +203,7 @@ def write_report(
         "<ul>"  # the verdicts lead (lowprec.analysis.diagnosis.summary_verdicts)
         + "".join(
             f"<li><b>{html.escape(n)}</b>: {html.escape(v)}</li>"
-            for n, v in summary_verdicts(loaded)
+            for n, v in summary_verdicts(loaded, tolerance)
         )
         + "</ul>",
         _table(

@@ -26,6 +26,7 @@ from lowprec.jobs.demo import (
     run_demo,
     steady_step_ms,
 )
+from lowprec.jobs.report import write_report
 from lowprec.jobs.rundir import read_metrics
 from lowprec.jobs.train import RunError
 from lowprec.recipes import get_recipe
@@ -71,6 +72,12 @@ def test_demo_table_plot_and_results(tmp_path: Path) -> None:
     assert by["fp32"]["act_grad_underflow"] < 0.02 and by["bf16"]["act_grad_underflow"] < 0.02
     with pytest.raises(RunError, match="already exists"):
         run_demo(out, recipes=["fp32"], progress=False, config=TINY)
+    # the report's summary judges with the same seed spread as the demo's table
+    runs = [out / r for r in ("fp32", "fp16", "bf16")]
+    page = write_report(runs, tmp_path / "r.html", tolerance={"fp32": 10.0}).read_text()
+    assert "<b>bf16</b>: matches fp32 (within seed spread" in page
+    page = write_report(runs, tmp_path / "r2.html").read_text()
+    assert "seed spread not measured" in page and "within seed spread" not in page
 
 
 def test_demo_rejects_unknown_recipe(tmp_path: Path) -> None:
