@@ -198,7 +198,8 @@ def test_short_demo_shows_fp8_naive_failing(tmp_path: Path) -> None:
 
 
 _INTERRUPTED_DEMO = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even under nohup
 from dataclasses import replace
 from lowprec.jobs.demo import QUICK_CONFIG, DemoInterrupted, run_demo
 cfg = replace(QUICK_CONFIG, **{cfg!r})
