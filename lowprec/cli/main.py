@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{prog}: {e}", file=sys.stderr)
             return exit_code(e.signum)
         except Exception as e:
+            if _during_abort(e):  # cleanup failed while a second Ctrl-C unwound: an abort
+                raise KeyboardInterrupt from e
             if os.environ.get("LOWPREC_TRACEBACK"):
                 raise
             if not _other_rank():
@@ -278,6 +280,19 @@ def _other_rank() -> bool:
     """Whether this is a worker of ``torchrun`` other than rank 0 (which reports for all:
     every rank reaches the same error or interruption)."""
     return os.environ.get("RANK", "0") != "0"
+
+
+def _during_abort(e: BaseException) -> bool:
+    """Whether ``e`` was raised while a ``KeyboardInterrupt`` was being handled (a mode or
+    context manager whose exit fails as the abort unwinds through it)."""
+    seen: set[int] = set()
+    c = e.__context__
+    while c is not None and id(c) not in seen:
+        if isinstance(c, KeyboardInterrupt):
+            return True
+        seen.add(id(c))
+        c = c.__context__
+    return False
 
 
 def _one_line(e: BaseException) -> str:

@@ -65,3 +65,19 @@ def test_sigint_while_torch_is_being_imported_is_one_line() -> None:
     _, err = p.communicate(timeout=300)
     assert p.returncode == 130, err
     assert err == "lowprec: interrupted while starting; nothing was written\n"
+
+
+def test_a_cleanup_error_while_an_abort_unwinds_is_still_an_abort() -> None:
+    """A second Ctrl-C raises KeyboardInterrupt inside a forward; a TorchFunctionMode whose
+    exit then fails ("trying to pop from empty mode stack") must not turn the abort into
+    an error exit: the failure's context holds the KeyboardInterrupt."""
+    from lowprec.cli.main import _during_abort
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("trying to pop from empty mode stack") from None
+    except RuntimeError as e:
+        assert _during_abort(e)
+    assert not _during_abort(RuntimeError("plain"))
