@@ -9,7 +9,11 @@ sharded checkpoints — built on torch's own machinery (``fully_shard``, DTensor
 # tensor parallel, scaling state (float8_fsdp, float8_tp, scaling_sync).
 from lowprec.distributed import checkpoint
 from lowprec.distributed.env import init
-from lowprec.distributed.float8_fsdp import enable_fp8_all_gather, fp8_all_gather_eligible
+from lowprec.distributed.float8_fsdp import (
+    enable_fp8_all_gather,
+    fp8_all_gather_eligible,
+    fp8_all_gather_layout,
+)
 from lowprec.distributed.float8_tp import Float8ColwiseParallel
 from lowprec.distributed.parallel import (
     PARALLEL,
@@ -31,6 +35,7 @@ __all__ = [
     "checkpoint",
     "enable_fp8_all_gather",
     "fp8_all_gather_eligible",
+    "fp8_all_gather_layout",
     "fsdp_units",
     "init",
     "mixed_precision_policy",

@@ -27,14 +27,30 @@ re-gather in backward reuses the forward's scale. No call by the user is needed;
 delayed weight the global ``amax`` is recorded in ``weight_amax_history`` once per
 weight update in training mode (as a single process records it once per forward).
 
-**Which layouts gather in the narrow format.** Weights whose one quantization serves all
-three GEMMs: ``tensor`` granularity with ``dynamic`` or ``delayed`` scaling (the presets
-``tensorwise``, ``delayed``, ``static`` — whose weight is dynamic). Row-wise, ``1x128``
-and MX weight scales are laid along the contracted dimension, which differs between the
-forward GEMM (``K`` = in-features) and the input-gradient GEMM (``N`` = out-features), so
-one narrow payload cannot serve both without a second rounding; those weights, ``128x128``
-block weights and static weights stay in their own dtype for the gather, with a WARNING
-once (``docs/distributed.md`` says what a narrow gather of them would take).
+**Which layouts gather in the narrow format.** Tensor-wise weights with ``dynamic`` or
+``delayed`` scaling (the presets ``tensorwise``, ``delayed``, ``static`` — whose weight is
+dynamic) always do, as above: one payload serves all three GEMMs, bit-exactly.
+
+With ``enable_fp8_all_gather(model, blocks=True)`` the *row-local* block layouts gather
+narrow too: row-wise (``axis``), ``1xB`` blocks and MX (``mx:32``) weights, whose forward
+scales (along the contracted ``K`` = in-features) each cover part of one row of ``W``,
+and ``RxB`` tiles (``128x128``) when every shard's row count is a multiple of ``R``.
+FSDP2 shards dim 0 (rows), so each rank quantizes its own rows, ``Q_K(W_r)`` — the rows of
+``Q_K(W)``, with no collective — and gathers the payload (1 byte per element; E2M1 codes
+two per byte) and its scales (float32; MX scales as 1-byte E8M0). After the gather the
+weight is dequantized, ``W~ = deq(Q_K(W))`` in ``param_dtype``, and handed to
+``Float8Linear`` as a plain tensor. Quantizing ``W~`` along ``K`` again gives back
+``Q_K(W)``: the forward operand is that of a high-precision gather. The input-gradient
+GEMM contracts the *out*-features, so it quantizes ``W~`` along ``N``: a second rounding
+of that operand (at most one step of the format per element) which a high-precision
+gather does not have — except for ``RxB`` tiles, the same tiles in both orientations.
+Hence ``blocks`` is off by default.
+
+Gathered in ``param_dtype`` (one WARNING naming the reason): static weights; ``nv:16``
+(NVFP4's second-level per-tensor scale needs the global ``amax``); ``RxB`` tiles whose
+shards do not hold a multiple of ``R`` rows; block weights whose rows do not divide evenly
+over the ranks (FSDP2 requires every all-gather input of an unevenly sharded parameter to
+have the padded shard's shape, which a scale tensor has not).
 """
 
 from __future__ import annotations
@@ -47,19 +63,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity
-from lowprec.core.rounding import storage_dtype, to_format
+from lowprec.core.rounding import from_bits, storage_dtype, to_bits, to_format
 from lowprec.core.scalers import delayed_amax, push_amax
 from lowprec.core.tensor import ScaledTensor, register_rule
 from lowprec.core.warn import warn_once
 from lowprec.float8.linear import Float8Linear
+from lowprec.float8.quant import dequantize_parts, quantize_parts
 
-__all__ = ["Float8AllGatherWeight", "enable_fp8_all_gather", "fp8_all_gather_eligible"]
+__all__ = [
+    "Float8AllGatherWeight",
+    "enable_fp8_all_gather",
+    "fp8_all_gather_eligible",
+    "fp8_all_gather_layout",
+]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -92,6 +115,7 @@ class _Slot:
     """What every shard/view of one wrapped weight shares: its layer and scale cache."""
 
     layer: weakref.ref[Float8Linear]
+    mode: str = "tensor"  # "tensor": one global scale; "blocks": row-local block scales
     sharded: weakref.ref[DTensor] | None = None  # FSDP's sharded parameter
     key: tuple[int, int, bool] | None = None  # (id, version, training) the scale is for
     scale: Tensor | None = None
@@ -120,7 +144,7 @@ class Float8AllGatherWeight(Tensor):
 
     @staticmethod
     def __new__(cls, hp: Tensor, slot: _Slot, group: _Group) -> Float8AllGatherWeight:
-        out: Float8AllGatherWeight = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        out: Float8AllGatherWeight = Tensor._make_wrapper_subclass(
             cls,
             hp.shape,
             strides=hp.stride(),
@@ -182,6 +206,8 @@ class Float8AllGatherWeight(Tensor):
         layer = self._slot.layer()
         if layer is None:
             raise RuntimeError("Float8AllGatherWeight: its Float8Linear no longer exists")
+        if self._slot.mode == "blocks":
+            return _pre_blocks(self._hp, layer, mesh, outer_size, mp_policy)
         w = layer.weight  # sharded now: FSDP installs the gathered weight after this call
         if isinstance(w, DTensor) and w._local_tensor is self:
             self._slot.sharded = weakref.ref(w)
@@ -198,7 +224,7 @@ class Float8AllGatherWeight(Tensor):
             padded[: hp.shape[0]] = hp
             hp = padded
         data = to_format(hp / scale.reshape(1, 1), cast.fmt, saturate=True)
-        return (data.view(torch.uint8),), (scale, cast.fmt)
+        return (data.view(torch.uint8),), ("tensor", scale, cast.fmt)
 
     def fsdp_post_all_gather(
         self,
@@ -207,9 +233,11 @@ class Float8AllGatherWeight(Tensor):
         param_dtype: torch.dtype,
         *,
         out: Tensor | None = None,
-    ) -> tuple[ScaledTensor, tuple[Tensor, ...]] | None:
+    ) -> tuple[Tensor, tuple[Tensor, ...]] | None:
+        if metadata[0] != "tensor":
+            return _post_blocks(all_gather_outputs, metadata, param_dtype, out)
         (raw,) = all_gather_outputs
-        scale, fmt = metadata
+        _, scale, fmt = metadata
         data = raw.view(storage_dtype(fmt))
         if out is not None:  # a re-gather into the same storage: only the scale may move
             assert isinstance(out, ScaledTensor)
@@ -225,6 +253,99 @@ def _as_strided(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sca
     tensor-wise scale is kept."""
     x: ScaledTensor = args[0]
     return ScaledTensor._wrap(func(x.qdata, *args[1:], **kwargs), x.scale, *x._meta())
+
+
+def _block_reason(layer: Float8Linear) -> str | None:
+    """Why ``layer``'s weight cannot be gathered narrow with row-local block scales
+    (``None``: it can, given even shards; see the module docstring)."""
+    c = layer.recipe.weight
+    g = c.bound_granularity(1)
+    fmt = get_format(c.fmt)
+    if g.kind == "tensor":
+        return "tensor-wise static scale" if c.scaling == "static" else None
+    if c.scaling != "dynamic":
+        return f"{c.scaling} block scales"
+    if g.kind == "nv":
+        return "nv:16 needs the global amax for its second-level scale"
+    if type(layer)._gemm_weight is not Float8Linear._gemm_weight:
+        return "the weight is stored transposed: FSDP2's row shards split in-features"
+    if not (fmt.torch_dtype is not None and fmt.torch_dtype.itemsize == 1) and fmt.total_bits > 4:
+        return f"{fmt.name} has no 1-byte storage"
+    return None
+
+
+def _pre_blocks(
+    hp: Tensor, layer: Float8Linear, mesh: DeviceMesh, outer_size: torch.Size, mp_policy: Any
+) -> tuple[tuple[Tensor, ...], Any]:
+    """The all-gather inputs of a row-local block weight: this shard's ``Q_K(W_r)`` payload
+    and scales, or (when the shards do not allow it) the shard itself in ``param_dtype``."""
+    cast = layer.recipe.weight
+    g = cast.bound_granularity(1)
+    fmt = get_format(cast.fmt)
+    pd = getattr(mp_policy, "param_dtype", None)
+    w = hp if pd is None else hp.to(pd)
+    n, k, ws = int(outer_size[0]), int(outer_size[1]), mesh.size()
+    rows = -(-n // ws)
+    packed = fmt.torch_dtype is None or fmt.torch_dtype.itemsize != 1
+    reason = None
+    if n % ws:
+        reason = f"its {n} rows do not divide over {ws} ranks"
+    elif g.kind == "block" and rows % g.block[0]:
+        reason = f"a shard's {rows} rows are not whole {g.block[0]}-row tiles"
+    elif packed and g.kind == "axis" and k % 2:
+        reason = f"an odd row length ({k}) cannot pack two 4-bit codes per byte"
+    if reason is not None:
+        warn_once(
+            log,
+            f"float8-fsdp-blocks:{layer.recipe.name}:{n}x{k}:{ws}",
+            "enable_fp8_all_gather: a %dx%d %s weight is gathered in its own dtype: %s",
+            n,
+            k,
+            cast.describe(),
+            reason,
+        )
+        if w.shape[0] != rows:  # FSDP pads every shard to this
+            padded = w.new_zeros((rows, *w.shape[1:]))
+            padded[: w.shape[0]] = w
+            w = padded
+        return (w,), ("plain",)
+    data, scale, _ = quantize_parts(w, cast, 1)  # rows of Q_K(W): no collective needed
+    if packed:  # E2M1: two 4-bit codes per byte
+        codes = to_bits(torch.nan_to_num(data.float(), nan=0.0), fmt).to(torch.uint8)
+        payload = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    else:
+        payload = data.view(torch.uint8)
+    e8m0 = g.kind == "mx"  # MX scales are powers of two (or NaN): exact in E8M0
+    sc = scale.to(torch.float8_e8m0fnu).view(torch.uint8) if e8m0 else scale.float()
+    return (payload, sc), ("blocks", cast.fmt, (n, k), packed, e8m0)
+
+
+def _post_blocks(
+    outputs: tuple[Tensor, ...], meta: Any, param_dtype: torch.dtype, out: Tensor | None
+) -> tuple[Tensor, tuple[Tensor, ...]] | None:
+    """The unsharded weight from :func:`_pre_blocks`' gathered inputs: the gathered shard
+    (``"plain"``) or ``deq(Q_K(W))`` in ``param_dtype`` (``"blocks"``)."""
+    if meta[0] == "plain":
+        (raw,) = outputs
+        return None if out is not None else (raw, (raw,))
+    _, fmt_name, shape, packed, e8m0 = meta
+    payload, sraw = outputs
+    fmt = get_format(fmt_name)
+    if packed:
+        codes = torch.stack((payload & 15, payload >> 4), dim=-1).flatten(-2)
+        data = from_bits(codes.long(), fmt)
+    else:
+        data = payload.view(storage_dtype(fmt)).float()
+    scale = sraw.view(torch.float8_e8m0fnu).float() if e8m0 else sraw
+    pad = tuple(shape) if tuple(data.shape) != tuple(shape) else None
+    w = dequantize_parts(data, scale, pad, param_dtype)
+    if out is None:
+        return w, (w,)
+    # A re-gather (backward) into the storage FSDP2 freed after forward: the saved weight
+    # is refilled with the same values, so autograd's version check must not see a write.
+    with torch.no_grad(), _unsafe_preserve_version_counter(out):
+        out.copy_(w.view(out.shape))
+    return None
 
 
 def _sharded_of(slot: _Slot) -> DTensor:
@@ -263,7 +384,7 @@ def _scale_for(slot: _Slot, group: _Group, mesh: DeviceMesh) -> Tensor:
 
 def _refresh(group: _Group, mesh: DeviceMesh) -> None:
     """Recompute the scale of every live weight of ``group``: one ``all_reduce(MAX)``."""
-    live = [s for s in group.slots if s.layer() is not None]
+    live = [s for s in group.slots if s.layer() is not None and s.mode == "tensor"]
     shards = [_sharded_of(s) for s in live]
     hps = [d._local_tensor._hp for d in shards]  # type: ignore[attr-defined]
     amaxes = torch.stack(
@@ -316,16 +437,32 @@ def fp8_all_gather_eligible(layer: Float8Linear) -> bool:
     return c.bound_granularity(0).kind == "tensor" and c.scaling in ("dynamic", "delayed")
 
 
-def enable_fp8_all_gather(model: nn.Module) -> int:
+def fp8_all_gather_layout(layer: Float8Linear, blocks: bool = True) -> str | None:
+    """How FSDP2 gathers ``layer``'s weight after :func:`enable_fp8_all_gather`:
+    ``"tensor"`` (FP8 and one global scale), ``"blocks"`` (the narrow payload and row-local
+    block scales, when the shards allow it at gather time) or ``None`` (its own dtype).
+    ``blocks``: the argument given to :func:`enable_fp8_all_gather`."""
+    if fp8_all_gather_eligible(layer):
+        return "tensor"
+    tensor = layer.recipe.weight.bound_granularity(1).kind == "tensor"
+    return "blocks" if blocks and not tensor and _block_reason(layer) is None else None
+
+
+def enable_fp8_all_gather(model: nn.Module, *, blocks: bool = False) -> int:
     """Make FSDP2 all-gather ``model``'s ``Float8Linear`` weights in FP8.
 
     Call it on every rank after converting to float8 and before ``fully_shard``. Eligible
     weights (:func:`fp8_all_gather_eligible`) are wrapped in :class:`Float8AllGatherWeight`;
-    the others are left alone (gathered in their own dtype) and named in one WARNING.
-    Idempotent. Returns the number of weights wrapped by this call.
+    with ``blocks=True`` so are the row-local block layouts (row-wise, ``1xB``, MX, ``RxB``
+    tiles; :func:`fp8_all_gather_layout`), whose input-gradient GEMM then sees a second
+    rounding of the weight (module docstring). The others are left alone (gathered in their
+    own dtype) and named in one WARNING. Idempotent. Returns the number of weights wrapped
+    by this call.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(blocks, bool):
+        raise TypeError(f"blocks must be a bool, got {type(blocks).__name__}")
     group = _Group()
     skipped: list[str] = []
     for name, m in model.named_modules():
@@ -339,21 +476,28 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
             )
         if isinstance(w, Float8AllGatherWeight):
             continue
-        if not fp8_all_gather_eligible(m):
-            skipped.append(f"{name or 'model'} ({m.recipe.weight.describe()})")
+        mode = fp8_all_gather_layout(m, blocks)
+        if mode is None:
+            why = _block_reason(m) if blocks else None
+            desc = m.recipe.weight.describe() + (f": {why}" if why else "")
+            skipped.append(f"{name or 'model'} ({desc})")
             continue
-        slot = _Slot(weakref.ref(m))
+        slot = _Slot(weakref.ref(m), mode)
         group.slots.append(slot)
         m.weight = nn.Parameter(
             Float8AllGatherWeight(w.detach(), slot, group), requires_grad=w.requires_grad
         )
         m.register_state_dict_post_hook(_plain_state_dict)  # type: ignore[no-untyped-call]
     if skipped:
+        kinds = sorted({s.split(" ", 1)[1] for s in skipped})
         warn_once(
             log,
-            f"float8-fsdp-skip:{','.join(sorted(set(s.split(' ', 1)[1] for s in skipped)))}",
-            "enable_fp8_all_gather: weights gathered in their own dtype (only tensor-wise "
-            "dynamic or delayed weights are gathered in FP8): %s",
+            f"float8-fsdp-skip:{blocks}:{','.join(kinds)}",
+            "enable_fp8_all_gather: weights gathered in their own dtype (%s): %s",
+            "see fp8_all_gather_layout"
+            if blocks
+            else "only tensor-wise dynamic or delayed weights are gathered in FP8 unless "
+            "blocks=True",
             ", ".join(skipped),
         )
     return len(group.slots)

@@ -76,7 +76,7 @@ class _GatherFP8(torch.autograd.Function):
     ``dim``. Backward: reduce-scatter the input gradient's partial sums along ``dim``."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: Tensor, scale: Tensor, fmt: str, mesh: DeviceMesh, dim: int
     ) -> ScaledTensor:
         ctx.mesh, ctx.dim = mesh, dim
@@ -86,7 +86,7 @@ class _GatherFP8(torch.autograd.Function):
         return ScaledTensor._wrap(data, scale, x.dtype, fmt, _DOMAIN, _TENSOR)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         partial_sums = DTensor.from_local(g, ctx.mesh, [Partial()], run_check=False)
         local = partial_sums.redistribute(ctx.mesh, [Shard(ctx.dim)]).to_local()
         return local, None, None, None, None

@@ -113,7 +113,7 @@ def shard(
     mesh: DeviceMesh | None = None,
     units: Callable[[nn.Module], Iterable[nn.Module]] = fsdp_units,
     ddp_kwargs: dict[str, Any] | None = None,
-    fp8_all_gather: bool = True,
+    fp8_all_gather: bool | Literal["blocks"] = True,
 ) -> nn.Module:
     """Step 2 of the order (see the module docstring): shard ``model``, to which the
     recipe's technique has already been applied.
@@ -128,12 +128,15 @@ def shard(
     (:func:`lowprec.distributed.scaling_sync.attach_scaling_sync`), so every rank uses
     the same scales; under FSDP2 the eligible float8 weights are all-gathered in FP8
     (:func:`lowprec.distributed.float8_fsdp.enable_fp8_all_gather`; ``fp8_all_gather=False``
-    gathers them in ``param_dtype``).
+    gathers them in ``param_dtype``; ``"blocks"`` also gathers the row-local block layouts
+    narrow, with ``blocks=True``).
     """
     _check_group()
     r = get_recipe(recipe)
     mode = _check_parallel(parallel)
     _check_recipe(r, mode)
+    if fp8_all_gather not in (True, False, "blocks"):
+        raise ValueError(f"fp8_all_gather must be True, False or 'blocks', got {fp8_all_gather!r}")
     if mode == "fsdp":
         with torch.no_grad():
             for p in model.parameters():
@@ -142,7 +145,7 @@ def shard(
     if r.float8 is not None:
         attach_scaling_sync(model)
         if mode == "fsdp" and fp8_all_gather:
-            enable_fp8_all_gather(model)
+            enable_fp8_all_gather(model, blocks=fp8_all_gather == "blocks")
     if mode == "ddp":
         return DistributedDataParallel(model, **(ddp_kwargs or {}))
     policy = mixed_precision_policy(r)
@@ -164,7 +167,7 @@ def prepare(
     mesh: DeviceMesh | None = None,
     units: Callable[[nn.Module], Iterable[nn.Module]] = fsdp_units,
     ddp_kwargs: dict[str, Any] | None = None,
-    fp8_all_gather: bool = True,
+    fp8_all_gather: bool | Literal["blocks"] = True,
 ) -> Prepared:
     """:func:`lowprec.recipes.prepare` under ``torch.distributed``: apply the technique,
     shard (:func:`shard`), then build the optimizer and the loss scaler on the sharded

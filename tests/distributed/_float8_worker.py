@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import json
 import sys
 from typing import Any
@@ -158,6 +159,82 @@ def case_fsdp() -> dict[str, Any]:
     # BF16-rounded shard, as the BF16 gather would have delivered it.
     bf16 = {fp8: fsdp_run("tensorwise", fp8, torch.bfloat16) for fp8 in (False, True)}
     out["bf16"] = {"hp": bf16[False]["losses"], "fp8": bf16[True]["losses"]}
+    return out
+
+
+# ---- FSDP2, narrow gather of block layouts ---------------------------------------------------
+
+# (recipe, layer widths): the widths make the 128x128 tiles of "blockwise" line up with the
+# shards of the first layer only (256 rows: 128 per rank), and "rowwise-uneven" has a
+# 15-row layer, which two ranks cannot split evenly.
+BLOCK_CASES: dict[str, tuple[str, tuple[int, ...]]] = {
+    "rowwise": ("rowwise", (64, 128, 64, 16)),
+    "w1x128": ("w1x128", (128, 256, 128, 16)),
+    "mxfp8": ("mxfp8", (64, 128, 64, 16)),
+    "mxfp4": ("mxfp4", (64, 128, 64, 16)),
+    "blockwise": ("blockwise", (128, 256, 128, 16)),
+    "rowwise-uneven": ("rowwise", (64, 15, 64)),
+}
+
+
+def block_recipe(name: str) -> Any:
+    """A preset, or ``w1x128``: row-wise with the weight in 1x128 blocks (no preset has it)."""
+    from lowprec.float8.recipe import CastConfig, Float8Recipe
+
+    if name != "w1x128":
+        return name
+    w = CastConfig("e4m3fn", granularity="block:1x128")
+    return Float8Recipe.from_name("rowwise").replace(weight=w, name="w1x128")
+
+
+def blocks_run(case: str, blocks: bool) -> dict[str, Any]:
+    from lowprec.distributed import enable_fp8_all_gather
+
+    recipe, dims = BLOCK_CASES[case]
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(dims):
+        layers += [nn.Linear(a, b, bias=False), nn.ReLU()]
+    m = convert_to_float8(nn.Sequential(*layers[:-1]), block_recipe(recipe))
+    enable_fp8_all_gather(m, blocks=blocks)
+    for i in range(0, len(m), 2):
+        fully_shard(m[i])
+    fully_shard(m)
+    for mod in m.modules():
+        if hasattr(mod, "set_custom_all_gather"):
+            mod.set_custom_all_gather(CountingAllGather())
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    CountingAllGather.bytes = 0
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(STEPS):
+        x = torch.randn(16, dims[0], generator=g) * (1 + i)
+        loss = m(x.chunk(2)[rank]).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        lt = loss.detach().clone()
+        dist.all_reduce(lt)
+        losses.append(lt.item() / 2)
+    shards = [p.to_local().detach().clone() for p in m.parameters()]  # type: ignore[attr-defined]
+    return {
+        "losses": losses,
+        "bytes": CountingAllGather.bytes,
+        "_shards": shards,
+    }
+
+
+def case_blocks() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for case in BLOCK_CASES:
+        hp, narrow = blocks_run(case, False), blocks_run(case, True)
+        # how far the narrow run's master shards moved from the high-precision run's
+        diff = max(
+            float((a - b).abs().max() / b.abs().max())
+            for a, b in zip(narrow.pop("_shards"), hp.pop("_shards"), strict=True)
+        )
+        out[case] = {"hp": hp, "narrow": narrow, "shard_rel_diff": max(all_ranks(diff))}
     return out
 
 
@@ -335,7 +412,12 @@ def main() -> None:
     case, path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     try:
-        cases = {"case_fsdp": case_fsdp, "case_tp": case_tp, "case_sync": case_sync}
+        cases = {
+            "case_fsdp": case_fsdp,
+            "case_blocks": case_blocks,
+            "case_tp": case_tp,
+            "case_sync": case_sync,
+        }
         if case == "all":  # one launch for the three test files: processes start once
             result = {name: fn() for name, fn in cases.items()}
         else:

@@ -9,6 +9,7 @@ the one-process reference.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from lowprec.distributed import enable_fp8_all_gather, fp8_all_gather_eligible
 from lowprec.float8 import Float8Linear, convert_to_float8
-from tests.distributed._float8_worker import STEPS, results
+from tests.distributed._float8_worker import BLOCK_CASES, STEPS, results
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +92,71 @@ def test_fp8_gather_under_bf16_mixed_precision(result: dict[str, Any]) -> None:
     assert result["bf16"]["fp8"] == result["bf16"]["hp"]
 
 
+# ---- narrow gather of block layouts (enable_fp8_all_gather(blocks=True)) ----------------------
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return results("case_blocks", tmp_path_factory)
+
+
+def _layers(dims: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [(n, k) for k, n in itertools.pairwise(dims)]  # (rows N, K)
+
+
+def _gathered(case: str, narrow: bool) -> int:
+    """Bytes each rank sends per run: 3 layers x (forward + backward gather) x STEPS."""
+    recipe, dims = BLOCK_CASES[case]
+    total = 0
+    for n, k in _layers(dims):
+        r = n // 2  # rows per rank
+        if not narrow or n % 2 or (recipe == "blockwise" and r % 128):
+            total += -(-n // 2) * k * 4  # FP32 shard (padded to ceil(N/2) rows)
+        elif recipe == "rowwise":
+            total += r * k + r * 4  # E4M3 payload, one float32 scale per row
+        elif recipe == "w1x128":
+            total += r * k + r * -(-k // 128) * 4  # float32 scale per 1x128 block
+        elif recipe == "mxfp8":
+            total += r * k + r * (k // 32)  # E8M0 scale (1 byte) per 32 elements
+        elif recipe == "mxfp4":
+            total += r * k // 2 + r * (k // 32)  # two E2M1 codes per byte
+        else:  # blockwise: float32 scale per 128x128 tile
+            total += r * k + (r // 128) * -(-k // 128) * 4
+    return 2 * STEPS * total
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_block_layouts_gather_narrow_bytes(blocks: dict[str, Any], case: str) -> None:
+    r = blocks[case]
+    assert r["hp"]["bytes"] == _gathered(case, narrow=False)
+    assert r["narrow"]["bytes"] == _gathered(case, narrow=True)
+    if case in ("rowwise", "w1x128", "mxfp8", "mxfp4"):
+        # payload 1 byte (E2M1: 1/2) per element plus the scales: <= 0.3x the FP32 gather
+        assert r["narrow"]["bytes"] <= 0.3 * r["hp"]["bytes"]
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_block_layouts_narrow_gather_matches_fp32_gather(blocks: dict[str, Any], case: str) -> None:
+    r = blocks[case]
+    hp, narrow = r["hp"]["losses"], r["narrow"]["losses"]
+    # The forward operand Q_K(W) is that of the FP32 gather (each shard quantizes whole
+    # rows): the first step's loss, which only the forward sees, is equal to the last bit.
+    assert narrow[0] == hp[0]
+    if case in ("blockwise", "mxfp8", "mxfp4"):
+        # 128x128 tiles are the same in both GEMMs; MX: the power-of-two scales of the
+        # K-blocks and N-blocks of these init weights agree, so re-quantizing the
+        # dequantized weight along N is exact: the whole run is bit-identical.
+        assert narrow == hp
+        assert r["shard_rel_diff"] == 0.0
+    else:
+        # Row-wise / 1x128 (and the uneven case's two even layers): the input-gradient GEMM
+        # re-quantizes deq(Q_K(W)) along N, a second E4M3 rounding (<= 2^-4 relative) of
+        # some weight elements; summed into the gradients of the layers below it moves the
+        # loss by ~1e-3 relative over 3 steps (measured <= 1.8e-3): 1e-2.
+        assert narrow == pytest.approx(hp, rel=1e-2)
+        assert 0.0 < r["shard_rel_diff"] < 1e-2
+
+
 # ---- one process: wrapping, eligibility, errors ------------------------------------------------
 
 
@@ -133,3 +199,36 @@ def test_wrapped_weight_trains_like_the_plain_one_without_fsdp() -> None:
 def test_enable_refuses_bad_input() -> None:
     with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         enable_fp8_all_gather("model")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "default", "blocks"),
+    [
+        ("tensorwise", "tensor", "tensor"),
+        ("delayed", "tensor", "tensor"),
+        ("static", "tensor", "tensor"),  # the static preset's weight is dynamic
+        ("rowwise", None, "blocks"),
+        ("blockwise", None, "blocks"),  # 128x128: narrow when the shards hold whole tiles
+        ("mxfp8", None, "blocks"),
+        ("mxfp4", None, "blocks"),
+        ("nvfp4", None, None),  # the per-tensor second-level scale needs the global amax
+    ],
+)
+def test_layout_per_preset(recipe: str, default: str | None, blocks: str | None) -> None:
+    from lowprec.distributed import fp8_all_gather_layout
+
+    m = _mlp(recipe)[0]
+    assert isinstance(m, Float8Linear)
+    assert fp8_all_gather_layout(m, blocks=False) == default
+    assert fp8_all_gather_layout(m, blocks=True) == blocks
+
+
+def test_blocks_wraps_row_local_layouts_and_names_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert enable_fp8_all_gather(_mlp("mxfp8"), blocks=True) == 2
+    with caplog.at_level(logging.WARNING):
+        assert enable_fp8_all_gather(_mlp("nvfp4"), blocks=True) == 0
+    assert "nv:16 needs the global amax" in caplog.text
+    with pytest.raises(TypeError, match="blocks must be a bool"):
+        enable_fp8_all_gather(_mlp("mxfp8"), blocks="yes")  # type: ignore[arg-type]
