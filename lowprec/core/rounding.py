@@ -27,13 +27,16 @@ the native cast is used (fp16, bf16, the four float8 dtypes).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 __all__ = ["from_bits", "quantize", "snr_db", "storage_dtype", "to_bits", "to_format"]
 
+from lowprec.core import kernels
 from lowprec.core.formats import _ELIDED, _NATIVE, BF16, FP16, FP32, Format, Rounding, get_format
 
 # ---------------------------------------------------------------------------------------
@@ -172,6 +175,10 @@ def quantize(
     native = _native_for(x, fmt, rounding)
     if native is not None:
         return _quantize_native(x, fmt, native, saturate)
+    if rounding == "nearest" and _FAST_EAGER and kernels.applies(x):
+        y = kernels.run_quantize(x, fmt, saturate)  # the same function, compiled
+        if y is not None:
+            return y
     fdt, _, _ = _work_dtypes(orig)
     xf = x.to(fdt)
     a = _round_magnitude(xf.abs(), fmt, rounding, generator)
@@ -213,18 +220,33 @@ def _native_for(x: Tensor, fmt: Format, rounding: str) -> torch.dtype | None:
     return native
 
 
-def _cast_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:
+def _cast_native(
+    x: Tensor, fmt: Format, native: torch.dtype, saturate: bool, absmax: float | None = None
+) -> Tensor:
     """Round ``x`` (fp32/fp16/bf16) into ``fmt`` with torch's cast; result in ``native``.
 
     Written for speed under ``torch.compile``: ``|x| == inf`` instead of ``isinf`` (which
     inductor does not vectorise on CPU) and no clamp where the cast saturates by itself.
+    Eager on CPU, the largest magnitude of ``x`` (``absmax``, given by a caller that knows
+    it, else read with one ``aminmax`` pass; :func:`_absmax_eager`) picks the shortest
+    sequence of passes that gives the same bits as the general masked path.
     """
     if native == x.dtype:
         return x.clone()
-    if _in_range_eager(x, fmt):
-        return x.to(native)  # nothing to saturate or turn into NaN: one plain cast
+    if absmax is None:
+        absmax = _absmax_eager(x)
     # the clamp bound in x's dtype (a wider format's max does not fit in, e.g., fp16)
     top = min(fmt.max, torch.finfo(x.dtype).max)
+    if absmax is not None and _FAST_EAGER:
+        # Every |x| <= absmax: NaN compares False, so a NaN or Inf skips these shortcuts.
+        if absmax <= fmt.max:
+            return x.to(native)  # nothing to saturate or turn into NaN: one plain cast
+        if absmax < math.inf and fmt.special == "fn":
+            tie = fmt.max + 2.0 ** (fmt.max_exponent - fmt.mantissa_bits - 1)
+            if (saturate and _E4M3FN_CAST_SATURATES) or (not saturate and absmax <= tie):
+                return x.to(native)  # finite: the general path's masks are all False
+        if absmax < math.inf and fmt.special != "fn" and saturate:
+            return x.clamp(-top, top).to(native)  # finite: no Inf to keep
     if fmt.special == "fn":
         # torch >= 2.7 saturates fp32 -> float8_e4m3fn (even Inf); ml_dtypes gives NaN.
         # Above max + half an ulp (the tie rounds down to max's even mantissa) is overflow;
@@ -243,17 +265,55 @@ def _cast_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) ->
     return x.to(native)
 
 
-def _in_range_eager(x: Tensor, fmt: Format) -> bool:
-    """Eager CPU fast path: True when every ``|x| <= fmt.max`` (so no Inf, no NaN).
+# Eager fast paths on (the reference path is the general masked one; tests compare both
+# bit for bit through :func:`_reference_paths`).
+_FAST_EAGER = True
 
-    ``aminmax`` reads ``x`` once without temporaries; the masks of the general path cost
-    several full-size allocations, which dominate eager CPU time. Skipped under
-    ``torch.compile`` (a data-dependent branch) and off the CPU (it would synchronise).
-    """
+
+@contextlib.contextmanager
+def _reference_paths() -> Iterator[None]:
+    """Within this context the eager shortcuts are off: every cast takes the general path
+    (for tests that check the shortcuts bit for bit). Not thread-safe; tests only."""
+    global _FAST_EAGER
+    old, _FAST_EAGER = _FAST_EAGER, False
+    try:
+        yield
+    finally:
+        _FAST_EAGER = old
+
+
+def dense_view(x: Tensor) -> Tensor:
+    """``x`` with its dims permuted into storage order when that makes it contiguous (a
+    transposed matrix: its transpose), else ``x``. For reductions whose result does not
+    depend on the order of the elements (``amax``, ``aminmax``): CPU kernels read a
+    contiguous tensor several times faster than a strided one."""
+    if x.dim() < 2 or x.is_contiguous() or not _FAST_EAGER:
+        return x
+    perm = sorted(range(x.dim()), key=lambda d: (-x.stride()[d], d))
+    y = x.permute(perm)
+    return y if y.is_contiguous() else x
+
+
+def from_dense_view(y: Tensor, x: Tensor) -> Tensor:
+    """``y``, computed elementwise on ``dense_view(x)``, permuted back to ``x``'s dims (and
+    so to ``x``'s strides, as an eager elementwise op on ``x`` lays out its result)."""
+    if y.dim() < 2 or x.is_contiguous() or not _FAST_EAGER:
+        return y
+    perm = sorted(range(x.dim()), key=lambda d: (-x.stride()[d], d))
+    inv = [0] * len(perm)
+    for j, p in enumerate(perm):
+        inv[p] = j
+    return y.permute(inv)
+
+
+def _absmax_eager(x: Tensor) -> float | None:
+    """Eager CPU: the largest ``|x|`` (NaN if ``x`` holds a NaN) as a Python float, read in
+    one ``aminmax`` pass without temporaries; ``None`` under ``torch.compile`` (a
+    data-dependent branch), off the CPU (it would synchronise) and for an empty ``x``."""
     if torch.compiler.is_compiling() or x.device.type != "cpu" or x.numel() == 0:
-        return False
-    lo, hi = torch.aminmax(x)
-    return bool(torch.maximum(hi, -lo) <= fmt.max)
+        return None
+    lo, hi = torch.aminmax(dense_view(x))
+    return float(torch.maximum(hi, -lo))
 
 
 # Whether torch's fp32 -> float8_e4m3fn cast saturates finite overflow (it does from 2.7).
@@ -263,10 +323,22 @@ _E4M3FN_CAST_SATURATES: bool = (
 
 
 def _quantize_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:
-    y = _cast_native(x, fmt, native, saturate).to(x.dtype)
+    absmax = _absmax_eager(x)
+    y = _cast_native(x, fmt, native, saturate, absmax).to(x.dtype)
+    if _FAST_EAGER and absmax is not None and absmax == absmax:
+        return y  # no NaN in x: nothing to restore
     # Keep an input NaN as it is (its sign too, as the bit path does): torch's casts
     # drop or set the sign of NaN depending on the dtype.
     return torch.where(torch.isnan(x), x, y)
+
+
+def _to_format_bounded(x: Tensor, fmt: Format, saturate: bool, absmax: float | None) -> Tensor:
+    """:func:`to_format` (nearest) for a caller that knows ``absmax`` >= every ``|x|`` (NaN
+    when ``x`` may hold a NaN; ``None``: unknown). Same bits as ``to_format``."""
+    native = _native_for(x, fmt, "nearest")
+    if native is not None:
+        return _cast_native(x, fmt, native, saturate, absmax)
+    return quantize(x, fmt, "nearest", saturate).to(storage_dtype(fmt))
 
 
 def to_format(

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from lowprec.core.formats import E8M0, Format, get_format
 from lowprec.core.granularity import Granularity, _block_views, as_granularity
-from lowprec.core.rounding import quantize
+from lowprec.core.rounding import dense_view, quantize
 from lowprec.core.warn import warn_once
 
 __all__ = [
@@ -115,7 +115,8 @@ def amax(x: Tensor, granularity: str | Granularity = "tensor") -> Tensor:
             return torch.zeros((), device=x.device)
         # aminmax reads x once without an |x| temporary (10x faster eager on CPU than
         # x.abs().amax()); maximum() propagates NaN.
-        lo, hi = torch.aminmax(x.detach())
+        # (dense_view: a transposed matrix is read in storage order, 10x faster again.)
+        lo, hi = torch.aminmax(dense_view(x.detach()))
         return torch.maximum(hi, -lo).float()
     if not x.numel():  # every group empty: amax 0 (an all-zero group's scale is 1)
         return torch.zeros(shape, device=x.device)

@@ -25,14 +25,16 @@ kernel is never used: it is thousands of times slower than a bf16 matmul.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lowprec.core import rounding
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import apply_scale, pad_to_blocks
-from lowprec.core.rounding import to_format
+from lowprec.core.rounding import _to_format_bounded, dense_view, from_dense_view, to_format
 from lowprec.core.scales import amax, compute_scale, mx_scale, nv_scale
 from lowprec.core.tensor import ScaledTensor, register_rule
 from lowprec.core.warn import warn_once
@@ -54,18 +56,22 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
     fmt = get_format(cast.fmt)
     g = cast.bound_granularity(cd)
     if g.kind == "tensor":
-        s = scale if scale is not None else cast.scale_for(amax(t))
+        a = amax(t) if scale is None else None
+        s = cast.scale_for(a) if a is not None else scale
+        assert s is not None
         # A 1-element (not 0-dim) float32 divisor makes the division itself run in float32
         # for bf16/fp16 ``t``: one pass, no upcast copy, one rounding.
-        return to_format(t / s.reshape(1, 1), fmt, saturate=True), s, None
+        s2 = s.reshape(1, 1)
+        return _to_format_bounded(t / s2, fmt, True, _quotient_max(a, s2, t)), s, None
     if scale is not None:
         raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
     x = t if t.dtype == torch.float64 else t.float()  # float64 is rounded once, directly
     if g.kind == "axis":
         if x.numel() == 0:  # e.g. an expert that got no tokens: nothing to scale
             return to_format(x, fmt), x.new_ones(g.scale_shape(x.shape)), None
-        s = cast.scale_for(amax(x, g))
-        return to_format(x / s, fmt, saturate=True), s, None
+        a = amax(x, g)
+        s = cast.scale_for(a)
+        return _to_format_bounded(x / s, fmt, True, _quotient_max(a, s, x)), s, None
     xp = pad_to_blocks(x, g)  # the core padding policy: explicit, recorded, cropped
     pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
     if x.numel() == 0:
@@ -83,7 +89,54 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         # OCP MX: a block holding Inf/NaN gets the NaN scale, so the whole block reads NaN
         # (E2M1 has no Inf/NaN code: saturating would hide an overflow from loss scaling).
         s = torch.where(torch.isfinite(a), s, torch.nan)
-    return to_format(apply_scale(xp, s, op="div"), fmt, saturate=True), s, pad
+    bound = _quotient_max(a, s, xp)
+    return _to_format_bounded(apply_scale(xp, s, op="div"), fmt, True, bound), s, pad
+
+
+def _quotient_max(a: Tensor | None, s: Tensor, x: Tensor) -> float | None:
+    """The largest ``|x / s|`` over all groups, from the groups' maxima ``a`` alone (eager
+    CPU; ``None`` where unknown or under ``torch.compile``; NaN if a group holds NaN).
+
+    Division by a positive scale is monotonic in every rounding, so the group maximum
+    ``a`` divided by its scale, in the same dtypes, *is* the group's largest quotient.
+    """
+    if a is None or torch.compiler.is_compiling() or x.device.type != "cpu" or not a.numel():
+        return None
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    q = a.to(x.dtype) / s  # promotes like ``x / s`` (a: exact, x's own maximum)
+    return float(q.max() if bool((s > 0).all()) else math.nan)
+
+
+# 1-byte float dtypes whose eager CPU cast to float32 is a slow scalar loop (e5m2 is
+# fp16's top byte, cast fast): a 256-entry table gives the same bits several times faster.
+_LUT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+_LUTS: dict[tuple[torch.dtype, torch.dtype], Tensor] = {}
+_LUT_MIN_NUMEL = 1 << 14  # below this the cast's own cost is negligible
+
+
+def upcast(data: Tensor, dtype: torch.dtype) -> Tensor:
+    """``data.to(dtype)`` (same bits and strides); eager on CPU, a 1-byte float ``data``
+    is read through a table of its 256 codes (each entry cast by torch itself)."""
+    if (
+        data.dtype not in _LUT_DTYPES
+        or dtype not in (torch.float32, torch.bfloat16)
+        or data.numel() < _LUT_MIN_NUMEL
+        or data.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or not rounding._FAST_EAGER
+    ):
+        return data.to(dtype)
+    d = dense_view(data)
+    if not d.is_contiguous():
+        return data.to(dtype)
+    lut = _LUTS.get((data.dtype, dtype))
+    if lut is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(data.dtype)
+        lut = _LUTS[(data.dtype, dtype)] = codes.to(dtype)
+    idx = d.view(torch.uint8).reshape(-1).to(torch.int32)
+    out = torch.index_select(lut, 0, idx).view(d.shape)
+    return out if d is data else from_dense_view(out, data)
 
 
 def as_operand(parts: Parts, cast: CastConfig, cd: int, dtype: torch.dtype) -> ScaledTensor:
@@ -112,7 +165,7 @@ def dequantize_parts(
     data: Tensor, scale: Tensor, unpadded: tuple[int, ...] | None, dtype: torch.dtype
 ) -> Tensor:
     """``data × scale`` in ``dtype`` (computed in float32), cropped to ``unpadded``."""
-    x = apply_scale(data.float(), scale)
+    x = apply_scale(upcast(data, torch.float32), scale)
     if unpadded is not None:
         x = x[tuple(slice(0, n) for n in unpadded)]
     return x if dtype == torch.float32 else x.to(dtype)
@@ -211,7 +264,7 @@ def _float8_mm_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     # FP16 and overflowed on E5M2 x E4M3 payload products: tests/float8/test_autocast_compile.py)
     if ka in ("tensor", "axis") and kb in ("tensor", "axis"):
         # The hardware formula: integer-like products of the narrow values, scaled after.
-        raw = (a.qdata.to(ed) @ b.qdata.to(ed)).float()
+        raw = (upcast(a.qdata, ed) @ upcast(b.qdata, ed)).float()
         if ka == kb == "tensor":  # one factor, as the hardware's alpha = s_A s_B
             out = raw.mul_((a.scale * b.scale).reshape(()))
         else:
