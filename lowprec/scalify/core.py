@@ -208,11 +208,14 @@ def combine(s_a: Tensor, s_b: Tensor, shape: tuple[int, ...], how: str = "") -> 
 
 def stat(d: Tensor, how: str) -> Tensor:
     """max |d|, mean |d| (``l1``) or RMS (``l2``) of ``d``; 0 for an empty ``d``."""
-    a = d.detach().abs()
-    if not a.numel():
-        return torch.zeros((), dtype=a.dtype, device=d.device)
+    if not d.numel():
+        return torch.zeros((), dtype=d.dtype, device=d.device)
     if how == "max":
-        return a.amax()
+        if not compiling():  # one read, no |d| temporary (NaN propagates as with amax)
+            lo, hi = torch.aminmax(d.detach())
+            return torch.maximum(hi, -lo)
+        return d.detach().abs().amax()
+    a = d.detach().abs()
     if how == "l1":
         return a.mean()
     return a.square().mean().sqrt()
@@ -229,6 +232,12 @@ def saturate(d: Tensor) -> Tensor:
     if d.dtype == store or not d.is_floating_point():
         return d
     m = torch.finfo(store).max
+    if not compiling() and d.numel():
+        # Eager fast path: data already within ±m (so finite) are returned as they are,
+        # which is what the masked clamp below gives them; one read, no temporaries.
+        lo, hi = torch.aminmax(d)
+        if float(torch.maximum(hi, -lo)) <= m:
+            return d
     return torch.where(torch.isfinite(d), d.clamp(-m, m), d)
 
 
@@ -238,7 +247,9 @@ GUARD = 4  # a guarded rule keeps the max |data| of its output within [2^-GUARD,
 def guard(d: Tensor, s: Tensor) -> Pair:
     """``(d, s)``, or ``(d/m, s·m)`` with ``m = 2^⌊log2 M⌋`` when the largest finite
     ``M = max |d|`` lies outside ``[2^-GUARD, 2^GUARD]`` (``M = 0``: unchanged). The value
-    ``d·s`` is the same (``m`` is a power of two: exact); sync-free (no host branch).
+    ``d·s`` is the same (``m`` is a power of two: exact). Compiled: sync-free (no host
+    branch). Eager float32 data: ``M`` is read on the host (one sync, as the eager scale
+    fast paths already do) and an in-range ``d`` is returned as it is.
 
     The static rules choose an output's scale from the inputs' scales, which keeps data
     near 1 for linear maps of data near 1. Rules whose data are a *nonlinear* function of
@@ -247,13 +258,28 @@ def guard(d: Tensor, s: Tensor) -> Pair:
     multiplicatively, towards FP16's subnormals), quotients and powers ``d^p`` (an
     rsqrt's data is ~2^7 when its input's is ~2^-14, and the cube in its backward, ~2^21,
     overflows FP16 at the scale ``s^p``)."""
-    a = d.detach().abs()
-    if not a.numel():
+    if not d.numel():
         return d, s
+    if d.dtype == torch.float32 and not compiling():
+        f = _finite_amax(d)
+        if f is not None:  # the same (d, s) as below, with host arithmetic on one read
+            if f == 0.0 or 2.0**-GUARD <= f <= 2.0**GUARD:
+                return d, s
+            mf = round_pow2(f, "down")
+            return d / mf, s * mf
+    a = d.detach().abs()
     a = torch.where(torch.isfinite(a), a, 0.0).amax().float()
     off = (a > 2.0**GUARD) | ((a > 0) & (a < 2.0**-GUARD))
     m = torch.where(off, round_pow2(torch.where(a > 0, a, 1.0), "down"), 1.0)
     return d / m.to(d.dtype), s * m
+
+
+def _finite_amax(d: Tensor) -> float | None:
+    """Eager: ``max |d|`` as a Python float if every entry of ``d`` is finite, else
+    ``None`` (one ``aminmax`` read: no ``|d|`` or ``isfinite`` temporaries)."""
+    lo, hi = torch.aminmax(d.detach())
+    f = float(torch.maximum(hi, -lo))
+    return f if math.isfinite(f) else None
 
 
 def wrap(

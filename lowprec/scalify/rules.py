@@ -10,13 +10,15 @@ chosen scale (up to the final rounding): only its range does.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lowprec.core.formats import get_format
 from lowprec.core.granularity import apply_scale
-from lowprec.core.scales import round_pow2
+from lowprec.core.scales import compute_scale, round_pow2
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
 from lowprec.scalify.config import current_config
 from lowprec.scalify.core import (
@@ -24,6 +26,7 @@ from lowprec.scalify.core import (
     check_compatible,
     check_real_float,
     combine,
+    compiling,
     deq,
     first_st,
     fscale,
@@ -119,12 +122,18 @@ def _times_number(func: Any, args: Any, x: ScaledTensor, c: float) -> ScaledTens
     """``x·c`` for a number ``c``: ``s = s_x·p``, ``d = d_x·(c/p)`` with ``p = |c|`` rounded
     per ``pow2`` (``none``: the data only changes sign, exactly). ``c = 0``: the zero scale."""
     work = work_dtype(x)
-    d = x.qdata.to(work)
+    d = x.qdata
     if c == 0.0:
-        return out(func, args, torch.zeros_like(d), torch.zeros((), device=d.device))
+        return out(func, args, torch.zeros_like(d, dtype=work), torch.zeros((), device=d.device))
     if not math.isfinite(c):
         return out(func, args, deq(x, work) * c, one(d))
-    p = round_pow2(abs(c), current_config().pow2)
+    d = d.to(work)
+    cfg = current_config()
+    p = round_pow2(abs(c), cfg.pow2)
+    if c / p == 1.0 and cfg.rescale == "none" and x.numel() > 1:
+        # The data are unchanged: wrap the stored data (an exact round trip through
+        # ``work`` would give the same values, at two full-size copies).
+        return out(func, args, x.qdata, x.scale * p)
     return out(func, args, d * (c / p) if c / p != 1.0 else d, x.scale * p)
 
 
@@ -243,8 +252,79 @@ def _fp8(d: Tensor, s: Tensor, grad: bool) -> Pair:
     values, as a scaled FP8 GEMM does."""
     if d.numel() == 0:
         return d, s
-    q = quantize_scaled(d.detach(), "e5m2" if grad else "e4m3fn", power_of_two=True)
+    fmt = "e5m2" if grad else "e4m3fn"
+    if d.dtype == torch.float32 and d.device.type == "cpu" and not compiling():
+        fast = _fp8_cached(d.detach(), fmt)
+        if fast is not None:
+            return fast, s
+    q = quantize_scaled(d.detach(), fmt, power_of_two=True)
     return q.dequantize(), s
+
+
+_FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+class _Fp8Cache(threading.local):
+    def __init__(self) -> None:
+        self.entries: list[tuple[tuple[Any, ...], Tensor, Tensor]] = []  # (key, base, fp8)
+
+
+_FP8_CACHE = _Fp8Cache()
+_FP8_CACHE_SIZE = 4
+
+
+def _dense(d: Tensor) -> bool:
+    """``d``'s elements are each of its storage's span exactly once (a permuted
+    contiguous layout: no gaps, no overlap)."""
+    n = 1
+    for st, sz in sorted((st, sz) for st, sz in zip(d.stride(), d.shape, strict=True) if sz != 1):
+        if st != n:
+            return False
+        n *= sz
+    return True
+
+
+def _fp8_cached(d: Tensor, fmt: str) -> Tensor | None:
+    """:func:`_fp8_eager`, reusing a recent result for the same data (a backward reads
+    one gradient as ``g`` and ``gᵀ``; see :func:`~lowprec.scalify.core.upcast`, whose
+    cached bases these views share). Only a view holding every element of its base
+    once: the per-tensor scale is then the base's, and the rounding elementwise."""
+    base = d._base if d._base is not None else d
+    if d.numel() < (1 << 16) or d.numel() != base.numel() or not base.is_contiguous():
+        return _fp8_eager(d, fmt)
+    if not _dense(d):
+        return _fp8_eager(d, fmt)
+    key = (base.data_ptr(), tuple(base.shape), base._version, fmt)
+    cache = _FP8_CACHE.entries
+    hit = [q for k, _, q in cache if k == key]
+    if hit:
+        q = hit[0]
+    else:
+        r = _fp8_eager(base, fmt)
+        if r is None:
+            return None
+        q = r
+        cache.insert(0, (key, base, q))
+        del cache[_FP8_CACHE_SIZE:]
+    return q.as_strided(d.shape, d.stride(), d.storage_offset() - base.storage_offset())
+
+
+def _fp8_eager(d: Tensor, fmt: str) -> Tensor | None:
+    """:func:`_fp8`'s ``quantize_scaled(d, fmt, power_of_two=True).dequantize()`` for
+    float32 CPU data with a finite, nonzero ``amax`` (else ``None``): the same scale
+    (:func:`~lowprec.core.scales.compute_scale` of the same ``amax``) and the same
+    divide, cast and multiply, without the autograd and wrapper layers or the second
+    range-check read. ``r ≥ amax / fmt.max`` (rounded up to a power of two), so
+    ``|d / r| ≤ fmt.max``: the cast needs no saturation (checked, else ``None``)."""
+    lo, hi = torch.aminmax(d)
+    a = torch.maximum(hi, -lo)
+    fa = float(a)
+    if not (math.isfinite(fa) and fa > 0.0):
+        return None
+    r = float(compute_scale(a, fmt, power_of_two=True))
+    if fa / r > get_format(fmt).max:
+        return None
+    return (d / r).to(_FP8[fmt]).to(torch.float32) * r
 
 
 def fp8_round(d: Tensor, grad: bool) -> Tensor:

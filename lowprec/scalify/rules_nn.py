@@ -167,7 +167,12 @@ def _masked_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
         fill = float(v) / f
         if not math.isfinite(fill) or abs(fill) <= torch.finfo(x.qdata.dtype).max:
             # in the storage format directly: no casts; only the fill value is rounded
-            return _same(x, x.qdata.masked_fill(mask, fill), x.scale, func, args)
+            # (a where() with the fill as a 0-dim tensor: the same values, one pass)
+            q = x.qdata
+            if isinstance(mask, Tensor) and mask.dim() <= q.dim():
+                fv = torch.tensor(fill, dtype=q.dtype, device=q.device)
+                return _same(x, torch.where(mask, fv, q), x.scale, func, args)
+            return _same(x, q.masked_fill(mask, fill), x.scale, func, args)
         return out(func, args, saturate(x.qdata.to(work).masked_fill(mask, fill)), x.scale)
     s = x.scale.amax()
     d = deq(x, work).masked_fill(mask, float(v)) / torch.where(s > 0, s, 1.0).to(work)

@@ -1,0 +1,91 @@
+"""The eager fast paths of the scalify rules give bit-identical results to the general
+(sync-free, compile-safe) paths they short-cut: the guard, saturation, the FP8 operand
+rounding (with its cache of recent results) and the multiply by a number."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowprec.core.tensor import quantize_scaled
+from lowprec.scalify import core, rules, scaled, unscale
+from lowprec.scalify.config import config
+
+# Magnitudes from float32's subnormals to near its max: the guard's power of two and the
+# FP8 scale both come from the data's max, so every binade regime is covered.
+EXPONENTS = [-140, -126, -60, -5, 0, 3, 5, 60, 120]
+
+
+def _data(e: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(67, 45, generator=g) * 2.0**e
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("e", EXPONENTS)
+def test_guard_fast_path_matches_general(e: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    d, s = _data(e, e + 200), torch.tensor(0.75)
+    fast = core.guard(d, s)
+    monkeypatch.setattr(core, "compiling", lambda: True)  # the traced (general) path
+    ref = core.guard(d, s)
+    assert torch.equal(_bits(fast[0]), _bits(ref[0]))
+    assert torch.equal(fast[1], ref[1]) and fast[1].dtype == ref[1].dtype
+
+
+def test_guard_non_finite_takes_general_path() -> None:
+    d = torch.tensor([1e-3, float("inf"), -2e-3, float("nan")])
+    d_out, s_out = core.guard(d, torch.tensor(1.0))
+    # largest finite |d| is 2e-3 < 2^-4: scaled up by 2^-9 (the power of two below it)
+    assert torch.equal(d_out[[0, 2]], d[[0, 2]] / 2.0**-9)
+    assert float(s_out) == 2.0**-9
+    assert torch.isinf(d_out[1]) and torch.isnan(d_out[3])
+
+
+@pytest.mark.parametrize("vals", [[1.0, -70000.0, 3.0], [1.0, float("-inf"), 2.0], [0.5, -0.25]])
+def test_saturate_fast_path_matches_general(vals: list[float]) -> None:
+    d = torch.tensor(vals)
+    m = torch.finfo(torch.float16).max
+    ref = torch.where(torch.isfinite(d), d.clamp(-m, m), d)
+    assert torch.equal(core.saturate(d), ref)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("e", EXPONENTS)
+def test_fp8_rounding_matches_quantize_scaled(fmt: str, e: int) -> None:
+    d = _data(e, e + 400)
+    ref = quantize_scaled(d, fmt, power_of_two=True).dequantize()
+    fast = rules._fp8_eager(d, fmt)
+    assert fast is not None
+    assert torch.equal(_bits(fast), _bits(ref))
+
+
+def test_fp8_cache_views_match_and_miss_after_change() -> None:
+    """Views holding every element of their base (a transpose, a reshape) reuse the base's
+    rounding; a partial view, or the same base after an in-place change, does not."""
+    base = torch.randn(300, 260) * 7.0
+    views = [base, base.t(), base.view(260, 300), base.view(3, 100, 260).transpose(1, 2)]
+    for v in [*views, base[:, :100]]:
+        for fmt in ("e4m3fn", "e5m2"):
+            ref = quantize_scaled(v.contiguous(), fmt, power_of_two=True).dequantize()
+            got = rules._fp8_cached(v, fmt)
+            assert got is not None and torch.equal(got.contiguous(), ref)
+    base.mul_(1000.0)  # bumps the version: the cached rounding must not be reused
+    ref = quantize_scaled(base.t().contiguous(), "e4m3fn", power_of_two=True).dequantize()
+    got = rules._fp8_cached(base.t(), "e4m3fn")
+    assert got is not None and torch.equal(got.contiguous(), ref)
+
+
+def test_times_number_keeps_data_and_folds_scale() -> None:
+    """``x·c`` with ``|c|`` the chosen scale factor (pow2 "none") keeps the stored data
+    (no rounding at all) and multiplies the scale; a one-element result keeps float32."""
+    d = torch.randn(8, 8).half()
+    x = scaled(d, 0.5)
+    with config(data_format="fp16"):
+        y = x * 0.3
+        assert torch.equal(y.qdata, d) and float(y.scale) == pytest.approx(0.15, rel=1e-7)
+        z = scaled(torch.tensor([3.0]).half(), 1.0) * 0.3
+    assert z.qdata.dtype == torch.float32
+    assert torch.equal(unscale(y), d.float() * (torch.tensor(0.5) * 0.3))
