@@ -23,6 +23,14 @@ the cast model: the two runs then differ only by the rounding of the gradient su
 DDP keeps the recipe exactly as on one process (low-precision parameters, FP32
 ``MasterWeights``, the loss scaler) and all-reduces the gradients in the parameters' dtype.
 
+Unit recipes: the gradient of a unit-scaled weight is its per-token contributions summed
+over the ``b`` tokens of the batch and scaled by ``b^-1/2``. On ``N`` ranks each rank
+scales by ``(b/N)^-1/2``, so the plain average over ranks would be ``N^-1/2`` times the
+one-process gradient (Adam hides the factor, but its moments would not carry over to
+another world size, and SGD would take other steps). The ranks' gradients are therefore
+summed and divided by ``sqrt(N)`` instead of ``N`` (FSDP2's gradient divide factor; a DDP
+communication hook), which gives the one-process gradient.
+
 Example (one process here; under ``torchrun`` the group has N):
     >>> import tempfile
     >>> import torch.distributed as dist
@@ -38,6 +46,7 @@ Example (one process here; under ``torchrun`` the group has N):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -45,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lowprec.amp import MasterWeights
@@ -147,14 +156,48 @@ def shard(
         if mode == "fsdp" and fp8_all_gather:
             enable_fp8_all_gather(model, blocks=fp8_all_gather == "blocks")
     if mode == "ddp":
-        return DistributedDataParallel(model, **(ddp_kwargs or {}))
+        ddp = DistributedDataParallel(model, **(ddp_kwargs or {}))
+        if r.unit is not None:
+            group = (ddp_kwargs or {}).get("process_group")
+            ddp.register_comm_hook((math.sqrt(dist.get_world_size(group)), group), _unit_allreduce)
+        return ddp
     policy = mixed_precision_policy(r)
     # scalify: the Scalified wrapper is the one unit (a module sharded inside it would
     # gather parameters that bypass scaled arithmetic).
     for unit in units(model) if r.scalify is None else ():
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if r.unit is not None:  # the one-process gradient of unit scaling: see the module docstring
+        n = mesh.size() if mesh is not None else dist.get_world_size()
+        pg = mesh.get_group() if mesh is not None else None
+        premul = dist.get_backend(pg) == "nccl"  # gloo has no PREMUL_SUM: SUM, then divide
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(math.sqrt(n))
+                m.set_force_sum_reduction_for_comms(not premul)
     return model
+
+
+def _unit_allreduce(state: tuple[float, Any], bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook of unit recipes: the gradients' sum over the ranks of the
+    group ``state[1]`` divided by ``state[0]`` (``sqrt(N)``, see the module docstring)."""
+    factor, group = state
+    t: torch.Tensor = bucket.buffer().div_(factor)
+    fut: torch.futures.Future[list[torch.Tensor]] = dist.all_reduce(
+        t, group=group, async_op=True
+    ).get_future()
+
+    def first(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        return f.value()[0]
+
+    return fut.then(first)
+
+
+# DDP checks a hook's annotations as objects; ``from __future__ import annotations`` made
+# them strings.
+_unit_allreduce.__annotations__.update(
+    bucket=torch._C._distributed_c10d.GradBucket, **{"return": torch.futures.Future[torch.Tensor]}
+)
 
 
 def prepare(

@@ -7,6 +7,12 @@ for every (parallel mode, recipe) of :data:`CASES`, and each rank also trains th
 one-process reference (:func:`lowprec.recipes.prepare`, the whole batch); rank 0 writes
 both loss curves. It also saves a DCP checkpoint of a DDP run and resumes it in a fresh
 ``prepare``. One launch for all: a process start costs seconds.
+
+Resharded DCP resume (:data:`RESHARD`, FSDP2): ``launch`` first runs stage ``one`` on one
+process (2 steps, checkpoint), then the 2-process main stage, which also trains 2 steps,
+checkpoints and continues (the uninterrupted run), and loads stage ``one``'s checkpoint
+(1 → 2); then stage ``two_to_one`` on one process loads the 2-process checkpoint (2 → 1).
+Each load records the restored scaling state (loss scaler, amax histories).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ CASES: list[tuple[str, str]] = [
     for recipe in ("fp32", "fp16-dynamic-ls", "bf16", "fp8-tensorwise", "fp8-delayed", "fp16-unit")
 ] + [("ddp", "fp16-scalify"), ("fsdp", "fp16-scalify")]
 _DATA = CharData(32, 8, seed=0)
+RESHARD = ["fp8-delayed", "fp16-dynamic-ls", "fp16-unit"]
 
 
 def _model() -> CharGPT:
@@ -62,9 +69,40 @@ def _train(p: Any, start: int, end: int, parallel: bool) -> list[float]:
     return out
 
 
-def main(path: str) -> None:
+def _scaling_state(p: Any) -> dict[str, Any]:
+    """The loss scaler's state and the float8 amax histories (replicated on every rank)."""
+    sc = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in
+          p.scaler.state_dict().items()}  # fmt: skip
+    amax = {k: v.tolist() for k, v in p.model.named_buffers() if "amax" in k}
+    return {"scaler": sc, "amax": amax}
+
+
+def _reshard_stage(stage: str, base: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for recipe in RESHARD:
+        if stage in ("one", "two"):  # train 2 steps and checkpoint
+            p = dist_prepare(_model(), recipe, "fsdp", _factory)
+            _train(p, 0, 2, True)
+            dcp_state.save(p, base / f"{stage}-{recipe}", {"step": 2})
+            out[recipe] = {"saved": _scaling_state(p), "straight": _train(p, 2, STEPS, True)}
+        if stage in ("two", "two_to_one"):  # load the other world size's checkpoint
+            src = "one" if stage == "two" else "two"
+            q = dist_prepare(_model(), recipe, "fsdp", _factory)
+            extra = dcp_state.load(q, base / f"{src}-{recipe}")
+            res = {"loaded": _scaling_state(q), "step": extra["step"]}
+            res["resumed"] = _train(q, 2, STEPS, True)
+            out.setdefault(recipe, {})["from_" + src] = res
+    return out
+
+
+def main(path: str, stage: str = "two") -> None:
     dist.init_process_group("gloo")
-    result: dict[str, Any] = {}
+    if stage != "two":  # one process: a resharding stage only
+        result = _reshard_stage(stage, Path(path).parent)
+        Path(path).write_text(json.dumps(result))
+        dist.destroy_process_group()
+        return
+    result: dict[str, Any] = {"reshard": _reshard_stage("two", Path(path).parent)}
     for mode, recipe in CASES:
         p = dist_prepare(_model(), recipe, mode, _factory)  # type: ignore[arg-type]
         par = _train(p, 0, STEPS, True)
@@ -92,15 +130,29 @@ def main(path: str) -> None:
     dist.destroy_process_group()
 
 
-def launch(out: Path) -> dict[str, Any]:
-    """Run this worker on 2 processes (gloo) and return rank 0's results."""
-    path = out / "parallel.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run([*cmd, __file__, str(path)], capture_output=True, text=True, timeout=600)
+def _run(out: Path, n: int, stage: str) -> dict[str, Any]:
+    path = out / f"{stage}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += [str(n), __file__, str(path), stage]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result: dict[str, Any] = json.loads(path.read_text())
     return result
 
 
+def launch(out: Path) -> dict[str, Any]:
+    """Run the stages (see the module docstring): one process, 2 processes (gloo), one
+    process; rank 0's results of the 2-process stage, with the resharding results of all
+    three under ``"reshard"``."""
+    one = _run(out, 1, "one")
+    result = _run(out, 2, "two")
+    two_to_one = _run(out, 1, "two_to_one")
+    for recipe in RESHARD:
+        r = result["reshard"][recipe]
+        r["one"] = one[recipe]
+        r["from_two"] = two_to_one[recipe]["from_two"]
+    return result
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "two")
