@@ -2,8 +2,10 @@
 
 A stack of pre-norm MLP blocks (``LayerNorm``, ``Float8Linear`` up, ``Float8Linear`` down,
 with biases) is sharded with ``fully_shard`` on every block and the root and trained for
-a few steps on 2 CPU processes (gloo), once as is and once after
-:func:`lowprec.distributed.enable_fp8_all_gather`. FSDP2's all-gather is replaced by its
+a few steps on 2 CPU processes (gloo), once as is, once after
+:func:`lowprec.distributed.enable_fp8_all_gather` (tensor-wise weights in FP8) and once
+after ``enable_fp8_all_gather(model, blocks=True)`` (also the row-local block layouts:
+row-wise, MX, 128x128 tiles whose shards hold whole tiles). FSDP2's all-gather is replaced by its
 default implementation plus a byte counter (``set_custom_all_gather``), so the bytes are
 the ones each rank puts on the wire. Also counted: the scale all-reduces per step.
 
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from _common import print_table, run_record, write_json
 
-RECIPES = ("tensorwise", "delayed", "static", "rowwise", "blockwise", "mxfp8")
+RECIPES = ("tensorwise", "delayed", "static", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")
 
 
 def _count_all_gather() -> Any:
@@ -59,7 +61,7 @@ def _model(width: int, blocks: int, recipe: str) -> torch.nn.Module:
     return convert_to_float8(nn.Sequential(*layers), recipe)
 
 
-def _run(recipe: str, fp8: bool, args: argparse.Namespace) -> dict[str, Any]:
+def _run(recipe: str, fp8: bool, args: argparse.Namespace, blocks: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -75,7 +77,7 @@ def _run(recipe: str, fp8: bool, args: argparse.Namespace) -> dict[str, Any]:
         with calibrate(m):
             m(xs[0]).square().mean().backward()
         m.zero_grad()
-    wrapped = enable_fp8_all_gather(m) if fp8 else 0
+    wrapped = enable_fp8_all_gather(m, blocks=blocks) if fp8 else 0
     for block in m:
         fully_shard(block)
     fully_shard(m)
@@ -111,6 +113,7 @@ def worker(args: argparse.Namespace) -> None:
     for recipe in RECIPES:
         base = _run(recipe, False, args)
         fp8 = _run(recipe, True, args)
+        blk = _run(recipe, True, args, blocks=True)
         rows.append(
             {
                 "recipe": recipe,
@@ -118,6 +121,9 @@ def worker(args: argparse.Namespace) -> None:
                 "fp8_MB": fp8["bytes_per_step"] / 1e6,
                 "ratio": fp8["bytes_per_step"] / base["bytes_per_step"],
                 "fp8_weights": fp8["weights_in_fp8"],
+                "blocks_MB": blk["bytes_per_step"] / 1e6,
+                "blocks_ratio": blk["bytes_per_step"] / base["bytes_per_step"],
+                "blocks_weights": blk["weights_in_fp8"],
                 "scale_allreduces": fp8["reductions_per_step"],
             }
         )
