@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -15,7 +17,7 @@ from lowprec.float8.conv1d import Float8Conv1D, is_conv1d
 from lowprec.float8.linear import Float8Linear
 from lowprec.float8.recipe import Float8Recipe
 
-__all__ = ["ModuleFilter", "apply", "convert_back", "convert_to_float8"]
+__all__ = ["ModuleFilter", "apply", "computes_linear", "convert_back", "convert_to_float8"]
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,10 @@ def convert_to_float8(
     and ``nf``). A layer used at several places becomes one float8 layer used at all of
     them; its hooks carry over. What is not converted is named in one WARNING: layers the
     filter refused, subclasses of ``nn.Linear`` and parametrized linears (e.g.
-    ``weight_norm``), whose own forward would be lost. Returns ``model`` (or the new module
-    if ``model`` itself is a linear-like layer).
+    ``weight_norm``), whose own forward would be lost. A subclass whose forward computes
+    exactly ``F.linear`` with no state of its own (Falcon's ``FalconLinear``, see
+    :func:`computes_linear`) is converted; :func:`convert_back` gives it back. Returns
+    ``model`` (or the new module if ``model`` itself is a linear-like layer).
 
     Example:
         >>> import torch
@@ -73,7 +77,7 @@ def convert_to_float8(
         if module_filter is not None and not module_filter(mod, fqn):
             skipped[name] = f"{type(mod).__name__}: module_filter"
             return False
-        if not conv1d and type(mod) is not nn.Linear:
+        if not conv1d and type(mod) is not nn.Linear and not computes_linear(mod):
             skipped[name] = f"{type(mod).__name__}: nn.Linear subclass, own forward"
             return False
         if parametrize.is_parametrized(mod):
@@ -89,7 +93,10 @@ def convert_to_float8(
 
     def make(mod: nn.Module) -> Float8Linear:
         if isinstance(mod, nn.Linear):
-            return Float8Linear.from_linear(mod, recipe)
+            new = Float8Linear.from_linear(mod, recipe)
+            if type(mod) is not nn.Linear:  # convert_back gives the subclass back
+                object.__setattr__(new, "_lowprec_original", mod)
+            return new
         return Float8Conv1D.from_conv1d(mod, recipe)
 
     if wanted(model, ""):
@@ -120,6 +127,38 @@ def apply(
         ('Float8Linear', 'rowwise')
     """
     return convert_to_float8(model, config, module_filter)
+
+
+def computes_linear(mod: nn.Module) -> bool:
+    """Whether ``mod``, a subclass of ``nn.Linear`` with its own ``forward``, computes
+    exactly ``F.linear(x, W, b)`` with nothing else of its own (Falcon's ``FalconLinear``:
+    ``x @ W.T + b``): no child modules, buffers or parameters besides ``weight`` and
+    ``bias``, and on a random input (``x ~ N(0, 1)``, the layer's device and dtype) its
+    output equals ``F.linear``'s up to summation order and rounding (``rtol = 8ε``,
+    ``atol = 8ε·max|y|``, ε the weight dtype's machine epsilon, at least 1e-5). A layer
+    with extra state (LoRA's adapters, a quantized weight) is never converted: its forward
+    would be lost."""
+    if not isinstance(mod, nn.Linear) or type(mod).forward is nn.Linear.forward:
+        return type(mod) is nn.Linear
+    if next(mod.children(), None) is not None or next(mod.buffers(recurse=False), None) is not None:
+        return False
+    if set(dict(mod.named_parameters(recurse=False))) - {"weight", "bias"}:
+        return False
+    w, b = mod.weight, mod.bias
+    if not isinstance(w, Tensor) or not w.dtype.is_floating_point or w.device.type == "meta":
+        return False
+    x = torch.randn(3, mod.in_features, generator=torch.Generator().manual_seed(0))
+    x = x.to(device=w.device, dtype=w.dtype)
+    try:
+        with torch.no_grad():
+            got, ref = mod(x), F.linear(x, w, b)
+    except Exception:
+        return False
+    if not isinstance(got, Tensor) or got.shape != ref.shape or got.dtype != ref.dtype:
+        return False
+    rtol = max(8 * torch.finfo(w.dtype).eps, 1e-5)
+    atol = rtol * float(ref.abs().max().float())
+    return bool(torch.allclose(got.float(), ref.float(), rtol=rtol, atol=atol))
 
 
 def _looks_linear(mod: nn.Module) -> bool:
@@ -156,6 +195,11 @@ def convert_back(model: nn.Module) -> nn.Module:
     def plain(m: Float8Linear) -> nn.Module:
         if isinstance(m, Float8Conv1D):
             return m.to_conv1d()
+        orig = m.__dict__.get("_lowprec_original")
+        if isinstance(orig, nn.Linear):  # the nn.Linear subclass it came from
+            orig.weight, orig.bias = m.weight, m.bias
+            orig.train(m.training)
+            return orig
         new = nn.Linear(m.in_features, m.out_features, m.bias is not None, device="meta")
         new.weight, new.bias = m.weight, m.bias
         new.train(m.training)

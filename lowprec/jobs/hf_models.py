@@ -13,6 +13,13 @@ the reference model. Each entry maps the reference model's shape
 ``qwen2``      ``Qwen2ForCausalLM``: Llama's layout with biased q/k/v projections, GQA
 ``gpt_neox``   ``GPTNeoXForCausalLM``: parallel attention and MLP residual branches, partial
                rotary positions, fused q/k/v projection
+``gemma``      ``GemmaForCausalLM``: embedding multiplied by √width, ``(1 + w)`` RMSNorm,
+               GeGLU MLP, multi-query attention (one key/value head), tied head
+``phi``        ``PhiForCausalLM``: parallel attention and MLP on one shared LayerNorm,
+               partial rotary positions, biased linears, tanh GELU
+``falcon``     ``FalconForCausalLM``: ``FalconLinear`` (an ``nn.Linear`` subclass, own
+               ``forward``), parallel branches summed in place (``+=``), multi-query
+               attention, fused q/k/v
 =============  ==============================================================================
 
 transformers is the optional extra ``lowprec[hf]``; it is imported only when a model is built.
@@ -79,6 +86,15 @@ def _gpt_neox(c: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _gemma(c: ModelConfig) -> dict[str, Any]:
+    return {**_llama(c), "num_key_value_heads": 1, "head_dim": c.width // c.heads,
+            "tie_word_embeddings": True}  # fmt: skip
+
+
+def _falcon(c: ModelConfig) -> dict[str, Any]:
+    return {"hidden_size": c.width, "num_hidden_layers": c.depth, "num_attention_heads": c.heads}
+
+
 # name -> (config class, model class, config kwargs of a ModelConfig, one-line description)
 HF_MODELS: dict[str, tuple[str, str, Callable[[ModelConfig], dict[str, Any]], str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", _llama, "Llama: RMSNorm, SwiGLU, RoPE, GQA"),
@@ -90,6 +106,9 @@ HF_MODELS: dict[str, tuple[str, str, Callable[[ModelConfig], dict[str, Any]], st
         _gpt_neox,
         "GPT-NeoX: parallel residual branches, partial RoPE",
     ),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", _gemma, "Gemma: scaled embedding, (1+w) norm"),
+    "phi": ("PhiConfig", "PhiForCausalLM", _gpt_neox, "Phi: parallel branches, one shared norm"),
+    "falcon": ("FalconConfig", "FalconForCausalLM", _falcon, "Falcon: Linear subclass, MQA"),
 }
 
 

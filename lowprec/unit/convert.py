@@ -14,6 +14,14 @@ and compares the output with a candidate formula:
 * activation-like (no parameters, not a ``torch.nn`` class): ``gelu`` (exact or tanh:
   GPT-2's ``NewGELUActivation``), ``silu``, ``relu``.
 
+A subclass of ``nn.Linear`` or ``nn.Embedding`` with its own ``forward`` is probed too:
+a linear that computes ``x Wᵀ + b`` its own way (Falcon's ``FalconLinear``) is converted as
+above; an embedding whose lookup is multiplied by a constant ``c`` (Gemma's
+``GemmaScaledWordEmbedding``, ``c = √d``) becomes the plain lookup, ``c`` dropped. The
+constant belongs to the standard parametrization, where it lifts an ``N(0, σ²)`` table
+(σ ≈ 0.02) to ``O(1)`` activations; a unit-scaled embedding is ``N(0, 1)`` already, and
+``c`` would put the residual stream at std ``c`` (5.7 for width 32).
+
 A match swaps the module's class for a subclass whose ``forward`` calls that formula as
 the ``F`` op (``F.rms_norm``, ``F.linear(x, Wᵀ, b)``, ...), so the unit mode turns it into
 the unit op; parameters, names and ``state_dict`` keys are unchanged. A module that
@@ -103,12 +111,35 @@ def _probe_act(m: nn.Module) -> str | None:
     return next((name for name, f in _ACTS.items() if _close(out, f(x))), None)
 
 
+def _embedding_forward(self: Any, ids: Tensor) -> Tensor:
+    return nn.Embedding.forward(self, ids)
+
+
+def _probe_embedding_scale(m: nn.Embedding) -> float | None:
+    """``c`` if ``m(ids) == c · lookup(ids)`` for a constant ``c`` (on random ids), else None."""
+    ids = torch.randint(0, m.num_embeddings, (3, 5), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(m.weight.device)
+    try:
+        with torch.no_grad():
+            out, ref = m(ids), nn.Embedding.forward(m, ids)
+    except Exception:
+        return None
+    if not isinstance(out, Tensor) or out.shape != ref.shape:
+        return None
+    big = ref.abs() > 1e-6 * float(ref.abs().max())
+    if not bool(big.any()):
+        return None
+    c = float((out[big].double() / ref[big].double()).median())
+    return c if c != 0.0 and _close(out, c * ref) else None
+
+
 _FORMS: dict[str, tuple[Callable[..., Tensor], dict[str, Any]]] = {
     "rms_norm": (_rms_forward, {"_unit_role": "norm"}),
     "rms_norm (1 + w)": (_rms1p_forward, {"_unit_role": "norm"}),
     "layer_norm": (_ln_forward, {"_unit_role": "norm"}),
     "linear (x @ W + b, W (in, out))": (_linear_t_forward, {"_unit_weight_in_dim": 0}),
     "linear (x Wᵀ + b)": (_linear_forward, {}),
+    "embedding": (_embedding_forward, {}),
 }
 
 
@@ -174,11 +205,15 @@ def convert_modules(model: nn.Module) -> tuple[list[str], list[str]]:
     Returns ``(converted, left)``: ``"name (Class: formula)"`` for each converted module
     and ``"name (Class): cause"`` for each leaf module with parameters that has no rule.
     """
-    converted, left = [], []
+    converted: list[str] = []
+    left: list[str] = []
     for name, m in model.named_modules():
         own = dict(m.named_parameters(recurse=False))
         cls = type(m)
-        if isinstance(m, _TORCH_TYPES) or list(m.children()):
+        if list(m.children()):
+            continue
+        if isinstance(m, _TORCH_TYPES):
+            _convert_subclass(name, m, converted)
             continue
         if not own:  # an activation written out (GPT-2's tanh GELU), not torch's module
             act = None if cls.__module__.startswith("torch.") else _probe_act(m)
@@ -202,6 +237,30 @@ def convert_modules(model: nn.Module) -> tuple[list[str], list[str]]:
         object.__setattr__(m, "_unit_eps", _eps(m))
         converted.append(f"{name or '<root>'} ({cls.__name__}: {form.split(' (')[0]})")
     return converted, left
+
+
+def _convert_subclass(name: str, m: nn.Module, converted: list[str]) -> None:
+    """A subclass of ``nn.Linear`` / ``nn.Embedding`` with its own ``forward`` (see the
+    module doc): converted when the probe recognises it, else left to the op rules."""
+    cls = type(m)
+    base = nn.Linear if isinstance(m, nn.Linear) else nn.Embedding
+    if not isinstance(m, (nn.Linear, nn.Embedding)) or cls.forward is base.forward:
+        return
+    if set(dict(m.named_parameters(recurse=False))) > {"weight", "bias"}:
+        return
+    if isinstance(m, nn.Embedding):
+        c = _probe_embedding_scale(m)
+        if c is None:
+            return
+        form, what = "embedding", f"embedding, scale {c:.4g} dropped"
+    else:
+        if _probe(m) != "linear (x Wᵀ + b)":
+            return
+        form = what = "linear (x Wᵀ + b)"
+    fwd, attrs = _FORMS[form]
+    m.__class__ = type(f"Unit{cls.__name__}", (cls,), {"forward": fwd, "__module__": cls.__module__,
+                                                       "_unit_form": form, **attrs})  # fmt: skip
+    converted.append(f"{name or '<root>'} ({cls.__name__}: {what.split(' (')[0]})")
 
 
 def reinit(model: nn.Module) -> list[str]:

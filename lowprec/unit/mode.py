@@ -38,6 +38,16 @@ UNIT_OPS[scale_fwd] = scale_fwd.__wrapped__  # type: ignore[attr-defined]
 
 _MATMUL = {torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.mm,
            Tensor.mm}  # fmt: skip
+# In-place arithmetic on a unit op's output (``a += b`` is ``a.add_(b)``): those outputs
+# are views made inside a custom autograd Function (``scale_bwd`` returns its input as a
+# view), which autograd forbids changing in place. The out-of-place op's result is swapped
+# into ``a`` (``torch.utils.swap_tensors``): ``a`` holds the result, with its autograd
+# history, as the model's code means (Falcon's ``mlp_output += attention_output``).
+_IN_PLACE: dict[Any, Callable[..., Any]] = {
+    Tensor.add_: Tensor.add, Tensor.sub_: Tensor.sub, Tensor.mul_: Tensor.mul,
+    Tensor.div_: Tensor.div, Tensor.__iadd__: Tensor.add, Tensor.__isub__: Tensor.sub,
+    Tensor.__imul__: Tensor.mul, Tensor.__itruediv__: Tensor.div,
+}  # fmt: skip
 _SOFTMAX = {torch.softmax, F.softmax, Tensor.softmax}
 _LOG_SOFTMAX = {torch.log_softmax, F.log_softmax, Tensor.log_softmax}
 _RELU = {F.relu, torch.relu, Tensor.relu}
@@ -186,4 +196,15 @@ class UnitMode(TorchFunctionMode):
                                       f"does not handle: {e}")  # fmt: skip
         elif func in _NO_RULE:
             self._unhandled(func, f"{_name(func)} has no unit-scaling rule")
+        if func in _IN_PLACE and args and _function_view(args[0]):
+            a = args[0]
+            torch.utils.swap_tensors(a, _IN_PLACE[func](*args, **kw))  # type: ignore[no-untyped-call]
+            return a
         return func(*args, **kw)
+
+
+def _function_view(t: object) -> bool:
+    """``t`` is a view returned by a custom autograd Function (in-place ops on it raise)."""
+    if not isinstance(t, Tensor) or not t.requires_grad or not t._is_view():
+        return False
+    return isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction)

@@ -135,3 +135,40 @@ def test_one_warning_names_every_skipped_layer(caplog: pytest.LogCaptureFixture)
         "Float8Conv1D",
         "Linear",
     ]
+
+
+def test_linear_subclass_computing_f_linear_is_converted(caplog: pytest.LogCaptureFixture) -> None:
+    """Falcon's ``FalconLinear`` (``x @ W.T + b`` in its own forward) computes ``F.linear``:
+    converted (the same GEMMs as a plain ``nn.Linear``'s float8 layer: bit-identical), and
+    ``convert_back`` returns the original module. A subclass with state of its own (a
+    LoRA-like adapter, zero at init so its output equals ``F.linear`` there) is refused and
+    named: its forward would be lost."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    class Lora(nn.Linear):
+        def __init__(self, n: int) -> None:
+            super().__init__(n, n)
+            self.a = nn.Parameter(torch.randn(2, n))
+            self.b = nn.Parameter(torch.zeros(n, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+    torch.manual_seed(0)
+    fl, lora = FalconLinear(16, 8), Lora(8)
+    plain = nn.Linear(16, 8)
+    with torch.no_grad():
+        plain.weight.copy_(fl.weight)
+        plain.bias.copy_(fl.bias)
+    m = nn.Sequential(fl, nn.ReLU(), lora)
+    with caplog.at_level(logging.WARNING, logger="lowprec.float8.convert"):
+        convert_to_float8(m, "tensorwise")
+    assert isinstance(m[0], Float8Linear) and m[0].weight is fl.weight
+    assert type(m[2]) is Lora
+    msg = " ".join(r.getMessage() for r in caplog.records if r.name == "lowprec.float8.convert")
+    assert "2 (Lora: nn.Linear subclass, own forward)" in msg and "FalconLinear" not in msg
+    x = torch.randn(4, 16)
+    ref = convert_to_float8(plain, "tensorwise")
+    assert torch.equal(m[0](x), ref(x))
+    convert_back(m)
+    assert m[0] is fl

@@ -5,11 +5,17 @@ Models (tiny configs, random init, no downloads; width 32, 2 layers, 4 heads, 16
 * ``llama``: pre-norm RMSNorm, grouped-query attention (2 key/value heads), SDPA;
 * ``gpt2``: pre-norm, ``Conv1D`` linears, dropout 0.1, SDPA, tied embeddings;
 * ``gpt_neox``: pre-norm, parallel residual branches, eager attention;
-* ``bert``: encoder, post-norm, masked-LM head.
+* ``bert``: encoder, post-norm, masked-LM head;
+* ``gemma``: embedding scaled by √width (an ``nn.Embedding`` subclass), ``(1 + w)`` RMSNorm,
+  GeGLU, multi-query attention, tied head;
+* ``phi``: parallel attention and MLP on one shared LayerNorm, partial rotary, biases;
+* ``falcon``: ``FalconLinear`` (``nn.Linear`` subclass with its own forward), parallel
+  branches summed in place (``mlp_output += attention_output``), multi-query attention.
 
 Techniques: ``unit_scale``, float8 with every preset, scalify fp16 and fp8, and ``prepare``
-with every recipe. Each case trains a few steps on one fixed batch (memorising it): the loss
-is finite at every step and lower at the end than at the start. Besides:
+with every recipe (the last three models: three presets and seven recipes, see BREADTH).
+Each case trains a few steps on one fixed batch (memorising it): the loss is finite at every
+step and lower at the end than at the start. Besides:
 
 * unit scaling: the residual stream (every layer's output) has std in [0.7, 1.4] at init
   for the pre-norm models (and the same measurement of the plain model is far below, so the
@@ -80,14 +86,20 @@ BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "gpt2": lambda: build_hf_model("gpt2", CFG),
     "gpt_neox": lambda: build_hf_model("gpt_neox", CFG, attn_implementation="eager"),
     "bert": _bert,
+    "gemma": lambda: build_hf_model("gemma", CFG),
+    "phi": lambda: build_hf_model("phi", CFG),
+    "falcon": lambda: build_hf_model("falcon", CFG),
 }
-PRE_NORM = ("llama", "gpt2", "gpt_neox")
+PRE_NORM = ("llama", "gpt2", "gpt_neox", "gemma", "phi", "falcon")
 # Linear-like layers (x W + b) by structure: per layer, plus the heads.
 LINEARS = {
     "llama": 7 * DEPTH + 1,  # q, k, v, o, gate, up, down; lm_head
     "gpt2": 4 * DEPTH + 1,  # Conv1D c_attn, c_proj, mlp.c_fc, mlp.c_proj; lm_head (tied)
     "gpt_neox": 4 * DEPTH + 1,  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h; embed_out
     "bert": 6 * DEPTH + 2,  # q, k, v, attention out, intermediate, output; transform, decoder
+    "gemma": 7 * DEPTH + 1,  # as Llama; lm_head (tied)
+    "phi": 6 * DEPTH + 1,  # q, k, v, dense, fc1, fc2; lm_head
+    "falcon": 4 * DEPTH + 1,  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h; lm_head
 }
 
 
@@ -151,6 +163,18 @@ def _residual_stds(model: nn.Module) -> list[float]:
 
 
 MODELS = list(BUILDERS)
+# The models added for breadth (their layer forms, not the recipes, are what is new) run a
+# subset of the float8 presets and recipes, one per kind: the CI time of the matrix stays
+# small (≈ 13 cases each instead of 34).
+BREADTH = ("gemma", "phi", "falcon")
+BREADTH_FLOAT8 = ("tensorwise", "rowwise", "static")
+BREADTH_RECIPES = ("bf16", "fp16-dynamic-ls", "fp8-delayed", "mxfp8", "fp16-unit", "fp8-unit",
+                   "fp8-scalify")  # fmt: skip
+
+
+def _cases(options: list[str], subset: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(model, option) pairs: every option for the first models, ``subset`` for BREADTH."""
+    return [(m, o) for m in MODELS for o in options if m not in BREADTH or o in subset]
 
 
 # ---- unit scaling --------------------------------------------------------------------------
@@ -176,8 +200,7 @@ def test_unit_scale(name: str) -> None:
 # ---- float8 ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", recipe_names())
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "preset"), _cases(recipe_names(), BREADTH_FLOAT8))
 def test_float8(name: str, preset: str) -> None:
     model = convert_to_float8(_model(name), preset)
     assert sum(isinstance(m, Float8Linear) for m in model.modules()) == LINEARS[name]
@@ -237,8 +260,7 @@ def test_scalify(name: str, fmt: str) -> None:
 FAILS_BY_DESIGN = ("fp16-pure",)
 
 
-@pytest.mark.parametrize("recipe", prepare_recipes())
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "recipe"), _cases(prepare_recipes(), BREADTH_RECIPES))
 def test_prepare(name: str, recipe: str) -> None:
     # lr 3e-3: lowprec train's default; the unit recipes map it to u-μP's rates (lr_mult)
     run = prepare(_model(name), recipe, lambda ps: torch.optim.AdamW(ps, lr=3e-3))
