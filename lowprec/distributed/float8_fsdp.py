@@ -40,7 +40,9 @@ FSDP2 shards dim 0 (rows), so each rank quantizes its own rows, ``Q_K(W_r)`` —
 two per byte) and its scales (float32; MX scales as 1-byte E8M0). After the gather the
 weight is dequantized, ``W~ = deq(Q_K(W))`` in ``param_dtype``, and handed to
 ``Float8Linear`` as a plain tensor. Quantizing ``W~`` along ``K`` again gives back
-``Q_K(W)``: the forward operand is that of a high-precision gather. The input-gradient
+``Q_K(W)``: the forward operand is that of a high-precision gather (with a BF16
+``param_dtype`` a float32 row/block scale recomputed from BF16 values can move by an ulp;
+MX's power-of-two scales cannot). The input-gradient
 GEMM contracts the *out*-features, so it quantizes ``W~`` along ``N``: a second rounding
 of that operand (at most one step of the format per element) which a high-precision
 gather does not have — except for ``RxB`` tiles, the same tiles in both orientations.
