@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from lowprec.distributed import checkpoint as dcp_state
+from lowprec.distributed.float8_fsdp import Float8AllGatherWeight
 from lowprec.distributed.parallel import prepare as dist_prepare
+from lowprec.float8 import Float8Linear
 from lowprec.jobs.data import CharData
 from lowprec.jobs.model import CharGPT, ModelConfig
 from lowprec.recipes import prepare
@@ -38,9 +40,10 @@ CASES: list[tuple[str, str]] = [
     (mode, recipe)
     for mode in ("fsdp", "ddp")
     for recipe in ("fp32", "fp16-dynamic-ls", "bf16", "fp8-tensorwise", "fp8-delayed", "fp16-unit")
-] + [("ddp", "fp16-scalify"), ("fsdp", "fp16-scalify")]
+] + [("ddp", "fp16-scalify"), ("fsdp", "fp16-scalify"), ("fsdp", "fp8-rowwise"), ("fsdp", "mxfp8")]
 _DATA = CharData(32, 8, seed=0)
 RESHARD = ["fp8-delayed", "fp16-dynamic-ls", "fp16-unit"]
+BLOCKS = ["fp8-rowwise", "mxfp8"]
 
 
 def _model() -> CharGPT:
@@ -114,6 +117,17 @@ def main(path: str, stage: str = "two") -> None:
             "optimizer": type(p.optimizer).__name__,
             "weight": [type(head).__name__, str(head.dtype)],
         }
+    # FSDP2 with the narrow all-gather of block layouts (fp8_all_gather="blocks"), against
+    # the default gather of the same recipe and the one-process run.
+    for recipe in BLOCKS:
+        p = dist_prepare(_model(), recipe, "fsdp", _factory, fp8_all_gather="blocks")
+        wrapped = sum(
+            isinstance(getattr(m.weight, "_local_tensor", None), Float8AllGatherWeight)
+            for m in p.model.modules()
+            if isinstance(m, Float8Linear)
+        )
+        blocks = _train(p, 0, STEPS, True)
+        result[f"fsdp-blocks/{recipe}"] = {"blocks": blocks, "wrapped": wrapped}
     # DCP under DDP (replicated state, MasterWeights and a dynamic loss scaler): save after
     # 2 steps, continue; a fresh prepare loads it and continues the same steps.
     ckpt = Path(path).parent / "ddp-dcp"

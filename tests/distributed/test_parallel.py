@@ -19,6 +19,8 @@ What can differ, and the tolerance it gives (relative, on every step's loss):
   (measured ~7e-6).
 * fp16-scalify (DDP, and FSDP2 with the scalify wrapper as the one unit): FP16 data
   and per-tensor scales of half batches: 1e-4 (measured ~8e-6).
+* fp8-rowwise, mxfp8 (FSDP2): as fp8-tensorwise, the input and gradient scales of half
+  batches: 2e-3.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.distributed._parallel_worker import CASES, RESHARD, STEPS, launch
+from tests.distributed._parallel_worker import BLOCKS, CASES, RESHARD, STEPS, launch
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +41,8 @@ TOL = {
     "fp8-delayed": 2e-3,
     "fp16-unit": 1e-4,
     "fp16-scalify": 1e-4,
+    "fp8-rowwise": 2e-3,
+    "mxfp8": 2e-3,
 }
 
 
@@ -105,3 +109,17 @@ def test_resharded_dcp_resume(result: dict[str, Any], recipe: str) -> None:
         assert any(any(v != 0 for v in h) for h in r["saved"]["amax"].values())
     else:
         assert r["saved"]["scaler"]  # the dynamic scaler's state
+
+
+@pytest.mark.parametrize("recipe", BLOCKS)
+def test_fsdp_narrow_gather_of_block_layouts(result: dict[str, Any], recipe: str) -> None:
+    """``prepare(..., fp8_all_gather="blocks")``: every float8 linear's weight gathers in
+    FP8 with its row-local scales. The forward operands are those of the default gather;
+    the input-gradient GEMM's weight operand is rounded a second time (one E4M3 step at most
+    per element), so the run stays within the recipe's 2-vs-1 tolerance of one process."""
+    r = result[f"fsdp-blocks/{recipe}"]
+    assert r["wrapped"] == 8  # qkv, proj, fc, fc_out of 2 blocks
+    ref = result[f"fsdp/{recipe}"]
+    assert r["blocks"][0] == ref["parallel"][0]  # step 1: the forward alone, to the bit
+    worst = max(abs(a - b) / abs(b) for a, b in zip(r["blocks"], ref["reference"], strict=True))
+    assert worst <= TOL[recipe], (r["blocks"], ref["reference"])
