@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv (if missing), install torch==2.13.0 only when no torch is importable,
-# then install lowprec with its test/dev extras. Safe to run repeatedly.
+# Create .venv (if missing), install torch==2.13.0 only when no torch is importable, then
+# install lowprec: with its test/dev extras (the default, for scripts/test.sh), or with
+# `--runtime` only what it needs to run (scripts/demo.sh: torch, numpy, matplotlib, rich),
+# skipping pip altogether when this checkout's lowprec and those already import.
+# Safe to run repeatedly.
 #
 # Never pulls the CUDA build of torch: torch is installed first, pinned, and the package
 # install afterwards is checked not to have replaced it. Set LOWPREC_TORCH_INDEX (for
@@ -8,6 +11,11 @@
 # CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+    "") TARGET=".[dev]" ;;
+    --runtime) TARGET="." ;;
+    *) echo "error: unknown option ${1} (usage: bootstrap.sh [--runtime])" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 VENV=${LOWPREC_VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
@@ -15,6 +23,20 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv --system-site-packages "$VENV"
 fi
 VPY="$VENV/bin/python"
+# -P: import lowprec as installed, not from the current directory
+if [ "$TARGET" = "." ] && [ -x "$VENV/bin/lowprec" ] && "$VPY" -P - "$PWD" 2>/dev/null <<'PYEOF'
+import sys
+from pathlib import Path
+
+import matplotlib, numpy, rich, torch  # noqa: F401  (the runtime dependencies)
+import lowprec
+
+assert Path(lowprec.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve())
+PYEOF
+then
+    echo "[bootstrap] ready: lowprec and its runtime dependencies already importable"
+    exit 0
+fi
 if "$VPY" -c "import torch" 2>/dev/null; then
     echo "[bootstrap] torch $("$VPY" -c 'import torch; print(torch.__version__)') already importable"
 else
@@ -26,7 +48,8 @@ else
     fi
 fi
 before=$("$VPY" -c 'import torch; print(torch.__version__)')
-"$VPY" -m pip install -q -e ".[dev]"
+echo "[bootstrap] installing lowprec ($TARGET)"
+"$VPY" -m pip install -q -e "$TARGET"
 after=$("$VPY" -c 'import torch; print(torch.__version__)')
 if [ "$before" != "$after" ]; then
     echo "[bootstrap] ERROR: installing lowprec replaced torch $before with $after" >&2

@@ -4,6 +4,6 @@
 # smoke run under a minute; --all: every recipe).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh --runtime
 VENV=${LOWPREC_VENV:-.venv}
 "$VENV/bin/lowprec" demo "$@"

@@ -15,12 +15,13 @@ __all__ = ["calibrate"]
 
 
 @contextlib.contextmanager
-def calibrate(model: nn.Module) -> Iterator[None]:
+def calibrate(model: nn.Module, fresh: bool = True) -> Iterator[None]:
     """Calibrate the static roles of every ``Float8Linear`` in ``model``.
 
     Inside the block, forward (and backward, for a static ``grad_output``) passes record
     the running maximum of each static role's ``amax``; on exit the scales freeze. Roles
-    that saw no data raise ``ValueError`` naming them.
+    that saw no data raise ``ValueError`` naming them. ``fresh=False`` continues from the
+    maxima the scalers hold (a calibration whose end was undone) instead of from zero.
 
     Example:
         >>> import torch
@@ -36,9 +37,11 @@ def calibrate(model: nn.Module) -> Iterator[None]:
         raise ValueError("model: no Float8Linear with a static role to calibrate")
     if any(m.weight.device.type == "meta" for m in static):
         raise ValueError("model: a Float8Linear on the meta device has no data to calibrate")
+    if not isinstance(fresh, bool):
+        raise TypeError(f"fresh must be a bool, got {type(fresh).__name__}")
     for m in static:  # a new calibration starts from scratch (it may lower a scale)
         m._calibrating = True
-        for s in _calibrated_scalers(m):
+        for s in _calibrated_scalers(m) if fresh else ():
             s.reset()
     try:
         yield

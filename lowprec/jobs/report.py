@@ -20,11 +20,12 @@ from __future__ import annotations
 import base64
 import html
 import math
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -162,18 +163,49 @@ def _unique_labels(runs: Sequence[Run]) -> None:
 _Figure = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
+# A chart worker: `python -c` (never a re-run of the caller's __main__, which the spawn start
+# method would do to a user's script without a main guard) draws the pickled figures.
+_WORKER = (
+    "import pickle, sys\nfor fn, args in pickle.load(open(sys.argv[1], 'rb')):\n    fn(*args)\n"
+)
+
+
 def _draw(figures: Sequence[_Figure]) -> None:
     """Draw ``figures`` (function, arguments); over the CPUs this process may use, in
-    spawned processes, when there are enough of them to pay for those processes' start."""
+    fresh worker processes, when there are enough figures to pay for their start.
+    Raises ``RuntimeError`` with a worker's error output if one fails."""
     workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 4)
     if workers < 2 or len(figures) < 8:
         for fn, args in figures:
             fn(*args)
         return
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that runs torch
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        for done in [pool.submit(fn, *args) for fn, args in figures]:
-            done.result()
+    root = str(Path(__file__).resolve().parents[2])  # where this lowprec is importable from
+    path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path}
+    with tempfile.TemporaryDirectory(prefix="lowprec-draw-") as tmp:
+        procs = []
+        try:
+            for i in range(workers):
+                spec = Path(tmp) / f"figures{i}.pkl"
+                spec.write_bytes(pickle.dumps(list(figures[i::workers])))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _WORKER, str(spec)],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        env=env,
+                    )
+                )
+            errors = [(p, p.communicate()[1]) for p in procs]
+        finally:
+            for p in procs:  # Ctrl-C or an error here: no worker outlives the report
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for p, err in errors:
+            if p.returncode != 0:
+                raise RuntimeError(f"drawing the report's charts failed: {err.strip()[-2000:]}")
 
 
 def write_report(

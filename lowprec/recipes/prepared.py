@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from lowprec.amp import LossScaler, MasterWeights, MatmulInFp32, native_bf16_matmul
+from lowprec.core.scalers import StaticScaler
 from lowprec.float8 import Float8Linear, calibrate
+from lowprec.float8.recipe import ROLES
 from lowprec.recipes import compose
 from lowprec.recipes.policy import DTYPES
 from lowprec.recipes.presets import get_recipe
@@ -85,6 +87,43 @@ class Prepared:
             stack, self._calibration = self._calibration, None
             assert stack is not None
             stack.close()  # the scales freeze (ValueError if a role saw no data)
+
+    def calibration_state(self) -> dict[str, Any] | None:
+        """While static float8 scales calibrate (or are about to): what
+        :meth:`restore_calibration` needs to undo a step, a copy of every calibrated
+        scaler's state and the count of calibration batches; otherwise ``None``."""
+        if self._calibration is None and not (
+            self.recipe.needs_calibration and self.model.training and self.calibrating
+        ):
+            return None
+        scalers = [
+            s
+            for m in self.model.modules()
+            if isinstance(m, Float8Linear)
+            for r in ROLES
+            if isinstance(s := m.scaler(r), StaticScaler) and not s.given
+        ]
+        return {
+            "batches": self._calibrated_batches,
+            "open": self._calibration is not None,
+            "scalers": [(s, s.state_dict()) for s in scalers],
+        }
+
+    def restore_calibration(self, state: dict[str, Any] | None) -> None:
+        """Undo the calibration batches counted since ``state`` (from
+        :meth:`calibration_state`; ``None`` does nothing): the scalers' maxima and frozen
+        scales and the batch count come back, and a calibration that ended since goes on.
+        :func:`~lowprec.recipes.step.train_step` calls it for a skipped step, so that a
+        non-finite batch neither counts as a calibration batch nor enters the maxima."""
+        if state is None:
+            return
+        for s, saved in state["scalers"]:
+            s.load_state_dict(saved)
+        self._calibrated_batches = state["batches"]
+        if self._calibration is None and state["open"]:
+            stack = contextlib.ExitStack()
+            stack.enter_context(calibrate(self.model, fresh=False))
+            self._calibration = stack
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

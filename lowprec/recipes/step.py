@@ -15,7 +15,9 @@ With ``skip_nonfinite=True`` a step whose loss or any gradient is Inf/NaN change
 but the loss scaler's record: the update is not applied (whatever the scaler; a
 :class:`~lowprec.amp.NoLossScaler` would apply it), and the model's buffers (float8 amax
 histories and calibration maxima, any running statistics) are restored to their values
-before the step, also when the loss scaler itself skipped. The scaler records the step as
+before the step, also when the loss scaler itself skipped; a :class:`~lowprec.recipes.Prepared`
+whose static float8 scales calibrate does not count the step as a calibration batch
+(:meth:`~lowprec.recipes.Prepared.restore_calibration`). The scaler records the step as
 skipped, so a dynamic scale backs off as after any overflow. ``StepResult.nonfinite`` says
 what was not finite. A backward that raises on a non-finite loss (scalify refuses
 non-finite scales) counts as such a step.
@@ -136,6 +138,8 @@ def train_step(
     if lr is not None:
         set_lr(run.optimizer, lr)
     saved = [b.detach().clone() for b in run.model.buffers()] if skip_nonfinite else None
+    calibration = getattr(run, "calibration_state", None)  # a Prepared's static float8
+    calibration = calibration() if skip_nonfinite and calibration is not None else None
     failed = False
     with (compute or run.compute)():
         _, loss = run.model(x, y)
@@ -169,6 +173,8 @@ def train_step(
         with torch.no_grad():
             for b, old in zip(run.model.buffers(), saved, strict=True):
                 b.copy_(old)
+        if calibration is not None:  # the batch is no calibration batch either
+            run.restore_calibration(calibration)  # type: ignore[attr-defined]
     return StepResult(loss, scale, skipped, stats, bad)
 
 

@@ -158,3 +158,53 @@ def test_train_demo_and_lm_benchmarks_call_the_one_step(
     x = torch.ones(2)
     _common.lm_step_fn(m, torch.optim.SGD(m.parameters(), lr=0.5), [(x, x)])()
     assert calls["n"] == 1 and m.a.tolist() == [0.5, 0.5]
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 16)
+
+    def forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        out = self.fc2(torch.relu(self.fc1(x)))
+        return out, ((out.float() - y) ** 2).mean()
+
+
+def test_skipped_step_is_no_static_calibration_batch() -> None:
+    """fp8-static calibrates on its first 4 training batches. A non-finite batch among them
+    (skipped with ``skip_nonfinite``) must not count as one nor enter the running maxima:
+    the run with the bad batch inserted (at the 1st and at the 4th calibration batch)
+    ends bit-identical to the run without it — the same frozen scales and weights."""
+    from lowprec.recipes import prepare
+
+    gen = torch.Generator().manual_seed(0)
+    # growing magnitudes: every calibration batch raises the maxima, so each one counts
+    batches = [
+        (2.0**i * torch.randn(8, 32, generator=gen), torch.randn(8, 16, generator=gen))
+        for i in range(6)
+    ]
+    bad = (torch.full((8, 32), float("nan")), torch.zeros(8, 16))
+
+    def run(bad_at: int | None) -> tuple[Any, list[bool]]:
+        torch.manual_seed(1)
+        p = prepare(_Mlp(), "fp8-static", lambda ps: torch.optim.SGD(ps, lr=0.1))
+        seq = list(batches)
+        if bad_at is not None:
+            seq.insert(bad_at, bad)
+        skipped = [train_step(p, x, y, skip_nonfinite=True).skipped for x, y in seq]
+        return p, skipped
+
+    ref, ref_skipped = run(None)
+    assert not any(ref_skipped) and not ref.calibrating
+    for bad_at in (0, 3):
+        p, skipped = run(bad_at)
+        assert skipped == [i == bad_at for i in range(len(batches) + 1)]
+        assert not p.calibrating
+        theirs = p.model.state_dict()
+        for name, a in ref.model.state_dict().items():
+            assert torch.equal(a, theirs[name]), (bad_at, name)  # static maxima, histories, weights
+        for m, n in zip(ref.model.modules(), p.model.modules(), strict=True):
+            for r in ("input", "grad_output"):
+                s, t = getattr(m, "scaler", lambda _: None)(r), getattr(n, "scaler", None)
+                if s is not None and t is not None:
+                    assert torch.equal(s.scale, t(r).scale), (bad_at, r)
