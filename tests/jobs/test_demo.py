@@ -101,7 +101,7 @@ def test_default_recipes_cover_the_issue() -> None:
         "bf16",
         "fp16-scalify",
     }
-    assert DEMO_CONFIG.steps == 100
+    assert DEMO_CONFIG.steps == 80  # fp8-naive fails by +17% there (docs/demo.md)
     assert {n for _, names in PANELS for n in names} == set(DEMO_RECIPES)
 
 
@@ -281,3 +281,28 @@ def test_demo_resume_refuses_other_settings_and_non_demo_dirs(
     out = tmp_path / "twice"
     results = run_demo(out, recipes=["fp32", "fp32"], progress=False, config=TINY)
     assert [r["recipe"] for r in results] == ["fp32"]
+
+
+def test_shipped_seed_spread_is_the_default_demos() -> None:
+    """The shipped seed spread was measured on the default demo's configuration (so the
+    default demo's verdicts use it), at three seeds of both references and the key cures;
+    the tolerance it gives is 2 × the median over recipes of the sd of the paired gaps,
+    recomputed here by hand."""
+    import statistics
+
+    from lowprec.jobs.demo import SEED_SPREAD, TOLERANCE_SIGMAS, _same_config, _tolerances
+
+    assert _same_config(DEMO_CONFIG, SEED_SPREAD["config"])
+    val = SEED_SPREAD["val_loss"]
+    assert {"fp32", "fp32-unit", "fp8-tensorwise", "fp8-unit"} <= set(val)
+    assert all(len(v) == 3 for v in val.values())
+    tol = _tolerances(DEMO_CONFIG, {r: [0.0] for r in DEMO_RECIPES})  # one seed: shipped
+    for ref in ("fp32", "fp32-unit"):
+        gaps = [
+            [v / b - 1 for v, b in zip(val[r], val[ref], strict=True)]
+            for r in val
+            if r != ref and (r.endswith("-unit") == (ref == "fp32-unit"))
+        ]
+        sd = statistics.median(statistics.stdev(g) for g in gaps)
+        assert tol[ref] == pytest.approx(TOLERANCE_SIGMAS * sd, rel=1e-12), (ref, tol, sd)
+    assert not _tolerances(replace(DEMO_CONFIG, steps=7), {r: [0.0] for r in DEMO_RECIPES})
