@@ -103,12 +103,17 @@ def convert_to_float8(
         return make(model)
     done: dict[int, Float8Linear] = {}
     _convert_children(model, wanted, make, done)
-    if skipped:
-        log.warning(
-            "convert_to_float8: %d linear-like layer(s) left unconverted: %s",
-            len(skipped),
-            "; ".join(f"{k} ({v})" for k, v in skipped.items()),
-        )
+    # What the caller's module_filter excluded was asked for: INFO. Anything else is a
+    # linear-like layer that stays in high precision against the caller's wish: WARNING.
+    for level, chosen in ((logging.INFO, True), (logging.WARNING, False)):
+        part = {k: v for k, v in skipped.items() if v.endswith(": module_filter") == chosen}
+        if part:
+            log.log(
+                level,
+                "convert_to_float8: %d linear-like layer(s) left unconverted: %s",
+                len(part),
+                "; ".join(f"{k} ({v})" for k, v in part.items()),
+            )
     return model
 
 
