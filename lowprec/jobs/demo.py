@@ -270,6 +270,7 @@ def run_demo(
         get_recipe(r)
     if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
         raise ValueError(f"seeds must be non-negative ints, got {seeds}")
+    seeds = list(dict.fromkeys(seeds))  # a seed given twice is trained once
     if not resume:
         make_new_dir(out, "choose another --out, or finish that demo with --resume")
         manifest = {"recipes": recipes, "seeds": seeds, "config": base.to_dict(), "quick": quick}

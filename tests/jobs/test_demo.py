@@ -281,6 +281,11 @@ def test_demo_resume_refuses_other_settings_and_non_demo_dirs(
     out = tmp_path / "twice"
     results = run_demo(out, recipes=["fp32", "fp32"], progress=False, config=TINY)
     assert [r["recipe"] for r in results] == ["fp32"]
+    # and a repeated seed is one seed (`--seeds 0 0` said "seed0/fp32 already exists")
+    again = run_demo(tmp_path / "seeds", recipes=["fp32"], seeds=[0, 0], progress=False,
+                     config=TINY)  # fmt: skip
+    assert again[0]["val_loss"] == results[0]["val_loss"]
+    assert (tmp_path / "seeds" / "fp32" / "summary.json").is_file()
 
 
 def test_shipped_seed_spread_is_the_default_demos() -> None:
