@@ -140,11 +140,42 @@ def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 # ---- selection ---------------------------------------------------------------------------
 
 
+# A fill of at least FP16's largest finite value (HF's ``finfo(dtype).min`` masks, ±inf)
+# is a sentinel: it saturates instead of raising the scale (which would flush the data).
+_SENTINEL = 65504.0
+
+
+def _is_number(t: Any) -> bool:
+    return not isinstance(t, ScaledTensor) and (not isinstance(t, Tensor) or t.dim() == 0)
+
+
 @rule(aten.where.self)
 def _where(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``where(c, a, b)``: ``s = max(s_a, s_b)``, ``d = where(c, a, b) / s`` (a number c
-    counts as scale |c|; finite data saturate, :func:`~lowprec.scalify.core.saturate`)."""
+    """``where(c, a, b)``: ``s = max(s_a, s_b)``, ``d = where(c, a, b) / s``; finite data
+    saturate (:func:`~lowprec.scalify.core.saturate`).
+
+    With one operand a number ``f`` (Python or a plain 0-dim tensor) and the other ``x``
+    scaled: ``s = max(s_x, |f| / max_q)`` (``max_q``: the storage format's largest value),
+    the smallest scale at or above ``x``'s that holds ``f``; a sentinel fill
+    ``|f| >= 65504`` (e.g. ``torch.finfo(torch.float32).min`` of an attention mask, ±inf)
+    keeps ``s = s_x`` and saturates, so the kept values of ``x`` are never flushed (for a
+    per-tensor ``s_x``; otherwise the general rule)."""
     c, a, b = args
+    x, fill = (b, a) if _is_number(a) else (a, b)
+    if _is_number(a) != _is_number(b) and isinstance(x, ScaledTensor) and x.scale.numel() == 1:
+        work = work_dtype(x)
+        fv = (
+            fill.to(device=x.qdata.device, dtype=work)
+            if isinstance(fill, Tensor)
+            else torch.tensor(float(fill), dtype=work, device=x.qdata.device)
+        )
+        mag = fv.detach().abs().float()
+        top = float(torch.finfo(x.qdata.dtype).max)
+        need = torch.where(torch.isfinite(mag) & (mag < _SENTINEL), mag / top, 0.0)
+        s = torch.maximum(x.scale.float(), need)
+        v = torch.where(c, deq(x, work), fv) if x is a else torch.where(c, fv, deq(x, work))
+        d = apply_scale(v, torch.where(s > 0, s, 1.0).to(work), "div")
+        return out(func, args, saturate(d), s)
     check_compatible(a, b)
     ref = first_st((a, b))
     work = work_dtype(a, b)

@@ -133,6 +133,25 @@ def test_numbers_bring_their_own_scale() -> None:
     assert (tiny + 0.0) is tiny
 
 
+def test_where_with_a_number_keeps_the_data() -> None:
+    """``where`` of a scaled ``x`` and a number: HF's attention masks fill with
+    ``finfo(float32).min`` (T5's position-bias mask); taking the number's magnitude as the
+    scale flushed every kept value to 0 (logits 26% off FP32). A sentinel saturates and the
+    kept values stay within FP16 rounding; a moderate fill that the format cannot hold next
+    to ``x`` raises the scale just enough, so both are right (either operand order)."""
+    x = st((8, 16), 0.05)
+    m = torch.rand(8, 16, generator=torch.Generator().manual_seed(3)) > 0.3
+    lo = torch.finfo(torch.float32).min
+    for y, keep in ((torch.where(m, x, lo), m), (torch.where(~m, lo, x), m)):
+        assert isinstance(y, ScaledTensor) and float(y.scale) == pytest.approx(0.05)
+        assert rel(val(y)[keep], val(x)[keep]) < FP16_TOL
+        assert bool((val(y)[~keep] <= -65504 * 0.05 * 0.999).all())  # saturated, not lost
+    tiny = st((8, 16), 2.0**-30)
+    z = torch.where(m, tiny, 1.0)  # 1 / 2^-30 is beyond FP16: the scale rises to 1/65504
+    assert float(z.scale) == pytest.approx(1.0 / 65504.0)
+    assert rel(val(z), torch.where(m, val(tiny), 1.0)) < FP16_TOL
+
+
 def test_special_scales_short_circuit() -> None:
     z = A * 0.0
     assert float(z.scale) == 0.0 and not z.qdata.any()
