@@ -11,7 +11,7 @@ from lowprec.core.scalers import StaticScaler
 from lowprec.float8.linear import Float8Linear
 from lowprec.float8.recipe import ROLES
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "calibrated_scalers"]
 
 
 @contextlib.contextmanager
@@ -67,3 +67,11 @@ def calibrate(model: nn.Module, fresh: bool = True) -> Iterator[None]:
 
 def _calibrated_scalers(m: Float8Linear) -> list[StaticScaler]:
     return [s for s in m._scalers.values() if isinstance(s, StaticScaler) and not s.given]
+
+
+def calibrated_scalers(model: nn.Module) -> list[StaticScaler]:
+    """The scalers that :func:`calibrate` calibrates: every static role without a given
+    scale, of every ``Float8Linear`` in ``model``."""
+    return [
+        s for m in model.modules() if isinstance(m, Float8Linear) for s in _calibrated_scalers(m)
+    ]

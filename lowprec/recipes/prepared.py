@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from lowprec.amp import LossScaler, MasterWeights, MatmulInFp32, native_bf16_matmul
-from lowprec.core.scalers import StaticScaler
 from lowprec.float8 import Float8Linear, calibrate
-from lowprec.float8.recipe import ROLES
+from lowprec.float8.calibration import calibrated_scalers
 from lowprec.recipes import compose
 from lowprec.recipes.policy import DTYPES
 from lowprec.recipes.presets import get_recipe
@@ -96,17 +95,10 @@ class Prepared:
             self.recipe.needs_calibration and self.model.training and self.calibrating
         ):
             return None
-        scalers = [
-            s
-            for m in self.model.modules()
-            if isinstance(m, Float8Linear)
-            for r in ROLES
-            if isinstance(s := m.scaler(r), StaticScaler) and not s.given
-        ]
         return {
             "batches": self._calibrated_batches,
             "open": self._calibration is not None,
-            "scalers": [(s, s.state_dict()) for s in scalers],
+            "scalers": [(s, s.state_dict()) for s in calibrated_scalers(self.model)],
         }
 
     def restore_calibration(self, state: dict[str, Any] | None) -> None:

@@ -138,8 +138,8 @@ def train_step(
     if lr is not None:
         set_lr(run.optimizer, lr)
     saved = [b.detach().clone() for b in run.model.buffers()] if skip_nonfinite else None
-    calibration = getattr(run, "calibration_state", None)  # a Prepared's static float8
-    calibration = calibration() if skip_nonfinite and calibration is not None else None
+    snapshot = getattr(run, "calibration_state", None)  # a Prepared's static float8
+    calibration = snapshot() if skip_nonfinite and snapshot is not None else None
     failed = False
     with (compute or run.compute)():
         _, loss = run.model(x, y)
