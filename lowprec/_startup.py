@@ -4,8 +4,11 @@ Importing torch and the package takes seconds, and a SIGINT then would raise
 ``KeyboardInterrupt`` somewhere inside an import. In a ``lowprec`` command process (the
 console script, ``python -m lowprec``, or a ``torchrun -m lowprec`` worker) the package's
 ``__init__`` installs :func:`_quit` for SIGINT first thing; :func:`lowprec.cli.main`
-puts Python's own handler back once its error handling is in place. A library import
-(``import lowprec`` in a user's program) changes no handler. Standard library only.
+puts Python's own handler back once its error handling is in place, and
+:func:`guard_shutdown` takes SIGINT again once the command has its exit code, so a late
+Ctrl-C (the second of a double Ctrl-C, say) cannot raise ``KeyboardInterrupt`` inside the
+interpreter's shutdown. A library import (``import lowprec`` in a user's program) changes
+no handler. Standard library only.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["end_startup_guard", "guard_startup"]
+__all__ = ["end_startup_guard", "guard_shutdown", "guard_startup"]
 
 _guarded = False
 
@@ -55,3 +58,22 @@ def end_startup_guard() -> None:
     if _guarded and signal.getsignal(signal.SIGINT) is _quit:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     _guarded = False
+
+
+def _exit_quietly(signum: int, frame: FrameType | None) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more to say
+            pass
+    os._exit(128 + signum)
+
+
+def guard_shutdown() -> None:
+    """In a ``lowprec`` command process whose command has finished (its output written, its
+    exit code known), make SIGINT end it at once with ``128 + SIGINT``: the job is over, so
+    nothing is left to save, and Python's shutdown (``atexit`` callbacks, finalizers) must
+    not print a ``KeyboardInterrupt`` traceback. Elsewhere (a library call of
+    :func:`lowprec.cli.main`) do nothing."""
+    if _is_cli() and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _exit_quietly)

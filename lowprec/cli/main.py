@@ -27,7 +27,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lowprec import __version__
-from lowprec._startup import end_startup_guard
+from lowprec._startup import end_startup_guard, guard_shutdown
 from lowprec.analysis.snr import (
     SNR_DEFAULT_FORMATS,
     SNR_WINDOW_DB,
@@ -244,10 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     traceback (set ``LOWPREC_TRACEBACK=1`` to see one), and ``SystemExit``: code 2 for a bad run
     directory or argument (:class:`~lowprec.jobs.rundir.RunError`, ``ValueError``,
     ``TypeError``), 1 for anything else (a file-system error, a run that stopped on
-    Inf/NaN). An interrupted job exits with ``128 + signal`` (130 for Ctrl-C). Notes
+    Inf/NaN). An interrupted job exits with ``128 + signal`` (130 for Ctrl-C); in the
+    command's own process a Ctrl-C after this returns ends it at once, quietly, with 130
+    (:func:`lowprec._startup.guard_shutdown`). Notes
     about repaired run files (:class:`~lowprec.jobs.rundir.RunNote`) print as
     ``note: ...``.
     """
+    try:
+        return _main(argv)
+    finally:
+        guard_shutdown()  # a Ctrl-C from here on: a quiet exit, never a traceback
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for a relaunch (torchrun)
     handler: _Handler = args.handler

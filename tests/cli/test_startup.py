@@ -1,5 +1,7 @@
 """A Ctrl-C while the ``lowprec`` command imports torch ends it with one line, never a
-traceback; importing lowprec as a library changes no signal handler."""
+traceback; one during the interpreter's shutdown after the command ends it quietly;
+importing lowprec as a library, or calling ``main`` from a program, changes no signal
+handler."""
 
 from __future__ import annotations
 
@@ -31,14 +33,37 @@ def test_library_import_keeps_python_s_handler_and_main_restores_it() -> None:
     r = _run(
         "import signal, lowprec\n"
         "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+        "from lowprec.cli import main\n"
+        "assert main(['recipes']) == 0\n"  # a program's call: Python's handler stays
+        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
         "import sys; sys.argv = ['lowprec']\n"
         "import lowprec._startup as s; s.guard_startup()\n"
         "assert signal.getsignal(signal.SIGINT) is s._quit\n"
-        "from lowprec.cli import main\n"
-        "assert main(['recipes']) == 0\n"
-        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+        "assert main(['recipes']) == 0\n"  # the command: its shutdown is guarded
+        "assert signal.getsignal(signal.SIGINT) is s._exit_quietly\n"
     )
     assert r.returncode == 0, r.stderr
+
+
+def test_sigint_during_the_shutdown_after_the_command_is_quiet() -> None:
+    """The second Ctrl-C of a double Ctrl-C can land after ``main`` has returned, while
+    Python runs its ``atexit`` callbacks: seen in CI as "Exception ignored in atexit
+    callback ... KeyboardInterrupt" after an interrupted run's own message. Delivered
+    inside an ``atexit`` callback here, it must end the process with 130 and no
+    traceback, the command's output intact."""
+    r = _run(
+        "import sys; sys.argv = ['lowprec', 'recipes']\n"
+        "import atexit, os, signal, lowprec\n"
+        "def late():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    for _ in range(10**7): pass\n"  # Python code for the handler to run in
+        "atexit.register(late)\n"
+        "from lowprec.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    assert r.returncode == 130, r.stderr
+    assert r.stderr == "", r.stderr
+    assert "fp8-tensorwise" in r.stdout  # printed and flushed before the quiet exit
 
 
 def test_sigint_while_torch_is_being_imported_is_one_line() -> None:
