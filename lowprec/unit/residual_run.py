@@ -17,16 +17,27 @@ inside a child) is
   module: token + position (+ type) embeddings, weighted so the sum of ``n`` lookups is
   unit.
 
-An add whose skip is not among ``M``'s inputs (post-norm BERT's ``LayerNorm(h + x)``, where
-``x`` reaches the layer as an argument of a sibling) is left a plain add: the norm that
-follows makes it unit in both passes.
+* an **argument residual** when the skip is one of ``M``'s inputs, the branch depends on
+  ``M``'s children but not on the skip *as ``M`` received it*: the model passed the stream
+  into ``M`` twice, once normalised by a sibling and once as the skip, and adds it there
+  (Bloom: ``self_attention(ln(x), residual=x)`` adds ``out + residual`` inside the
+  attention module). The branch must depend on the skip tensor itself (a token it was
+  given as an input or output of another module), and ``M`` must not normalise the sum
+  (a norm module or function inside ``M`` taking the add's result): post-norm BERT's
+  ``LayerNorm(dense(h) + x)``, the same shape but followed by its norm, stays a plain add
+  (the norm makes it unit in both passes).
 
 **Runtime** (:class:`Runtime`): the same hooks number the adds made directly in each
 module call; the planned ones are replaced. A residual add with weight ``τ`` becomes
 ``residual_split`` + ``residual_add``: on entry to ``M`` (or when the earlier residual add
 returns) the skip ``x`` gets a *branch copy* ``scale_bwd(x, √τ)``, which replaces ``x`` in
 every op inside ``M`` but the add, and a *skip copy* ``scale_bwd(x, √(1-τ))``; the add
-returns ``√τ·branch + √(1-τ)·x`` (:func:`lowprec.unit.functional.residual_add`).
+returns ``√τ·branch + √(1-τ)·x`` (:func:`lowprec.unit.functional.residual_add`). An
+argument residual's skip gets its skip copy on entry to ``M`` as well; the split's branch
+side cannot sit at the fan-out (it is in the parent, before ``M`` is called), so ``M``'s
+inputs the branch depends on get ``scale_bwd(·, √τ)`` instead: the gradient that leaves
+``M`` through them is the branch copy's, and only the sibling between the fan-out and
+``M`` (the norm) sees it ``√τ`` times smaller than unit.
 """
 
 from __future__ import annotations
@@ -56,6 +67,17 @@ _EMPTY: frozenset[int] = frozenset()
 # shape-only ops: a skip may be a reshaped input (OPT flattens the stream before its MLP)
 _VIEWS = frozenset({Tensor.reshape, Tensor.view, torch.reshape, Tensor.flatten, torch.flatten,
                     Tensor.contiguous})  # fmt: skip
+_NORM_FNS = frozenset({F.layer_norm, F.rms_norm, F.group_norm, torch.layer_norm})
+
+
+def _is_norm(m: nn.Module) -> bool:
+    """Whether module ``m`` normalises its input (torch's norms, a module converted to a
+    unit norm, or a class named ``...Norm`` such as HF's ``LlamaRMSNorm``)."""
+    return (
+        isinstance(m, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm))
+        or getattr(m, "_unit_role", "") == "norm"
+        or type(m).__name__.endswith("Norm")
+    )
 
 
 def add_operands(
@@ -85,13 +107,16 @@ def _tensors(v: Any, depth: int = 3) -> list[Tensor]:
 class Step:
     """A planned add: ``kind`` ``"residual"``, ``"branch_sum"`` or ``"embed_sum"``; ``skip``
     where a residual's skip comes from: ``("arg", i)``, ``("kw", name)`` or ``("res", k)``
-    (the output of the frame's add number ``k``); ``weights`` of an embedding sum."""
+    (the output of the frame's add number ``k``); ``weights`` of an embedding sum;
+    ``branch_inputs``: an argument residual's inputs of the module its branch depends on
+    (empty for a residual whose skip feeds the branch inside the module)."""
 
     ordinal: int
     kind: str
     skip: tuple[str, Any] | None = None
     weights: tuple[float, float] = (1.0, 1.0)
     tau: float = 0.5
+    branch_inputs: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
@@ -103,12 +128,16 @@ class _Frame:
     adds: int = 0
     steps: dict[int, Step] = field(default_factory=dict)
     add_outs: list[tuple[Tensor, int, bool]] = field(default_factory=list)
+    # argument residuals not yet confirmed: add number -> its result (a norm taking it
+    # inside the module makes the add a post-norm one, left plain)
+    pending: dict[int, Tensor] = field(default_factory=dict)
 
 
 class _Recorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.prov: Any = WeakTensorKeyDictionary()
+        self.own: Any = WeakTensorKeyDictionary()  # tokens given to the tensor itself
         self.emb: Any = WeakTensorKeyDictionary()
         self.stack: list[_Frame] = []
         self.seen: set[str] = set()
@@ -122,9 +151,20 @@ class _Recorder(TorchFunctionMode):
     def token(self, t: Tensor) -> int:
         self._next += 1
         self.prov[t] = self.prov.get(t, _EMPTY) | {self._next}
+        self.own[t] = self.own.get(t, _EMPTY) | {self._next}
         return self._next
 
+    def _normalised(self, fr: _Frame, ts: list[Tensor]) -> None:
+        """A norm inside ``fr``'s module takes ``ts``: pending argument residuals among
+        them are post-norm adds, left plain."""
+        for k, out in list(fr.pending.items()):
+            if any(t is out for t in ts):
+                del fr.pending[k], fr.steps[k]
+                self.order.remove((fr.name, k))
+
     def pre(self, name: str, module: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        if self.stack and self.stack[-1].pending and _is_norm(module):
+            self._normalised(self.stack[-1], _tensors((args, kw), 2))
         fr = _Frame(name, first=name not in self.seen)
         self.seen.add(name)
         locs = [(("arg", i), a) for i, a in enumerate(args)] + [
@@ -168,13 +208,41 @@ class _Recorder(TorchFunctionMode):
                     fr.steps[made[1]] = Step(made[1], "branch_sum")
                 fr.sources.append((out, ("res", k), self.token(out)))
                 return
+            if self._argument_residual(fr, k, a, b, out):
+                return
         pa, pb = self.prov.get(a, _EMPTY), self.prov.get(b, _EMPTY)
         fr.add_outs.append((out, k, bool(pa & child) and bool(pb & child)))
+
+    def _argument_residual(self, fr: _Frame, k: int, a: Tensor, b: Tensor, out: Tensor) -> bool:
+        """Plan add ``k`` of ``fr`` (``a + b``) as an argument residual if it is one (see
+        the module doc): pending until the module ends or a norm takes its result."""
+        child = fr.child_tokens
+        for skip, branch in ((a, b), (b, a)):
+            src = next(((loc, tok) for t, loc, tok in fr.sources if t is skip), None)
+            pb = self.prov.get(branch, _EMPTY)
+            if src is None or src[0][0] not in ("arg", "kw") or not pb & child:
+                continue
+            if not pb & (self.own.get(skip, _EMPTY) - {src[1]}):
+                continue
+            inputs = tuple(
+                loc
+                for t, loc, tok in fr.sources
+                if loc[0] in ("arg", "kw") and t is not skip and tok in pb
+            )
+            if not inputs:
+                continue
+            fr.steps[k] = Step(k, "residual", skip=src[0], branch_inputs=inputs)
+            fr.pending[k] = out
+            self.order.append((fr.name, k))
+            return True
+        return False
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kw = kwargs or {}
+        if func in _NORM_FNS and self.stack and self.stack[-1].pending:
+            self._normalised(self.stack[-1], _tensors((args, kw), 2))
         out = func(*args, **kw)
         ins = _tensors((args, kw), 2)
         p = _EMPTY.union(*(self.prov.get(t, _EMPTY) for t in ins))
@@ -217,6 +285,14 @@ def analyse(
     return rec.plans, rec.order
 
 
+def _input(args: tuple[Any, ...], kw: dict[str, Any], loc: tuple[str, Any]) -> Any:
+    """A module call's input at ``loc`` (``("arg", i)`` or ``("kw", name)``), or None."""
+    where, key = loc
+    if where == "arg":
+        return args[key] if key < len(args) else None
+    return kw.get(key)
+
+
 @dataclass
 class _RFrame:
     name: str
@@ -246,12 +322,16 @@ class Runtime:
         return self.frames[-1].name if self.frames else None
 
     def _register(self, fr: _RFrame, st: Step, x: Tensor) -> None:
-        branch = scale_bwd(x, math.sqrt(st.tau))
         skip = scale_bwd(x, math.sqrt(1.0 - st.tau))
+        fr.skips[st.ordinal] = (x, skip)
+        if not st.branch_inputs:
+            self._substitute(fr, x, scale_bwd(x, math.sqrt(st.tau)))
+
+    def _substitute(self, fr: _RFrame, x: Tensor, by: Tensor) -> None:
+        """Ops inside ``fr``'s module call (and its children) take ``by`` for ``x``."""
         if not fr.subs:
             self.n_subs += 1
-        fr.subs.setdefault(id(x), (x, branch))
-        fr.skips[st.ordinal] = (x, skip)
+        fr.subs.setdefault(id(x), (x, by))
 
     def _pre(self, name: str, module: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
         if name == "<root>":  # a new forward (an earlier one may have raised mid-way)
@@ -267,10 +347,13 @@ class Runtime:
                     fr.locs[id(v)] = (v, ("kw", key))
         for st in (fr.steps or {}).values():
             if st.kind == "residual" and st.skip is not None and st.skip[0] in ("arg", "kw"):
-                where, key = st.skip
-                x = (args[key] if key < len(args) else None) if where == "arg" else kw.get(key)
+                x = _input(args, kw, st.skip)
                 if isinstance(x, Tensor):
                     self._register(fr, st, x)
+                for loc in st.branch_inputs:  # an argument residual's branch side
+                    v = _input(args, kw, loc)
+                    if isinstance(v, Tensor) and v is not x:
+                        self._substitute(fr, v, scale_bwd(v, math.sqrt(st.tau)))
         self.frames.append(fr)
 
     def _post(self, module: nn.Module, args: Any, out: Any) -> None:
