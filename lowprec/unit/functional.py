@@ -50,7 +50,7 @@ from lowprec.unit.lookup import cross_entropy, embedding
 
 __all__ = [
     "add", "conv1d", "cross_entropy", "dropout", "embedding", "gauss_moment", "gelu",
-    "layer_norm", "linear", "linear_readout", "log_softmax", "matmul", "relu",
+    "layer_norm", "linear", "linear_readout", "log_softmax", "matmul", "probs_matmul", "relu",
     "residual_add", "residual_split", "residual_taus", "rms_norm",
     "scaled_dot_product_attention", "silu", "silu_glu", "softmax",
 ]  # fmt: skip
@@ -128,6 +128,36 @@ def matmul(
     m = max(1, a.numel() // k // max(1, b.numel() // (k * n)))
     s_out, s_a, s_b = apply_constraint(constraint, k**-0.5, n**-0.5, m**-0.5)
     return _product(torch.matmul, a, b, s_out, s_a, s_b, float8)
+
+
+@_unit_op
+def probs_matmul(p: Tensor, v: Tensor, *, float8: bool = False) -> Tensor:
+    """``p @ v`` for attention probabilities ``p (..., L, S)`` (a softmax output at any
+    scale, masked keys exactly 0) and values ``v (..., S, E)``: the explicit form of
+    attention (``softmax(q kᵀ/√d + mask) @ v``, as HF's eager attention writes it).
+
+    Forward ``y = c·(p @ v)``, backward ``∂p = c·g vᵀ``, ``∂v = c·pᵀ g``, with
+    ``c = 1/√P2`` and ``P2 = mean_i r_i²·min(1, e/m_i)``: ``r_i = Σ_j p_ij`` (1 for
+    probabilities, ``n/√(e-1)`` for a unit softmax's output) and ``m_i`` the row's nonzero
+    entries (its allowed keys; a dropped entry counts as masked). That is the SDPA rule's
+    ``P2`` (:func:`scaled_dot_product_attention`) for logits of variance ``σ² = 1`` (unit
+    ``q, k`` at the standard ``1/√d``), with the allowed keys read from ``p`` instead of a
+    boolean mask, so explicit and SDPA attention compute the same ``y``; for unit,
+    independent ``v``, ``Var y_i = Σ_j p_ij² ≈ r_i²·min(1, e/m_i)``. ``c`` is a detached
+    scalar tensor (no host sync). ``float8``: as :func:`matmul`.
+    """
+    check_float("p", p)
+    check_float("v", v)
+    check_same_dtype(p=p, v=v)
+    if p.dim() < 2 or v.dim() < 2:
+        raise ValueError(f"p, v: need >= 2 dims, got shapes {tuple(p.shape)}, {tuple(v.shape)}")
+    q = p.detach().float()
+    m = (q != 0).sum(-1).clamp(min=1).float()
+    p2 = (q.sum(-1).square() * (math.e / m).clamp(max=1.0)).mean()
+    c = p2.clamp(min=torch.finfo(torch.float32).tiny).rsqrt().to(p.dtype)
+    # c applied to p first: rows of c·p have Σ_j (c·p_ij)² ≈ 1, so no product larger than
+    # the unit output is formed (a unit softmax's p is n times the probabilities)
+    return _product(torch.matmul, p * c, v, 1.0, 1.0, 1.0, float8)
 
 
 def _linear(

@@ -7,11 +7,24 @@ rule does not handle (e.g. ``F.scaled_dot_product_attention`` with a float mask,
 with one WARNING naming the module (where known) and the precise cause; ``strict``
 raises ``NotImplementedError`` instead. Residual adds found by running the model
 (:mod:`lowprec.unit.residual_run`) are applied here too, through the model's runtime.
+
+**Attention written out** (``softmax(q kᵀ·c + mask) @ v``, HF's eager attention, Bloom's,
+GPT-J's, a hand-written one) gets two rules on top of the ops':
+
+* the unit ``matmul`` of two activations already divides by ``√K``, so a following
+  multiplication by the number ``1/√K`` (or division by ``√K``), the model's own
+  ``q kᵀ/√d``, is dropped: the logits are ``q·k/√d`` once, as in the SDPA rule, not
+  ``q·k/d``;
+* a softmax's output (through dropout, casts and views that keep its rows) taken as the
+  left operand of a matmul is attention probabilities: that matmul is
+  :func:`lowprec.unit.functional.probs_matmul` (``1/√(mean_i Σ_j p_ij²)``, whatever the
+  mask) instead of the generic ``1/√K``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -49,8 +62,16 @@ _IN_PLACE: dict[Any, Callable[..., Any]] = {
     Tensor.__imul__: Tensor.mul, Tensor.__itruediv__: Tensor.div,
 }  # fmt: skip
 _SOFTMAX = {torch.softmax, F.softmax, Tensor.softmax}
+# ops that keep a softmax's output attention probabilities (dropout, casts, copies, and
+# views that keep the last dim: the rows stay rows)
+_KEEPS_PROBS = {F.dropout, Tensor.to, Tensor.type_as, Tensor.contiguous, Tensor.float,
+                Tensor.half, Tensor.bfloat16, Tensor.clone, Tensor.view, Tensor.reshape,
+                torch.reshape}  # fmt: skip
 _LOG_SOFTMAX = {torch.log_softmax, F.log_softmax, Tensor.log_softmax}
 _RELU = {F.relu, torch.relu, Tensor.relu}
+_KEEP = 4  # tensors each of the attention patterns' lists remembers
+_DIVS = {Tensor.__truediv__, Tensor.div, torch.div}
+_SCALINGS = {Tensor.__mul__, Tensor.__rmul__, Tensor.mul, torch.mul, *_DIVS}
 _NO_RULE = {
     F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.batch_norm, F.group_norm,
     F.instance_norm, torch.einsum, torch.baddbmm, torch.addmm, F.bilinear, torch.tanh,
@@ -165,6 +186,13 @@ class UnitMode(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self.cfg, self.runtime, self.collect = cfg, runtime, collect
+        # The last few softmax outputs (and their dropouts, casts, views): a matmul taking
+        # one on the left is attention's ``p @ v``; and the last few outputs of the unit
+        # matmul of two activations with ``K``, the summed dim's size. Short lists compared
+        # by identity (the patterns are a few ops long; torch.compile traces lists, not
+        # weak dictionaries), so no tensor is kept alive for long.
+        self._probs: list[Tensor] = []
+        self._products: list[tuple[Tensor, int]] = []
 
     def _unhandled(self, func: Any, cause: str) -> None:
         where = self.runtime.where() if self.runtime is not None else None
@@ -187,6 +215,40 @@ class UnitMode(TorchFunctionMode):
             if out is not NotImplemented:
                 return out
             args, kw = rt.substitute(args, kw)
+        if self._probs and args and any(t is args[0] for t in self._probs):
+            if (
+                func in _MATMUL
+                and len(args) == 2
+                and not kw
+                and not any(t is args[1] for t in self._probs)
+            ):
+                try:
+                    return UNIT_OPS[U.probs_matmul](*args, float8=self.cfg.float8)
+                except (ValueError, TypeError):
+                    pass  # the generic matmul rule below reports it
+            elif func in _KEEPS_PROBS:
+                out = self._convert(func, args, kw)
+                if isinstance(out, Tensor) and out.dim() and out.shape[-1] == args[0].shape[-1]:
+                    self._probs = [*self._probs[-(_KEEP - 1) :], out]
+                return out
+        k = next((k for t, k in self._products if t is args[0]), 0) if self._products else 0
+        if k and func in _SCALINGS and len(args) == 2 and not kw:
+            f = _number(args[1])
+            if f is not None and f > 0.0:
+                f = 1.0 / f if func in _DIVS else f
+                if abs(f * math.sqrt(k) - 1.0) < 1e-6:
+                    return args[0]  # the model's 1/√K, which the unit matmul applied
+        out = self._convert(func, args, kw)
+        if isinstance(out, Tensor):
+            if func in _SOFTMAX:
+                self._probs = [*self._probs[-(_KEEP - 1) :], out]
+            elif func in _MATMUL and len(args) == 2 and isinstance(args[1], Tensor):
+                k = max(1, args[1].shape[-2]) if args[1].dim() >= 2 else 1
+                self._products = [*self._products[-(_KEEP - 1) :], (out, k)]
+        return out
+
+    def _convert(self, func: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        """``func`` by its unit rule, or unchanged (reported) where it has none."""
         rule = _rule(self.cfg, func)
         if rule is not None:
             try:
@@ -201,6 +263,15 @@ class UnitMode(TorchFunctionMode):
             torch.utils.swap_tensors(a, _IN_PLACE[func](*args, **kw))  # type: ignore[no-untyped-call]
             return a
         return func(*args, **kw)
+
+
+def _number(v: object) -> float | None:
+    """``v`` as a float if it is a real number or a one-element CPU tensor, else None."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, Tensor) and v.numel() == 1 and v.device.type == "cpu" and not v.is_complex():
+        return float(v.item())
+    return None
 
 
 def _function_view(t: object) -> bool:

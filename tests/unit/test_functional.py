@@ -231,6 +231,24 @@ def test_sdpa(causal: bool) -> None:
         U.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(256, 256))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_probs_matmul_is_the_sdpa_rule_written_out(causal: bool) -> None:
+    """``probs_matmul(softmax(q kᵀ/√d + mask), v)`` equals the SDPA rule's output: the same
+    ``P2 = mean_i min(1, e/m_i)`` (σ² = 1), with the allowed keys ``m_i`` read from the
+    zeros of ``p``; invariant to ``p``'s scale (a unit softmax's output is n·p)."""
+    q, k, v = (_randn(2, 4, 256, 64, seed=s) for s in range(3))
+    logits = q @ k.transpose(-1, -2) / 8.0
+    if causal:
+        logits = logits.masked_fill(torch.ones(256, 256).triu(1).bool(), float("-inf"))
+    p = logits.softmax(-1)
+    y = U.probs_matmul(p, v)
+    ref = U.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)  # float32 summation order
+    torch.testing.assert_close(U.probs_matmul(256 * p, v), y, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="p, v: need >= 2 dims"):
+        U.probs_matmul(p[0, 0, 0], v)
+
+
 def test_conv1d() -> None:
     x, w = _randn(32, 64, 128), _randn(128, 64, 3, seed=1)
     out, (gx, gw) = _run(lambda a, b: U.conv1d(a, b, padding=1, constraint=None), x, w)
