@@ -174,14 +174,21 @@ class Timing:
         return d
 
 
-def _timed(fn: Callable[[], object], device: str | torch.device, number: int) -> float:
-    """Seconds per call of ``number`` back-to-back calls of ``fn``."""
+CLOCKS = ("wall", "thread")
+
+
+def _timed(
+    fn: Callable[[], object], device: str | torch.device, number: int, clock: str = "wall"
+) -> float:
+    """Seconds per call of ``number`` back-to-back calls of ``fn``: wall time, or with
+    ``clock="thread"`` the calling thread's CPU time (``time.thread_time``)."""
+    now = time.thread_time if clock == "thread" else time.perf_counter
     synchronize(device)
-    t0 = time.perf_counter()
+    t0 = now()
     for _ in range(number):
         fn()
     synchronize(device)
-    return (time.perf_counter() - t0) / number
+    return (now() - t0) / number
 
 
 def time_many(
@@ -190,8 +197,15 @@ def time_many(
     repeats: int = 7,
     warmup: int = 2,
     min_repeat_s: float = 0.1,
+    clock: str = "wall",
 ) -> dict[str, Timing]:
     """Time several no-argument functions side by side; return per-call times in ms.
+
+    ``clock``: ``"wall"`` (``time.perf_counter``) or ``"thread"``: the calling thread's CPU
+    time, for CPU runs with one intra-op thread (``torch.set_num_threads(1)``: every kernel,
+    compiled ones included, then runs on the calling thread). On a shared virtual machine
+    the wall clock also counts the time the host takes the core away (steal), which moves
+    a 0.4 s step by ±10 % between repeats; the thread's CPU time leaves that out.
 
     Each function gets ``warmup`` untimed calls (the first is reported as
     ``first_call_ms``: for a fresh ``torch.compile``d function it includes compilation).
@@ -203,16 +217,20 @@ def time_many(
     """
     if repeats < 1 or warmup < 1:
         raise ValueError(f"repeats and warmup must be >= 1, got {repeats} and {warmup}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+    if clock == "thread" and (torch.device(device).type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("clock='thread' needs a CPU run with torch.set_num_threads(1)")
     first: dict[str, float] = {}
     number: dict[str, int] = {}
     for name, fn in calls.items():
-        warm = [_timed(fn, device, 1) for _ in range(warmup)]
+        warm = [_timed(fn, device, 1, clock) for _ in range(warmup)]
         first[name] = warm[0]
         number[name] = max(1, round(min_repeat_s / max(min(warm[1:] or warm), 1e-9)))
     per_call: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
-            per_call[name].append(_timed(fn, device, number[name]) * 1e3)
+            per_call[name].append(_timed(fn, device, number[name], clock) * 1e3)
     return {
         name: Timing(
             median_ms=statistics.median(ts),
