@@ -50,7 +50,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import default_out, print_table, run_record, setup_torch, time_many, write_json
+from _common import (
+    CLOCKS,
+    default_out,
+    print_table,
+    run_record,
+    setup_torch,
+    time_many,
+    write_json,
+)
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--clock",
         default="wall",
-        choices=("wall", "thread"),
+        choices=CLOCKS,
         help="wall time, or the (one) compute thread's CPU time: leaves out the time a "
         "shared virtual machine's host takes the core away (needs --threads 1)",
     )

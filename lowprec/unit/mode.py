@@ -231,9 +231,9 @@ class UnitMode(TorchFunctionMode):
                 if isinstance(out, Tensor) and out.dim() and out.shape[-1] == args[0].shape[-1]:
                     self._probs = [*self._probs[-(_KEEP - 1) :], out]
                 return out
-        k = next((k for t, k in self._products if t is args[0]), 0) if self._products else 0
-        if k and func in _SCALINGS and len(args) == 2 and not kw:
-            f = _number(args[1])
+        if func in _SCALINGS and len(args) == 2 and not kw and self._products:
+            k = next((k for t, k in self._products if t is args[0]), 0)
+            f = _number(args[1]) if k else None
             if f is not None and f > 0.0:
                 f = 1.0 / f if func in _DIVS else f
                 if abs(f * math.sqrt(k) - 1.0) < 1e-6:

@@ -164,6 +164,35 @@ def test_sdpa_model() -> None:
     assert u.emb.weight.grad is not None and 0.3 <= u.emb.weight.grad.std().item() <= 3
 
 
+class _ScoresThenFactory(nn.Module):
+    """A matmul of activations, its model-side ``1/√K``, then a factory call with keyword
+    arguments only (no positional tensor): the unit mode's attention rules see it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.lin(x)
+        scores = (h @ h.transpose(-1, -2)) * 8**-0.5
+        return scores, torch.arange(end=scores.shape[-1])
+
+
+def test_keyword_only_call_after_a_matmul() -> None:
+    """``torch.arange(end=n)`` after a unit matmul ran unchanged (it raised IndexError in
+    the scaling check, which looked at ``args[0]`` of every call); the ``·8^-½`` after the
+    matmul over K = 8 is dropped (the unit matmul divides by √8 already)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8)
+    u = unit_scale(_ScoresThenFactory(), reinit=True, example_inputs=(x,))
+    seen: list[Tensor] = []
+    u.lin.register_forward_hook(lambda m, a, o: seen.append(o.detach()))
+    scores, positions = u(x)
+    h = seen[0]  # the linear's output as the model saw it
+    torch.testing.assert_close(scores, (h @ h.transpose(-1, -2)) / 8**0.5, rtol=1e-5, atol=1e-6)
+    assert torch.equal(positions, torch.arange(4))
+
+
 def test_unsupported_ops_reported(caplog: pytest.LogCaptureFixture) -> None:
     m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.BatchNorm1d(8), nn.Linear(8, 2))
     with caplog.at_level(logging.WARNING, logger="lowprec.unit"):
