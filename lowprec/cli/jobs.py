@@ -216,7 +216,7 @@ def _run_model(out: Path) -> str:
 
 
 def add_demo(subparsers: Any) -> None:
-    from lowprec.jobs.demo import DEMO_RECIPES
+    from lowprec.jobs.demo import DEMO_CONFIG, DEMO_RECIPES
 
     p = subparsers.add_parser(
         "demo",
@@ -225,7 +225,8 @@ def add_demo(subparsers: Any) -> None:
         "steps): each failure (FP8 without scales, FP16 without loss scaling or master "
         "weights) next to the techniques that cure it. Prints a table with a verdict per "
         "recipe judged against the seed-to-seed spread, writes loss curves and the HTML "
-        "numerics report. Default: 11 recipes, 100 steps each; --quick: a smoke run "
+        f"numerics report. Default: {len(DEMO_RECIPES)} recipes, {DEMO_CONFIG.steps} steps "
+        "each; --quick: a smoke run "
         "(docs/demo.md gives the measured times). Ctrl-C stops at a step boundary; "
         "--resume DIR finishes an interrupted demo.",
     )
