@@ -32,6 +32,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 WINDOW = (1400, 1000)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# A page of inline PNGs loads in well under a second; 60 s leaves room for a loaded CI host.
+LOAD_TIMEOUT_S = 60
 
 
 def _unavailable(reason: str) -> None:
@@ -92,7 +94,14 @@ def load(driver: Any, path: Path) -> None:
     """Open ``path`` over file:// (after draining older console entries) and wait for it."""
     driver.get_log("browser")
     driver.get(path.resolve().as_uri())
-    assert driver.execute_script("return document.readyState") == "complete"
+    # ``get`` normally returns once the load event fired, but chromedriver can hand back
+    # control at "interactive" on a loaded machine (CI saw it with the large report page,
+    # whose images are inline data URIs still decoding). Wait for "complete", bounded.
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, LOAD_TIMEOUT_S, poll_frequency=0.1).until(
+        lambda d: d.execute_script("return document.readyState") == "complete"
+    )
 
 
 def images(driver: Any) -> list[dict[str, Any]]:
