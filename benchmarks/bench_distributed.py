@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from _common import print_table, run_record, write_json
 
+from lowprec.distributed import shutdown
+
 RECIPES = (
     "fp32",
     "bf16",
@@ -129,7 +131,7 @@ def worker(args: argparse.Namespace) -> None:
     rows = {f"{m}/{r}": _train(args, r, m) for r in RECIPES for m in ("fsdp", "ddp")}
     if dist.get_rank() == 0:
         Path(args.worker_out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    shutdown()
 
 
 def main() -> None:

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from _common import print_table, run_record, write_json
 
+from lowprec.distributed import shutdown
+
 RECIPES = ("tensorwise", "delayed", "static", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")
 
 
@@ -138,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
             "fp8_allgather", "cpu", width=args.width, blocks=args.blocks, steps=args.steps
         )
         write_json({**rec, "rows": rows}, args.out)
-    dist.destroy_process_group()
+    shutdown()
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -193,8 +192,8 @@ def _run_train(args: argparse.Namespace) -> int:
         )
         main = env.is_main()
     finally:
-        if args.parallel is not None and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if args.parallel is not None:
+            env.shutdown()
     if not main:
         return 0  # rank 0 prints
     table = Table(title=f"run {out}", title_justify="left")

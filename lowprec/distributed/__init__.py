@@ -8,7 +8,7 @@ sharded checkpoints — built on torch's own machinery (``fully_shard``, DTensor
 # (parallel, env, checkpoint); float8 under torch.distributed: FP8 all-gather (FSDP2),
 # tensor parallel, scaling state (float8_fsdp, float8_tp, scaling_sync).
 from lowprec.distributed import checkpoint
-from lowprec.distributed.env import init
+from lowprec.distributed.env import init, shutdown
 from lowprec.distributed.float8_fsdp import (
     enable_fp8_all_gather,
     fp8_all_gather_eligible,
@@ -42,5 +42,6 @@ __all__ = [
     "prepare",
     "scaling_state",
     "shard",
+    "shutdown",
     "sync_scaling_state",
 ]

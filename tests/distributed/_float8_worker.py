@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 from lowprec.core.tensor import ScaledTensor
+from lowprec.distributed import shutdown
 from lowprec.float8 import Float8Linear, calibrate, convert_to_float8
 from lowprec.float8.quant import quantize_parts
 
@@ -426,7 +427,7 @@ def main() -> None:
             with open(path, "w") as f:
                 json.dump(result, f, default=lambda t: t.tolist())
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 if __name__ == "__main__":

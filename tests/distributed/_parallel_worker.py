@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lowprec.distributed import checkpoint as dcp_state
+from lowprec.distributed import shutdown
 from lowprec.distributed.float8_fsdp import Float8AllGatherWeight
 from lowprec.distributed.parallel import prepare as dist_prepare
 from lowprec.float8 import Float8Linear
@@ -103,7 +104,7 @@ def main(path: str, stage: str = "two") -> None:
     if stage != "two":  # one process: a resharding stage only
         result = _reshard_stage(stage, Path(path).parent)
         Path(path).write_text(json.dumps(result))
-        dist.destroy_process_group()
+        shutdown()
         return
     result: dict[str, Any] = {"reshard": _reshard_stage("two", Path(path).parent)}
     for mode, recipe in CASES:
@@ -141,7 +142,7 @@ def main(path: str, stage: str = "two") -> None:
     result["ddp_resume"] = {"after": after, "resumed": resumed, "step": extra["step"]}
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    shutdown()
 
 
 def _run(out: Path, n: int, stage: str) -> dict[str, Any]:

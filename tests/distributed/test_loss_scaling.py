@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from lowprec.amp import DynamicLossScaler, MasterWeights, StaticLossScaler
+from lowprec.distributed import shutdown
 from lowprec.recipes.step import Plain, train_step
 
 WORLD = 2
@@ -98,7 +99,7 @@ def _worker(rank: int, store: str, outdir: str) -> None:
         }
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def _spawn(tmp_path: Path, timeout_s: float = 240.0) -> list[dict[str, Any]]:

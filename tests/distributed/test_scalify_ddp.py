@@ -26,6 +26,8 @@ from typing import Any
 import pytest
 import torch
 
+from lowprec.distributed import shutdown
+
 STEPS = 3
 
 
@@ -92,7 +94,7 @@ def _worker(out: str) -> None:
                   "fsdp": fsdp, "first_grads": first_grads}  # fmt: skip
         Path(out).write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 def _fsdp(idx: torch.Tensor, tgt: torch.Tensor, half: slice) -> dict[str, Any]:
