@@ -7,12 +7,17 @@ console script, ``python -m lowprec``, or a ``torchrun -m lowprec`` worker) the 
 puts Python's own handler back once its error handling is in place, and
 :func:`guard_shutdown` takes SIGINT again once the command has its exit code, so a late
 Ctrl-C (the second of a double Ctrl-C, say) cannot raise ``KeyboardInterrupt`` inside the
-interpreter's shutdown. A library import (``import lowprec`` in a user's program) changes
+interpreter's shutdown. That handler is Python code, and Python's finalisation resets a
+Python-level SIGINT handler to the default action, after which a Ctrl-C would kill the
+process by the signal instead of exiting with the command's status; so the last ``atexit``
+callback (registered at start-up, hence run after any registered later) ignores SIGINT for
+the rest of the teardown. A library import (``import lowprec`` in a user's program) changes
 no handler. Standard library only.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import signal
@@ -50,6 +55,14 @@ def guard_startup() -> None:
     ):
         signal.signal(signal.SIGINT, _quit)
         _guarded = True
+        atexit.register(_ignore_late_sigint)
+
+
+def _ignore_late_sigint() -> None:
+    """After the command's shutdown guard, ignore SIGINT for the rest of the teardown (see
+    the module docstring): the process then exits with the command's own status."""
+    if signal.getsignal(signal.SIGINT) is _exit_quietly:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def end_startup_guard() -> None:

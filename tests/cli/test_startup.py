@@ -66,6 +66,29 @@ def test_sigint_during_the_shutdown_after_the_command_is_quiet() -> None:
     assert "fp8-tensorwise" in r.stdout  # printed and flushed before the quiet exit
 
 
+def test_sigint_in_the_last_teardown_keeps_the_command_status() -> None:
+    """After the atexit callbacks that came with the command, SIGINT is ignored: Python's
+    finalisation resets a Python handler to the default action, and a late second Ctrl-C
+    there killed an aborted run by the signal (CI: status -2 instead of 130). An atexit
+    callback registered before lowprec's start-up runs after lowprec's own; a SIGINT sent
+    there must leave the command's status (0) and print nothing."""
+    r = _run(
+        "import atexit, os, signal, sys\n"
+        "def last():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    for _ in range(10**6): pass\n"  # Python code for a handler to run in
+        "    print('handler', signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
+        "atexit.register(last)\n"
+        "sys.argv = ['lowprec', 'recipes']\n"
+        "import lowprec\n"
+        "from lowprec.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "", r.stderr
+    assert "fp8-tensorwise" in r.stdout and "handler True" in r.stdout
+
+
 def test_sigint_while_torch_is_being_imported_is_one_line() -> None:
     """The real command, interrupted while it loads torch's libraries (seen in
     /proc/PID/maps): the start-up guard is in place, so one line and 130.
