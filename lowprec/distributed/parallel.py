@@ -41,7 +41,8 @@ Example (one process here; under ``torchrun`` the group has N):
     >>> w = p.model.head.weight
     >>> type(w).__name__, w.dtype, type(p.optimizer).__name__
     ('DTensor', torch.float32, 'AdamW')
-    >>> dist.destroy_process_group()
+    >>> from lowprec.distributed import shutdown
+    >>> shutdown()  # gc, then destroy_process_group() (see shutdown)
 """
 
 from __future__ import annotations
