@@ -1,33 +1,43 @@
-"""Compiled kernels behind the eager API: fused rounding for large CPU tensors.
+"""Compiled kernels behind the eager API: fused rounding and scaling for large CPU tensors.
 
-Rounding into a format without a torch dtype (E2M1, the FP6 formats, E8M0, TF32, ...) runs
-on the bit pattern (:func:`lowprec.core.rounding.quantize`): some fifteen elementwise
-passes, each a full read and write of the tensor in eager mode. A caller who never uses
-``torch.compile`` still gets those passes fused into one loop: eager calls on a large CPU
-tensor run the same function compiled by ``torch.compile`` (``dynamic=True``, so one
-compilation serves every size) and cached per ``(format, saturate, dtype)``.
+Eager, every step of a rounding or scaling is a full pass over the tensor, and torch's casts
+between float32 and the float8 dtypes are scalar loops on the CPU. A caller who never uses
+``torch.compile`` still gets those passes fused into one vectorised loop: eager calls on a
+large CPU tensor run small functions compiled by ``torch.compile`` (``dynamic=True``, so
+one compilation serves every size) and cached per format, dtype and broadcast pattern:
 
-Contract: the compiled kernel returns the same bits as the eager path (the bit rule is
-integer arithmetic and exact scalings; ``tests/core/test_fast_paths.py`` compares them).
-It is used only when all of these hold:
+* :func:`run_quantize`: rounding into a format without a torch dtype (E2M1, the FP6
+  formats, E8M0, TF32, ...) on the bit pattern (:func:`lowprec.core.rounding.quantize`);
+* :func:`run_scaled_encode`: ``x / scale`` (block-wise broadcast) rounded into a 1-byte
+  float8 format, saturating (:func:`lowprec.core.codes.encode`): the quantize step of
+  every float8 GEMM operand (:func:`lowprec.float8.quant.quantize_parts`);
+* :func:`run_decode`: a float8 payload back to float32/bfloat16, optionally times its
+  scale (:func:`lowprec.core.codes.decode`): the emulated GEMM's operands.
 
-* eager mode (not already inside ``torch.compile``) on a CPU tensor of float32, float16 or
-  bfloat16 with at least ``min_numel`` elements (small tensors would pay the call overhead
-  and, the first time, a compilation of several seconds for no gain);
+Contract: a kernel returns the bits of the eager ops it replaces, laid out as they lay out
+their result (``tests/core/test_kernels.py`` and ``tests/core/test_fast_paths.py`` compare
+them; the one exception is the payload of a NaN times a NaN scale, which is NaN either way).
+A kernel is used only when all of these hold:
+
+* eager mode (not already inside ``torch.compile``) on a CPU tensor (float32, float16 or
+  bfloat16; a float8 payload for decoding) with at least ``min_numel`` elements (small
+  tensors would pay the call overhead and, the first time, a compilation of a few seconds
+  for no gain), and not inside :func:`lowprec.core.rounding._reference_paths`;
 * round-to-nearest (stochastic rounding draws from a ``torch.Generator``, not compiled);
 * the switch is on: environment variable ``LOWPREC_EAGER_KERNELS`` = ``auto`` (default)
   or ``1``; ``0`` turns the kernels off. ``LOWPREC_EAGER_KERNELS_MIN_NUMEL`` sets
-  ``min_numel`` (default ``2**20``).
+  ``min_numel`` (default ``2**18``).
 
-The first call per ``(format, saturate, dtype)`` compiles (inductor's on-disk caches make
-later processes faster). If compilation fails (no C++ compiler, say), the kernel is turned
-off for the process with one WARNING and the eager path runs: same bits, slower.
+The first call per key compiles (inductor's on-disk caches make later processes faster).
+If compilation fails (no C++ compiler, say), the kernels are turned off for the process
+with one WARNING and the eager ops run: same bits, slower.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import types
 from collections.abc import Callable
 
 import torch
@@ -36,11 +46,18 @@ from torch import Tensor
 from lowprec.core.formats import Format
 from lowprec.core.warn import warn_once
 
-__all__ = ["enabled", "min_numel", "quantize_kernel"]
+__all__ = [
+    "enabled",
+    "min_numel",
+    "quantize_kernel",
+    "run_decode",
+    "run_quantize",
+    "run_scaled_encode",
+]
 
 _LOG = logging.getLogger(__name__)
 _INPUTS = (torch.float32, torch.float16, torch.bfloat16)
-_CACHE: dict[tuple[str, bool, torch.dtype], Callable[[Tensor], Tensor]] = {}
+_CACHE: dict[tuple[object, ...], Callable[..., Tensor]] = {}
 _BROKEN: list[str] = []  # why the kernels were turned off (empty: they work)
 
 
@@ -55,8 +72,8 @@ def enabled() -> bool:
 
 def min_numel() -> int:
     """Smallest tensor (elements) for which a compiled kernel is used
-    (``LOWPREC_EAGER_KERNELS_MIN_NUMEL``, default ``2**20``)."""
-    text = os.environ.get("LOWPREC_EAGER_KERNELS_MIN_NUMEL", str(1 << 20))
+    (``LOWPREC_EAGER_KERNELS_MIN_NUMEL``, default ``2**18``)."""
+    text = os.environ.get("LOWPREC_EAGER_KERNELS_MIN_NUMEL", str(1 << 18))
     try:
         n = int(text)
     except ValueError:
@@ -68,12 +85,13 @@ def min_numel() -> int:
     return n
 
 
-def applies(x: Tensor) -> bool:
+def applies(x: Tensor, dtypes: tuple[torch.dtype, ...] = _INPUTS) -> bool:
     """Whether an eager call on ``x`` should use a compiled kernel (module docstring;
-    not for an ``x`` that autograd records: the kernel runs without autograd)."""
+    not for an ``x`` that autograd records: the kernel runs without autograd). ``dtypes``:
+    the input dtypes the kernel takes (default: float32, float16, bfloat16)."""
     return (
         x.device.type == "cpu"
-        and x.dtype in _INPUTS
+        and x.dtype in dtypes
         and not (x.requires_grad and torch.is_grad_enabled())
         and x.numel() >= min_numel()
         and not torch.compiler.is_compiling()
@@ -84,7 +102,7 @@ def applies(x: Tensor) -> bool:
 def quantize_kernel(fmt: Format, saturate: bool, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
     """The compiled ``quantize(x, fmt, "nearest", saturate)`` for 1-D ``x`` of ``dtype``
     (cached; one compilation serves every size)."""
-    key = (fmt.name, saturate, dtype)
+    key = ("quantize", fmt.name, saturate, dtype)
     fn = _CACHE.get(key)
     if fn is None:
         from lowprec.core.rounding import quantize
@@ -92,8 +110,46 @@ def quantize_kernel(fmt: Format, saturate: bool, dtype: torch.dtype) -> Callable
         def kernel(x: Tensor) -> Tensor:
             return quantize(x, fmt, "nearest", saturate)
 
-        fn = _CACHE[key] = torch.compile(kernel, dynamic=True, fullgraph=True)
+        fn = _CACHE[key] = _compile(kernel)
     return fn
+
+
+def _compile(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``torch.compile(fn, dynamic=True, fullgraph=True)`` of a copy of ``fn`` with a code
+    object of its own. Dynamo keeps one cache, and one recompile limit, per code object;
+    every kernel here is a closure of one of a few functions, so without the copy the
+    kernels of different formats would share (and exhaust) one cache."""
+    code = fn.__code__.replace()  # an equal but distinct code object
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(own, dynamic=True, fullgraph=True)
+
+
+def _run(
+    key: tuple[object, ...], build: Callable[[], Callable[..., Tensor]], *args: Tensor
+) -> Tensor | None:
+    """The cached kernel ``key`` (made by ``build`` on first use) applied to ``args``
+    without autograd; ``None`` if it cannot run (compilation failed: turned off, once)."""
+    fn = _CACHE.get(key)
+    if fn is None:
+        fn = _CACHE[key] = _compile(build())
+    try:
+        with torch.no_grad():
+            return fn(*args)
+    except Exception as e:  # a missing compiler, an inductor bug: fall back, once
+        _broken(e)
+        return None
+
+
+def _broken(e: Exception) -> None:
+    _BROKEN.append(f"{type(e).__name__}: {e}")
+    warn_once(
+        _LOG,
+        "kernels:broken",
+        "lowprec: compiled eager kernels are off for this process (%s: %s); rounding "
+        "runs eagerly (same results, slower). Set LOWPREC_EAGER_KERNELS=0 to skip them",
+        type(e).__name__,
+        str(e)[:200],
+    )
 
 
 def run_quantize(x: Tensor, fmt: Format, saturate: bool) -> Tensor | None:
@@ -108,14 +164,86 @@ def run_quantize(x: Tensor, fmt: Format, saturate: bool) -> Tensor | None:
         with torch.no_grad():
             out = quantize_kernel(fmt, saturate, x.dtype)(d.reshape(-1)).view(d.shape)
     except Exception as e:  # a missing compiler, an inductor bug: fall back, once
-        _BROKEN.append(f"{type(e).__name__}: {e}")
-        warn_once(
-            _LOG,
-            "kernels:broken",
-            "lowprec: compiled eager kernels are off for this process (%s: %s); rounding "
-            "runs eagerly (same results, slower). Set LOWPREC_EAGER_KERNELS=0 to skip them",
-            type(e).__name__,
-            str(e)[:200],
-        )
+        _broken(e)
         return None
     return out if d is x else from_dense_view(out, x)
+
+
+def _block_pair(x: Tensor, scale: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``x`` with its dims in storage order (:func:`dense_view`; ``scale``, of ``x``'s rank
+    or less, permuted alike) and both reshaped so that the block-wise broadcast of
+    :func:`~lowprec.core.granularity.apply_scale` is a plain broadcast, or ``None`` if ``x``
+    is not dense. (A kernel on these views keeps a block's elements in its innermost loop,
+    which inductor vectorises; indexing the scale by ``i // block`` there would not be.)"""
+    from lowprec.core.granularity import _block_views
+    from lowprec.core.rounding import dense_view, storage_order
+
+    d = dense_view(x)
+    if not d.is_contiguous():
+        return None
+    s = scale.reshape((1,) * (x.dim() - scale.dim()) + tuple(scale.shape))
+    if d is not x:
+        s = s.permute(storage_order(x))
+    dview, sview, _ = _block_views(tuple(d.shape), tuple(s.shape))
+    return d.reshape(dview), s.reshape(sview)
+
+
+def _pattern(x: Tensor, scale: Tensor) -> tuple[object, ...]:
+    """How ``scale`` broadcasts over ``x`` (part of a kernel's key, so that each compiled
+    function sees a few shape patterns, not an unbounded number)."""
+    return tuple((a == 1, a == b) for a, b in zip(scale.shape, x.shape, strict=True))
+
+
+def _unview(out: Tensor, x: Tensor) -> Tensor:
+    """A kernel's result on :func:`_block_pair`'s view, laid out as an eager elementwise op
+    on ``x`` lays out its result."""
+    from lowprec.core.rounding import dense_view, from_dense_view
+
+    d = dense_view(x)
+    out = out.reshape(d.shape)
+    return out if d is x else from_dense_view(out, x)
+
+
+def run_scaled_encode(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
+    """``to_format(apply_scale(x, scale, "div"), fmt, saturate=True)`` for a 1-byte float8
+    ``fmt`` (:data:`lowprec.core.codes.BYTE_FORMATS`) in one pass, laid out like the eager
+    ops' result; ``None`` if the kernel cannot run (the caller runs the eager path).
+    ``scale``: float32, broadcast block-wise (:func:`lowprec.core.granularity.apply_scale`)."""
+    from lowprec.core.codes import encode
+
+    pair = _block_pair(x, scale)
+    if pair is None:
+        return None
+
+    def build() -> Callable[..., Tensor]:
+        def kernel(t: Tensor, s: Tensor) -> Tensor:
+            return encode((t / s).float(), fmt)
+
+        return kernel
+
+    out = _run(("encode", fmt.name, x.dtype, _pattern(*pair)), build, *pair)
+    return None if out is None else _unview(out, x)
+
+
+def run_decode(
+    data: Tensor, fmt: Format, dtype: torch.dtype, scale: Tensor | None = None
+) -> Tensor | None:
+    """``apply_scale(data.to(float32), scale).to(dtype)`` (without ``scale``:
+    ``data.to(dtype)``) of a 1-byte float8 ``data`` in one pass, laid out like ``data``;
+    ``None`` if the kernel cannot run (the caller runs the eager path)."""
+    from lowprec.core.codes import decode
+
+    scaled = scale is not None
+    pair = _block_pair(data, scale if scale is not None else torch.ones((), device=data.device))
+    if pair is None:
+        return None
+
+    def build() -> Callable[..., Tensor]:
+        def kernel(c: Tensor, s: Tensor) -> Tensor:
+            return (decode(c, fmt) * s).to(dtype) if scaled else decode(c, fmt, dtype)
+
+        return kernel
+
+    key = ("decode", fmt.name, dtype, _pattern(*pair) if scaled else None)
+    out = _run(key, build, *pair)
+    return None if out is None else _unview(out, data)

@@ -289,9 +289,14 @@ def dense_view(x: Tensor) -> Tensor:
     contiguous tensor several times faster than a strided one."""
     if x.dim() < 2 or x.is_contiguous() or not _FAST_EAGER:
         return x
-    perm = sorted(range(x.dim()), key=lambda d: (-x.stride()[d], d))
-    y = x.permute(perm)
+    y = x.permute(storage_order(x))
     return y if y.is_contiguous() else x
+
+
+def storage_order(x: Tensor) -> list[int]:
+    """``x``'s dims from the largest stride to the smallest (ties: in order): the
+    permutation :func:`dense_view` applies."""
+    return sorted(range(x.dim()), key=lambda d: (-x.stride()[d], d))
 
 
 def from_dense_view(y: Tensor, x: Tensor) -> Tensor:
@@ -299,7 +304,7 @@ def from_dense_view(y: Tensor, x: Tensor) -> Tensor:
     so to ``x``'s strides, as an eager elementwise op on ``x`` lays out its result)."""
     if y.dim() < 2 or x.is_contiguous() or not _FAST_EAGER:
         return y
-    perm = sorted(range(x.dim()), key=lambda d: (-x.stride()[d], d))
+    perm = storage_order(x)
     inv = [0] * len(perm)
     for j, p in enumerate(perm):
         inv[p] = j

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.core import rounding
-from lowprec.core.formats import get_format
+from lowprec.core import kernels, rounding
+from lowprec.core.codes import BYTE_FORMATS
+from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import apply_scale, pad_to_blocks
 from lowprec.core.rounding import _to_format_bounded, dense_view, from_dense_view, to_format
 from lowprec.core.scales import amax, compute_scale, mx_scale, nv_scale
@@ -62,7 +63,10 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         # A 1-element (not 0-dim) float32 divisor makes the division itself run in float32
         # for bf16/fp16 ``t``: one pass, no upcast copy, one rounding.
         s2 = s.reshape(1, 1)
-        return _to_format_bounded(t / s2, fmt, True, _quotient_max(a, s2, t)), s, None
+        q = _encode(t, s2, fmt)
+        if q is None:
+            q = _to_format_bounded(t / s2, fmt, True, _quotient_max(a, s2, t))
+        return q, s, None
     if scale is not None:
         raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
     x = t if t.dtype == torch.float64 else t.float()  # float64 is rounded once, directly
@@ -71,7 +75,10 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
             return to_format(x, fmt), x.new_ones(g.scale_shape(x.shape)), None
         a = amax(x, g)
         s = cast.scale_for(a)
-        return _to_format_bounded(x / s, fmt, True, _quotient_max(a, s, x)), s, None
+        q = _encode(x, s, fmt)
+        if q is None:
+            q = _to_format_bounded(x / s, fmt, True, _quotient_max(a, s, x))
+        return q, s, None
     xp = pad_to_blocks(x, g)  # the core padding policy: explicit, recorded, cropped
     pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
     if x.numel() == 0:
@@ -89,8 +96,24 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         # OCP MX: a block holding Inf/NaN gets the NaN scale, so the whole block reads NaN
         # (E2M1 has no Inf/NaN code: saturating would hide an overflow from loss scaling).
         s = torch.where(torch.isfinite(a), s, torch.nan)
-    bound = _quotient_max(a, s, xp)
-    return _to_format_bounded(apply_scale(xp, s, op="div"), fmt, True, bound), s, pad
+    q = _encode(xp, s, fmt)
+    if q is None:
+        bound = _quotient_max(a, s, xp)
+        q = _to_format_bounded(apply_scale(xp, s, op="div"), fmt, True, bound)
+    return q, s, pad
+
+
+def _kernel_format(t: Tensor, fmt: Format) -> bool:
+    """Whether the compiled eager kernels (:mod:`lowprec.core.kernels`) take ``t`` for the
+    1-byte ``fmt`` (same bits as the eager ops; off inside ``_reference_paths()``)."""
+    dtypes = (*_FLOATS, BYTE_FORMATS[fmt]) if fmt in BYTE_FORMATS else ()
+    return bool(dtypes) and rounding._FAST_EAGER and kernels.applies(t, dtypes)
+
+
+def _encode(t: Tensor, s: Tensor, fmt: Format) -> Tensor | None:
+    """``to_format(apply_scale(t, s, "div"), fmt, saturate=True)`` by a compiled kernel,
+    or ``None`` where it does not apply (the caller runs the eager ops)."""
+    return kernels.run_scaled_encode(t, s, fmt) if _kernel_format(t, fmt) else None
 
 
 def _quotient_max(a: Tensor | None, s: Tensor, x: Tensor) -> float | None:
@@ -111,13 +134,21 @@ def _quotient_max(a: Tensor | None, s: Tensor, x: Tensor) -> float | None:
 # 1-byte float dtypes whose eager CPU cast to float32 is a slow scalar loop (e5m2 is
 # fp16's top byte, cast fast): a 256-entry table gives the same bits several times faster.
 _LUT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+_BYTE_DTYPES = {dt: f for f, dt in BYTE_FORMATS.items()}
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _LUTS: dict[tuple[torch.dtype, torch.dtype], Tensor] = {}
 _LUT_MIN_NUMEL = 1 << 14  # below this the cast's own cost is negligible
 
 
 def upcast(data: Tensor, dtype: torch.dtype) -> Tensor:
-    """``data.to(dtype)`` (same bits and strides); eager on CPU, a 1-byte float ``data``
-    is read through a table of its 256 codes (each entry cast by torch itself)."""
+    """``data.to(dtype)`` (same bits and strides); eager on CPU, a large 1-byte float
+    ``data`` is decoded by a compiled kernel (:mod:`lowprec.core.kernels`), else read
+    through a table of its 256 codes (each entry cast by torch itself)."""
+    fmt = _BYTE_DTYPES.get(data.dtype)
+    if fmt is not None and dtype in (torch.float32, torch.bfloat16) and _kernel_format(data, fmt):
+        out = kernels.run_decode(data, fmt, dtype)
+        if out is not None:
+            return out
     if (
         data.dtype not in _LUT_DTYPES
         or dtype not in (torch.float32, torch.bfloat16)
@@ -165,6 +196,11 @@ def dequantize_parts(
     data: Tensor, scale: Tensor, unpadded: tuple[int, ...] | None, dtype: torch.dtype
 ) -> Tensor:
     """``data × scale`` in ``dtype`` (computed in float32), cropped to ``unpadded``."""
+    fmt = _BYTE_DTYPES.get(data.dtype)
+    if fmt is not None and _kernel_format(data, fmt) and scale.dtype == torch.float32:
+        y = kernels.run_decode(data, fmt, dtype, scale)
+        if y is not None:
+            return y if unpadded is None else y[tuple(slice(0, n) for n in unpadded)]
     x = apply_scale(upcast(data, torch.float32), scale)
     if unpadded is not None:
         x = x[tuple(slice(0, n) for n in unpadded)]

@@ -1,0 +1,141 @@
+"""The 1-byte float8 codes in integer arithmetic and the compiled eager kernels built on them.
+
+``lowprec.core.codes.encode``/``decode`` must give torch's own cast bits (encode: the
+saturating cast ``_cast_native``; decode: ``.to(float32/bfloat16)``, NaN payloads included),
+eager and compiled; the kernels behind ``quantize_parts``, ``dequantize_parts`` and
+``upcast`` (forced on small tensors here) must give the eager ops' payload bits, scales and
+strides for every preset and layout. Exactness is the contract: every comparison is on
+bit patterns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from lowprec.core import codes, kernels, rounding
+from lowprec.core.formats import get_format
+from lowprec.core.rounding import _cast_native
+from lowprec.float8 import Float8Recipe
+from lowprec.float8.quant import dequantize_parts, quantize_parts, upcast
+from tests.core.test_fast_paths import bits, cases, same
+
+BYTE = [f.name for f in codes.BYTE_FORMATS]
+
+
+def all_codes(fmt: str) -> Tensor:
+    dt = codes.BYTE_FORMATS[get_format(fmt)]
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt)
+
+
+def probe_values(fmt: str) -> Tensor:
+    """Every finite value of ``fmt``, the midpoints between neighbours (ties) and the
+    float32 numbers on either side of each midpoint, specials, and random values across
+    the normal, subnormal and overflow ranges."""
+    f = get_format(fmt)
+    v = all_codes(fmt).float()
+    grid = v[~torch.isnan(v) & ~torch.isinf(v)].double().unique()
+    mid = ((grid[1:] + grid[:-1]) / 2).float()
+    up, down = torch.tensor(math.inf), torch.tensor(-math.inf)
+    g = torch.Generator().manual_seed(0)
+    special = [0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e-45, -1e-40, 3e38,
+               -3e38, f.max * 1.0625, f.max * 1.125, -f.max * 1.2, 2 * f.max]  # fmt: skip
+    return torch.cat([grid.float(), mid, mid.nextafter(up), mid.nextafter(down),
+                      torch.tensor(special), torch.randn(1 << 16, generator=g) * f.max / 4,
+                      torch.randn(1 << 16, generator=g) * f.min_normal,
+                      (torch.rand(1 << 16, generator=g) - 0.5) * 3 * f.max])  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", BYTE)
+def test_encode_is_torchs_saturating_cast(fmt: str) -> None:
+    f = get_format(fmt)
+    x = probe_values(fmt)
+    ref = _cast_native(x, f, codes.BYTE_FORMATS[f], saturate=True)
+    got = codes.encode(x, f)
+    assert got.dtype == ref.dtype
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", BYTE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_is_torchs_cast_bit_for_bit(fmt: str, dtype: torch.dtype) -> None:
+    c = all_codes(fmt)
+    assert same(codes.decode(c, get_format(fmt), dtype), c.to(dtype))
+
+
+def test_codes_reject_other_formats() -> None:
+    with pytest.raises(ValueError, match="fmt: e2m1 is not a 1-byte"):
+        codes.encode(torch.ones(2), get_format("e2m1"))
+    with pytest.raises(ValueError, match="dtype must be"):
+        codes.decode(all_codes("e4m3fn"), get_format("e4m3fn"), torch.float16)
+
+
+@pytest.mark.slow
+def test_compiled_codes_are_bit_exact() -> None:
+    """Inductor vectorises these functions; the generated code must keep every bit
+    (rounding carries, ties, subnormals, saturation, NaN payloads)."""
+    for fmt in ("e4m3fn", "e5m2", "e4m3fnuz"):
+        f = get_format(fmt)
+        enc = kernels._compile(lambda x, f=f: codes.encode(x, f))
+        x = probe_values(fmt)
+        ref = _cast_native(x, f, codes.BYTE_FORMATS[f], saturate=True)
+        assert torch.equal(enc(x).view(torch.uint8), ref.view(torch.uint8)), fmt
+        c = all_codes(fmt)
+        for dt in (torch.float32, torch.bfloat16):
+            dec = kernels._compile(lambda c, f=f, dt=dt: codes.decode(c, f, dt))
+            assert same(dec(c), c.to(dt)), (fmt, dt)
+
+
+def same_values(a: Tensor, b: Tensor) -> bool:
+    """Equal bits, except that NaN payloads may differ (a NaN times a NaN scale keeps one
+    operand's payload or the other's, depending on the machine code)."""
+    nan = torch.isnan(a)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(nan, torch.isnan(b))
+        and torch.equal(bits(a)[~nan], bits(b)[~nan])
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
+def test_kernel_operands_match_the_eager_ops(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantize_parts / dequantize_parts / upcast through the compiled kernels (forced on
+    these small tensors) against the eager ops: payload bits, scales, strides, values."""
+    monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
+    monkeypatch.setenv("LOWPREC_EAGER_KERNELS", "1")
+    r = Float8Recipe.from_name(preset)
+    for name, x in cases():
+        for role in ("input", "grad_output"):
+            for cd in (0, 1):
+                fast = quantize_parts(x, r.cast(role), cd)
+                with rounding._reference_paths():
+                    ref = quantize_parts(x, r.cast(role), cd)
+                why = (name, role, cd)
+                assert same(fast[0], ref[0]) and same(fast[1], ref[1]), why
+                assert fast[0].stride() == ref[0].stride() and fast[2] == ref[2], why
+                for dt in (torch.float32, torch.bfloat16):
+                    d_fast = dequantize_parts(*fast, dt)
+                    with rounding._reference_paths():
+                        d_ref = dequantize_parts(*ref, dt)
+                    assert same_values(d_fast, d_ref), (*why, dt)
+                    u_fast = upcast(fast[0], dt)
+                    assert same(u_fast, fast[0].to(dt)) and u_fast.stride() == fast[0].stride()
+    assert not kernels._BROKEN, kernels._BROKEN
+
+
+@pytest.mark.slow
+def test_kernels_of_one_function_keep_separate_caches() -> None:
+    """Each kernel is compiled from its own code object: closures of one function for
+    different formats must not share Dynamo's cache (nor its recompile limit)."""
+    x = probe_values("e4m3fn")
+    for fmt in ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz", "e4m3fn"):
+        f = get_format(fmt)
+        got = kernels.run_scaled_encode(x, torch.ones(()), f)
+        assert got is not None and got.dtype == codes.BYTE_FORMATS[f]
+        ref = _cast_native(x, f, codes.BYTE_FORMATS[f], saturate=True)
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), fmt
