@@ -204,20 +204,63 @@ def _unview(out: Tensor, x: Tensor) -> Tensor:
     return out if d is x else from_dense_view(out, x)
 
 
-def run_scaled_encode(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
-    """``to_format(apply_scale(x, scale, "div"), fmt, saturate=True)`` for a 1-byte float8
-    ``fmt`` (:data:`lowprec.core.codes.BYTE_FORMATS`) in one pass, laid out like the eager
-    ops' result; ``None`` if the kernel cannot run (the caller runs the eager path).
-    ``scale``: float32, broadcast block-wise (:func:`lowprec.core.granularity.apply_scale`)."""
-    from lowprec.core.codes import encode
+def encodes(fmt: Format) -> bool:
+    """Whether :func:`run_scaled_encode` takes ``fmt``: a 1-byte float8 format, or a
+    format without a torch dtype (stored in a wider float dtype)."""
+    from lowprec.core.codes import BYTE_FORMATS
 
+    return fmt in BYTE_FORMATS or fmt.torch_dtype is None
+
+
+def run_block_amax(x: Tensor, shape: tuple[int, ...]) -> Tensor | None:
+    """The largest ``|x|`` of each block, as float32 of the scale shape ``shape``
+    (:func:`lowprec.core.scales.amax`, NaN propagating), in one pass; ``None`` if the
+    kernel cannot run."""
+    from lowprec.core.rounding import dense_view, storage_order
+
+    probe = x.new_empty((1,) * (x.dim() - len(shape)) + tuple(shape), dtype=torch.float32)
+    pair = _block_pair(x, probe)
+    if pair is None:
+        return None
+    red = tuple(i for i, (a, b) in enumerate(zip(*(p.shape for p in pair), strict=True)) if a != b)
+
+    def build() -> Callable[..., Tensor]:
+        def kernel(t: Tensor) -> Tensor:
+            return t.abs().amax(dim=red, keepdim=True).float()
+
+        return kernel
+
+    out = _run(("amax", x.dtype, _pattern(*pair), red), build, pair[0])
+    if out is None:
+        return None
+    if dense_view(x) is x:
+        return out.reshape(shape)
+    perm = storage_order(x)
+    inv = sorted(range(len(perm)), key=perm.__getitem__)
+    return out.reshape(probe.permute(perm).shape).permute(inv).contiguous().reshape(shape)
+
+
+def run_scaled_encode(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
+    """``to_format(apply_scale(x, scale, "div"), fmt, saturate=True)`` in one pass, laid out
+    like the eager ops' result, for a format :func:`encodes` takes (a 1-byte float8 one is
+    rounded and encoded by :func:`lowprec.core.codes.encode`, another on the bit pattern);
+    ``None`` if the kernel cannot run (the caller runs the eager path). ``scale``: float32,
+    broadcast block-wise (:func:`lowprec.core.granularity.apply_scale`)."""
+    from lowprec.core.codes import BYTE_FORMATS, encode
+    from lowprec.core.rounding import quantize, storage_dtype
+
+    if not encodes(fmt):
+        raise ValueError(f"fmt: {fmt.name} has a wider torch dtype; use its cast")
     pair = _block_pair(x, scale)
     if pair is None:
         return None
+    store = storage_dtype(fmt)
 
     def build() -> Callable[..., Tensor]:
         def kernel(t: Tensor, s: Tensor) -> Tensor:
-            return encode((t / s).float(), fmt)
+            if fmt in BYTE_FORMATS:
+                return encode((t / s).float(), fmt)
+            return quantize(t / s, fmt, "nearest", True).to(store)
 
         return kernel
 
@@ -226,24 +269,38 @@ def run_scaled_encode(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
 
 
 def run_decode(
-    data: Tensor, fmt: Format, dtype: torch.dtype, scale: Tensor | None = None
+    data: Tensor, fmt: Format | None, dtype: torch.dtype, scale: Tensor | None = None
 ) -> Tensor | None:
     """``apply_scale(data.to(float32), scale).to(dtype)`` (without ``scale``:
-    ``data.to(dtype)``) of a 1-byte float8 ``data`` in one pass, laid out like ``data``;
-    ``None`` if the kernel cannot run (the caller runs the eager path)."""
-    from lowprec.core.codes import decode
+    ``data.to(dtype)``) in one pass, laid out like ``data``, for a 1-byte float8 payload
+    of ``fmt`` (decoded by :func:`lowprec.core.codes.decode`) or, with ``fmt=None``, a
+    float payload that holds its values (E2M1 in bfloat16, say); ``None`` if the kernel
+    cannot run (the caller runs the eager path)."""
+    from lowprec.core.codes import BYTE_FORMATS, decode
 
     scaled = scale is not None
+    byte = fmt is not None
+    if fmt is not None and fmt not in BYTE_FORMATS:
+        raise ValueError(f"fmt: {fmt.name} is not a 1-byte float8 format")
     pair = _block_pair(data, scale if scale is not None else torch.ones((), device=data.device))
     if pair is None:
         return None
 
     def build() -> Callable[..., Tensor]:
         def kernel(c: Tensor, s: Tensor) -> Tensor:
+            if not byte:
+                return (c.float() * s).to(dtype) if scaled else c.to(dtype)
+            assert fmt is not None
             return (decode(c, fmt) * s).to(dtype) if scaled else decode(c, fmt, dtype)
 
         return kernel
 
-    key = ("decode", fmt.name, dtype, _pattern(*pair) if scaled else None)
+    key = (
+        "decode",
+        None if fmt is None else fmt.name,
+        data.dtype,
+        dtype,
+        _pattern(*pair) if scaled else None,
+    )
     out = _run(key, build, *pair)
     return None if out is None else _unview(out, data)

@@ -106,8 +106,15 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
 def _kernel_format(t: Tensor, fmt: Format) -> bool:
     """Whether the compiled eager kernels (:mod:`lowprec.core.kernels`) take ``t`` for the
     1-byte ``fmt`` (same bits as the eager ops; off inside ``_reference_paths()``)."""
-    dtypes = (*_FLOATS, BYTE_FORMATS[fmt]) if fmt in BYTE_FORMATS else ()
-    return bool(dtypes) and rounding._FAST_EAGER and kernels.applies(t, dtypes)
+    if not kernels.encodes(fmt):
+        return False
+    dtypes = (*_FLOATS, BYTE_FORMATS[fmt]) if fmt in BYTE_FORMATS else _FLOATS
+    return rounding._FAST_EAGER and kernels.applies(t, dtypes)
+
+
+def _kernel_payload(data: Tensor) -> bool:
+    """Whether a compiled kernel dequantizes the float (not float8) payload ``data``."""
+    return rounding._FAST_EAGER and kernels.applies(data)
 
 
 def _encode(t: Tensor, s: Tensor, fmt: Format) -> Tensor | None:
@@ -196,8 +203,9 @@ def dequantize_parts(
     data: Tensor, scale: Tensor, unpadded: tuple[int, ...] | None, dtype: torch.dtype
 ) -> Tensor:
     """``data × scale`` in ``dtype`` (computed in float32), cropped to ``unpadded``."""
-    fmt = _BYTE_DTYPES.get(data.dtype)
-    if fmt is not None and _kernel_format(data, fmt) and scale.dtype == torch.float32:
+    fmt = _BYTE_DTYPES.get(data.dtype)  # None: a float payload that holds its values
+    fast = _kernel_format(data, fmt) if fmt is not None else _kernel_payload(data)
+    if fast and scale.dtype == torch.float32:
         y = kernels.run_decode(data, fmt, dtype, scale)
         if y is not None:
             return y if unpadded is None else y[tuple(slice(0, n) for n in unpadded)]

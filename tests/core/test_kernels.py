@@ -102,7 +102,7 @@ def same_values(a: Tensor, b: Tensor) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("preset", ["tensorwise", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"])
 def test_kernel_operands_match_the_eager_ops(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """quantize_parts / dequantize_parts / upcast through the compiled kernels (forced on
     these small tensors) against the eager ops: payload bits, scales, strides, values."""
