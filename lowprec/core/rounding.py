@@ -187,8 +187,8 @@ def quantize(
         a = torch.where(over, fmt.max, a)
     else:
         overflow_value = math.inf if fmt.has_inf else math.nan
-        if saturate:
-            over_value = torch.where(torch.isinf(xf), overflow_value, fmt.max)
+        if saturate:  # (|x| == inf, x != x: inductor vectorises these, not isinf/isnan)
+            over_value = torch.where(xf.abs() == math.inf, overflow_value, fmt.max)
             a = torch.where(over, over_value, a)
         else:
             a = torch.where(over, overflow_value, a)
@@ -198,7 +198,7 @@ def quantize(
             r = r + 0.0  # -0 + 0 = +0: fnuz has no negative zero
     else:
         r = torch.where(xf > 0, a, math.nan)
-    r = torch.where(torch.isnan(xf), xf, r)
+    r = torch.where(xf != xf, xf, r)
     return r.to(orig)
 
 
