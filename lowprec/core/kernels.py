@@ -133,7 +133,9 @@ def _run(
     if fn is None:
         fn = _CACHE[key] = _compile(build())
     try:
-        with torch.no_grad():
+        # (Python floats of the closure, such as a cast's margin, stay constants: with
+        # dynamic=True Dynamo would trace them as symbols and break on their checks.)
+        with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
             return fn(*args)
     except Exception as e:  # a missing compiler, an inductor bug: fall back, once
         _broken(e)
@@ -182,8 +184,8 @@ def _block_pair(x: Tensor, scale: Tensor) -> tuple[Tensor, Tensor] | None:
     if not d.is_contiguous():
         return None
     s = scale.reshape((1,) * (x.dim() - scale.dim()) + tuple(scale.shape))
-    if d is not x:
-        s = s.permute(storage_order(x))
+    if d is not x:  # (contiguous: a strided scale makes inductor tile the whole loop)
+        s = s.permute(storage_order(x)).contiguous()
     dview, sview, _ = _block_views(tuple(d.shape), tuple(s.shape))
     return d.reshape(dview), s.reshape(sview)
 
@@ -202,6 +204,62 @@ def _unview(out: Tensor, x: Tensor) -> Tensor:
     d = dense_view(x)
     out = out.reshape(d.shape)
     return out if d is x else from_dense_view(out, x)
+
+
+def _encode_fn(fmt: Format) -> Callable[[Tensor], Tensor]:
+    """The traceable ``v -> to_format(v, fmt, saturate=True)`` of a format :func:`encodes`
+    takes (a 1-byte float8 format by :func:`lowprec.core.codes.encode`, another on the
+    bit pattern)."""
+    from lowprec.core.codes import BYTE_FORMATS, encode
+    from lowprec.core.rounding import quantize, storage_dtype
+
+    if not encodes(fmt):
+        raise ValueError(f"fmt: {fmt.name} has a wider torch dtype; use its cast")
+    if fmt in BYTE_FORMATS:
+        return lambda v: encode(v.float(), fmt)
+    store = storage_dtype(fmt)
+    return lambda v: quantize(v, fmt, "nearest", True).to(store)
+
+
+def run_group_quantize(
+    x: Tensor,
+    shape: tuple[int, ...],
+    fmt: Format,
+    scale_fn: Callable[[Tensor], Tensor],
+    key: object,
+) -> tuple[Tensor, Tensor] | None:
+    """``(to_format(apply_scale(x, s, "div"), fmt, saturate=True), s)`` with
+    ``s = scale_fn(a)``, ``a`` the largest ``|x|`` of each group of a scale of ``shape``
+    (:func:`lowprec.core.scales.amax`), in one compiled function: the amax reduction,
+    the scale rule and the encode fused. ``scale_fn`` must be traceable and elementwise
+    on ``a`` up to tensor-wide reductions (it is applied to ``a`` in a block view);
+    ``key`` identifies it (with ``fmt``) in the cache. ``None`` if the kernel cannot run."""
+    from lowprec.core.rounding import dense_view, storage_order
+
+    probe = x.new_empty((1,) * (x.dim() - len(shape)) + tuple(shape), dtype=torch.float32)
+    pair = _block_pair(x, probe)
+    if pair is None:
+        return None
+    red = tuple(i for i, (a, b) in enumerate(zip(*(p.shape for p in pair), strict=True)) if a != b)
+    enc = _encode_fn(fmt)
+
+    def build() -> Callable[..., Tensor]:
+        def kernel(t: Tensor) -> tuple[Tensor, Tensor]:
+            s = scale_fn(t.abs().amax(dim=red, keepdim=True).float())
+            return enc(t / s), s
+
+        return kernel  # type: ignore[return-value]
+
+    out = _run(("group", fmt.name, key, x.dtype, _pattern(*pair), red), build, pair[0])
+    if out is None:
+        return None
+    q, s = out  # type: ignore[misc]
+    if dense_view(x) is x:
+        return _unview(q, x), s.reshape(shape)
+    perm = storage_order(x)
+    inv = sorted(range(len(perm)), key=perm.__getitem__)
+    s = s.reshape(probe.permute(perm).shape).permute(inv).contiguous().reshape(shape)
+    return _unview(q, x), s
 
 
 def encodes(fmt: Format) -> bool:
@@ -246,21 +304,14 @@ def run_scaled_encode(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
     rounded and encoded by :func:`lowprec.core.codes.encode`, another on the bit pattern);
     ``None`` if the kernel cannot run (the caller runs the eager path). ``scale``: float32,
     broadcast block-wise (:func:`lowprec.core.granularity.apply_scale`)."""
-    from lowprec.core.codes import BYTE_FORMATS, encode
-    from lowprec.core.rounding import quantize, storage_dtype
-
-    if not encodes(fmt):
-        raise ValueError(f"fmt: {fmt.name} has a wider torch dtype; use its cast")
+    enc = _encode_fn(fmt)
     pair = _block_pair(x, scale)
     if pair is None:
         return None
-    store = storage_dtype(fmt)
 
     def build() -> Callable[..., Tensor]:
         def kernel(t: Tensor, s: Tensor) -> Tensor:
-            if fmt in BYTE_FORMATS:
-                return encode((t / s).float(), fmt)
-            return quantize(t / s, fmt, "nearest", True).to(store)
+            return enc(t / s)
 
         return kernel
 

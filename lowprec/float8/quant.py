@@ -73,34 +73,42 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
     if g.kind == "axis":
         if x.numel() == 0:  # e.g. an expert that got no tokens: nothing to scale
             return to_format(x, fmt), x.new_ones(g.scale_shape(x.shape)), None
-        a = amax(x, g)
-        s = cast.scale_for(a)
-        q = _encode(x, s, fmt)
-        if q is None:
-            q = _to_format_bounded(x / s, fmt, True, _quotient_max(a, s, x))
-        return q, s, None
-    xp = pad_to_blocks(x, g)  # the core padding policy: explicit, recorded, cropped
-    pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
-    if x.numel() == 0:
-        return to_format(xp, fmt), xp.new_ones(g.scale_shape(xp.shape)), pad
+        xp, pad = x, None
+    else:
+        xp = pad_to_blocks(x, g)  # the core padding policy: explicit, recorded, cropped
+        pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
+        if x.numel() == 0:
+            return to_format(xp, fmt), xp.new_ones(g.scale_shape(xp.shape)), pad
+    if _kernel_format(xp, fmt):  # amax, scale and encode fused (same bits)
+        fused = kernels.run_group_quantize(
+            xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g.kind, fmt), cast
+        )
+        if fused is not None:
+            return fused[0], fused[1], pad
     a = amax(xp, g)
-    if g.kind == "block":
-        s = cast.scale_for(a)
-    else:  # mx: OCP's floor or the power of two at or above amax/max; nv: two-level
-        if g.kind == "nv":
-            s = nv_scale(a, fmt)
-        elif cast.mx_scale == "floor":
-            s = mx_scale(a, fmt)
-        else:
-            s = compute_scale(a, fmt, 0.0, True)
-        # OCP MX: a block holding Inf/NaN gets the NaN scale, so the whole block reads NaN
-        # (E2M1 has no Inf/NaN code: saturating would hide an overflow from loss scaling).
-        s = torch.where(torch.isfinite(a), s, torch.nan)
+    s = _group_scale(a, cast, g.kind, fmt)
     q = _encode(xp, s, fmt)
     if q is None:
         bound = _quotient_max(a, s, xp)
         q = _to_format_bounded(apply_scale(xp, s, op="div"), fmt, True, bound)
     return q, s, pad
+
+
+def _group_scale(a: Tensor, cast: CastConfig, kind: str, fmt: Format) -> Tensor:
+    """The scales of a non-tensor granularity ``kind`` from the groups' maxima ``a``
+    (elementwise, except NVFP4's tensor-level factor; traceable by ``torch.compile``)."""
+    if kind in ("axis", "block"):
+        return cast.scale_for(a)
+    # mx: OCP's floor or the power of two at or above amax/max; nv: two-level
+    if kind == "nv":
+        s = nv_scale(a, fmt)
+    elif cast.mx_scale == "floor":
+        s = mx_scale(a, fmt)
+    else:
+        s = compute_scale(a, fmt, 0.0, True)
+    # OCP MX: a block holding Inf/NaN gets the NaN scale, so the whole block reads NaN
+    # (E2M1 has no Inf/NaN code: saturating would hide an overflow from loss scaling).
+    return torch.where(torch.isfinite(a), s, torch.nan)
 
 
 def _kernel_format(t: Tensor, fmt: Format) -> bool:
