@@ -206,19 +206,22 @@ def _unview(out: Tensor, x: Tensor) -> Tensor:
     return out if d is x else from_dense_view(out, x)
 
 
-def _encode_fn(fmt: Format) -> Callable[[Tensor], Tensor]:
-    """The traceable ``v -> to_format(v, fmt, saturate=True)`` of a format :func:`encodes`
-    takes (a 1-byte float8 format by :func:`lowprec.core.codes.encode`, another on the
-    bit pattern)."""
+def _encode_fn(fmt: Format) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """``(inside, after)``: ``after(inside(v))`` is ``to_format(v, fmt, saturate=True)``
+    for a format :func:`encodes` takes; ``inside`` is traced into a kernel, ``after`` runs
+    eagerly on its result. A 1-byte float8 format is encoded inside
+    (:func:`lowprec.core.codes.encode`); another is rounded inside on the bit pattern, in
+    float32, and cast to its storage dtype after: a narrower output would make inductor
+    run the whole loop on pairs of float32 vectors, several times slower."""
     from lowprec.core.codes import BYTE_FORMATS, encode
     from lowprec.core.rounding import quantize, storage_dtype
 
     if not encodes(fmt):
         raise ValueError(f"fmt: {fmt.name} has a wider torch dtype; use its cast")
     if fmt in BYTE_FORMATS:
-        return lambda v: encode(v.float(), fmt)
+        return (lambda v: encode(v.float(), fmt)), (lambda q: q)
     store = storage_dtype(fmt)
-    return lambda v: quantize(v, fmt, "nearest", True).to(store)
+    return (lambda v: quantize(v.float(), fmt, "nearest", True)), (lambda q: q.to(store))
 
 
 def run_group_quantize(
@@ -241,7 +244,7 @@ def run_group_quantize(
     if pair is None:
         return None
     red = tuple(i for i, (a, b) in enumerate(zip(*(p.shape for p in pair), strict=True)) if a != b)
-    enc = _encode_fn(fmt)
+    enc, after = _encode_fn(fmt)
 
     def build() -> Callable[..., Tensor]:
         def kernel(t: Tensor) -> tuple[Tensor, Tensor]:
@@ -254,6 +257,7 @@ def run_group_quantize(
     if out is None:
         return None
     q, s = out  # type: ignore[misc]
+    q = after(q)
     if dense_view(x) is x:
         return _unview(q, x), s.reshape(shape)
     perm = storage_order(x)
@@ -304,7 +308,7 @@ def run_scaled_encode(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
     rounded and encoded by :func:`lowprec.core.codes.encode`, another on the bit pattern);
     ``None`` if the kernel cannot run (the caller runs the eager path). ``scale``: float32,
     broadcast block-wise (:func:`lowprec.core.granularity.apply_scale`)."""
-    enc = _encode_fn(fmt)
+    enc, after = _encode_fn(fmt)
     pair = _block_pair(x, scale)
     if pair is None:
         return None
@@ -316,7 +320,7 @@ def run_scaled_encode(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
         return kernel
 
     out = _run(("encode", fmt.name, x.dtype, _pattern(*pair)), build, *pair)
-    return None if out is None else _unview(out, x)
+    return None if out is None else _unview(after(out), x)
 
 
 def run_decode(
