@@ -5,11 +5,11 @@ the float8 dtypes are scalar loops on the CPU, eager and under inductor alike, w
 functions are integer and float32 arithmetic that inductor vectorises. They give the bits
 of torch's casts as lowprec uses them:
 
-* :func:`encode` is ``_cast_native(v, fmt, dtype, saturate=True)`` of
+* :func:`encode` is ``_cast_native(v, fmt, dtype, saturate)`` of
   :mod:`lowprec.core.rounding`: round to nearest, ties to even; finite overflow saturates
-  to ``±max``; ``±Inf`` becomes NaN (``fn``, ``fnuz``) or stays ``±Inf`` (``ieee``); NaN
-  stays NaN with its sign, all mantissa bits set (``fnuz``: the one NaN code ``0x80``;
-  ``fnuz`` has no ``-0``).
+  to ``±max`` (``saturate=False``: NaN, or ``±Inf`` for ``ieee``); ``±Inf`` becomes NaN
+  (``fn``, ``fnuz``) or stays ``±Inf`` (``ieee``); NaN stays NaN with its sign, all
+  mantissa bits set (``fnuz``: the one NaN code ``0x80``; ``fnuz`` has no ``-0``).
 * :func:`decode` is ``payload.to(float32)``.
 
 For a format with ``M`` mantissa bits and bias ``B`` and a float32 magnitude ``a`` whose
@@ -53,9 +53,10 @@ def _fields(fmt: Format) -> tuple[int, int, int]:
     return m, bias, ((e_max + bias) << m) | mant
 
 
-def encode(v: Tensor, fmt: Format) -> Tensor:
-    """``v`` (float32) rounded into the 1-byte ``fmt`` with saturation, as that format's
-    torch dtype (module docstring)."""
+def encode(v: Tensor, fmt: Format, saturate: bool = True) -> Tensor:
+    """``v`` (float32) rounded into the 1-byte ``fmt``, as that format's torch dtype
+    (module docstring). ``saturate=False``: a finite value that rounds beyond ``±max``
+    becomes NaN (``fn``, ``fnuz``) or ``±Inf`` (``ieee``), as torch's cast gives it."""
     m, bias, top = _fields(fmt)
     d = 23 - m
     a = v.abs()
@@ -64,10 +65,13 @@ def encode(v: Tensor, fmt: Format) -> Tensor:
     b = ac.view(torch.int32)
     normal = ((b + ((1 << (d - 1)) - 1) + ((b >> d) & 1)) >> d) - ((127 - bias) << m)
     sub = torch.round(ac * 2.0 ** (bias - 1 + m)).to(torch.int32)
-    mag = torch.where(ac < fmt.min_normal, sub, normal).clamp(max=top)
+    mag = torch.where(ac < fmt.min_normal, sub, normal)
     sign = (v.view(torch.int32) >> 31) & 1
     inf = a == math.inf  # (isinf and isnan are not vectorised by inductor on the CPU)
     nan = a != a
+    if not saturate:  # overflow: as an Inf input (ieee: Inf; fn, fnuz: NaN)
+        inf = inf | (mag > top)
+    mag = mag.clamp(max=top)
     if fmt.special == "ieee":
         mag = torch.where(inf, (1 << 7) - (1 << m), mag)  # all-ones exponent, mantissa 0
         mag = torch.where(nan, 0x7F, mag)  # torch's NaN code: every mantissa bit set

@@ -99,6 +99,23 @@ def applies(x: Tensor, dtypes: tuple[torch.dtype, ...] = _INPUTS) -> bool:
     )
 
 
+def takes(t: Tensor, fmt: Format | None = None) -> bool:
+    """Whether an eager call should run the kernels below on ``t`` (:func:`applies`, and
+    not inside :func:`lowprec.core.rounding._reference_paths`): ``fmt`` given, ``t`` is
+    to be encoded into ``fmt`` (a format :func:`encodes` takes) or is a 1-byte payload of
+    it; ``fmt=None``, ``t`` is a float payload holding its values."""
+    from lowprec.core import rounding
+    from lowprec.core.codes import BYTE_FORMATS
+
+    if not rounding._FAST_EAGER:
+        return False
+    if fmt is None:
+        return applies(t)
+    if not encodes(fmt):
+        return False
+    return applies(t, (*_INPUTS, BYTE_FORMATS[fmt]) if fmt in BYTE_FORMATS else _INPUTS)
+
+
 def quantize_kernel(fmt: Format, saturate: bool, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
     """The compiled ``quantize(x, fmt, "nearest", saturate)`` for 1-D ``x`` of ``dtype``
     (cached; one compilation serves every size)."""
@@ -206,8 +223,10 @@ def _unview(out: Tensor, x: Tensor) -> Tensor:
     return out if d is x else from_dense_view(out, x)
 
 
-def _encode_fn(fmt: Format) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
-    """``(inside, after)``: ``after(inside(v))`` is ``to_format(v, fmt, saturate=True)``
+def _encode_fn(
+    fmt: Format, saturate: bool = True
+) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """``(inside, after)``: ``after(inside(v))`` is ``to_format(v, fmt, saturate=saturate)``
     for a format :func:`encodes` takes; ``inside`` is traced into a kernel, ``after`` runs
     eagerly on its result. A 1-byte float8 format is encoded inside
     (:func:`lowprec.core.codes.encode`); another is rounded inside on the bit pattern, in
@@ -219,9 +238,9 @@ def _encode_fn(fmt: Format) -> tuple[Callable[[Tensor], Tensor], Callable[[Tenso
     if not encodes(fmt):
         raise ValueError(f"fmt: {fmt.name} has a wider torch dtype; use its cast")
     if fmt in BYTE_FORMATS:
-        return (lambda v: encode(v.float(), fmt)), (lambda q: q)
+        return (lambda v: encode(v.float(), fmt, saturate)), (lambda q: q)
     store = storage_dtype(fmt)
-    return (lambda v: quantize(v.float(), fmt, "nearest", True)), (lambda q: q.to(store))
+    return (lambda v: quantize(v.float(), fmt, "nearest", saturate)), (lambda q: q.to(store))
 
 
 def run_group_quantize(
@@ -302,13 +321,15 @@ def run_block_amax(x: Tensor, shape: tuple[int, ...]) -> Tensor | None:
     return out.reshape(probe.permute(perm).shape).permute(inv).contiguous().reshape(shape)
 
 
-def run_scaled_encode(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
-    """``to_format(apply_scale(x, scale, "div"), fmt, saturate=True)`` in one pass, laid out
+def run_scaled_encode(
+    x: Tensor, scale: Tensor, fmt: Format, saturate: bool = True
+) -> Tensor | None:
+    """``to_format(apply_scale(x, scale, "div"), fmt, saturate)`` in one pass, laid out
     like the eager ops' result, for a format :func:`encodes` takes (a 1-byte float8 one is
     rounded and encoded by :func:`lowprec.core.codes.encode`, another on the bit pattern);
     ``None`` if the kernel cannot run (the caller runs the eager path). ``scale``: float32,
     broadcast block-wise (:func:`lowprec.core.granularity.apply_scale`)."""
-    enc, after = _encode_fn(fmt)
+    enc, after = _encode_fn(fmt, saturate)
     pair = _block_pair(x, scale)
     if pair is None:
         return None
@@ -319,7 +340,7 @@ def run_scaled_encode(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
 
         return kernel
 
-    out = _run(("encode", fmt.name, x.dtype, _pattern(*pair)), build, *pair)
+    out = _run(("encode", fmt.name, saturate, x.dtype, _pattern(*pair)), build, *pair)
     return None if out is None else _unview(after(out), x)
 
 

@@ -364,6 +364,10 @@ def to_format(
     x = _check_input(x)
     fmt = get_format(fmt, arg="fmt")
     native = _native_for(x, fmt, rounding)
+    if native is not None and native.itemsize == 1 and kernels.takes(x, fmt):
+        q = kernels.run_scaled_encode(x, torch.ones((), device=x.device), fmt, saturate)
+        if q is not None:  # the same bits in one vectorised pass
+            return q
     if native is not None:
         return _cast_native(x, fmt, native, saturate)
     return quantize(x, fmt, rounding, saturate, generator).to(storage_dtype(fmt))

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lowprec.core import kernels
 from lowprec.core.formats import Format, Rounding, get_format
 from lowprec.core.granularity import Granularity, apply_scale, as_granularity, check_scale_shape
 from lowprec.core.rounding import to_format
@@ -400,6 +401,10 @@ class _QuantizeScaled(torch.autograd.Function):
         saturate: bool,
         generator: torch.Generator | None,
     ) -> ScaledTensor:
+        if rounding == "nearest" and scale.dtype == torch.float32 and kernels.takes(x, fmt):
+            q = kernels.run_scaled_encode(x.detach(), scale, fmt, saturate)  # one pass
+            if q is not None:
+                return ScaledTensor._wrap(q, scale, x.dtype, fmt.name)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         scaled = apply_scale(x.detach().to(work), scale.to(work), op="div")
         q = to_format(scaled, fmt, rounding=rounding, saturate=saturate, generator=generator)

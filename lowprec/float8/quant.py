@@ -79,7 +79,7 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
         if x.numel() == 0:
             return to_format(xp, fmt), xp.new_ones(g.scale_shape(xp.shape)), pad
-    if _kernel_format(xp, fmt):  # amax, scale and encode fused (same bits)
+    if kernels.takes(xp, fmt):  # amax, scale and encode fused (same bits)
         fused = kernels.run_group_quantize(
             xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g.kind, fmt), cast
         )
@@ -111,24 +111,10 @@ def _group_scale(a: Tensor, cast: CastConfig, kind: str, fmt: Format) -> Tensor:
     return torch.where(torch.isfinite(a), s, torch.nan)
 
 
-def _kernel_format(t: Tensor, fmt: Format) -> bool:
-    """Whether the compiled eager kernels (:mod:`lowprec.core.kernels`) take ``t`` for the
-    1-byte ``fmt`` (same bits as the eager ops; off inside ``_reference_paths()``)."""
-    if not kernels.encodes(fmt):
-        return False
-    dtypes = (*_FLOATS, BYTE_FORMATS[fmt]) if fmt in BYTE_FORMATS else _FLOATS
-    return rounding._FAST_EAGER and kernels.applies(t, dtypes)
-
-
-def _kernel_payload(data: Tensor) -> bool:
-    """Whether a compiled kernel dequantizes the float (not float8) payload ``data``."""
-    return rounding._FAST_EAGER and kernels.applies(data)
-
-
 def _encode(t: Tensor, s: Tensor, fmt: Format) -> Tensor | None:
     """``to_format(apply_scale(t, s, "div"), fmt, saturate=True)`` by a compiled kernel,
     or ``None`` where it does not apply (the caller runs the eager ops)."""
-    return kernels.run_scaled_encode(t, s, fmt) if _kernel_format(t, fmt) else None
+    return kernels.run_scaled_encode(t, s, fmt) if kernels.takes(t, fmt) else None
 
 
 def _quotient_max(a: Tensor | None, s: Tensor, x: Tensor) -> float | None:
@@ -150,7 +136,6 @@ def _quotient_max(a: Tensor | None, s: Tensor, x: Tensor) -> float | None:
 # fp16's top byte, cast fast): a 256-entry table gives the same bits several times faster.
 _LUT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 _BYTE_DTYPES = {dt: f for f, dt in BYTE_FORMATS.items()}
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _LUTS: dict[tuple[torch.dtype, torch.dtype], Tensor] = {}
 _LUT_MIN_NUMEL = 1 << 14  # below this the cast's own cost is negligible
 
@@ -160,7 +145,7 @@ def upcast(data: Tensor, dtype: torch.dtype) -> Tensor:
     ``data`` is decoded by a compiled kernel (:mod:`lowprec.core.kernels`), else read
     through a table of its 256 codes (each entry cast by torch itself)."""
     fmt = _BYTE_DTYPES.get(data.dtype)
-    if fmt is not None and dtype in (torch.float32, torch.bfloat16) and _kernel_format(data, fmt):
+    if fmt is not None and dtype in (torch.float32, torch.bfloat16) and kernels.takes(data, fmt):
         out = kernels.run_decode(data, fmt, dtype)
         if out is not None:
             return out
@@ -212,7 +197,7 @@ def dequantize_parts(
 ) -> Tensor:
     """``data × scale`` in ``dtype`` (computed in float32), cropped to ``unpadded``."""
     fmt = _BYTE_DTYPES.get(data.dtype)  # None: a float payload that holds its values
-    fast = _kernel_format(data, fmt) if fmt is not None else _kernel_payload(data)
+    fast = kernels.takes(data, fmt)
     if fast and scale.dtype == torch.float32:
         y = kernels.run_decode(data, fmt, dtype, scale)
         if y is not None:

@@ -102,7 +102,9 @@ def same_values(a: Tensor, b: Tensor) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tensorwise", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize(
+    "preset", ["tensorwise", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"]
+)
 def test_kernel_operands_match_the_eager_ops(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """quantize_parts / dequantize_parts / upcast through the compiled kernels (forced on
     these small tensors) against the eager ops: payload bits, scales, strides, values."""
@@ -139,3 +141,38 @@ def test_kernels_of_one_function_keep_separate_caches() -> None:
         assert got is not None and got.dtype == codes.BYTE_FORMATS[f]
         ref = _cast_native(x, f, codes.BYTE_FORMATS[f], saturate=True)
         assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), fmt
+
+
+@pytest.mark.parametrize("fmt", BYTE)
+def test_encode_without_saturation_is_torchs_cast(fmt: str) -> None:
+    f = get_format(fmt)
+    x = probe_values(fmt)
+    ref = _cast_native(x, f, codes.BYTE_FORMATS[f], saturate=False)
+    assert torch.equal(codes.encode(x, f, saturate=False).view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saturate", [False, True])
+def test_to_format_and_quantize_scaled_kernels(
+    saturate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``to_format`` and ``quantize_scaled`` through the kernels: the eager bits, every
+    layout and input dtype, with and without saturation."""
+    from lowprec import quantize_scaled
+
+    monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
+    monkeypatch.setenv("LOWPREC_EAGER_KERNELS", "1")
+    for fmt in ("e4m3fn", "e5m2", "e4m3fnuz"):
+        for name, x in cases():
+            fast = rounding.to_format(x, fmt, saturate=saturate)
+            with rounding._reference_paths():
+                ref = rounding.to_format(x, fmt, saturate=saturate)
+            assert same(fast, ref) and fast.stride() == ref.stride(), (fmt, name)
+            for g in ("tensor", "mx:8"):
+                if g != "tensor" and x.shape[-1] % 8:
+                    continue
+                sf = quantize_scaled(x, fmt, granularity=g, saturate=saturate)
+                with rounding._reference_paths():
+                    sr = quantize_scaled(x, fmt, granularity=g, saturate=saturate)
+                assert same(sf.qdata, sr.qdata) and same(sf.scale, sr.scale), (fmt, name, g)
+    assert not kernels._BROKEN, kernels._BROKEN
