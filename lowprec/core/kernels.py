@@ -52,6 +52,7 @@ __all__ = [
     "quantize_kernel",
     "run_decode",
     "run_quantize",
+    "run_round_trip",
     "run_scaled_encode",
 ]
 
@@ -342,6 +343,29 @@ def run_scaled_encode(
 
     out = _run(("encode", fmt.name, saturate, x.dtype, _pattern(*pair)), build, *pair)
     return None if out is None else _unview(after(out), x)
+
+
+def run_round_trip(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
+    """``decode(to_format(x / scale, fmt, saturate=True)) * scale`` in float32, for a 1-byte
+    float8 ``fmt``: the value a quantize-dequantize gives, in one pass (read ``x``, write
+    the result), laid out like ``x``; ``None`` if the kernel cannot run. ``scale``:
+    float32, broadcast block-wise."""
+    from lowprec.core.codes import BYTE_FORMATS, decode, encode
+
+    if fmt not in BYTE_FORMATS:
+        raise ValueError(f"fmt: {fmt.name} is not a 1-byte float8 format")
+    pair = _block_pair(x, scale)
+    if pair is None:
+        return None
+
+    def build() -> Callable[..., Tensor]:
+        def kernel(t: Tensor, s: Tensor) -> Tensor:
+            return decode(encode((t / s).float(), fmt), fmt) * s
+
+        return kernel
+
+    out = _run(("round-trip", fmt.name, x.dtype, _pattern(*pair)), build, *pair)
+    return None if out is None else _unview(out, x)
 
 
 def run_decode(

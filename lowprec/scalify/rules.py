@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lowprec.core import kernels
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import apply_scale
 from lowprec.core.scales import compute_scale, round_pow2
@@ -322,8 +323,13 @@ def _fp8_eager(d: Tensor, fmt: str) -> Tensor | None:
     if not (math.isfinite(fa) and fa > 0.0):
         return None
     r = float(compute_scale(a, fmt, power_of_two=True))
-    if fa / r > get_format(fmt).max:
+    f = get_format(fmt)
+    if fa / r > f.max:
         return None
+    if kernels.takes(d, f):  # the same bits in one vectorised pass
+        y = kernels.run_round_trip(d, torch.tensor(r), f)
+        if y is not None:
+            return y
     return (d / r).to(_FP8[fmt]).to(torch.float32) * r
 
 

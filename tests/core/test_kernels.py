@@ -176,3 +176,21 @@ def test_to_format_and_quantize_scaled_kernels(
                     sr = quantize_scaled(x, fmt, granularity=g, saturate=saturate)
                 assert same(sf.qdata, sr.qdata) and same(sf.scale, sr.scale), (fmt, name, g)
     assert not kernels._BROKEN, kernels._BROKEN
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_round_trip_kernel(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_round_trip`` (scalify's FP8 matmul-input rounding) against the eager divide,
+    saturating cast, upcast and multiply, for a power-of-two and an arbitrary scale."""
+    monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
+    f = get_format(fmt)
+    v = probe_values(fmt)
+    x = v[: v.numel() // 4 * 4].view(-1, 4)
+    for s in (torch.tensor(2.0**-3), torch.tensor(0.3)):
+        got = kernels.run_round_trip(x, s, f)
+        assert got is not None
+        ref = _cast_native(x / s, f, codes.BYTE_FORMATS[f], saturate=True).float() * s
+        assert same_values(got, ref), (fmt, float(s))
+        got_t = kernels.run_round_trip(x.t(), s, f)
+        assert got_t is not None and same_values(got_t, ref.t()) and got_t.stride() == (1, 4)
