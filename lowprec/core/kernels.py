@@ -11,8 +11,13 @@ one compilation serves every size) and cached per format, dtype and broadcast pa
 * :func:`run_scaled_encode`: ``x / scale`` (block-wise broadcast) rounded into a 1-byte
   float8 format, saturating (:func:`lowprec.core.codes.encode`): the quantize step of
   every float8 GEMM operand (:func:`lowprec.float8.quant.quantize_parts`);
+* :func:`run_group_quantize`: the same for row, block and MX/NVFP4 scales, with the
+  group ``amax`` reduction and the scale rule fused in;
+* :func:`run_block_amax`: the largest magnitude of each block, in one read;
 * :func:`run_decode`: a float8 payload back to float32/bfloat16, optionally times its
-  scale (:func:`lowprec.core.codes.decode`): the emulated GEMM's operands.
+  scale (:func:`lowprec.core.codes.decode`): the emulated GEMM's operands;
+* :func:`run_round_trip`: quantize-dequantize to float32 in one pass (scalify's FP8
+  rounding of matmul inputs).
 
 Contract: a kernel returns the bits of the eager ops it replaces, laid out as they lay out
 their result (``tests/core/test_kernels.py`` and ``tests/core/test_fast_paths.py`` compare
