@@ -31,7 +31,7 @@ A kernel is used only when all of these hold:
 * round-to-nearest (stochastic rounding draws from a ``torch.Generator``, not compiled);
 * the switch is on: environment variable ``LOWPREC_EAGER_KERNELS`` = ``auto`` (default)
   or ``1``; ``0`` turns the kernels off. ``LOWPREC_EAGER_KERNELS_MIN_NUMEL`` sets
-  ``min_numel`` (default ``2**18``).
+  ``min_numel`` (default ``2**19``).
 
 The first call per key compiles (inductor's on-disk caches make later processes faster).
 If compilation fails (no C++ compiler, say), the kernels are turned off for the process
@@ -78,8 +78,8 @@ def enabled() -> bool:
 
 def min_numel() -> int:
     """Smallest tensor (elements) for which a compiled kernel is used
-    (``LOWPREC_EAGER_KERNELS_MIN_NUMEL``, default ``2**18``)."""
-    text = os.environ.get("LOWPREC_EAGER_KERNELS_MIN_NUMEL", str(1 << 18))
+    (``LOWPREC_EAGER_KERNELS_MIN_NUMEL``, default ``2**19``)."""
+    text = os.environ.get("LOWPREC_EAGER_KERNELS_MIN_NUMEL", str(1 << 19))
     try:
         n = int(text)
     except ValueError:
