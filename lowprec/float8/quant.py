@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,6 +70,8 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         return q, s, None
     if scale is not None:
         raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
+    if g.kind == "nv" and torch.compiler.is_compiling():
+        return _nv_eager(t, cast, cd)
     x = t if t.dtype == torch.float64 else t.float()  # float64 is rounded once, directly
     if g.kind == "axis":
         if x.numel() == 0:  # e.g. an expert that got no tokens: nothing to scale
@@ -92,6 +95,16 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         bound = _quotient_max(a, s, xp)
         q = _to_format_bounded(apply_scale(xp, s, op="div"), fmt, True, bound)
     return q, s, pad
+
+
+def _nv_parts(t: Tensor, cast: CastConfig, cd: int) -> Parts:
+    """NVFP4 operands are quantized outside ``torch.compile``'s graph (a graph break; the
+    eager kernels run): inductor's CPU code generation fails on the NVFP4 graph
+    (``AssertionError`` in ``try_loop_split``, torch 2.13)."""
+    return quantize_parts(t, cast, cd)
+
+
+_nv_eager: Callable[[Tensor, CastConfig, int], Parts] = torch.compiler.disable(_nv_parts)  # type: ignore[no-untyped-call]
 
 
 def _group_scale(a: Tensor, cast: CastConfig, kind: str, fmt: Format) -> Tensor:
