@@ -8,9 +8,10 @@ from lowprec._startup import guard_startup
 
 guard_startup()  # a Ctrl-C while the lowprec command imports torch: one line, no traceback
 
+from lowprec.core.codes import from_bits, to_bits
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity
-from lowprec.core.rounding import from_bits, quantize, to_bits
+from lowprec.core.rounding import quantize
 from lowprec.core.scalers import DelayedScaler, DynamicScaler, StaticScaler
 from lowprec.core.scales import compute_scale
 from lowprec.core.tensor import ScaledTensor, quantize_scaled

@@ -54,7 +54,6 @@ from lowprec.core.warn import warn_once
 __all__ = [
     "enabled",
     "min_numel",
-    "quantize_kernel",
     "run_decode",
     "run_quantize",
     "run_round_trip",
@@ -122,21 +121,6 @@ def takes(t: Tensor, fmt: Format | None = None) -> bool:
     return applies(t, (*_INPUTS, BYTE_FORMATS[fmt]) if fmt in BYTE_FORMATS else _INPUTS)
 
 
-def quantize_kernel(fmt: Format, saturate: bool, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-    """The compiled ``quantize(x, fmt, "nearest", saturate)`` for 1-D ``x`` of ``dtype``
-    (cached; one compilation serves every size)."""
-    key = ("quantize", fmt.name, saturate, dtype)
-    fn = _CACHE.get(key)
-    if fn is None:
-        from lowprec.core.rounding import quantize
-
-        def kernel(x: Tensor) -> Tensor:
-            return quantize(x, fmt, "nearest", saturate)
-
-        fn = _CACHE[key] = _compile(kernel)
-    return fn
-
-
 def _compile(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """``torch.compile(fn, dynamic=True, fullgraph=True)`` of a copy of ``fn`` with a code
     object of its own. Dynamo keeps one cache, and one recompile limit, per code object;
@@ -178,19 +162,25 @@ def _broken(e: Exception) -> None:
 
 
 def run_quantize(x: Tensor, fmt: Format, saturate: bool) -> Tensor | None:
-    """``quantize(x, fmt, "nearest", saturate)`` by the compiled kernel, with ``x``'s
-    strides; ``None`` if the kernel cannot run (the caller runs the eager path)."""
-    from lowprec.core.rounding import dense_view, from_dense_view
+    """``quantize(x, fmt, "nearest", saturate)`` by a compiled kernel (on ``x`` flattened in
+    storage order), with ``x``'s strides; ``None`` if the kernel cannot run (the caller
+    runs the eager path)."""
+    from lowprec.core.rounding import dense_view, from_dense_view, quantize
 
     d = dense_view(x)
     if not d.is_contiguous():
         return None
-    try:
-        with torch.no_grad():
-            out = quantize_kernel(fmt, saturate, x.dtype)(d.reshape(-1)).view(d.shape)
-    except Exception as e:  # a missing compiler, an inductor bug: fall back, once
-        _broken(e)
+
+    def build() -> Callable[..., Tensor]:
+        def kernel(t: Tensor) -> Tensor:
+            return quantize(t, fmt, "nearest", saturate)
+
+        return kernel
+
+    out = _run(("quantize", fmt.name, saturate, x.dtype), build, d.reshape(-1))
+    if out is None:
         return None
+    out = out.view(d.shape)
     return out if d is x else from_dense_view(out, x)
 
 
@@ -249,6 +239,36 @@ def _encode_fn(
     return (lambda v: quantize(v.float(), fmt, "nearest", saturate)), (lambda q: q.to(store))
 
 
+def _groups(x: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, tuple[int, ...]] | None:
+    """``x`` in :func:`_block_pair`'s view for a scale of ``shape``, and the dims of that
+    view to reduce for one value per group; ``None`` if ``x`` is not dense."""
+    probe = x.new_empty((1,) * (x.dim() - len(shape)) + tuple(shape), dtype=torch.float32)
+    pair = _block_pair(x, probe)
+    if pair is None:
+        return None
+    view, sview = pair
+    return view, tuple(
+        i for i, (a, b) in enumerate(zip(view.shape, sview.shape, strict=True)) if a != b
+    )
+
+
+def _group_amax(t: Tensor, red: tuple[int, ...]) -> Tensor:
+    """The largest ``|t|`` over the dims ``red`` (kept), float32; NaN propagates."""
+    return t.abs().amax(dim=red, keepdim=True).float()
+
+
+def _in_scale_shape(s: Tensor, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A per-group result on :func:`_groups`' view of ``x``, as a contiguous tensor of the
+    scale shape ``shape`` in ``x``'s dims."""
+    from lowprec.core.rounding import dense_view, from_dense_view, storage_order
+
+    if dense_view(x) is x:
+        return s.reshape(shape)
+    full = (1,) * (x.dim() - len(shape)) + tuple(shape)  # the scale at x's rank
+    permuted = [full[i] for i in storage_order(x)]
+    return from_dense_view(s.reshape(permuted), x).contiguous().reshape(shape)
+
+
 def run_group_quantize(
     x: Tensor,
     shape: tuple[int, ...],
@@ -262,33 +282,24 @@ def run_group_quantize(
     the scale rule and the encode fused. ``scale_fn`` must be traceable and elementwise
     on ``a`` up to tensor-wide reductions (it is applied to ``a`` in a block view);
     ``key`` identifies it (with ``fmt``) in the cache. ``None`` if the kernel cannot run."""
-    from lowprec.core.rounding import dense_view, storage_order
-
-    probe = x.new_empty((1,) * (x.dim() - len(shape)) + tuple(shape), dtype=torch.float32)
-    pair = _block_pair(x, probe)
-    if pair is None:
+    groups = _groups(x, shape)
+    if groups is None:
         return None
-    red = tuple(i for i, (a, b) in enumerate(zip(*(p.shape for p in pair), strict=True)) if a != b)
+    view, red = groups
     enc, after = _encode_fn(fmt)
 
     def build() -> Callable[..., Tensor]:
         def kernel(t: Tensor) -> tuple[Tensor, Tensor]:
-            s = scale_fn(t.abs().amax(dim=red, keepdim=True).float())
+            s = scale_fn(_group_amax(t, red))
             return enc(t / s), s
 
         return kernel  # type: ignore[return-value]
 
-    out = _run(("group", fmt.name, key, x.dtype, _pattern(*pair), red), build, pair[0])
+    out = _run(("group", fmt.name, key, x.dtype, view.dim(), red), build, view)
     if out is None:
         return None
     q, s = out  # type: ignore[misc]
-    q = after(q)
-    if dense_view(x) is x:
-        return _unview(q, x), s.reshape(shape)
-    perm = storage_order(x)
-    inv = sorted(range(len(perm)), key=perm.__getitem__)
-    s = s.reshape(probe.permute(perm).shape).permute(inv).contiguous().reshape(shape)
-    return _unview(q, x), s
+    return _unview(after(q), x), _in_scale_shape(s, x, shape)
 
 
 def encodes(fmt: Format) -> bool:
@@ -303,28 +314,19 @@ def run_block_amax(x: Tensor, shape: tuple[int, ...]) -> Tensor | None:
     """The largest ``|x|`` of each block, as float32 of the scale shape ``shape``
     (:func:`lowprec.core.scales.amax`, NaN propagating), in one pass; ``None`` if the
     kernel cannot run."""
-    from lowprec.core.rounding import dense_view, storage_order
-
-    probe = x.new_empty((1,) * (x.dim() - len(shape)) + tuple(shape), dtype=torch.float32)
-    pair = _block_pair(x, probe)
-    if pair is None:
+    groups = _groups(x, shape)
+    if groups is None:
         return None
-    red = tuple(i for i, (a, b) in enumerate(zip(*(p.shape for p in pair), strict=True)) if a != b)
+    view, red = groups
 
     def build() -> Callable[..., Tensor]:
         def kernel(t: Tensor) -> Tensor:
-            return t.abs().amax(dim=red, keepdim=True).float()
+            return _group_amax(t, red)
 
         return kernel
 
-    out = _run(("amax", x.dtype, _pattern(*pair), red), build, pair[0])
-    if out is None:
-        return None
-    if dense_view(x) is x:
-        return out.reshape(shape)
-    perm = storage_order(x)
-    inv = sorted(range(len(perm)), key=perm.__getitem__)
-    return out.reshape(probe.permute(perm).shape).permute(inv).contiguous().reshape(shape)
+    out = _run(("amax", x.dtype, view.dim(), red), build, view)
+    return None if out is None else _in_scale_shape(out, x, shape)
 
 
 def run_scaled_encode(

@@ -43,7 +43,7 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from lowprec.core import kernels, rounding
+from lowprec.core import kernels
 from lowprec.core.formats import E8M0, Format, get_format
 from lowprec.core.granularity import Granularity, _block_views, as_granularity
 from lowprec.core.rounding import dense_view, quantize
@@ -121,7 +121,7 @@ def amax(x: Tensor, granularity: str | Granularity = "tensor") -> Tensor:
         return torch.maximum(hi, -lo).float()
     if not x.numel():  # every group empty: amax 0 (an all-zero group's scale is 1)
         return torch.zeros(shape, device=x.device)
-    if x.dtype != torch.float64 and rounding._FAST_EAGER and kernels.applies(x.detach()):
+    if kernels.takes(x.detach()):  # (float32/16, bf16 on the CPU, large, fast paths on)
         out = kernels.run_block_amax(x.detach(), tuple(shape))  # one fused pass
         if out is not None:
             return out

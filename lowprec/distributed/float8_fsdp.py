@@ -70,9 +70,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from lowprec.core.codes import from_bits, to_bits
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity
-from lowprec.core.rounding import from_bits, storage_dtype, to_bits, to_format
+from lowprec.core.rounding import storage_dtype, to_format
 from lowprec.core.scalers import delayed_amax, push_amax
 from lowprec.core.tensor import ScaledTensor, register_rule
 from lowprec.core.warn import warn_once

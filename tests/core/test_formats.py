@@ -21,10 +21,12 @@ import torch
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
+import lowprec.core.codes as codes_module
 import lowprec.core.formats as formats_module
 import lowprec.core.rounding as rounding_module
+from lowprec.core.codes import from_bits, to_bits
 from lowprec.core.formats import Format, format_names, get_format
-from lowprec.core.rounding import from_bits, quantize, snr_db, storage_dtype, to_bits, to_format
+from lowprec.core.rounding import quantize, snr_db, storage_dtype, to_format
 
 # ---------------------------------------------------------------------------------------
 # Reference tables
@@ -1459,9 +1461,9 @@ def test_to_format_equals_quantize(name: str) -> None:
 
 
 def test_docstring_examples() -> None:
-    # formats.py was split into formats (Format) and rounding (quantize, bits): both run.
+    # formats.py was split into formats (Format), rounding (quantize) and codes (bits).
     attempted = 0
-    for module in (formats_module, rounding_module):
+    for module in (formats_module, rounding_module, codes_module):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0
         attempted += result.attempted
