@@ -13,6 +13,10 @@ taken as at least 1, so no scale divides by zero.
 Activation constants are ``E[·]`` under ``X ~ N(0, 1)``, computed by Gauss–Hermite
 quadrature (:func:`gauss_moment`).
 
+Where a scale would cost a pass of its own, it is folded: :func:`linear` puts its scales in
+the GEMMs' ``alpha`` (and the bias in ``beta``), :func:`softmax` keeps only its scaled
+output for a backward of its own; the maths is the composition above.
+
 Attention and dropout live in :mod:`lowprec.unit.attention`, embedding and cross-entropy in
 :mod:`lowprec.unit.lookup`; they are re-exported here.
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -109,6 +114,49 @@ def _product(
     return scale_bwd(y, s_a)
 
 
+def _mm(a: Tensor, b: Tensor, alpha: float, bias: Tensor | None = None) -> Tensor:
+    """``alpha·(a @ b) [+ bias]`` for 2-D ``a, b``: the GEMM's own ``alpha`` and ``beta``
+    (``beta = 0`` without a bias: the added input is never read), so neither the scaling nor
+    the bias costs a pass of its own and the unscaled product is never stored (the
+    accumulator is scaled before the store)."""
+    if bias is None:
+        return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=alpha)
+    return torch.addmm(bias, a, b, alpha=alpha)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x (..., K)`` as ``(rows, K)`` (explicit sizes: ``K`` may be 0)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+class _ScaledLinear(torch.autograd.Function):
+    """``y = s_out·x Wᵀ + b``, ``∂x = s_x·g W``, ``∂W = s_w·gᵀ x``, ``∂b = s_b·Σ g``: every
+    scale in a GEMM's ``alpha``, the bias in its ``beta`` term. The same maths as
+    ``F.linear(scale_fwd(x, s_out), scale_bwd(W, s_w / (s_out·s_x)))``, then
+    ``scale_bwd(·, s_x) + scale_bwd(b, s_b)``, without a pass over (or a saved copy of) the
+    scaled activation, and with no unscaled product materialised."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, s_out: float, s_x: float, s_w: float,
+        s_b: float,
+    ) -> Tensor:  # fmt: skip
+        ctx.save_for_backward(x, w)
+        ctx.scales = (s_x, s_w, s_b)
+        return _mm(_rows(x), w.t(), s_out, b).view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        s_x, s_w, s_b = ctx.scales
+        g2 = _rows(g)
+        need = ctx.needs_input_grad
+        gx = _mm(g2, w, s_x).view(x.shape) if need[0] else None
+        gw = _mm(g2.t(), _rows(x), s_w) if need[1] else None
+        gb = g2.sum(0) * s_b if need[2] else None
+        return gx, gw, gb, None, None, None, None
+
+
 @_unit_op
 def matmul(
     a: Tensor, b: Tensor, *, constraint: str | None = "to_output_scale", float8: bool = False
@@ -152,12 +200,37 @@ def probs_matmul(p: Tensor, v: Tensor, *, float8: bool = False) -> Tensor:
     if p.dim() < 2 or v.dim() < 2:
         raise ValueError(f"p, v: need >= 2 dims, got shapes {tuple(p.shape)}, {tuple(v.shape)}")
     q = p.detach().float()
-    m = (q != 0).sum(-1).clamp(min=1).float()
+    m = (q != 0).sum(-1, dtype=torch.float32).clamp(min=1)  # exact to 2**24 keys a row
     p2 = (q.sum(-1).square() * (math.e / m).clamp(max=1.0)).mean()
     c = p2.clamp(min=torch.finfo(torch.float32).tiny).rsqrt().to(p.dtype)
-    # c applied to p first: rows of c·p have Σ_j (c·p_ij)² ≈ 1, so no product larger than
-    # the unit output is formed (a unit softmax's p is n times the probabilities)
-    return _product(torch.matmul, p * c, v, 1.0, 1.0, 1.0, float8)
+    # c applied to an operand, not to the product: rows of c·p have Σ_j (c·p_ij)² ≈ 1, so no
+    # product larger than the unit output is formed (a unit softmax's p is n times the
+    # probabilities); p @ (c·v) is the same product and, where v is the smaller operand
+    # (the usual L ≥ E), no attention-map-sized c·p is written and kept for the backward.
+    if float8 or p.numel() <= v.numel():
+        return _product(torch.matmul, p * c, v, 1.0, 1.0, 1.0, float8)
+    return _product(torch.matmul, p, v * c, 1.0, 1.0, 1.0, float8)
+
+
+def _affine(
+    x: Tensor, weight: Tensor, bias: Tensor | None, constraint: str | None, float8: bool,
+    fwd_mult: float,
+) -> Tensor:  # fmt: skip
+    """:func:`linear`'s maths with a further forward-only factor ``fwd_mult`` on ``x Wᵀ``."""
+    check_float("x", x)
+    check_float("weight", weight)
+    check_float("bias", bias, optional=True)
+    check_same_dtype(x=x, weight=weight, bias=bias)
+    if weight.dim() != 2:
+        raise ValueError(f"weight: need 2 dims (fan_out, fan_in), got shape {tuple(weight.shape)}")
+    fan_out, fan_in = max(1, weight.shape[0]), max(1, weight.shape[1])
+    batch = max(1, x.numel() // fan_in)
+    s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
+    s_w = batch**-0.5
+    if not float8:
+        return cast(Tensor, _ScaledLinear.apply(x, weight, bias, s_out * fwd_mult, s_x, s_w, s_w))  # type: ignore[no-untyped-call]
+    y = _product(F.linear, x, weight, s_out * fwd_mult, s_x, s_w, float8)
+    return y if bias is None else y + scale_bwd(bias, s_w)
 
 
 def _linear(
@@ -173,17 +246,7 @@ def _linear(
     Forward ``y = x Wᵀ/√fan_in + b``; backward ``∂x = (g W)/√fan_out`` (tied to the output
     scale by ``constraint``), ``∂W = (gᵀ x)/√B`` and ``∂b = Σ_B g/√B`` (cut edges, ideal).
     """
-    check_float("x", x)
-    check_float("weight", weight)
-    check_float("bias", bias, optional=True)
-    check_same_dtype(x=x, weight=weight, bias=bias)
-    if weight.dim() != 2:
-        raise ValueError(f"weight: need 2 dims (fan_out, fan_in), got shape {tuple(weight.shape)}")
-    fan_out, fan_in = max(1, weight.shape[0]), max(1, weight.shape[1])
-    batch = max(1, x.numel() // fan_in)
-    s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
-    y = _product(F.linear, x, weight, s_out, s_x, batch**-0.5, float8)
-    return y if bias is None else y + scale_bwd(bias, batch**-0.5)
+    return _affine(x, weight, bias, constraint, float8, 1.0)
 
 
 linear = _unit_op(_linear)
@@ -202,11 +265,9 @@ def linear_readout(
     forward-only ``1/√fan_in`` (μP's readout multiplier), so ``std(y) = 1/√fan_in`` at init;
     backward as :func:`linear` (``∂x`` at the linear's output scale, ``∂W`` unit).
     """
-    check_float("bias", bias, optional=True)
-    y = _linear(x, weight, None, constraint=constraint, float8=float8)
-    fan_in = max(1, weight.shape[1])
-    y = scale_fwd(y, fan_in**-0.5)
-    return y if bias is None else y + scale_bwd(bias, max(1, x.numel() // fan_in) ** -0.5)
+    check_float("weight", weight)
+    fan_in = max(1, weight.shape[1]) if weight.dim() == 2 else 1
+    return _affine(x, weight, bias, constraint, float8, fan_in**-0.5)
 
 
 @_unit_op
@@ -348,7 +409,28 @@ def softmax(x: Tensor, dim: int = -1, *, mult: float = 1.0,
     mult = check_number("mult", mult)
     n = max(1, x.shape[d]) if x.dim() else 1
     s_out, s_in = apply_constraint(constraint, n / math.sqrt(math.e - 1), n / math.sqrt(math.e))
-    return scale_fwd(torch.softmax(scale_bwd(x, s_in) * mult, dim=dim), s_out)
+    return cast(Tensor, _UnitSoftmax.apply(x, d, mult, s_out, s_in))  # type: ignore[no-untyped-call]
+
+
+class _UnitSoftmax(torch.autograd.Function):
+    """``y = s_out·softmax(mult·x)``; ``∂x = s_in·mult·p⊙(g - Σ p g)`` with ``p = y/s_out``
+    (``g`` enters unscaled, as through ``scale_fwd``). Only ``y`` is kept for the backward:
+    the probabilities ``p`` are never stored beside it (one tensor of the attention map's
+    size a layer, as in the standard model)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, mult: float, s_out: float, s_in: float) -> Tensor:
+        y = torch.softmax(x if mult == 1.0 else x * mult, dim=dim) * s_out
+        ctx.save_for_backward(y)
+        ctx.args = (dim, mult, s_out, s_in)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        (y,) = ctx.saved_tensors
+        dim, mult, s_out, s_in = ctx.args
+        gx = torch._softmax_backward_data(g, y * (1.0 / s_out), dim, y.dtype)
+        return gx * (s_in * mult), None, None, None, None
 
 
 @_unit_op

@@ -112,6 +112,83 @@ def test_linear_and_readout() -> None:
     assert out == pytest.approx(1 / 16, rel=0.1) and _unit(gx) and _unit(gw)
 
 
+def _grads(f: Callable[..., Tensor], xs: list[Tensor], g_seed: int = 7) -> list[Tensor]:
+    """``[f(*xs), ∂x for each x that requires grad]`` for a fixed random ``grad_output``."""
+    y = f(*xs)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(g_seed), dtype=y.dtype)
+    ins = [x for x in xs if x.requires_grad]
+    return [y.detach(), *torch.autograd.grad(y, ins, g)]
+
+
+def _linear_by_primitives(
+    x: Tensor, w: Tensor, b: Tensor | None, constraint: str | None, readout: bool
+) -> Tensor:
+    """``U.linear``/``U.linear_readout`` written with ``scale_fwd``/``scale_bwd`` around
+    ``F.linear``, the composition the module doc states (an independent oracle for the
+    GEMM-``alpha`` implementation)."""
+    fan_out, fan_in = max(1, w.shape[0]), max(1, w.shape[1])
+    batch = max(1, x.numel() // fan_in)
+    s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
+    y = F.linear(scale_fwd(scale_bwd(x, s_x), s_out), scale_bwd(w, batch**-0.5 / s_out))
+    y = scale_fwd(y, fan_in**-0.5) if readout else y
+    return y if b is None else y + scale_bwd(b, batch**-0.5)
+
+
+@pytest.mark.parametrize("readout", [False, True])
+@pytest.mark.parametrize("constraint", ["to_output_scale", "gmean", None])
+@pytest.mark.parametrize(
+    ("x_shape", "bias", "grad_w"),
+    [((3, 5, 16), True, True), ((7, 16), False, True), ((16,), True, False), ((0, 16), True, True)],
+)
+def test_linear_matches_its_scale_primitives(
+    x_shape: tuple[int, ...], bias: bool, grad_w: bool, constraint: str | None, readout: bool
+) -> None:
+    """Values and every gradient equal the primitive composition in FP64 (1e-12: only the
+    order of the scalings' roundings differs), for batched, 1-D and empty inputs, with and
+    without a bias, and with the weight frozen (its gradient not asked for)."""
+    x = _randn(*x_shape).double().requires_grad_()
+    w = _randn(24, 16, seed=1).double().requires_grad_(grad_w)
+    b = _randn(24, seed=2).double().requires_grad_() if bias else None
+    xs = [t for t in (x, w, b) if t is not None]
+    op = U.linear_readout if readout else U.linear
+
+    def ours(*t: Tensor) -> Tensor:
+        return op(*t, constraint=constraint)
+
+    def ref(*t: Tensor) -> Tensor:
+        return _linear_by_primitives(t[0], t[1], t[2] if bias else None, constraint, readout)
+
+    for a, r in zip(_grads(ours, xs), _grads(ref, xs), strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+def test_softmax_and_probs_matmul_match_their_scale_primitives() -> None:
+    """``U.softmax`` (its own backward from the scaled output) and ``U.probs_matmul`` (the
+    scale on whichever operand is smaller) equal the compositions the docstrings state,
+    values and gradients, in FP64."""
+    x = _randn(2, 3, 40, 40).double().requires_grad_()
+    n = 40
+    s_out, s_in = apply_constraint("gmean", n / math.sqrt(math.e - 1), n / math.sqrt(math.e))
+    for mult in (1.0, 0.5):
+        ours = _grads(lambda t, k=mult: U.softmax(t, -1, mult=k, constraint="gmean"), [x])
+        ref = _grads(
+            lambda t, k=mult: scale_fwd(torch.softmax(scale_bwd(t, s_in) * k, -1), s_out), [x]
+        )
+        for a, r in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+    for v_len in (8, 64):  # v smaller than p (v scaled), then larger (p scaled)
+        p = torch.softmax(_randn(2, 40, 40, seed=3).double(), -1).requires_grad_()
+        p = p.detach().masked_fill(torch.ones(40, 40).triu(1).bool(), 0.0).requires_grad_()
+        v = _randn(2, 40, v_len, seed=4).double().requires_grad_()
+        q = p.detach().float()  # c is computed in FP32 (documented), then applied
+        m = (q != 0).sum(-1).clamp(min=1).float()
+        c = (q.sum(-1).square() * (math.e / m).clamp(max=1.0)).mean().rsqrt().double()
+        ours = _grads(U.probs_matmul, [p, v])
+        ref = _grads(lambda a, b, k=c: (a @ b) * k, [p, v])
+        for a, r in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("op", "ref"),
     [
