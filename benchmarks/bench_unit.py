@@ -5,7 +5,7 @@ The ``unit-scaling`` package (Graphcore; ``pip install --no-deps unit-scaling
 docstring_parser einops tabulate``) is the peer baseline: its ``TransformerDecoder`` on the
 same shapes (its ``unit_scale`` transform does not run on CharGPT; the JSON says why). If
 it does not import against this torch, the JSON records why.
-Issue 4's goal: unit-scaled compiled step <= 1.05x the standard compiled step.
+Goal (issue 18): unit-scaled compiled step <= 1.03x the standard compiled step (issue 4: 1.05x).
 ``--threads`` defaults to 1 (shared 2-core machine); ``--quick``: tiny shape, temp JSON.
 """
 
@@ -108,7 +108,7 @@ def main() -> None:
     rec["timings"] = {k: v.as_dict() for k, v in t.items()}
     rec["ratio_eager"] = t["unit/eager"].median_ms / t["standard/eager"].median_ms
     rec["ratio_compiled"] = t["unit/compiled"].median_ms / t["standard/compiled"].median_ms
-    rec["goal_compiled_ratio"] = 1.05
+    rec["goal_compiled_ratio"] = 1.03
     rec["unit_scaling_package"] = peer
     print(f"ratio eager {rec['ratio_eager']:.3f}, compiled {rec['ratio_compiled']:.3f}")
     if "unit-scaling pkg/eager" in t:
