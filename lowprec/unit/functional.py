@@ -124,6 +124,11 @@ def _mm(a: Tensor, b: Tensor, alpha: float, bias: Tensor | None = None) -> Tenso
     return torch.addmm(bias, a, b, alpha=alpha)
 
 
+# Tensors the GEMM-``alpha`` linear takes; subclasses (DTensor, scaled or float8 wrappers)
+# go through the primitives and the subclass's own ``F.linear`` rule.
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _rows(x: Tensor) -> Tensor:
     """``x (..., K)`` as ``(rows, K)`` (explicit sizes: ``K`` may be 0)."""
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
@@ -227,7 +232,7 @@ def _affine(
     batch = max(1, x.numel() // fan_in)
     s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
     s_w = batch**-0.5
-    if not float8:
+    if not float8 and all(type(t) in _PLAIN for t in (x, weight, bias) if t is not None):
         return cast(Tensor, _ScaledLinear.apply(x, weight, bias, s_out * fwd_mult, s_x, s_w, s_w))  # type: ignore[no-untyped-call]
     y = _product(F.linear, x, weight, s_out * fwd_mult, s_x, s_w, float8)
     return y if bias is None else y + scale_bwd(bias, s_w)

@@ -162,6 +162,32 @@ def test_linear_matches_its_scale_primitives(
         torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
 
 
+class _Tagged(Tensor):
+    """A ``__torch_function__`` subclass (as DTensor and the scaled wrappers are): unit
+    linear must take the primitives' path for it, not the plain-tensor GEMM kernels."""
+
+
+@pytest.mark.slow
+def test_linear_subclass_and_compiled_match_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w = _randn(6, 16).requires_grad_(), _randn(8, 16, seed=1).requires_grad_()
+    b = _randn(8, seed=2).requires_grad_()
+    ref = _grads(U.linear, [x, w, b])
+    tagged = [t.detach().as_subclass(_Tagged).requires_grad_() for t in (x, w, b)]
+    with monkeypatch.context() as mp:  # the GEMM-alpha kernel must not see the subclass
+
+        def refuse(*a: object) -> None:
+            raise AssertionError("plain-tensor kernel called with a subclass")
+
+        mp.setattr(U._ScaledLinear, "apply", refuse)
+        got = _grads(U.linear, tagged)
+    for a, r in zip(got, ref, strict=True):
+        # float32: the primitives scale the operand, the GEMM its accumulator
+        torch.testing.assert_close(a.as_subclass(Tensor), r, rtol=1e-6, atol=1e-6)
+    compiled = torch.compile(U.linear_readout, fullgraph=True)
+    for a, r in zip(_grads(compiled, [x, w, b]), _grads(U.linear_readout, [x, w, b]), strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+
+
 def test_softmax_and_probs_matmul_match_their_scale_primitives() -> None:
     """``U.softmax`` (its own backward from the scaled output) and ``U.probs_matmul`` (the
     scale on whichever operand is smaller) equal the compositions the docstrings state,
