@@ -156,9 +156,21 @@ def _rule(cfg: UnitConfig, func: Any) -> Callable[..., Any] | None:
         return lambda *a, **k: _softmax(cfg, *a, **k)
     if func in _LOG_SOFTMAX:
         return lambda *a, **k: _log_softmax(cfg, *a, **k)
-    direct = {F.layer_norm: U.layer_norm, F.rms_norm: U.rms_norm,
+    # torch.rms_norm / torch.layer_norm: what the mode sees for F.rms_norm (and for models
+    # calling torch's own) under torch.compile, whose tracing skips F's Python wrapper
+    direct = {F.layer_norm: U.layer_norm, F.rms_norm: U.rms_norm, torch.rms_norm: U.rms_norm,
               F.scaled_dot_product_attention: U.scaled_dot_product_attention}  # fmt: skip
+    if func is torch.layer_norm:
+        return _torch_layer_norm
     return UNIT_OPS[direct[func]] if func in direct else None
+
+
+def _torch_layer_norm(
+    x: Tensor, normalized_shape: Any, weight: Tensor | None = None, bias: Tensor | None = None,
+    eps: float = 1e-5, cudnn_enable: bool = True,
+) -> Tensor:  # fmt: skip
+    """``torch.layer_norm``'s signature (a trailing ``cudnn_enable``) for the unit rule."""
+    return cast(Tensor, UNIT_OPS[U.layer_norm](x, normalized_shape, weight, bias, eps))
 
 
 def _name(func: Any) -> str:

@@ -299,9 +299,48 @@ def test_compile_chargpt() -> None:
     )
     idx = _idx(2, 16)
     _, eager = u(idx, idx)
+    assert eager is not None
+    eager.backward()
+    ref = [p.grad for p in u.parameters()]
+    u.zero_grad(set_to_none=True)
     c = torch.compile(u, fullgraph=True)
     _, loss = c(idx, idx)
-    assert loss is not None and eager is not None
+    assert loss is not None
     torch.testing.assert_close(loss, eager, rtol=1e-4, atol=1e-4)
     loss.backward()
-    assert all(p.grad is not None for p in u.parameters())
+    for p, r in zip(u.parameters(), ref, strict=True):  # every unit gradient scale kept
+        torch.testing.assert_close(p.grad, r, rtol=1e-4, atol=1e-5)
+
+
+class _Norms(nn.Module):
+    """torch's ``nn.RMSNorm``/``nn.LayerNorm`` and direct ``torch.rms_norm``/
+    ``torch.layer_norm`` calls: under ``torch.compile`` the mode sees ``torch.rms_norm`` for
+    ``F.rms_norm``, which must get the same unit rule (the gain's gradient by ``1/√B``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.ln, self.rn = nn.LayerNorm(32), nn.RMSNorm(32)
+        self.g = nn.Parameter(torch.ones(32))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.rn(self.ln(torch.relu(self.a(x))))
+        h = torch.layer_norm(torch.rms_norm(h, (32,), self.g, 1e-6), (32,), self.g, None, 1e-5)
+        return self.b(h)  # type: ignore[no-any-return]
+
+
+@pytest.mark.slow
+def test_compiled_norms_keep_their_unit_gradients() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    u = unit_scale(_Norms(), reinit=True, example_inputs=(x,))
+
+    def grads(m: nn.Module) -> list[Tensor]:
+        u.zero_grad(set_to_none=True)
+        m(x).square().sum().backward()
+        return [p.grad.clone() for p in u.parameters() if p.grad is not None]
+
+    eager, compiled = grads(u), grads(torch.compile(u))
+    assert len(eager) == len(compiled) == len(list(u.parameters()))
+    for a, r in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
