@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
 import math
 import types
@@ -92,6 +93,36 @@ def _unit_forward_class(cls: type[nn.Module]) -> type[nn.Module]:
     attrs = {"forward": forward, "__module__": cls.__module__}
     new_cls = type(f"Unit{cls.__name__}", (cls,), attrs)
     return new_cls
+
+
+class _TracedCrossEntropyLoss(nn.CrossEntropyLoss):
+    """``nn.CrossEntropyLoss`` under another class object, and nothing else.
+
+    Dynamo (torch 2.13) replaces a ``torch.nn.CrossEntropyLoss(...)`` built inside a
+    compiled forward (HF's BERT, RoBERTa, T5 heads: ``loss_fct = CrossEntropyLoss()``) by a
+    direct ``F.cross_entropy`` graph node that no torch function mode sees, so under
+    ``torch.compile`` the unit mode could not give that loss its unit gradient (every
+    gradient of the model off by one constant factor). A subclass is traced as an ordinary
+    module, whose ``F.cross_entropy`` call reaches the mode."""
+
+
+def _route_loss_modules(model: nn.Module) -> None:
+    """Where a forward of ``model``'s modules (decorators unwrapped) names
+    ``torch.nn.CrossEntropyLoss`` through its module's globals, bind that name to
+    :class:`_TracedCrossEntropyLoss` (same behaviour, also for other models of that module;
+    ``isinstance`` checks hold)."""
+    seen: set[int] = set()
+    for m in model.modules():
+        fn = inspect.unwrap(type(m).forward)
+        code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if code is None or not isinstance(scope, dict) or id(code) in seen:
+            continue
+        seen.add(id(code))
+        for name in code.co_names:
+            if scope.get(name) is nn.CrossEntropyLoss:
+                scope[name] = _TracedCrossEntropyLoss
+                log.debug("unit_scale: %s.%s now names a CrossEntropyLoss subclass that "
+                          "torch.compile traces through", scope.get("__name__"), name)  # fmt: skip
 
 
 def _example(
@@ -243,6 +274,7 @@ def unit_scale(
     if unsupported:
         log.warning("unit_scale: not handled, left unchanged (standard init and ops):\n  %s",
                     "\n  ".join(unsupported))  # fmt: skip
+    _route_loss_modules(model)
     model.__class__ = _unit_forward_class(type(model))
     object.__setattr__(model, "_unit_config", cfg)
     object.__setattr__(model, "_unit_runtime", runtime)

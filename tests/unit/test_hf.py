@@ -155,6 +155,32 @@ def test_trains(build: Callable[[], nn.Module]) -> None:
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.1, losses
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [_llama, _bert], ids=["llama", "bert"])
+def test_compiled_gradients_match_eager(build: Callable[[], nn.Module]) -> None:
+    """``torch.compile`` of a unit-scaled HF model gives eager's loss and every gradient:
+    Llama's RMSNorm gains (Dynamo presents ``F.rms_norm`` as ``torch.rms_norm``) and BERT's
+    loss (Dynamo turns a ``CrossEntropyLoss()`` built in ``forward`` into a bare
+    ``F.cross_entropy``) once lost their unit gradient scales under compile: the gains by
+    ``√B``, every BERT gradient by a constant ~300×. Tolerance: float32 kernels differ in
+    summation order (rtol 1e-3), and BERT's key biases have an exactly-zero gradient in exact
+    arithmetic (softmax ignores them), ~1e-7 here: atol 1e-5."""
+    torch.manual_seed(0)
+    u = unit_scale(build(), reinit=True).eval()  # eval: no dropout draws to differ
+    ids = _ids(2, 16, seed=2)
+
+    def grads(m: nn.Module) -> tuple[float, list[Tensor]]:
+        u.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in u.parameters() if p.grad is not None]
+
+    (l_e, g_e), (l_c, g_c) = grads(u), grads(torch.compile(u))
+    assert l_c == pytest.approx(l_e, rel=1e-5) and len(g_c) == len(g_e)
+    for a, r in zip(g_c, g_e, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-3, atol=1e-5)
+
+
 def test_bert_post_norm_and_padding_row() -> None:
     """Post-norm BERT: no pre-norm residual (its adds are normalised by the LayerNorm that
     follows), the token + position + type embedding sum is unit, and the padding row's
