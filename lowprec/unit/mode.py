@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -221,6 +222,8 @@ class UnitMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kw = kwargs or {}
+        if "out" in kw and not torch.compiler.is_compiling() and _from_compiled_code():
+            return func(*args, **kw)  # an inductor kernel call of an already-converted graph
         rt = self.runtime
         if rt is not None and rt.frames:
             out = rt.on_op(func, args, kw)
@@ -275,6 +278,28 @@ class UnitMode(TorchFunctionMode):
             torch.utils.swap_tensors(a, _IN_PLACE[func](*args, **kw))  # type: ignore[no-untyped-call]
             return a
         return func(*args, **kw)
+
+
+def _from_compiled_code() -> bool:
+    """Whether the torch call being handled comes from inductor's generated code.
+
+    After a graph break inside a unit model's forward, the mode is active around the
+    compiled graphs when they run, so their GEMM kernels (``torch.addmm(..., out=buf)``)
+    reach it again: those graphs were converted when traced, and their calls must pass."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        root = cache_dir()
+    except Exception:  # no inductor: no generated code
+        return False
+    frame = sys._getframe(2)  # 0: here, 1: __torch_function__, 2: the caller
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.startswith(root):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _number(v: object) -> float | None:

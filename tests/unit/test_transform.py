@@ -344,3 +344,37 @@ def test_compiled_norms_keep_their_unit_gradients() -> None:
     assert len(eager) == len(compiled) == len(list(u.parameters()))
     for a, r in zip(compiled, eager, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
+
+
+class _LossInForward(nn.Module):
+    """A loss module built and called inside ``forward`` (``.forward``: a graph break
+    under torch.compile), after a matmul whose kernel inductor calls with ``out=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 10), nn.Linear(10, 10)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        z = self.b(torch.relu(self.a(x))) @ torch.ones(10, 10)
+        return nn.CrossEntropyLoss().forward(z, y)  # type: ignore[no-any-return]
+
+
+@pytest.mark.slow
+def test_compiled_graphs_after_a_graph_break_are_not_converted_twice() -> None:
+    """After a graph break the unit mode is active while the compiled graphs run: their
+    kernels (``torch.addmm``/``torch.mm`` with ``out=``) must pass through it (strict: any
+    reported op raises), and the gradients equal eager's."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 16), torch.randint(0, 10, (32,))
+    u = unit_scale(_LossInForward(), reinit=True, example_inputs=(x, y), strict=True)
+
+    def grads(m: nn.Module) -> list[Tensor]:
+        u.zero_grad(set_to_none=True)
+        m(x, y).backward()
+        return [p.grad.clone() for p in u.parameters() if p.grad is not None]
+
+    eager = grads(u)
+    compiled = torch.compile(u)
+    for _ in range(2):  # the first call compiles, the second runs the cached graphs
+        for a, r in zip(grads(compiled), eager, strict=True):
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
