@@ -27,6 +27,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -292,7 +293,7 @@ def _from_compiled_code() -> bool:
         root = cache_dir()
     except Exception:  # no inductor: no generated code
         return False
-    frame = sys._getframe(2)  # 0: here, 1: __torch_function__, 2: the caller
+    frame: FrameType | None = sys._getframe(2)  # 0: here, 1: __torch_function__, 2: caller
     for _ in range(3):
         if frame is None:
             return False
