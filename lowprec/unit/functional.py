@@ -129,6 +129,15 @@ def _mm(a: Tensor, b: Tensor, alpha: float, bias: Tensor | None = None) -> Tenso
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
+def _gemm_kernels_apply(*ts: Tensor | None) -> bool:
+    """Whether :class:`_ScaledLinear` may compute a unit linear: plain tensors, and no torch
+    function mode active that may handle ``F.linear`` itself (the unit + float8 recipes'
+    float8 product, a user's mode); otherwise the primitives call ``F.linear``."""
+    if torch._C._len_torch_function_stack() > 0:
+        return False
+    return all(type(t) in _PLAIN for t in ts if t is not None)
+
+
 def _rows(x: Tensor) -> Tensor:
     """``x (..., K)`` as ``(rows, K)`` (explicit sizes: ``K`` may be 0)."""
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
@@ -232,7 +241,7 @@ def _affine(
     batch = max(1, x.numel() // fan_in)
     s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
     s_w = batch**-0.5
-    if not float8 and all(type(t) in _PLAIN for t in (x, weight, bias) if t is not None):
+    if not float8 and _gemm_kernels_apply(x, weight, bias):
         return cast(Tensor, _ScaledLinear.apply(x, weight, bias, s_out * fwd_mult, s_x, s_w, s_w))  # type: ignore[no-untyped-call]
     y = _product(F.linear, x, weight, s_out * fwd_mult, s_x, s_w, float8)
     return y if bias is None else y + scale_bwd(bias, s_w)

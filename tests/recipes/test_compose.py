@@ -8,11 +8,11 @@ from functools import cache
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lowprec.float8 import CastConfig, Float8Linear, Float8Recipe
 from lowprec.jobs.model import CharData, CharGPT, ModelConfig
-from lowprec.recipes import Policy, Prepared, Recipe, get_recipe, prepare, recipe_names
+from lowprec.recipes import Policy, Prepared, Recipe, compose, get_recipe, prepare, recipe_names
 from lowprec.recipes.step import train_step
 from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
@@ -152,8 +152,19 @@ def test_unit_plus_float8_keeps_unit_scaling_in_both_passes() -> None:
     ref, fp8 = _unit_pair()
     assert sum(isinstance(m, Float8Linear) for m in fp8.modules()) == 8  # 4 per block, no head
     idx = torch.randint(0, 65, (4, 64), generator=torch.Generator().manual_seed(1))
-    l_ref, l_fp8 = ref(idx, idx)[1], fp8(idx, idx)[1]
-    assert abs(l_fp8.item() / l_ref.item() - 1) < 1e-3  # loss: averaged over 256 tokens
+    calls: list[object] = []
+    product = compose._UnitFloat8Linear.product
+
+    def counted(self: compose._UnitFloat8Linear, *a: Tensor) -> Tensor:
+        calls.append(self)
+        return product(self, *a)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compose._UnitFloat8Linear, "product", counted)
+        l_ref, l_fp8 = ref(idx, idx)[1], fp8(idx, idx)[1]
+    assert len(calls) == 8  # every float8 linear ran its float8 product (not a plain GEMM)
+    assert l_fp8.item() != l_ref.item()  # the casts change the loss, a little:
+    assert abs(l_fp8.item() / l_ref.item() - 1) < 1e-3  # averaged over 256 tokens
     l_ref.backward()
     l_fp8.backward()
     for (name, p), q in zip(ref.named_parameters(), fp8.parameters(), strict=True):
