@@ -23,7 +23,7 @@ stay unit-scaled in the model's dtype.
 
 from __future__ import annotations
 
-import contextvars
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -148,20 +148,27 @@ def apply(
 
 # ---- unit + float8 ------------------------------------------------------------------------
 
-_LAYER: contextvars.ContextVar[_UnitFloat8Linear | None] = contextvars.ContextVar(
-    "lowprec_unit_float8_layer", default=None
-)
+
+class _Layer(threading.local):
+    """The float8 linear whose unit ``F.linear`` is being computed, per thread (a
+    ``threading.local``, which ``torch.compile`` traces; a ``ContextVar`` broke the graph
+    at every linear)."""
+
+    current: _UnitFloat8Linear | None = None
+
+
+_LAYER = _Layer()
 
 
 class _UnitFloat8Linear(Float8Linear):
     """A :class:`Float8Linear` inside a unit-scaled model (see the module docstring)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        token = _LAYER.set(self)
+        prev, _LAYER.current = _LAYER.current, self
         try:  # the unit mode makes this the unit linear; its product comes back to product()
             return F.linear(x, self.weight, self.bias)
         finally:
-            _LAYER.reset(token)
+            _LAYER.current = prev
 
     def product(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         """This layer's float8 GEMM ``x wᵀ (+ b)`` on the given operands (its state)."""
@@ -178,13 +185,13 @@ class _Float8Products(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        layer = _LAYER.get()
+        layer = _LAYER.current
         if func is F.linear and layer is not None:
-            token = _LAYER.set(None)
+            _LAYER.current = None
             try:
                 return layer.product(*args, **(kwargs or {}))
             finally:
-                _LAYER.reset(token)
+                _LAYER.current = layer
         return func(*args, **(kwargs or {}))
 
 
