@@ -18,6 +18,7 @@ fresh.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,11 @@ def _kind(cast: CastConfig) -> str:
     return cast.bound_granularity(1).kind
 
 
+def _block_scaled(r: Float8Recipe) -> bool:
+    """Whether a role of ``r`` has MX or NVFP4 (block-scaled, E8M0/E4M3 scale) casts."""
+    return any(_kind(c) in ("mx", "nv") for c in (r.input, r.weight, r.grad_output))
+
+
 class _Float8MatmulFn(torch.autograd.Function):
     """The three GEMMs of a linear on :class:`~lowprec.core.tensor.ScaledTensor` operands.
 
@@ -200,6 +206,14 @@ class _Float8MatmulFn(torch.autograd.Function):
                 xq = quantize_operand(x, r.input, 0, xq_scale if x_tensor else None)
             dw = matmul(gq_t, xq, w.dtype, ed, r.emulate)
         return dx, dw, None, None, None, None, None, None
+
+
+# MX and NVFP4 linears run their forward and backward outside torch.compile's graph (a
+# graph break at each; the eager kernels of lowprec.core.kernels quantize): inductor's CPU
+# code generation fails on their quantize graphs (AssertionError in its loop tiling, torch
+# 2.13, e.g. an HF Llama in bf16), and a break inside the function made the resumed frames
+# trace the recipe's block sizes as symbols once two block formats had been compiled.
+_eager_gemm: Callable[..., Tensor] = torch.compiler.disable(_Float8MatmulFn.apply)  # type: ignore[no-untyped-call]
 
 
 class Float8Linear(nn.Linear):
@@ -358,10 +372,11 @@ class Float8Linear(nn.Linear):
         # from the state threaded through the function (an input, for torch.compile).
         gs = go_sc.scale if isinstance(go_sc, StaticScaler) and go_sc.frozen else None
         go = self._state("grad_output")
+        gemm = _Float8MatmulFn.apply
+        if torch.compiler.is_compiling() and _block_scaled(r):
+            gemm = _eager_gemm  # outside the graph: inductor fails on MX/NVFP4 quantizes
         with contextlib.nullcontext() if dev == "meta" else torch.autocast(dev, enabled=False):
-            y: Tensor = _Float8MatmulFn.apply(  # type: ignore[no-untyped-call]
-                x2d, w, xs, ws, gs, go, spec, out_dtype
-            )
+            y: Tensor = gemm(x2d, w, xs, ws, gs, go, spec, out_dtype)  # type: ignore[no-untyped-call]
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
