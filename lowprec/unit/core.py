@@ -95,7 +95,15 @@ class _ScaleBwd(torch.autograd.Function):
 
 
 def _check_scale(s: object) -> float:
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+    """``s`` as a float; ``TypeError`` unless a finite real number. Under ``torch.compile``
+    a scale from sizes may be symbolic (dynamic shapes: ``1/√batch``), finite by
+    construction: only its type is checked there (the finiteness test would break the
+    graph), the value in eager."""
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"s must be a finite Python float, got {s!r}")
+    if torch.compiler.is_compiling():
+        return cast(float, s)
+    if not math.isfinite(s):
         raise TypeError(f"s must be a finite Python float, got {s!r}")
     return float(s)
 

@@ -23,8 +23,10 @@ GPT-J's, a hand-written one) gets two rules on top of the ops':
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+import lowprec
 from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
@@ -223,8 +226,8 @@ class UnitMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kw = kwargs or {}
-        if "out" in kw and not torch.compiler.is_compiling() and _from_compiled_code():
-            return func(*args, **kw)  # an inductor kernel call of an already-converted graph
+        if not torch.compiler.is_compiling() and _from_compiled_code():
+            return func(*args, **kw)  # a call of a graph Dynamo traced: already converted
         rt = self.runtime
         if rt is not None and rt.frames:
             out = rt.on_op(func, args, kw)
@@ -281,26 +284,50 @@ class UnitMode(TorchFunctionMode):
         return func(*args, **kw)
 
 
-def _from_compiled_code() -> bool:
-    """Whether the torch call being handled comes from inductor's generated code.
-
-    After a graph break inside a unit model's forward, the mode is active around the
-    compiled graphs when they run, so their GEMM kernels (``torch.addmm(..., out=buf)``)
-    reach it again: those graphs were converted when traced, and their calls must pass."""
+@functools.cache
+def _inductor_root() -> str | None:
+    """Where inductor writes its generated code (read once per process)."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        root = cache_dir()
+        return str(cache_dir())
     except Exception:  # no inductor: no generated code
-        return False
+        return None
+
+
+def _from_compiled_code() -> bool:
+    """Whether the torch call being handled comes from a graph that Dynamo traced: the code
+    inductor generated, or the ``GraphModule`` of another backend (``"eager"``).
+
+    After a graph break inside a unit model's forward, the mode is active around the
+    compiled graphs when they run, so their calls (inductor's ``torch.addmm(..., out=buf)``
+    kernels, an eager backend's ``torch.matmul``) reach it again: those graphs were
+    converted when traced, and a second conversion would scale twice."""
+    root = _inductor_root()
     frame: FrameType | None = sys._getframe(2)  # 0: here, 1: __torch_function__, 2: caller
-    for _ in range(3):
+    interpreted = False
+    for _ in range(12):
         if frame is None:
             return False
-        if frame.f_code.co_filename.startswith(root):
+        name = frame.f_code.co_filename.replace(os.sep, "/")
+        if root is not None and name.startswith(root):
             return True
-        frame = frame.f_back
+        if name.startswith("<eval_with_key>"):  # an fx GraphModule: Dynamo's, or another's
+            gm = frame.f_locals.get("self")
+            return "dynamo_compile_id" in getattr(gm, "meta", {})
+        if name.endswith("/torch/fx/interpreter.py"):  # running a graph: who runs it?
+            interpreted = True
+        elif interpreted and ("/torch/_functorch/" in name or "/torch/_higher_order_ops/" in name):
+            return True  # the eager backend running a traced autograd Function's body
+        elif "/torch/_dynamo/" in name or not name.startswith(_LIBRARY_DIRS):
+            return False  # the caller is model code (or Dynamo's own): convert
+        frame = frame.f_back  # torch's or lowprec's wrappers (F.*, handle_torch_function)
     return False
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__ or "").replace(os.sep, "/") + "/" for m in (torch, lowprec)
+)
 
 
 def _number(v: object) -> float | None:

@@ -360,10 +360,14 @@ class _LossInForward(nn.Module):
 
 
 @pytest.mark.slow
-def test_compiled_graphs_after_a_graph_break_are_not_converted_twice() -> None:
+@pytest.mark.parametrize("backend", ["inductor", "eager", "aot_eager"])
+def test_compiled_graphs_after_a_graph_break_are_not_converted_twice(backend: str) -> None:
     """After a graph break the unit mode is active while the compiled graphs run: their
-    kernels (``torch.addmm``/``torch.mm`` with ``out=``) must pass through it (strict: any
-    reported op raises), and the gradients equal eager's."""
+    calls (inductor's ``torch.addmm``/``torch.mm`` with ``out=``, the eager backend's
+    ``torch.matmul`` and traced autograd Function bodies) must pass through it (strict: any
+    reported op raises; converted twice, the gradients are off by ~50%), and the gradients
+    equal eager's."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     x, y = torch.randn(32, 16), torch.randint(0, 10, (32,))
     u = unit_scale(_LossInForward(), reinit=True, example_inputs=(x, y), strict=True)
@@ -374,7 +378,25 @@ def test_compiled_graphs_after_a_graph_break_are_not_converted_twice() -> None:
         return [p.grad.clone() for p in u.parameters() if p.grad is not None]
 
     eager = grads(u)
-    compiled = torch.compile(u)
+    compiled = torch.compile(u, backend=backend)
     for _ in range(2):  # the first call compiles, the second runs the cached graphs
         for a, r in zip(grads(compiled), eager, strict=True):
             torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_across_batch_sizes() -> None:
+    """A second batch size makes Dynamo trace sizes symbolically: the unit scales from sizes
+    (``1/√B``) are then symbolic, and must not break the graph (``fullgraph=True``)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    u = unit_scale(
+        CharGPT(ModelConfig(vocab_size=65, width=32, depth=1, heads=2, seq_len=16)), reinit=True
+    )
+    c = torch.compile(u, fullgraph=True)
+    for b in (2, 3, 5):
+        idx = _idx(b, 16)
+        _, loss = c(idx, idx)
+        _, ref = u(idx, idx)
+        assert loss is not None and ref is not None
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
