@@ -13,9 +13,10 @@ taken as at least 1, so no scale divides by zero.
 Activation constants are ``E[·]`` under ``X ~ N(0, 1)``, computed by Gauss–Hermite
 quadrature (:func:`gauss_moment`).
 
-Where a scale would cost a pass of its own, it is folded: :func:`linear` puts its scales in
-the GEMMs' ``alpha`` (and the bias in ``beta``), :func:`softmax` keeps only its scaled
-output for a backward of its own; the maths is the composition above.
+Where a scale would cost a pass of its own, it is folded (:mod:`lowprec.unit.folded`):
+:func:`linear` puts its scales in the GEMMs' ``alpha`` (and the bias in ``beta``),
+:func:`softmax` keeps only its scaled output for a backward of its own; the maths is the
+composition above.
 
 Attention and dropout live in :mod:`lowprec.unit.attention`, embedding and cross-entropy in
 :mod:`lowprec.unit.lookup`; they are re-exported here.
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ from lowprec.unit.core import (
     scale_fwd,
 )
 from lowprec.unit.core import unit_op as _unit_op
+from lowprec.unit.folded import ScaledLinear, UnitSoftmax, gemm_kernels_apply
 from lowprec.unit.lookup import cross_entropy, embedding
 
 __all__ = [
@@ -112,63 +114,6 @@ def _product(
         return scale_fwd(quantize_grad(f(a, b), "e5m2"), s_out)
     y = f(scale_fwd(a, s_out), scale_bwd(b, s_b / (s_out * s_a)))
     return scale_bwd(y, s_a)
-
-
-def _mm(a: Tensor, b: Tensor, alpha: float, bias: Tensor | None = None) -> Tensor:
-    """``alpha·(a @ b) [+ bias]`` for 2-D ``a, b``: the GEMM's own ``alpha`` and ``beta``
-    (``beta = 0`` without a bias: the added input is never read), so neither the scaling nor
-    the bias costs a pass of its own and the unscaled product is never stored (the
-    accumulator is scaled before the store)."""
-    if bias is None:
-        return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=alpha)
-    return torch.addmm(bias, a, b, alpha=alpha)
-
-
-# Tensors the GEMM-``alpha`` linear takes; subclasses (DTensor, scaled or float8 wrappers)
-# go through the primitives and the subclass's own ``F.linear`` rule.
-_PLAIN = (Tensor, torch.nn.Parameter)
-
-
-def _gemm_kernels_apply(*ts: Tensor | None) -> bool:
-    """Whether :class:`_ScaledLinear` may compute a unit linear: plain tensors, and no torch
-    function mode active that may handle ``F.linear`` itself (the unit + float8 recipes'
-    float8 product, a user's mode); otherwise the primitives call ``F.linear``."""
-    if torch._C._len_torch_function_stack() > 0:
-        return False
-    return all(type(t) in _PLAIN for t in ts if t is not None)
-
-
-def _rows(x: Tensor) -> Tensor:
-    """``x (..., K)`` as ``(rows, K)`` (explicit sizes: ``K`` may be 0)."""
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-
-
-class _ScaledLinear(torch.autograd.Function):
-    """``y = s_out·x Wᵀ + b``, ``∂x = s_x·g W``, ``∂W = s_w·gᵀ x``, ``∂b = s_b·Σ g``: every
-    scale in a GEMM's ``alpha``, the bias in its ``beta`` term. The same maths as
-    ``F.linear(scale_fwd(x, s_out), scale_bwd(W, s_w / (s_out·s_x)))``, then
-    ``scale_bwd(·, s_x) + scale_bwd(b, s_b)``, without a pass over (or a saved copy of) the
-    scaled activation, and with no unscaled product materialised."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, s_out: float, s_x: float, s_w: float,
-        s_b: float,
-    ) -> Tensor:  # fmt: skip
-        ctx.save_for_backward(x, w)
-        ctx.scales = (s_x, s_w, s_b)
-        return _mm(_rows(x), w.t(), s_out, b).view(*x.shape[:-1], w.shape[0])
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        x, w = ctx.saved_tensors
-        s_x, s_w, s_b = ctx.scales
-        g2 = _rows(g)
-        need = ctx.needs_input_grad
-        gx = _mm(g2, w, s_x).view(x.shape) if need[0] else None
-        gw = _mm(g2.t(), _rows(x), s_w) if need[1] else None
-        gb = g2.sum(0) * s_b if need[2] else None
-        return gx, gw, gb, None, None, None, None
 
 
 @_unit_op
@@ -241,8 +186,8 @@ def _affine(
     batch = max(1, x.numel() // fan_in)
     s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
     s_w = batch**-0.5
-    if not float8 and _gemm_kernels_apply(x, weight, bias):
-        return cast(Tensor, _ScaledLinear.apply(x, weight, bias, s_out * fwd_mult, s_x, s_w, s_w))  # type: ignore[no-untyped-call]
+    if not float8 and gemm_kernels_apply(x, weight, bias):
+        return cast(Tensor, ScaledLinear.apply(x, weight, bias, s_out * fwd_mult, s_x, s_w, s_w))  # type: ignore[no-untyped-call]
     y = _product(F.linear, x, weight, s_out * fwd_mult, s_x, s_w, float8)
     return y if bias is None else y + scale_bwd(bias, s_w)
 
@@ -423,28 +368,7 @@ def softmax(x: Tensor, dim: int = -1, *, mult: float = 1.0,
     mult = check_number("mult", mult)
     n = max(1, x.shape[d]) if x.dim() else 1
     s_out, s_in = apply_constraint(constraint, n / math.sqrt(math.e - 1), n / math.sqrt(math.e))
-    return cast(Tensor, _UnitSoftmax.apply(x, d, mult, s_out, s_in))  # type: ignore[no-untyped-call]
-
-
-class _UnitSoftmax(torch.autograd.Function):
-    """``y = s_out·softmax(mult·x)``; ``∂x = s_in·mult·p⊙(g - Σ p g)`` with ``p = y/s_out``
-    (``g`` enters unscaled, as through ``scale_fwd``). Only ``y`` is kept for the backward:
-    the probabilities ``p`` are never stored beside it (one tensor of the attention map's
-    size a layer, as in the standard model)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, dim: int, mult: float, s_out: float, s_in: float) -> Tensor:
-        y = torch.softmax(x if mult == 1.0 else x * mult, dim=dim) * s_out
-        ctx.save_for_backward(y)
-        ctx.args = (dim, mult, s_out, s_in)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None, None, None, None]:
-        (y,) = ctx.saved_tensors
-        dim, mult, s_out, s_in = ctx.args
-        gx = torch._softmax_backward_data(g, y * (1.0 / s_out), dim, y.dtype)
-        return gx * (s_in * mult), None, None, None, None
+    return cast(Tensor, UnitSoftmax.apply(x, d, mult, s_out, s_in))  # type: ignore[no-untyped-call]
 
 
 @_unit_op

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lowprec.unit import CONSTRAINTS, apply_constraint, scale_bwd, scale_fwd
+from lowprec.unit import CONSTRAINTS, apply_constraint, folded, scale_bwd, scale_fwd
 from lowprec.unit import functional as U
 from lowprec.unit import nn as unn
 
@@ -178,7 +178,7 @@ def test_linear_subclass_and_compiled_match_plain(monkeypatch: pytest.MonkeyPatc
         def refuse(*a: object) -> None:
             raise AssertionError("plain-tensor kernel called with a subclass")
 
-        mp.setattr(U._ScaledLinear, "apply", refuse)
+        mp.setattr(folded.ScaledLinear, "apply", refuse)
         got = _grads(U.linear, tagged)
     for a, r in zip(got, ref, strict=True):
         # float32: the primitives scale the operand, the GEMM its accumulator
