@@ -17,7 +17,9 @@ one compilation serves every size) and cached per format, dtype and broadcast pa
 * :func:`run_decode`: a float8 payload back to float32/bfloat16, optionally times its
   scale (:func:`lowprec.core.codes.decode`): the emulated GEMM's operands;
 * :func:`run_round_trip`: quantize-dequantize to float32 in one pass (scalify's FP8
-  rounding of matmul inputs).
+  rounding of matmul inputs);
+* :func:`run_group_round_trip`: :func:`run_group_quantize` and :func:`run_decode` in one
+  pass: an emulated GEMM's block-scaled operand (block, MX, NVFP4) without its payload.
 
 Contract: a kernel returns the bits of the eager ops it replaces, laid out as they lay out
 their result (``tests/core/test_kernels.py`` and ``tests/core/test_fast_paths.py`` compare
@@ -55,6 +57,8 @@ __all__ = [
     "enabled",
     "min_numel",
     "run_decode",
+    "run_group_quantize",
+    "run_group_round_trip",
     "run_quantize",
     "run_round_trip",
     "run_scaled_encode",
@@ -140,9 +144,12 @@ def _run(
     if fn is None:
         fn = _CACHE[key] = _compile(build())
     try:
-        # (Python floats of the closure, such as a cast's margin, stay constants: with
-        # dynamic=True Dynamo would trace them as symbols and break on their checks.)
-        with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
+        # (Python numbers of the closure stay constants: with dynamic=True Dynamo would
+        # trace floats, such as a cast's margin, as symbols and break on their checks, and
+        # ints, such as a format's bias, as symbols whose shifts and powers of two the
+        # kernel would compute for every vector.)
+        flags = torch._dynamo.config.patch(specialize_float=True, specialize_int=True)
+        with torch.no_grad(), flags:
             return fn(*args)
     except Exception as e:  # a missing compiler, an inductor bug: fall back, once
         _broken(e)
@@ -300,6 +307,45 @@ def run_group_quantize(
         return None
     q, s = out  # type: ignore[misc]
     return _unview(after(q), x), _in_scale_shape(s, x, shape)
+
+
+def run_group_round_trip(
+    x: Tensor,
+    shape: tuple[int, ...],
+    fmt: Format,
+    scale_fn: Callable[[Tensor], Tensor],
+    key: object,
+    dtype: torch.dtype,
+) -> Tensor | None:
+    """:func:`run_group_quantize` followed by :func:`run_decode` with the scale, in one
+    compiled function that never stores the payload: ``apply_scale(v, s).to(dtype)`` with
+    ``v`` the value of ``to_format(apply_scale(x, s, "div"), fmt, saturate=True)`` and
+    ``s = scale_fn(a)`` as there, laid out like ``x`` (an emulated GEMM's operand, read
+    once). ``dtype``: float32 or bfloat16 (which hold every value of the formats
+    :func:`encodes` takes). ``None`` if the kernel cannot run."""
+    from lowprec.core.rounding import round_bits
+
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    if not encodes(fmt):
+        raise ValueError(f"fmt: {fmt.name} has a wider torch dtype; use its cast")
+    groups = _groups(x, shape)
+    if groups is None:
+        return None
+    view, red = groups
+
+    def build() -> Callable[..., Tensor]:
+        def kernel(t: Tensor) -> tuple[Tensor, Tensor]:
+            s = scale_fn(_group_amax(t, red))
+            q = round_bits((t / s).float(), fmt, "nearest", True)  # the payload's values
+            # (s is returned, so computed once per group: inlined, inductor recomputed the
+            # scale rule, powers of two included, for every vector of the group)
+            return (q * s).to(dtype), s
+
+        return kernel  # type: ignore[return-value]
+
+    out = _run(("group-round-trip", fmt.name, key, x.dtype, dtype, view.dim(), red), build, view)
+    return None if out is None else _unview(out[0], x)  # type: ignore[index]
 
 
 def encodes(fmt: Format) -> bool:

@@ -171,7 +171,6 @@ def quantize(
     _check_rounding(rounding, fmt, x.dtype)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    orig = x.dtype
     native = _native_for(x, fmt, rounding)
     if native is not None:
         return _quantize_native(x, fmt, native, saturate)
@@ -179,6 +178,21 @@ def quantize(
         y = kernels.run_quantize(x, fmt, saturate)  # the same function, compiled
         if y is not None:
             return y
+    return round_bits(x, fmt, rounding, saturate, generator)
+
+
+def round_bits(
+    x: Tensor,
+    fmt: Format,
+    rounding: Rounding = "nearest",
+    saturate: bool = False,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """:func:`quantize` (arguments checked) by arithmetic on the float32 (float64) bit
+    pattern for every format, a torch dtype's included: the same values as its cast
+    (NaN payloads aside), from elementwise integer and float ops that inductor
+    vectorises, where its own float8 casts are scalar loops on the CPU."""
+    orig = x.dtype
     fdt, _, _ = _work_dtypes(orig)
     xf = x.to(fdt)
     a = _round_magnitude(xf.abs(), fmt, rounding, generator)

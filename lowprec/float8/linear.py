@@ -31,9 +31,11 @@ from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.dtensor import dtensor_forward, mesh_amax
 from lowprec.float8.quant import (
     as_operand,
+    dequantize,
     dequantize_parts,
+    emulated_mm,
     matmul,
-    quantize_operand,
+    quantize_dequantize,
     quantize_parts,
 )
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
@@ -117,6 +119,37 @@ def _block_scaled(r: Float8Recipe) -> bool:
     return any(_kind(c) in ("mx", "nv") for c in (r.input, r.weight, r.grad_output))
 
 
+def _operand(
+    t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None, r: Float8Recipe
+) -> tuple[Tensor, Tensor | None]:
+    """``(operand, scale)``: the GEMM operand of ``t`` contracted over ``cd`` and its
+    scale, as :func:`quantize_parts` gives them (a ScaledTensor built from the parts, whose
+    own fields are not read back under ``torch.compile``), or, where that GEMM is emulated
+    anyway (a block-scaled cast, ``emulate`` not ``False``), eager on the CPU, the values
+    the emulation would dequantize it to, by one fused pass
+    (:func:`~lowprec.float8.quant.quantize_dequantize`: the same bits, no payload
+    stored), and ``None``. :func:`_mm` takes either operand."""
+    if scale is None and r.emulate is not False:
+        v = quantize_dequantize(t, cast, cd, _EDTYPE[r.emulation_dtype])
+        if v is not None:
+            return v, None
+    parts = quantize_parts(t, cast, cd, scale)
+    return as_operand(parts, cast, cd, t.dtype), parts[1]
+
+
+def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype, r: Float8Recipe) -> Tensor:
+    """``a · b`` of two :func:`_operand` results: :func:`~lowprec.float8.quant.matmul` of
+    two ScaledTensors; with dequantized values on a side (a block-scaled operand, whose
+    GEMM the ``lowprec::float8_mm`` rule emulates on dequantized operands too), the same
+    emulated product of the values and the other side dequantized."""
+    ed = _EDTYPE[r.emulation_dtype]
+    if isinstance(a, ScaledTensor) and isinstance(b, ScaledTensor):
+        return matmul(a, b, out_dtype, ed, r.emulate)
+    da = dequantize(a, ed) if isinstance(a, ScaledTensor) else a
+    db = dequantize(b, ed) if isinstance(b, ScaledTensor) else b
+    return emulated_mm(da, db, out_dtype)
+
+
 class _Float8MatmulFn(torch.autograd.Function):
     """The three GEMMs of a linear on :class:`~lowprec.core.tensor.ScaledTensor` operands.
 
@@ -139,24 +172,30 @@ class _Float8MatmulFn(torch.autograd.Function):
         out_dtype: torch.dtype,
     ) -> Tensor:
         r = spec.recipe
-        ed = _EDTYPE[r.emulation_dtype]
         # A ScaledTensor operand arrives quantized (tensor-wise) by the distributed layer:
         # an FP8-gathered FSDP2 weight, an FP8-gathered sequence-parallel input.
-        xp: tuple[Tensor, Tensor, Any]
+        xd: Tensor | None = None
+        xs: Tensor | None = None
+        xpad: Any = None
         if isinstance(x, ScaledTensor):
-            xd, xs, xpad = xp = (x.qdata, x.scale, None)
-        else:
+            xd, xs = x.qdata, x.scale
+            xq: Tensor = as_operand((xd, xs, None), r.input, 1, x.dtype)
+        elif r.fp8_saved_activations:  # the payload is saved for backward
             xd, xs, xpad = xp = quantize_parts(x, r.input, 1, x_scale)
-        if isinstance(w, ScaledTensor):
-            wp: tuple[Tensor, Tensor, Any] = (w.qdata.t(), w.scale, None)
+            xq = as_operand(xp, r.input, 1, x.dtype)
         else:
-            wp = quantize_parts(w.t(), r.weight, 0, w_scale)
-        xq, wq = as_operand(xp, r.input, 1, x.dtype), as_operand(wp, r.weight, 0, w.dtype)
-        y = matmul(xq, wq, out_dtype, ed, r.emulate)
+            xq, xs = _operand(x, r.input, 1, x_scale, r)
+        ws_used: Tensor | None = None
+        if isinstance(w, ScaledTensor):
+            wq: Tensor = as_operand((w.qdata.t(), w.scale, None), r.weight, 0, w.dtype)
+        else:
+            wq, ws_used = _operand(w.t(), r.weight, 0, w_scale, r)
+        y = _mm(xq, wq, out_dtype, r)
         # (A ScaledTensor weight carries its scale; FSDP2 refills it in place on re-gather.)
         w_tensor = _kind(r.weight) == "tensor" and not isinstance(w, ScaledTensor)
-        w_used = wp[1] if w_tensor else None
+        w_used = ws_used if w_tensor else None
         if r.fp8_saved_activations or isinstance(x, ScaledTensor):
+            assert xd is not None
             kept = _keep_for_backward(xd) if torch.compiler.is_compiling() else xd
             ctx.save_for_backward(None, kept, xs, w, w_used)
         else:  # the forward's scale too: delayed/static scales must not become dynamic
@@ -174,7 +213,6 @@ class _Float8MatmulFn(torch.autograd.Function):
         go_state = ctx.go_state
         spec: _Spec = ctx.spec
         r = spec.recipe
-        ed = _EDTYPE[r.emulation_dtype]
         xpad, x_dtype = ctx.x_meta
         x_tensor = _kind(r.input) == "tensor"
         g_scale = ctx.go_scale
@@ -182,29 +220,37 @@ class _Float8MatmulFn(torch.autograd.Function):
             g_scale = _role_scale(spec.go_scaler, g, spec, go_state, spec.go_mesh)
         if g_scale is None and spec.go_mesh is not None and _kind(r.grad_output) == "tensor":
             g_scale = r.grad_output.scale_for(mesh_amax(g, spec.go_mesh))
-        gp = quantize_parts(g, r.grad_output, 1, g_scale)
-        gq = as_operand(gp, r.grad_output, 1, g.dtype)
+        g_tensor = _kind(r.grad_output) == "tensor"
         dx = dw = None
+        gq: Tensor
+        if g_tensor:  # quantized once, used transposed in the wgrad GEMM
+            gp = quantize_parts(g, r.grad_output, 1, g_scale)
+            gq = as_operand(gp, r.grad_output, 1, g.dtype)
+        elif ctx.needs_input_grad[0]:
+            gq = _operand(g, r.grad_output, 1, g_scale, r)[0]
         if ctx.needs_input_grad[0]:
+            wq: Tensor
             if isinstance(w, ScaledTensor):  # tensor-wise: the forward's values, transposed
                 wq = as_operand((w.qdata, w.scale, None), r.weight, 0, w.dtype)
             else:
-                wq = quantize_operand(w, r.weight, 0, w_scale)
-            dx = matmul(gq, wq, x_dtype, ed, r.emulate)
+                wq = _operand(w, r.weight, 0, w_scale, r)[0]
+            dx = _mm(gq, wq, x_dtype, r)
         if ctx.needs_input_grad[1]:
-            if _kind(r.grad_output) == "tensor":  # the same values and scale, transposed
+            gq_t: Tensor
+            xq: Tensor
+            if g_tensor:  # the same values and scale, transposed
                 gq_t = as_operand((gp[0].t(), gp[1], None), r.grad_output, 1, g.dtype)
             else:
-                gq_t = quantize_operand(g.t(), r.grad_output, 1)
+                gq_t = _operand(g.t(), r.grad_output, 1, None, r)[0]
             if x is None:
                 if x_tensor:  # used transposed in the wgrad GEMM: same values, same scale
                     xq = as_operand((xq_data, xq_scale, None), r.input, 0, x_dtype)
                 else:  # re-quantize along the token dimension (documented double rounding)
                     deq = dequantize_parts(xq_data, xq_scale, xpad, torch.float32)
-                    xq = quantize_operand(deq, r.input, 0)
+                    xq = _operand(deq, r.input, 0, None, r)[0]
             else:  # tensor scale: the forward's (delayed/static/dynamic alike)
-                xq = quantize_operand(x, r.input, 0, xq_scale if x_tensor else None)
-            dw = matmul(gq_t, xq, w.dtype, ed, r.emulate)
+                xq = _operand(x, r.input, 0, xq_scale if x_tensor else None, r)[0]
+            dw = _mm(gq_t, xq, w.dtype, r)
         return dx, dw, None, None, None, None, None, None
 
 

@@ -42,7 +42,14 @@ from lowprec.core.tensor import ScaledTensor, register_rule
 from lowprec.core.warn import warn_once
 from lowprec.float8.recipe import CastConfig
 
-__all__ = ["dequantize", "hardware_fp8_available", "quantize_operand", "scaled_mm"]
+__all__ = [
+    "dequantize",
+    "emulated_mm",
+    "hardware_fp8_available",
+    "quantize_dequantize",
+    "quantize_operand",
+    "scaled_mm",
+]
 
 log = logging.getLogger(__name__)
 _HW_FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -95,6 +102,39 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         bound = _quotient_max(a, s, xp)
         q = _to_format_bounded(apply_scale(xp, s, op="div"), fmt, True, bound)
     return q, s, pad
+
+
+_BLOCK_KINDS = ("block", "mx", "nv")
+
+
+def quantize_dequantize(t: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype) -> Tensor | None:
+    """``dequantize(quantize_operand(t, cast, cd), dtype)``, the same bits, by one fused
+    kernel that never stores the payload (:func:`lowprec.core.kernels.run_group_round_trip`):
+    the values an emulated GEMM multiplies for a block granularity (block, MX, NVFP4) with
+    a dynamic scale, eager on the CPU. ``None`` where that does not apply (another
+    granularity, a traced or autograd-recorded ``t``, a small or float64 one, kernels
+    off): the caller quantizes and dequantizes."""
+    if t.dim() != 2:
+        raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
+    g = cast.bound_granularity(cd)
+    fmt = get_format(cast.fmt)
+    if g.kind not in _BLOCK_KINDS or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if t.dtype == torch.float64 or not t.numel() or not kernels.takes(t, fmt):
+        return None
+    xp = pad_to_blocks(t.float(), g)
+    v = kernels.run_group_round_trip(
+        xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g.kind, fmt), cast, dtype
+    )
+    if v is None or xp.shape == t.shape:
+        return v
+    return v[: t.shape[0], : t.shape[1]]
+
+
+def emulated_mm(da: Tensor, db: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The emulated GEMM of two dequantized operands (in the emulation dtype): their
+    product, accumulated in that dtype, in ``out_dtype``."""
+    return (da @ db).to(out_dtype)
 
 
 def _nv_parts(t: Tensor, cast: CastConfig, cd: int) -> Parts:
@@ -319,10 +359,8 @@ def _float8_mm_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
             out = raw.mul_((a.scale * b.scale).reshape(()))
         else:
             out = raw.mul_(a.scale).mul_(b.scale)
-    else:
-        da = dequantize_parts(a.qdata, a.scale, a._unpadded, ed)
-        out = da @ dequantize_parts(b.qdata, b.scale, b._unpadded, ed)
-    return out.to(out_dtype)
+        return out.to(out_dtype)
+    return emulated_mm(dequantize(a, ed), dequantize(b, ed), out_dtype)
 
 
 def _contracted_ok(op: ScaledTensor, cd: int) -> bool:

@@ -20,7 +20,7 @@ from lowprec.core import codes, kernels, rounding
 from lowprec.core.formats import get_format
 from lowprec.core.rounding import _cast_native
 from lowprec.float8 import Float8Recipe
-from lowprec.float8.quant import dequantize_parts, quantize_parts, upcast
+from lowprec.float8.quant import dequantize_parts, quantize_dequantize, quantize_parts, upcast
 from tests.core.test_fast_paths import bits, cases, same
 
 BYTE = [f.name for f in codes.BYTE_FORMATS]
@@ -127,7 +127,33 @@ def test_kernel_operands_match_the_eager_ops(preset: str, monkeypatch: pytest.Mo
                     assert same_values(d_fast, d_ref), (*why, dt)
                     u_fast = upcast(fast[0], dt)
                     assert same(u_fast, fast[0].to(dt)) and u_fast.stride() == fast[0].stride()
+                    # the fused quantize-dequantize of an emulated GEMM's block operand
+                    fused = quantize_dequantize(x, r.cast(role), cd, dt)
+                    if r.cast(role).bound_granularity(cd).kind in ("block", "mx", "nv"):
+                        assert fused is not None, (*why, dt)
+                        assert same_values(fused, d_ref), (*why, dt)
+                        assert fused.stride() == d_fast.stride(), (*why, dt)
+                    else:
+                        assert fused is None, why
     assert not kernels._BROKEN, kernels._BROKEN
+
+
+@pytest.mark.parametrize("fmt", [*BYTE, "e2m1", "e3m2", "fp16", "bf16"])
+@pytest.mark.parametrize("saturate", [False, True])
+def test_round_bits_is_the_formats_rounding(fmt: str, saturate: bool) -> None:
+    """round_bits (the bit-pattern rounding the fused kernels trace, for formats with a
+    torch dtype too) against torch's own cast where there is one (``_cast_native``: the
+    saturating or plain cast, read back in float32) and the reference rounding otherwise;
+    signed zeros included, NaN where NaN."""
+    f = get_format(fmt)
+    x = probe_values(fmt if fmt in BYTE else "e4m3fn") * (1.0 if fmt in BYTE else f.max / 448)
+    got = rounding.round_bits(x, f, "nearest", saturate)
+    if f.torch_dtype is not None:
+        ref = _cast_native(x, f, f.torch_dtype, saturate).float()
+    else:
+        with rounding._reference_paths():
+            ref = rounding.quantize(x, f, saturate=saturate)
+    assert same_values(got, ref)
 
 
 @pytest.mark.slow

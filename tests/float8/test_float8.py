@@ -716,3 +716,47 @@ def test_apply_is_convert_to_float8() -> None:
     assert [type(c) for c in a] == [type(c) for c in b]
     torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
     assert lowprec.float8.PRESETS.names() == recipe_names()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("preset", "ed"),
+    [
+        ("blockwise", "fp32"),
+        ("mxfp8", "bf16"),
+        ("mxfp4", "fp32"),
+        ("nvfp4", "fp32"),
+        ("nvfp4", "bf16"),
+    ],
+)
+def test_fused_block_operands_match_the_two_step_path(
+    preset: str, ed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eager emulation of a block-scaled linear reads each operand's values from one fused
+    quantize-dequantize kernel (no payload): outputs and every gradient equal the
+    quantize-then-dequantize path bit for bit (padding rows and columns included), and
+    all six operands of each linear take the fused kernel."""
+    monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
+    calls: list[int] = []
+    fused = f8lin.quantize_dequantize
+
+    def counted(*args: object) -> object:
+        v = fused(*args)  # type: ignore[arg-type]
+        calls.append(v is not None)
+        return v
+
+    def run(qdq: object) -> list[torch.Tensor]:
+        monkeypatch.setattr(f8lin, "quantize_dequantize", qdq)
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(200, 96), nn.GELU(), nn.Linear(96, 72))
+        m = convert_to_float8(m, replace(Float8Recipe.from_name(preset), emulation_dtype=ed))
+        x = torch.randn(40, 200, requires_grad=True)
+        y = m(x)
+        y.pow(2).sum().backward()
+        return [y.detach(), x.grad, *(p.grad for p in m.parameters())]  # type: ignore[list-item]
+
+    got = run(counted)
+    ref = run(lambda *a: None)
+    assert sum(calls) == len(calls) == 12
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
