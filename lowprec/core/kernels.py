@@ -33,7 +33,8 @@ A kernel is used only when all of these hold:
 * round-to-nearest (stochastic rounding draws from a ``torch.Generator``, not compiled);
 * the switch is on: environment variable ``LOWPREC_EAGER_KERNELS`` = ``auto`` (default)
   or ``1``; ``0`` turns the kernels off. ``LOWPREC_EAGER_KERNELS_MIN_NUMEL`` sets
-  ``min_numel`` (default ``2**19``).
+  ``min_numel`` (default ``2**19``; ``2**16`` for :func:`run_round_trip`, which replaces
+  four eager passes, one of them a scalar float8 cast, and wins from about ``2**15``).
 
 The first call per key compiles (inductor's on-disk caches make later processes faster).
 If compilation fails (no C++ compiler, say), the kernels are turned off for the process
@@ -79,10 +80,16 @@ def enabled() -> bool:
     return flag in ("auto", "1", "on", "true") and not _BROKEN
 
 
-def min_numel() -> int:
-    """Smallest tensor (elements) for which a compiled kernel is used
-    (``LOWPREC_EAGER_KERNELS_MIN_NUMEL``, default ``2**19``)."""
-    text = os.environ.get("LOWPREC_EAGER_KERNELS_MIN_NUMEL", str(1 << 19))
+MIN_NUMEL = 1 << 19  # the default threshold
+ROUND_TRIP_MIN_NUMEL = 1 << 16  # run_round_trip's default threshold
+
+
+def min_numel(default: int = MIN_NUMEL) -> int:
+    """Smallest tensor (elements) for which a compiled kernel is used:
+    ``LOWPREC_EAGER_KERNELS_MIN_NUMEL`` if set (for every kernel), else ``default``."""
+    text = os.environ.get("LOWPREC_EAGER_KERNELS_MIN_NUMEL")
+    if text is None:
+        return default
     try:
         n = int(text)
     except ValueError:
@@ -94,21 +101,24 @@ def min_numel() -> int:
     return n
 
 
-def applies(x: Tensor, dtypes: tuple[torch.dtype, ...] = _INPUTS) -> bool:
+def applies(
+    x: Tensor, dtypes: tuple[torch.dtype, ...] = _INPUTS, threshold: int = MIN_NUMEL
+) -> bool:
     """Whether an eager call on ``x`` should use a compiled kernel (module docstring;
     not for an ``x`` that autograd records: the kernel runs without autograd). ``dtypes``:
-    the input dtypes the kernel takes (default: float32, float16, bfloat16)."""
+    the input dtypes the kernel takes (default: float32, float16, bfloat16);
+    ``threshold``: the kernel's default :func:`min_numel`."""
     return (
         x.device.type == "cpu"
         and x.dtype in dtypes
         and not (x.requires_grad and torch.is_grad_enabled())
-        and x.numel() >= min_numel()
+        and x.numel() >= min_numel(threshold)
         and not torch.compiler.is_compiling()
         and enabled()
     )
 
 
-def takes(t: Tensor, fmt: Format | None = None) -> bool:
+def takes(t: Tensor, fmt: Format | None = None, threshold: int = MIN_NUMEL) -> bool:
     """Whether an eager call should run the kernels below on ``t`` (:func:`applies`, and
     not inside :func:`lowprec.core.rounding._reference_paths`): ``fmt`` given, ``t`` is
     to be encoded into ``fmt`` (a format :func:`encodes` takes) or is a 1-byte payload of
@@ -119,10 +129,11 @@ def takes(t: Tensor, fmt: Format | None = None) -> bool:
     if not rounding._FAST_EAGER:
         return False
     if fmt is None:
-        return applies(t)
+        return applies(t, threshold=threshold)
     if not encodes(fmt):
         return False
-    return applies(t, (*_INPUTS, BYTE_FORMATS[fmt]) if fmt in BYTE_FORMATS else _INPUTS)
+    dtypes = (*_INPUTS, BYTE_FORMATS[fmt]) if fmt in BYTE_FORMATS else _INPUTS
+    return applies(t, dtypes, threshold)
 
 
 def _compile(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -403,7 +414,8 @@ def run_round_trip(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
     float8 ``fmt``: the value a quantize-dequantize gives, in one pass (read ``x``, write
     the result), laid out like ``x``; ``None`` if the kernel cannot run. ``scale``:
     float32, broadcast block-wise."""
-    from lowprec.core.codes import BYTE_FORMATS, decode, encode
+    from lowprec.core.codes import BYTE_FORMATS
+    from lowprec.core.rounding import round_bits
 
     if fmt not in BYTE_FORMATS:
         raise ValueError(f"fmt: {fmt.name} is not a 1-byte float8 format")
@@ -412,8 +424,8 @@ def run_round_trip(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
         return None
 
     def build() -> Callable[..., Tensor]:
-        def kernel(t: Tensor, s: Tensor) -> Tensor:
-            return decode(encode((t / s).float(), fmt), fmt) * s
+        def kernel(t: Tensor, s: Tensor) -> Tensor:  # (the code's value, not the code)
+            return round_bits((t / s).float(), fmt, "nearest", True) * s
 
         return kernel
 

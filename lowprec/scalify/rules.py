@@ -326,7 +326,7 @@ def _fp8_eager(d: Tensor, fmt: str) -> Tensor | None:
     f = get_format(fmt)
     if fa / r > f.max:
         return None
-    if kernels.takes(d, f):  # the same bits in one vectorised pass
+    if kernels.takes(d, f, kernels.ROUND_TRIP_MIN_NUMEL):  # the same bits, one pass
         y = kernels.run_round_trip(d, torch.tensor(r), f)
         if y is not None:
             return y
