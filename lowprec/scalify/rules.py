@@ -128,13 +128,13 @@ def _times_number(func: Any, args: Any, x: ScaledTensor, c: float) -> ScaledTens
         return out(func, args, torch.zeros_like(d, dtype=work), torch.zeros((), device=d.device))
     if not math.isfinite(c):
         return out(func, args, deq(x, work) * c, one(d))
-    d = d.to(work)
     cfg = current_config()
     p = round_pow2(abs(c), cfg.pow2)
     if c / p == 1.0 and cfg.rescale == "none" and x.numel() > 1:
         # The data are unchanged: wrap the stored data (an exact round trip through
         # ``work`` would give the same values, at two full-size copies).
         return out(func, args, x.qdata, x.scale * p)
+    d = d.to(work)
     return out(func, args, d * (c / p) if c / p != 1.0 else d, x.scale * p)
 
 
