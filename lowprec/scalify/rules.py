@@ -19,7 +19,8 @@ from torch import Tensor
 from lowprec.core import kernels
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import apply_scale
-from lowprec.core.scales import compute_scale, round_pow2
+from lowprec.core.rounding import round_bits
+from lowprec.core.scales import amax, compute_scale, group_scale, round_pow2
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
 from lowprec.scalify.config import current_config
 from lowprec.scalify.core import (
@@ -254,7 +255,12 @@ def _fp8(d: Tensor, s: Tensor, grad: bool) -> Pair:
     if d.numel() == 0:
         return d, s
     fmt = "e5m2" if grad else "e4m3fn"
-    if d.dtype == torch.float32 and d.device.type == "cpu" and not compiling():
+    if d.dtype == torch.float32 and d.device.type == "cpu":
+        if compiling():  # the values on the bit pattern: inductor's float8 casts are scalar
+            dd = d.detach()
+            f = get_format(fmt)
+            r = group_scale(amax(dd), f, "tensor", 0.0, True)
+            return round_bits(dd / r, f, "nearest", True) * r, s
         fast = _fp8_cached(d.detach(), fmt)
         if fast is not None:
             return fast, s

@@ -89,3 +89,35 @@ def test_times_number_keeps_data_and_folds_scale() -> None:
         z = scaled(torch.tensor([3.0]).half(), 1.0) * 0.3
     assert z.qdata.dtype == torch.float32
     assert torch.equal(unscale(y), d.float() * (torch.tensor(0.5) * 0.3))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_fp8_rounding_traced_path_matches_quantize_scaled(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch.compile on the CPU the FP8 operand rounding computes the values on the
+    float32 bit pattern (no float8 cast): the same bits as the quantize-dequantize, across
+    float32's range, with zeros of both signs, subnormals, Inf and NaN."""
+    grad = fmt == "e5m2"
+    cases = [_data(e, e + 600) for e in EXPONENTS]
+    special = _data(0, 7)
+    special[0, :6] = torch.tensor([0.0, -0.0, 1e-45, -3e-39, float("inf"), float("nan")])
+    cases += [special, torch.zeros(5, 7)]
+    monkeypatch.setattr(rules, "compiling", lambda: True)
+    for d in cases:
+        ref = quantize_scaled(d, fmt, power_of_two=True).dequantize()
+        got = rules._fp8(d, torch.ones(()), grad)[0]
+        nan = ref.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(_bits(got)[~nan], _bits(ref)[~nan])
+
+
+@pytest.mark.slow
+def test_fp8_rounding_compiled_matches_eager() -> None:
+    """The same, through inductor's generated code."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda d, g: rules._fp8(d, torch.ones(()), g)[0], fullgraph=True)
+    for e in EXPONENTS:
+        d = _data(e, e + 800)
+        for grad in (False, True):
+            assert torch.equal(_bits(f(d, grad)), _bits(rules._fp8(d, torch.ones(()), grad)[0]))
