@@ -268,8 +268,10 @@ def mx_scale(amax: Tensor, fmt: str | Format) -> Tensor:
     else:
         e = ((torch.where(ok, a, 1.0).view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2 a)
     x = (e - fmt.max_exponent).clamp(E8M0.min_exponent, E8M0.max_exponent)
-    s = torch.ldexp(torch.ones_like(a), x.float()) if a.numel() else a.clone()
-    return torch.where(ok, s, 1.0)
+    # 2^x from its bit pattern (exact; 2^-127 is float32's subnormal 2^22 ulp): an ldexp
+    # is a call to pow per value in inductor's code, per MX block of every quantize
+    p2 = torch.where(x >= -126, (x.to(torch.int32) + 127) << 23, 1 << 22).view(torch.float32)
+    return torch.where(ok, p2, 1.0)
 
 
 _E4M3 = get_format("e4m3fn")

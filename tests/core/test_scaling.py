@@ -204,6 +204,18 @@ def test_mx_scale_rule(fmt: str, emax: int) -> None:
     assert edge.tolist() == [2.0**-127, 2.0 ** (127 - 2), 1.0, 1.0, 1.0]
 
 
+def test_mx_scale_every_e8m0_exponent() -> None:
+    """Each of E8M0's 255 scales 2^-127 ... 2^127 (the least a float32 subnormal), from an
+    amax in its binade, against math.ldexp; float32 and float64 amax alike."""
+    es = list(range(-127, 128))
+    for dt in (torch.float32, torch.float64):
+        a = torch.tensor([math.ldexp(1.5, e + 8) if e + 8 < 128 else 3e38 for e in es], dtype=dt)
+        got = mx_scale(a, "e4m3fn")
+        assert got.dtype == torch.float32
+        want = [math.ldexp(1.0, min(e, 127 - 8) if e + 8 >= 128 else max(e, -127)) for e in es]
+        assert got.double().tolist() == want
+
+
 # ---- apply_scale -------------------------------------------------------------------------
 
 
