@@ -327,13 +327,15 @@ def run_group_round_trip(
     scale_fn: Callable[[Tensor], Tensor],
     key: object,
     dtype: torch.dtype,
-) -> Tensor | None:
-    """:func:`run_group_quantize` followed by :func:`run_decode` with the scale, in one
-    compiled function that never stores the payload: ``apply_scale(v, s).to(dtype)`` with
-    ``v`` the value of ``to_format(apply_scale(x, s, "div"), fmt, saturate=True)`` and
-    ``s = scale_fn(a)`` as there, laid out like ``x`` (an emulated GEMM's operand, read
-    once). ``dtype``: float32 or bfloat16 (which hold every value of the formats
-    :func:`encodes` takes). ``None`` if the kernel cannot run."""
+    multiply: bool = True,
+) -> tuple[Tensor, Tensor] | None:
+    """:func:`run_group_quantize` followed by :func:`run_decode`, in one compiled function
+    that never stores the payload: ``(apply_scale(v, s).to(dtype), s)`` with ``v`` the
+    value of ``to_format(apply_scale(x, s, "div"), fmt, saturate=True)`` and
+    ``s = scale_fn(a)`` as there (``multiply=False``: ``v.to(dtype)``, the payload's
+    values), laid out like ``x``, ``s`` contiguous of the scale shape ``shape`` (an
+    emulated GEMM's operand, read once). ``dtype``: float32 or bfloat16 (which hold every
+    value of the formats :func:`encodes` takes). ``None`` if the kernel cannot run."""
     from lowprec.core.rounding import round_bits
 
     if dtype not in (torch.float32, torch.bfloat16):
@@ -351,12 +353,16 @@ def run_group_round_trip(
             q = round_bits((t / s).float(), fmt, "nearest", True)  # the payload's values
             # (s is returned, so computed once per group: inlined, inductor recomputed the
             # scale rule, powers of two included, for every vector of the group)
-            return (q * s).to(dtype), s
+            return (q * s if multiply else q).to(dtype), s
 
         return kernel  # type: ignore[return-value]
 
-    out = _run(("group-round-trip", fmt.name, key, x.dtype, dtype, view.dim(), red), build, view)
-    return None if out is None else _unview(out[0], x)  # type: ignore[index]
+    k = ("group-round-trip", fmt.name, key, x.dtype, dtype, multiply, view.dim(), red)
+    out = _run(k, build, view)
+    if out is None:
+        return None
+    v, s = out  # type: ignore[misc]
+    return _unview(v, x), _in_scale_shape(s, x, shape)
 
 
 def encodes(fmt: Format) -> bool:
@@ -409,27 +415,38 @@ def run_scaled_encode(
     return None if out is None else _unview(after(out), x)
 
 
-def run_round_trip(x: Tensor, scale: Tensor, fmt: Format) -> Tensor | None:
+def run_round_trip(
+    x: Tensor,
+    scale: Tensor,
+    fmt: Format,
+    multiply: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor | None:
     """``decode(to_format(x / scale, fmt, saturate=True)) * scale`` in float32, for a 1-byte
     float8 ``fmt``: the value a quantize-dequantize gives, in one pass (read ``x``, write
     the result), laid out like ``x``; ``None`` if the kernel cannot run. ``scale``:
-    float32, broadcast block-wise."""
+    float32, broadcast block-wise. ``multiply=False``: the payload's values, not times the
+    scale; ``dtype``: the result's, float32 or bfloat16 (each holds every float8 value)."""
     from lowprec.core.codes import BYTE_FORMATS
     from lowprec.core.rounding import round_bits
 
     if fmt not in BYTE_FORMATS:
         raise ValueError(f"fmt: {fmt.name} is not a 1-byte float8 format")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     pair = _block_pair(x, scale)
     if pair is None:
         return None
 
     def build() -> Callable[..., Tensor]:
         def kernel(t: Tensor, s: Tensor) -> Tensor:  # (the code's value, not the code)
-            return round_bits((t / s).float(), fmt, "nearest", True) * s
+            q = round_bits((t / s).float(), fmt, "nearest", True)
+            return (q * s if multiply else q).to(dtype)
 
         return kernel
 
-    out = _run(("round-trip", fmt.name, x.dtype, _pattern(*pair)), build, *pair)
+    key = ("round-trip", fmt.name, x.dtype, multiply, dtype, _pattern(*pair))
+    out = _run(key, build, *pair)
     return None if out is None else _unview(out, x)
 
 

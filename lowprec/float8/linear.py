@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -30,13 +30,18 @@ from lowprec.core.scalers import DelayedScaler, StaticScaler, delayed_amax, push
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.dtensor import dtensor_forward, mesh_amax
 from lowprec.float8.quant import (
+    Parts,
     as_operand,
     dequantize,
     dequantize_parts,
     emulated_mm,
     matmul,
+    operand_kind,
+    payload_mm,
     quantize_dequantize,
     quantize_parts,
+    quantize_values,
+    upcast,
 )
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 
@@ -119,35 +124,71 @@ def _block_scaled(r: Float8Recipe) -> bool:
     return any(_kind(c) in ("mx", "nv") for c in (r.input, r.weight, r.grad_output))
 
 
+class _Payload(NamedTuple):
+    """A tensor- or axis-scaled GEMM operand as the emulated hardware GEMM reads it: its
+    payload's values in the emulation dtype, its scale and its kind."""
+
+    values: Tensor
+    scale: Tensor
+    kind: str
+
+
+Operand = Tensor | _Payload  # a ScaledTensor, dequantized values, or a _Payload
+
+
+def _payload_roles(r: Float8Recipe) -> bool:
+    """Every GEMM of ``r`` multiplies payloads (tensor or axis casts for all three roles)."""
+    return all(_kind(c) in ("tensor", "axis") for c in (r.input, r.weight, r.grad_output))
+
+
 def _operand(
     t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None, r: Float8Recipe
-) -> tuple[Tensor, Tensor | None]:
-    """``(operand, scale)``: the GEMM operand of ``t`` contracted over ``cd`` and its
-    scale, as :func:`quantize_parts` gives them (a ScaledTensor built from the parts, whose
-    own fields are not read back under ``torch.compile``), or, where that GEMM is emulated
-    anyway (a block-scaled cast, ``emulate`` not ``False``), eager on the CPU, the values
-    the emulation would dequantize it to, by one fused pass
-    (:func:`~lowprec.float8.quant.quantize_dequantize`: the same bits, no payload
-    stored), and ``None``. :func:`_mm` takes either operand."""
-    if scale is None and r.emulate is not False:
-        v = quantize_dequantize(t, cast, cd, _EDTYPE[r.emulation_dtype])
-        if v is not None:
-            return v, None
+) -> tuple[Operand, Tensor | None, Parts | None]:
+    """``(operand, scale, parts)``: the GEMM operand of ``t`` contracted over ``cd``, its
+    scale and the :func:`quantize_parts` it was built from (a ScaledTensor, whose own
+    fields are not read back: under ``torch.compile`` it is traced). Where the GEMM is emulated
+    anyway (``emulate`` not ``False``), eager on the CPU, one kernel that stores no 1-byte
+    payload gives what the emulation reads instead, the same bits: for a block-scaled
+    cast the dequantized values (:func:`~lowprec.float8.quant.quantize_dequantize`; scale
+    ``None``), and, when every role of ``r`` is tensor- or axis-scaled, a
+    :class:`_Payload` (:func:`~lowprec.float8.quant.quantize_values`). :func:`_mm` takes
+    any of them."""
+    if r.emulate is not False:
+        ed = _EDTYPE[r.emulation_dtype]
+        if scale is None:
+            v = quantize_dequantize(t, cast, cd, ed)
+            if v is not None:
+                return v, None, None
+        if _payload_roles(r):
+            vs = quantize_values(t, cast, cd, ed, scale)
+            if vs is not None:
+                return _Payload(vs[0], vs[1], _kind(cast)), vs[1], None
     parts = quantize_parts(t, cast, cd, scale)
-    return as_operand(parts, cast, cd, t.dtype), parts[1]
+    return as_operand(parts, cast, cd, t.dtype), parts[1], parts
 
 
-def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype, r: Float8Recipe) -> Tensor:
-    """``a · b`` of two :func:`_operand` results: :func:`~lowprec.float8.quant.matmul` of
-    two ScaledTensors; with dequantized values on a side (a block-scaled operand, whose
-    GEMM the ``lowprec::float8_mm`` rule emulates on dequantized operands too), the same
-    emulated product of the values and the other side dequantized."""
+def _mm(a: Operand, b: Operand, out_dtype: torch.dtype, r: Float8Recipe) -> Tensor:
+    """``a · b`` (``a`` contracted over dim 1, ``b`` over 0) of two :func:`_operand`
+    results: :func:`~lowprec.float8.quant.matmul` of two ScaledTensors, else the same
+    emulation the ``lowprec::float8_mm`` rule runs: the hardware formula on payloads
+    (:func:`~lowprec.float8.quant.payload_mm`) when either side is a :class:`_Payload`
+    (both sides are then tensor- or axis-scaled), else the product of dequantized values."""
     ed = _EDTYPE[r.emulation_dtype]
     if isinstance(a, ScaledTensor) and isinstance(b, ScaledTensor):
         return matmul(a, b, out_dtype, ed, r.emulate)
+    if isinstance(a, _Payload) or isinstance(b, _Payload):
+        pa = a if isinstance(a, _Payload) else _as_payload(a, 1, ed)
+        pb = b if isinstance(b, _Payload) else _as_payload(b, 0, ed)
+        return payload_mm(pa.values, pa.scale, pa.kind, pb.values, pb.scale, pb.kind, out_dtype)
     da = dequantize(a, ed) if isinstance(a, ScaledTensor) else a
     db = dequantize(b, ed) if isinstance(b, ScaledTensor) else b
     return emulated_mm(da, db, out_dtype)
+
+
+def _as_payload(op: Tensor, cd: int, ed: torch.dtype) -> _Payload:
+    """A ScaledTensor operand (an FP8-gathered weight or input) as a :class:`_Payload`."""
+    assert isinstance(op, ScaledTensor)
+    return _Payload(upcast(op.qdata, ed), op.scale, operand_kind(op, cd))
 
 
 class _Float8MatmulFn(torch.autograd.Function):
@@ -179,17 +220,18 @@ class _Float8MatmulFn(torch.autograd.Function):
         xpad: Any = None
         if isinstance(x, ScaledTensor):
             xd, xs = x.qdata, x.scale
-            xq: Tensor = as_operand((xd, xs, None), r.input, 1, x.dtype)
+            xq: Operand = as_operand((xd, xs, None), r.input, 1, x.dtype)
         elif r.fp8_saved_activations:  # the payload is saved for backward
             xd, xs, xpad = xp = quantize_parts(x, r.input, 1, x_scale)
             xq = as_operand(xp, r.input, 1, x.dtype)
         else:
-            xq, xs = _operand(x, r.input, 1, x_scale, r)
+            xq, xs, _ = _operand(x, r.input, 1, x_scale, r)
         ws_used: Tensor | None = None
+        wq: Operand
         if isinstance(w, ScaledTensor):
-            wq: Tensor = as_operand((w.qdata.t(), w.scale, None), r.weight, 0, w.dtype)
+            wq = as_operand((w.qdata.t(), w.scale, None), r.weight, 0, w.dtype)
         else:
-            wq, ws_used = _operand(w.t(), r.weight, 0, w_scale, r)
+            wq, ws_used, _ = _operand(w.t(), r.weight, 0, w_scale, r)
         y = _mm(xq, wq, out_dtype, r)
         # (A ScaledTensor weight carries its scale; FSDP2 refills it in place on re-gather.)
         w_tensor = _kind(r.weight) == "tensor" and not isinstance(w, ScaledTensor)
@@ -222,24 +264,22 @@ class _Float8MatmulFn(torch.autograd.Function):
             g_scale = r.grad_output.scale_for(mesh_amax(g, spec.go_mesh))
         g_tensor = _kind(r.grad_output) == "tensor"
         dx = dw = None
-        gq: Tensor
-        if g_tensor:  # quantized once, used transposed in the wgrad GEMM
-            gp = quantize_parts(g, r.grad_output, 1, g_scale)
-            gq = as_operand(gp, r.grad_output, 1, g.dtype)
-        elif ctx.needs_input_grad[0]:
-            gq = _operand(g, r.grad_output, 1, g_scale, r)[0]
+        gq: Operand
+        gp: Parts | None = None
+        if g_tensor or ctx.needs_input_grad[0]:  # tensor-wise: used transposed for dW too
+            gq, _, gp = _operand(g, r.grad_output, 1, g_scale, r)
         if ctx.needs_input_grad[0]:
-            wq: Tensor
+            wq: Operand
             if isinstance(w, ScaledTensor):  # tensor-wise: the forward's values, transposed
                 wq = as_operand((w.qdata, w.scale, None), r.weight, 0, w.dtype)
             else:
                 wq = _operand(w, r.weight, 0, w_scale, r)[0]
             dx = _mm(gq, wq, x_dtype, r)
         if ctx.needs_input_grad[1]:
-            gq_t: Tensor
-            xq: Tensor
+            gq_t: Operand
+            xq: Operand
             if g_tensor:  # the same values and scale, transposed
-                gq_t = as_operand((gp[0].t(), gp[1], None), r.grad_output, 1, g.dtype)
+                gq_t = _transposed(gq, gp, r.grad_output, g.dtype)
             else:
                 gq_t = _operand(g.t(), r.grad_output, 1, None, r)[0]
             if x is None:
@@ -252,6 +292,15 @@ class _Float8MatmulFn(torch.autograd.Function):
                 xq = _operand(x, r.input, 0, xq_scale if x_tensor else None, r)[0]
             dw = _mm(gq_t, xq, w.dtype, r)
         return dx, dw, None, None, None, None, None, None
+
+
+def _transposed(op: Operand, parts: Parts | None, cast: CastConfig, dtype: torch.dtype) -> Operand:
+    """A tensor-wise :func:`_operand` (one scale) used transposed: the same values and
+    scale (a ScaledTensor's from its ``parts``)."""
+    if isinstance(op, _Payload):
+        return _Payload(op.values.t(), op.scale, op.kind)
+    assert parts is not None
+    return as_operand((parts[0].t(), parts[1], None), cast, 1, dtype)
 
 
 # MX and NVFP4 linears run their forward and backward outside torch.compile's graph (a

@@ -46,8 +46,11 @@ __all__ = [
     "dequantize",
     "emulated_mm",
     "hardware_fp8_available",
+    "operand_kind",
+    "payload_mm",
     "quantize_dequantize",
     "quantize_operand",
+    "quantize_values",
     "scaled_mm",
 ]
 
@@ -123,12 +126,64 @@ def quantize_dequantize(t: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype
     if t.dtype == torch.float64 or not t.numel() or not kernels.takes(t, fmt):
         return None
     xp = pad_to_blocks(t.float(), g)
-    v = kernels.run_group_round_trip(
+    out = kernels.run_group_round_trip(
         xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g.kind, fmt), cast, dtype
     )
-    if v is None or xp.shape == t.shape:
-        return v
-    return v[: t.shape[0], : t.shape[1]]
+    if out is None or xp.shape == t.shape:
+        return None if out is None else out[0]
+    return out[0][: t.shape[0], : t.shape[1]]
+
+
+def quantize_values(
+    t: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype, scale: Tensor | None = None
+) -> tuple[Tensor, Tensor] | None:
+    """``(upcast(data, dtype), s)`` for ``(data, s, _) = quantize_parts(t, cast, cd,
+    scale)``, the same bits, by one kernel that never stores the 1-byte payload: what the
+    emulated hardware GEMM (:func:`payload_mm`) reads of a tensor- or axis-scaled operand
+    in a float8 format, eager on the CPU. ``None`` where that does not apply (another
+    granularity or format, a traced, autograd-recorded, small or float64 ``t``, kernels
+    off): the caller quantizes."""
+    if t.dim() != 2:
+        raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
+    g = cast.bound_granularity(cd)
+    fmt = get_format(cast.fmt)
+    if g.kind not in ("tensor", "axis") or fmt not in BYTE_FORMATS:
+        return None
+    if dtype not in (torch.float32, torch.bfloat16) or t.dtype == torch.float64:
+        return None
+    if not t.numel() or not kernels.takes(t, fmt):
+        return None
+    if g.kind == "tensor":
+        s = cast.scale_for(amax(t)) if scale is None else scale
+        v = kernels.run_round_trip(t, s.reshape(1, 1).float(), fmt, False, dtype)
+        return None if v is None else (v, s)
+    if scale is not None:
+        raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
+    return kernels.run_group_round_trip(
+        t.float(),
+        g.scale_shape(t.shape),
+        fmt,
+        lambda a: _group_scale(a, cast, g.kind, fmt),
+        cast,
+        dtype,
+        multiply=False,
+    )
+
+
+def payload_mm(
+    av: Tensor, sa: Tensor, ka: str, bv: Tensor, sb: Tensor, kb: str, out_dtype: torch.dtype
+) -> Tensor:
+    """The hardware formula of a tensor- or axis-scaled FP8 GEMM, emulated: the product of
+    the payloads' values ``av``, ``bv`` (in the emulation dtype: products of 8-bit values
+    are exact) accumulated in it, then scaled, ``(a·b)·(s_a s_b)`` (one factor, as the
+    hardware's alpha, when both are tensor-wise; else row then column scales), in
+    ``out_dtype``."""
+    raw = (av @ bv).float()
+    if ka == kb == "tensor":
+        out = raw.mul_((sa * sb).reshape(()))
+    else:
+        out = raw.mul_(sa).mul_(sb)
+    return out.to(out_dtype)
 
 
 def emulated_mm(da: Tensor, db: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -273,7 +328,7 @@ def hardware_fp8_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _kind(op: ScaledTensor, cd: int) -> str:
+def operand_kind(op: ScaledTensor, cd: int) -> str:
     """The scaling kind of an operand contracted over ``cd``: its recorded granularity's,
     else read off the scale shape (one scale: ``tensor``; one per index of the
     non-contracted dim: ``axis``; any other block-broadcast scale: ``block``)."""
@@ -338,7 +393,7 @@ def _float8_mm_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     a, b, out_dtype, ed, emulate = args
     if not isinstance(a, ScaledTensor) or not isinstance(b, ScaledTensor):
         raise TypeError("lowprec::float8_mm: a and b must be ScaledTensors")
-    ka, kb = _kind(a, 1), _kind(b, 0)
+    ka, kb = operand_kind(a, 1), operand_kind(b, 0)
     if emulate != 1 and _hardware_ok(a, b, ka, kb):
         return _hardware_mm(a, b, ka, out_dtype)
     if emulate == 0:
@@ -354,12 +409,8 @@ def _float8_mm_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     # FP16 and overflowed on E5M2 x E4M3 payload products: tests/float8/test_autocast_compile.py)
     if ka in ("tensor", "axis") and kb in ("tensor", "axis"):
         # The hardware formula: integer-like products of the narrow values, scaled after.
-        raw = (upcast(a.qdata, ed) @ upcast(b.qdata, ed)).float()
-        if ka == kb == "tensor":  # one factor, as the hardware's alpha = s_A s_B
-            out = raw.mul_((a.scale * b.scale).reshape(()))
-        else:
-            out = raw.mul_(a.scale).mul_(b.scale)
-        return out.to(out_dtype)
+        av, bv = upcast(a.qdata, ed), upcast(b.qdata, ed)
+        return payload_mm(av, a.scale, ka, bv, b.scale, kb, out_dtype)
     return emulated_mm(dequantize(a, ed), dequantize(b, ed), out_dtype)
 
 

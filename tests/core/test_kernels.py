@@ -20,7 +20,13 @@ from lowprec.core import codes, kernels, rounding
 from lowprec.core.formats import get_format
 from lowprec.core.rounding import _cast_native
 from lowprec.float8 import Float8Recipe
-from lowprec.float8.quant import dequantize_parts, quantize_dequantize, quantize_parts, upcast
+from lowprec.float8.quant import (
+    dequantize_parts,
+    quantize_dequantize,
+    quantize_parts,
+    quantize_values,
+    upcast,
+)
 from tests.core.test_fast_paths import bits, cases, same
 
 BYTE = [f.name for f in codes.BYTE_FORMATS]
@@ -135,6 +141,16 @@ def test_kernel_operands_match_the_eager_ops(preset: str, monkeypatch: pytest.Mo
                         assert fused.stride() == d_fast.stride(), (*why, dt)
                     else:
                         assert fused is None, why
+                    # the payload's values and scale, without the payload (tensor, axis)
+                    vals = quantize_values(x, r.cast(role), cd, dt)
+                    kind = r.cast(role).bound_granularity(cd).kind
+                    if kind in ("tensor", "axis"):
+                        assert vals is not None, (*why, dt)
+                        assert same_values(vals[0], ref[0].to(dt)), (*why, dt)
+                        assert vals[0].stride() == ref[0].stride(), (*why, dt)
+                        assert same(vals[1], ref[1]), (*why, dt)
+                    else:
+                        assert vals is None, why
     assert not kernels._BROKEN, kernels._BROKEN
 
 

@@ -18,6 +18,7 @@ import io
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -720,43 +721,55 @@ def test_apply_is_convert_to_float8() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("preset", "ed"),
+    ("preset", "ed", "fused"),
     [
-        ("blockwise", "fp32"),
-        ("mxfp8", "bf16"),
-        ("mxfp4", "fp32"),
-        ("nvfp4", "fp32"),
-        ("nvfp4", "bf16"),
+        ("blockwise", "fp32", 12),
+        ("mxfp8", "bf16", 12),
+        ("mxfp4", "fp32", 12),
+        ("nvfp4", "fp32", 12),
+        ("nvfp4", "bf16", 12),
+        ("tensorwise", "fp32", 6),  # inputs saved in FP8 (payloads); g used transposed too
+        ("delayed", "bf16", 6),
+        ("rowwise", "fp32", 12),
     ],
 )
-def test_fused_block_operands_match_the_two_step_path(
-    preset: str, ed: str, monkeypatch: pytest.MonkeyPatch
+def test_fused_operands_match_the_two_step_path(
+    preset: str, ed: str, fused: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Eager emulation of a block-scaled linear reads each operand's values from one fused
-    quantize-dequantize kernel (no payload): outputs and every gradient equal the
-    quantize-then-dequantize path bit for bit (padding rows and columns included), and
-    all six operands of each linear take the fused kernel."""
+    """Eager emulation reads each GEMM operand from one kernel that stores no 1-byte
+    payload (block-scaled casts: the dequantized values; tensor- and row-wise: the
+    payload's values and scale): outputs, every gradient and the delayed-scaling state
+    equal the quantize-then-dequantize path bit for bit (padding rows and columns
+    included), and every operand takes the fused kernel."""
     monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
     calls: list[int] = []
-    fused = f8lin.quantize_dequantize
+    qdq, qv = f8lin.quantize_dequantize, f8lin.quantize_values
 
-    def counted(*args: object) -> object:
-        v = fused(*args)  # type: ignore[arg-type]
-        calls.append(v is not None)
-        return v
+    def counted(fn: Any) -> Any:
+        def call(*args: Any) -> Any:
+            v = fn(*args)
+            calls.append(v is not None)
+            return v
 
-    def run(qdq: object) -> list[torch.Tensor]:
-        monkeypatch.setattr(f8lin, "quantize_dequantize", qdq)
+        return call
+
+    def run(on: bool) -> list[torch.Tensor]:
+        off = lambda *a: None  # noqa: E731
+        monkeypatch.setattr(f8lin, "quantize_dequantize", counted(qdq) if on else off)
+        monkeypatch.setattr(f8lin, "quantize_values", counted(qv) if on else off)
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(200, 96), nn.GELU(), nn.Linear(96, 72))
         m = convert_to_float8(m, replace(Float8Recipe.from_name(preset), emulation_dtype=ed))
-        x = torch.randn(40, 200, requires_grad=True)
-        y = m(x)
-        y.pow(2).sum().backward()
-        return [y.detach(), x.grad, *(p.grad for p in m.parameters())]  # type: ignore[list-item]
+        out: list[torch.Tensor] = []
+        for _ in range(2):
+            x = torch.randn(40, 200, requires_grad=True)
+            y = m(x)
+            y.pow(2).sum().backward()
+            out += [y.detach(), x.grad]  # type: ignore[list-item]
+        return out + [p.grad for p in m.parameters()] + list(m.buffers())  # type: ignore[misc]
 
-    got = run(counted)
-    ref = run(lambda *a: None)
-    assert sum(calls) == len(calls) == 12
+    got = run(True)
+    assert sum(calls) == 2 * fused
+    ref = run(False)
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
