@@ -23,10 +23,11 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["end_startup_guard", "guard_shutdown", "guard_startup"]
+__all__ = ["end_startup_guard", "guard_shutdown", "guard_startup", "run_then_guard"]
 
 _guarded = False
 
@@ -90,3 +91,27 @@ def guard_shutdown() -> None:
     :func:`lowprec.cli.main`) do nothing."""
     if _is_cli() and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _exit_quietly)
+
+
+def run_then_guard(command: Callable[[], int]) -> int:
+    """``command()`` (a command with its own Ctrl-C handling, returning its exit code), then
+    :func:`guard_shutdown`, with no window for a traceback in between: in a ``lowprec``
+    command process a Ctrl-C that lands after the command's handlers and before the guard
+    is installed (the second of a double Ctrl-C, say) ends the command with
+    ``128 + SIGINT``, quietly. In a library call such a ``KeyboardInterrupt`` propagates."""
+    code = 128 + signal.SIGINT
+    try:
+        try:
+            code = command()
+        finally:  # installed even while a late KeyboardInterrupt (or SystemExit) unwinds
+            while True:
+                try:
+                    guard_shutdown()
+                    break
+                except KeyboardInterrupt:
+                    if not _is_cli():
+                        raise
+    except KeyboardInterrupt:
+        if not _is_cli():
+            raise
+    return code

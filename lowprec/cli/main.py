@@ -27,7 +27,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lowprec import __version__
-from lowprec._startup import end_startup_guard, guard_shutdown
+from lowprec._startup import end_startup_guard, run_then_guard
 from lowprec.analysis.snr import (
     SNR_DEFAULT_FORMATS,
     SNR_WINDOW_DB,
@@ -246,14 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     ``TypeError``), 1 for anything else (a file-system error, a run that stopped on
     Inf/NaN). An interrupted job exits with ``128 + signal`` (130 for Ctrl-C); in the
     command's own process a Ctrl-C after this returns ends it at once, quietly, with 130
-    (:func:`lowprec._startup.guard_shutdown`). Notes
+    (:func:`lowprec._startup.run_then_guard`). Notes
     about repaired run files (:class:`~lowprec.jobs.rundir.RunNote`) print as
     ``note: ...``.
     """
-    try:
-        return _main(argv)
-    finally:
-        guard_shutdown()  # a Ctrl-C from here on: a quiet exit, never a traceback
+    # A Ctrl-C from the end of the command's own handlers on: a quiet exit, never a traceback
+    return run_then_guard(lambda: _main(argv))
 
 
 def _main(argv: list[str] | None) -> int:

@@ -129,3 +129,54 @@ def test_a_cleanup_error_while_an_abort_unwinds_is_still_an_abort() -> None:
     except RuntimeError as e:
         assert _during_abort(e)
     assert not _during_abort(RuntimeError("plain"))
+
+
+def test_a_ctrl_c_between_the_command_and_the_shutdown_guard_is_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second of a double Ctrl-C can land after the command's own handlers returned its
+    exit code and before the shutdown guard is installed (seen in CI: a traceback at the
+    guard's first line). In a command process it ends the command with 130 quietly and the
+    guard is still installed; a SystemExit keeps unwinding with the guard installed; in a
+    library call the KeyboardInterrupt propagates."""
+    import importlib
+
+    import lowprec._startup as s
+
+    cli_main = importlib.import_module("lowprec.cli.main")  # the module (lowprec.cli.main
+    # is also the function's name in lowprec.cli)
+
+    installed: list[bool] = []
+    pending = [1]  # KeyboardInterrupts to raise at the guard's entry
+
+    def guard() -> None:
+        if pending and pending.pop():
+            raise KeyboardInterrupt
+        installed.append(True)
+
+    monkeypatch.setattr(s, "guard_shutdown", guard)
+    monkeypatch.setattr(s, "_is_cli", lambda: True)
+    monkeypatch.setattr(cli_main, "_main", lambda argv: 0)
+    assert cli_main.main([]) == 0 and installed == [True]  # the command's own status
+
+    def late(argv: object) -> int:
+        raise KeyboardInterrupt  # after the command's handlers
+
+    installed.clear()
+    pending[:] = [1]
+    monkeypatch.setattr(cli_main, "_main", late)
+    assert cli_main.main([]) == 130 and installed == [True]
+
+    def usage(argv: object) -> int:
+        raise SystemExit(2)
+
+    installed.clear()
+    monkeypatch.setattr(cli_main, "_main", usage)
+    with pytest.raises(SystemExit):
+        cli_main.main([])
+    assert installed == [True]
+
+    monkeypatch.setattr(s, "_is_cli", lambda: False)
+    monkeypatch.setattr(cli_main, "_main", late)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main.main([])
