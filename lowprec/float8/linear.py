@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,26 +29,11 @@ from torch.distributed.tensor import DTensor
 from lowprec.core.scalers import DelayedScaler, StaticScaler, delayed_amax, push_amax
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.dtensor import dtensor_forward, mesh_amax
-from lowprec.float8.quant import (
-    Parts,
-    as_operand,
-    dequantize,
-    dequantize_parts,
-    emulated_mm,
-    matmul,
-    operand_kind,
-    payload_mm,
-    quantize_dequantize,
-    quantize_parts,
-    quantize_values,
-    upcast,
-)
+from lowprec.float8.operands import Operand, cast_kind, gemm, operand, transposed
+from lowprec.float8.quant import Parts, as_operand, dequantize_parts, quantize_parts
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 
 __all__ = ["Float8Linear"]
-
-_EDTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 HistoryScaler = DelayedScaler | StaticScaler
 
@@ -115,89 +100,18 @@ def _(t: Tensor) -> Tensor:
     return torch.empty_like(t)
 
 
-def _kind(cast: CastConfig) -> str:
-    return cast.bound_granularity(1).kind
-
-
 def _block_scaled(r: Float8Recipe) -> bool:
     """Whether a role of ``r`` has MX or NVFP4 (block-scaled, E8M0/E4M3 scale) casts."""
-    return any(_kind(c) in ("mx", "nv") for c in (r.input, r.weight, r.grad_output))
-
-
-class _Payload(NamedTuple):
-    """A tensor- or axis-scaled GEMM operand as the emulated hardware GEMM reads it: its
-    payload's values in the emulation dtype, its scale and its kind."""
-
-    values: Tensor
-    scale: Tensor
-    kind: str
-
-
-Operand = Tensor | _Payload  # a ScaledTensor, dequantized values, or a _Payload
-
-
-def _payload_roles(r: Float8Recipe) -> bool:
-    """Every GEMM of ``r`` multiplies payloads (tensor or axis casts for all three roles)."""
-    return all(_kind(c) in ("tensor", "axis") for c in (r.input, r.weight, r.grad_output))
-
-
-def _operand(
-    t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None, r: Float8Recipe
-) -> tuple[Operand, Tensor | None, Parts | None]:
-    """``(operand, scale, parts)``: the GEMM operand of ``t`` contracted over ``cd``, its
-    scale and the :func:`quantize_parts` it was built from (a ScaledTensor, whose own
-    fields are not read back: under ``torch.compile`` it is traced). Where the GEMM is emulated
-    anyway (``emulate`` not ``False``), eager on the CPU, one kernel that stores no 1-byte
-    payload gives what the emulation reads instead, the same bits: for a block-scaled
-    cast the dequantized values (:func:`~lowprec.float8.quant.quantize_dequantize`; scale
-    ``None``), and, when every role of ``r`` is tensor- or axis-scaled, a
-    :class:`_Payload` (:func:`~lowprec.float8.quant.quantize_values`). :func:`_mm` takes
-    any of them."""
-    if r.emulate is not False:
-        ed = _EDTYPE[r.emulation_dtype]
-        if scale is None:
-            v = quantize_dequantize(t, cast, cd, ed)
-            if v is not None:
-                return v, None, None
-        if _payload_roles(r):
-            vs = quantize_values(t, cast, cd, ed, scale)
-            if vs is not None:
-                return _Payload(vs[0], vs[1], _kind(cast)), vs[1], None
-    parts = quantize_parts(t, cast, cd, scale)
-    return as_operand(parts, cast, cd, t.dtype), parts[1], parts
-
-
-def _mm(a: Operand, b: Operand, out_dtype: torch.dtype, r: Float8Recipe) -> Tensor:
-    """``a · b`` (``a`` contracted over dim 1, ``b`` over 0) of two :func:`_operand`
-    results: :func:`~lowprec.float8.quant.matmul` of two ScaledTensors, else the same
-    emulation the ``lowprec::float8_mm`` rule runs: the hardware formula on payloads
-    (:func:`~lowprec.float8.quant.payload_mm`) when either side is a :class:`_Payload`
-    (both sides are then tensor- or axis-scaled), else the product of dequantized values."""
-    ed = _EDTYPE[r.emulation_dtype]
-    if isinstance(a, ScaledTensor) and isinstance(b, ScaledTensor):
-        return matmul(a, b, out_dtype, ed, r.emulate)
-    if isinstance(a, _Payload) or isinstance(b, _Payload):
-        pa = a if isinstance(a, _Payload) else _as_payload(a, 1, ed)
-        pb = b if isinstance(b, _Payload) else _as_payload(b, 0, ed)
-        return payload_mm(pa.values, pa.scale, pa.kind, pb.values, pb.scale, pb.kind, out_dtype)
-    da = dequantize(a, ed) if isinstance(a, ScaledTensor) else a
-    db = dequantize(b, ed) if isinstance(b, ScaledTensor) else b
-    return emulated_mm(da, db, out_dtype)
-
-
-def _as_payload(op: Tensor, cd: int, ed: torch.dtype) -> _Payload:
-    """A ScaledTensor operand (an FP8-gathered weight or input) as a :class:`_Payload`."""
-    assert isinstance(op, ScaledTensor)
-    return _Payload(upcast(op.qdata, ed), op.scale, operand_kind(op, cd))
+    return any(cast_kind(c) in ("mx", "nv") for c in (r.input, r.weight, r.grad_output))
 
 
 class _Float8MatmulFn(torch.autograd.Function):
     """The three GEMMs of a linear on :class:`~lowprec.core.tensor.ScaledTensor` operands.
 
     Operands are built from plain ``(data, scale)`` parts (:func:`quantize_parts`) and only
-    consumed by :func:`matmul`: no payload is read back from a ScaledTensor here, so
-    ``torch.compile(fullgraph=True)`` traces the ScaledTensors made inside the function
-    (the GEMM's ScaledTensor rule runs below Dynamo).
+    consumed by :func:`~lowprec.float8.operands.gemm`: no payload is read back from a
+    ScaledTensor made here, so ``torch.compile(fullgraph=True)`` traces them (the GEMM's
+    ScaledTensor rule runs below Dynamo).
     """
 
     @staticmethod
@@ -225,16 +139,16 @@ class _Float8MatmulFn(torch.autograd.Function):
             xd, xs, xpad = xp = quantize_parts(x, r.input, 1, x_scale)
             xq = as_operand(xp, r.input, 1, x.dtype)
         else:
-            xq, xs, _ = _operand(x, r.input, 1, x_scale, r)
+            xq, xs, _ = operand(x, r.input, 1, x_scale, r)
         ws_used: Tensor | None = None
         wq: Operand
         if isinstance(w, ScaledTensor):
             wq = as_operand((w.qdata.t(), w.scale, None), r.weight, 0, w.dtype)
         else:
-            wq, ws_used, _ = _operand(w.t(), r.weight, 0, w_scale, r)
-        y = _mm(xq, wq, out_dtype, r)
+            wq, ws_used, _ = operand(w.t(), r.weight, 0, w_scale, r)
+        y = gemm(xq, wq, out_dtype, r)
         # (A ScaledTensor weight carries its scale; FSDP2 refills it in place on re-gather.)
-        w_tensor = _kind(r.weight) == "tensor" and not isinstance(w, ScaledTensor)
+        w_tensor = cast_kind(r.weight) == "tensor" and not isinstance(w, ScaledTensor)
         w_used = ws_used if w_tensor else None
         if r.fp8_saved_activations or isinstance(x, ScaledTensor):
             assert xd is not None
@@ -256,51 +170,42 @@ class _Float8MatmulFn(torch.autograd.Function):
         spec: _Spec = ctx.spec
         r = spec.recipe
         xpad, x_dtype = ctx.x_meta
-        x_tensor = _kind(r.input) == "tensor"
+        x_tensor = cast_kind(r.input) == "tensor"
         g_scale = ctx.go_scale
         if g_scale is None:
             g_scale = _role_scale(spec.go_scaler, g, spec, go_state, spec.go_mesh)
-        if g_scale is None and spec.go_mesh is not None and _kind(r.grad_output) == "tensor":
+        if g_scale is None and spec.go_mesh is not None and cast_kind(r.grad_output) == "tensor":
             g_scale = r.grad_output.scale_for(mesh_amax(g, spec.go_mesh))
-        g_tensor = _kind(r.grad_output) == "tensor"
+        g_tensor = cast_kind(r.grad_output) == "tensor"
         dx = dw = None
         gq: Operand
         gp: Parts | None = None
         if g_tensor or ctx.needs_input_grad[0]:  # tensor-wise: used transposed for dW too
-            gq, _, gp = _operand(g, r.grad_output, 1, g_scale, r)
+            gq, _, gp = operand(g, r.grad_output, 1, g_scale, r)
         if ctx.needs_input_grad[0]:
             wq: Operand
             if isinstance(w, ScaledTensor):  # tensor-wise: the forward's values, transposed
                 wq = as_operand((w.qdata, w.scale, None), r.weight, 0, w.dtype)
             else:
-                wq = _operand(w, r.weight, 0, w_scale, r)[0]
-            dx = _mm(gq, wq, x_dtype, r)
+                wq = operand(w, r.weight, 0, w_scale, r)[0]
+            dx = gemm(gq, wq, x_dtype, r)
         if ctx.needs_input_grad[1]:
             gq_t: Operand
             xq: Operand
             if g_tensor:  # the same values and scale, transposed
-                gq_t = _transposed(gq, gp, r.grad_output, g.dtype)
+                gq_t = transposed(gq, gp, r.grad_output, g.dtype)
             else:
-                gq_t = _operand(g.t(), r.grad_output, 1, None, r)[0]
+                gq_t = operand(g.t(), r.grad_output, 1, None, r)[0]
             if x is None:
                 if x_tensor:  # used transposed in the wgrad GEMM: same values, same scale
                     xq = as_operand((xq_data, xq_scale, None), r.input, 0, x_dtype)
                 else:  # re-quantize along the token dimension (documented double rounding)
                     deq = dequantize_parts(xq_data, xq_scale, xpad, torch.float32)
-                    xq = _operand(deq, r.input, 0, None, r)[0]
+                    xq = operand(deq, r.input, 0, None, r)[0]
             else:  # tensor scale: the forward's (delayed/static/dynamic alike)
-                xq = _operand(x, r.input, 0, xq_scale if x_tensor else None, r)[0]
-            dw = _mm(gq_t, xq, w.dtype, r)
+                xq = operand(x, r.input, 0, xq_scale if x_tensor else None, r)[0]
+            dw = gemm(gq_t, xq, w.dtype, r)
         return dx, dw, None, None, None, None, None, None
-
-
-def _transposed(op: Operand, parts: Parts | None, cast: CastConfig, dtype: torch.dtype) -> Operand:
-    """A tensor-wise :func:`_operand` (one scale) used transposed: the same values and
-    scale (a ScaledTensor's from its ``parts``)."""
-    if isinstance(op, _Payload):
-        return _Payload(op.values.t(), op.scale, op.kind)
-    assert parts is not None
-    return as_operand((parts[0].t(), parts[1], None), cast, 1, dtype)
 
 
 # MX and NVFP4 linears run their forward and backward outside torch.compile's graph (a
@@ -456,12 +361,12 @@ class Float8Linear(nn.Linear):
         if not isinstance(x2d, ScaledTensor):
             xm = mesh if "x" in sharded else None
             xs = _role_scale(self._scalers.get("input"), x2d, spec, None, xm)
-            if xs is None and xm is not None and _kind(r.input) == "tensor":
+            if xs is None and xm is not None and cast_kind(r.input) == "tensor":
                 xs = r.input.scale_for(mesh_amax(x2d, mesh))
         if not isinstance(w, ScaledTensor):
             wm = mesh if "w" in sharded else None
             ws = _role_scale(self._scalers.get("weight"), w, spec, None, wm)
-            if ws is None and wm is not None and _kind(r.weight) == "tensor":
+            if ws is None and wm is not None and cast_kind(r.weight) == "tensor":
                 ws = r.weight.scale_for(mesh_amax(w, mesh))
         # A frozen static grad_output scale is known now; otherwise backward computes it
         # from the state threaded through the function (an input, for torch.compile).

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import lowprec.float8.linear as f8lin
+import lowprec.float8.operands as f8ops
 import lowprec.float8.quant as f8q
 import lowprec.float8.recipe as f8rec
 from lowprec import quantize_scaled
@@ -743,7 +744,7 @@ def test_fused_operands_match_the_two_step_path(
     included), and every operand takes the fused kernel."""
     monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
     calls: list[int] = []
-    qdq, qv = f8lin.quantize_dequantize, f8lin.quantize_values
+    qdq, qv = f8ops.quantize_dequantize, f8ops.quantize_values
 
     def counted(fn: Any) -> Any:
         def call(*args: Any) -> Any:
@@ -755,8 +756,8 @@ def test_fused_operands_match_the_two_step_path(
 
     def run(on: bool) -> list[torch.Tensor]:
         off = lambda *a: None  # noqa: E731
-        monkeypatch.setattr(f8lin, "quantize_dequantize", counted(qdq) if on else off)
-        monkeypatch.setattr(f8lin, "quantize_values", counted(qv) if on else off)
+        monkeypatch.setattr(f8ops, "quantize_dequantize", counted(qdq) if on else off)
+        monkeypatch.setattr(f8ops, "quantize_values", counted(qv) if on else off)
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(200, 96), nn.GELU(), nn.Linear(96, 72))
         m = convert_to_float8(m, replace(Float8Recipe.from_name(preset), emulation_dtype=ed))

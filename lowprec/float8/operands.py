@@ -1,0 +1,125 @@
+"""GEMM operands of :class:`~lowprec.float8.linear.Float8Linear`'s three GEMMs, and the
+GEMM of two of them.
+
+An operand is a :class:`~lowprec.core.tensor.ScaledTensor` built from
+:func:`~lowprec.float8.quant.quantize_parts` (what ``torch.compile`` traces and the hardware
+GEMM reads), or, where the GEMM is emulated anyway, eager on the CPU, what the emulation
+reads, from one kernel that stores no 1-byte payload (the same bits): a block-scaled cast's
+dequantized values, or a tensor- or axis-scaled cast's :class:`Payload`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from lowprec.core.tensor import ScaledTensor
+from lowprec.float8.quant import (
+    Parts,
+    as_operand,
+    dequantize,
+    emulated_mm,
+    matmul,
+    operand_kind,
+    payload_mm,
+    quantize_dequantize,
+    quantize_parts,
+    quantize_values,
+    upcast,
+)
+from lowprec.float8.recipe import CastConfig, Float8Recipe
+
+__all__ = [
+    "EMULATION_DTYPES",
+    "Operand",
+    "Payload",
+    "cast_kind",
+    "gemm",
+    "operand",
+    "transposed",
+]
+
+EMULATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # a recipe's emulation_dtype
+
+
+def cast_kind(cast: CastConfig) -> str:
+    """The granularity kind of a cast (``tensor``, ``axis``, ``block``, ``mx``, ``nv``)."""
+    return cast.bound_granularity(1).kind
+
+
+class Payload(NamedTuple):
+    """A tensor- or axis-scaled GEMM operand as the emulated hardware GEMM reads it: its
+    payload's values in the emulation dtype, its scale and its kind."""
+
+    values: Tensor
+    scale: Tensor
+    kind: str
+
+
+Operand = Tensor | Payload  # a ScaledTensor, dequantized values, or a Payload
+
+
+def payload_roles(r: Float8Recipe) -> bool:
+    """Every GEMM of ``r`` multiplies payloads (tensor or axis casts for all three roles)."""
+    return all(cast_kind(c) in ("tensor", "axis") for c in (r.input, r.weight, r.grad_output))
+
+
+def operand(
+    t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None, r: Float8Recipe
+) -> tuple[Operand, Tensor | None, Parts | None]:
+    """``(operand, scale, parts)``: the GEMM operand of ``t`` contracted over ``cd``, its
+    scale and the :func:`quantize_parts` it was built from (a ScaledTensor, whose own
+    fields are not read back: under ``torch.compile`` it is traced). Where the GEMM is emulated
+    anyway (``emulate`` not ``False``), eager on the CPU, one kernel that stores no 1-byte
+    payload gives what the emulation reads instead, the same bits: for a block-scaled
+    cast the dequantized values (:func:`~lowprec.float8.quant.quantize_dequantize`; scale
+    ``None``), and, when every role of ``r`` is tensor- or axis-scaled, a
+    :class:`Payload` (:func:`~lowprec.float8.quant.quantize_values`). :func:`gemm` takes
+    any of them."""
+    if r.emulate is not False:
+        ed = EMULATION_DTYPES[r.emulation_dtype]
+        if scale is None:
+            v = quantize_dequantize(t, cast, cd, ed)
+            if v is not None:
+                return v, None, None
+        if payload_roles(r):
+            vs = quantize_values(t, cast, cd, ed, scale)
+            if vs is not None:
+                return Payload(vs[0], vs[1], cast_kind(cast)), vs[1], None
+    parts = quantize_parts(t, cast, cd, scale)
+    return as_operand(parts, cast, cd, t.dtype), parts[1], parts
+
+
+def gemm(a: Operand, b: Operand, out_dtype: torch.dtype, r: Float8Recipe) -> Tensor:
+    """``a · b`` (``a`` contracted over dim 1, ``b`` over 0) of two :func:`operand`
+    results: :func:`~lowprec.float8.quant.matmul` of two ScaledTensors, else the same
+    emulation the ``lowprec::float8_mm`` rule runs: the hardware formula on payloads
+    (:func:`~lowprec.float8.quant.payload_mm`) when either side is a :class:`Payload`
+    (both sides are then tensor- or axis-scaled), else the product of dequantized values."""
+    ed = EMULATION_DTYPES[r.emulation_dtype]
+    if isinstance(a, ScaledTensor) and isinstance(b, ScaledTensor):
+        return matmul(a, b, out_dtype, ed, r.emulate)
+    if isinstance(a, Payload) or isinstance(b, Payload):
+        pa = a if isinstance(a, Payload) else _as_payload(a, 1, ed)
+        pb = b if isinstance(b, Payload) else _as_payload(b, 0, ed)
+        return payload_mm(pa.values, pa.scale, pa.kind, pb.values, pb.scale, pb.kind, out_dtype)
+    da = dequantize(a, ed) if isinstance(a, ScaledTensor) else a
+    db = dequantize(b, ed) if isinstance(b, ScaledTensor) else b
+    return emulated_mm(da, db, out_dtype)
+
+
+def _as_payload(op: Tensor, cd: int, ed: torch.dtype) -> Payload:
+    """A ScaledTensor operand (an FP8-gathered weight or input) as a :class:`Payload`."""
+    assert isinstance(op, ScaledTensor)
+    return Payload(upcast(op.qdata, ed), op.scale, operand_kind(op, cd))
+
+
+def transposed(op: Operand, parts: Parts | None, cast: CastConfig, dtype: torch.dtype) -> Operand:
+    """A tensor-wise :func:`operand` (one scale) used transposed: the same values and
+    scale (a ScaledTensor's from its ``parts``)."""
+    if isinstance(op, Payload):
+        return Payload(op.values.t(), op.scale, op.kind)
+    assert parts is not None
+    return as_operand((parts[0].t(), parts[1], None), cast, 1, dtype)
