@@ -46,6 +46,7 @@ from lowprec.scalify.core import (
     work_dtype,
 )
 from lowprec.scalify.domains import is_grad, rule
+from lowprec.scalify.fused import fused_rule, stored
 
 aten = torch.ops.aten
 __all__: list[str] = []
@@ -199,6 +200,12 @@ def _like_input(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     ``s = s_x`` (two operands: ``max(s_a, s_b)``), ``d = v / s``."""
     check_compatible(*args)
     work = work_dtype(*args)
+    if len(args) == 1 and isinstance(args[0], ScaledTensor) and scalar(args[0].scale):
+        sx = args[0].scale
+        post = torch.where(sx > 0, sx, 1.0).reshape(()).float()
+        fused = fused_rule(func, [stored(args[0])], work, kwargs=kwargs, post=post)
+        if fused is not None:
+            return out(func, args, fused, sx)
     v = func(*(deq(a, work) for a in args), **kwargs)
     scales = [a.scale for a in args if isinstance(a, ScaledTensor)]
     s = scales[0] if len(scales) == 1 else combine(scales[0], scales[1], tuple(v.shape))
@@ -210,6 +217,11 @@ def _act_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     """``g·f'(x)`` (linear in the gradient): ``d = d_g·f'(d_x·s_x)``, ``s = s_g``."""
     g, x = args[0], args[1]
     work = work_dtype(g, x)
+    if isinstance(g, ScaledTensor) and scalar(g.scale):
+        ops = [(g.qdata, None), stored(x)]
+        fused = fused_rule(func, ops, work, tuple(args[2:]), kwargs)
+        if fused is not None:
+            return out(func, args, fused, g.scale)
     dg, sg = pair(g, work)
     xv = deq(x, work)
     if isinstance(g, ScaledTensor) and not scalar(sg):

@@ -33,6 +33,7 @@ from lowprec.scalify.core import (
     work_dtype,
 )
 from lowprec.scalify.domains import rule
+from lowprec.scalify.fused import fused_rule, stored
 from lowprec.scalify.rules import number_pair
 
 aten = torch.ops.aten
@@ -217,7 +218,11 @@ def _masked_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 def _softmax(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """softmax / log_softmax: ``v = f(d_x·s_x)`` in float32 (not scale-invariant), ``s = 1``."""
     x, dim = args[0], args[1]
-    v = func(deq(x, work_dtype(x)), dim, False)
+    work = work_dtype(x)
+    fused = fused_rule(func, [stored(x)], work, (dim, False))
+    if fused is not None:
+        return out(func, args, fused, one(fused))
+    v = func(deq(x, work), dim, False)
     return out(func, args, v, one(v))
 
 
@@ -228,6 +233,10 @@ def _softmax_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     (a non-scalar ``s_g`` is folded to its max first, as the sum mixes rows)."""
     g, y, dim = args[0], args[1], args[2]
     work = work_dtype(g, y)
+    if isinstance(g, ScaledTensor) and scalar(g.scale):
+        fused = fused_rule(func, [(g.qdata, None), stored(y)], work, (dim, work))
+        if fused is not None:
+            return out(func, args, fused, g.scale)
     dg, sg = pair(g, work)
     if not scalar(sg):
         sg = sg.amax()

@@ -1,0 +1,124 @@
+"""Fused eager kernels for scalify's pointwise and row-wise rules on large CPU tensors.
+
+Eager, a rule on FP16 (or BF16) data upcasts each operand to float32 (a pass that writes a
+new float32 tensor), runs the op in float32, and casts the result back to the storage
+format (another pass). For the rules that call this module, one compiled function does
+the same from the stored data to the stored result,
+
+    r = (f(d_1·s_1, ..., d_n·s_n, *consts) / p).to(store)
+
+computed in float32 and rounded once, as the eager rule computes it (``s_i``: an operand's
+per-tensor scale, left out where it is 1; ``p``: an optional divisor, the output scale).
+Inductor may order a row's sum differently from aten's kernel: the float32 values agree
+to float32 rounding, the stored result to one unit of the storage format in rare ties.
+
+The kernels are :mod:`lowprec.core.kernels`' (one cache, one switch
+``LOWPREC_EAGER_KERNELS``, compiled with ``dynamic=True``): used eagerly on the CPU, for
+data of at least ``2**16`` elements (``LOWPREC_EAGER_KERNELS_MIN_NUMEL``), outside
+:func:`lowprec.core.rounding._reference_paths`; elsewhere the rule runs its eager ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lowprec.core import kernels, rounding
+
+__all__ = ["MIN_NUMEL", "fused_rule", "run_fp32", "stored"]
+
+MIN_NUMEL = 1 << 16  # below this, the kernel call costs more than the passes it saves
+_STORED = (torch.float16, torch.bfloat16)
+
+
+def run_fp32(
+    func: Any,
+    operands: Sequence[tuple[Tensor, Tensor | None]],
+    store: torch.dtype,
+    consts: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    post: Tensor | None = None,
+) -> Tensor | None:
+    """``(func(*(d.float() * s), *consts, **kwargs) / post).to(store)`` in one compiled
+    pass, for ``operands`` ``(d, s)``: stored data ``d`` (float16/bfloat16, same shape) and
+    a 0-dim float32 scale ``s`` (``None``: 1); ``post``: a 0-dim float32 divisor or
+    ``None``. ``func`` returns one float32 tensor. ``None`` where the kernel does not apply
+    (the caller runs its eager ops)."""
+    if store not in _STORED or not rounding._FAST_EAGER or not operands:
+        return None
+    for d, s in operands:
+        if d.dtype not in _STORED or not kernels.applies(d, _STORED, MIN_NUMEL):
+            return None
+        if s is not None and (s.dim() != 0 or s.dtype != torch.float32):
+            return None
+    if post is not None and (post.dim() != 0 or post.dtype != torch.float32):
+        return None
+    kw = dict(kwargs or {})
+    scaled = tuple(s is not None for _, s in operands)
+    divided = post is not None
+
+    def build() -> Callable[..., Tensor]:
+        def kernel(*ts: Tensor) -> Tensor:
+            rest = iter(ts[len(scaled) :])  # the scales, in operand order, then post
+            vals = [
+                d.float() * next(rest) if sc else d.float()
+                for d, sc in zip(ts, scaled, strict=False)
+            ]
+            r = func(*vals, *consts, **kw)
+            if divided:
+                r = r / ts[-1]
+            return r.to(store)  # type: ignore[no-any-return]
+
+        return kernel
+
+    key = (
+        "scalify",
+        str(func),
+        consts,
+        tuple(sorted(kw.items())),
+        tuple((d.dtype, d.dim()) for d, _ in operands),
+        scaled,
+        divided,
+        store,
+    )
+    extra = [s for _, s in operands if s is not None]
+    args = [d for d, _ in operands] + extra + ([post] if post is not None else [])
+    return kernels._run(key, build, *args)
+
+
+def stored(x: object) -> tuple[Tensor, Tensor | None] | None:
+    """A ScaledTensor operand with a per-tensor scale as :func:`run_fp32` takes it:
+    ``(data, scale)``, the scale ``None`` when it is 1; ``None`` for anything else."""
+    from lowprec.core.tensor import ScaledTensor
+    from lowprec.scalify.core import fscale
+
+    if not isinstance(x, ScaledTensor) or x.scale.numel() != 1:
+        return None
+    f = fscale(x.scale)
+    if f is None:
+        return None
+    return x.qdata, None if f == 1.0 else x.scale.reshape(()).float()
+
+
+def fused_rule(
+    func: Any,
+    ops: Sequence[tuple[Tensor, Tensor | None] | None],
+    work: torch.dtype,
+    consts: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    post: Tensor | None = None,
+) -> Tensor | None:
+    """A rule's stored result ``(func(d·s, ...) / post).to(store)`` from :func:`run_fp32`,
+    or ``None`` (the rule runs its eager ops): only where that is the rule's own
+    computation, float32 work, every operand given (:func:`stored`: a per-tensor scale),
+    and no automatic rescale (it reads the float32 result)."""
+    from lowprec.scalify.config import current_config
+
+    cfg = current_config()
+    if work != torch.float32 or cfg.rescale != "none" or any(o is None for o in ops):
+        return None
+    given = [o for o in ops if o is not None]
+    return run_fp32(func, given, cfg.storage_dtype, consts, kwargs, post)
