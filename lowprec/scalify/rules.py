@@ -330,24 +330,30 @@ def _fp8_cached(d: Tensor, fmt: str) -> Tensor | None:
 
 def _fp8_eager(d: Tensor, fmt: str) -> Tensor | None:
     """:func:`_fp8`'s ``quantize_scaled(d, fmt, power_of_two=True).dequantize()`` for
-    float32 CPU data with a finite, nonzero ``amax`` (else ``None``): the same scale
-    (:func:`~lowprec.core.scales.compute_scale` of the same ``amax``) and the same
-    divide, cast and multiply, without the autograd and wrapper layers or the second
-    range-check read. ``r ≥ amax / fmt.max`` (rounded up to a power of two), so
-    ``|d / r| ≤ fmt.max``: the cast needs no saturation (checked, else ``None``)."""
+    float32 CPU data, eager. A large ``d`` takes one compiled kernel
+    (:func:`~lowprec.core.kernels.run_group_round_trip` with one group): the amax, the
+    scale ``r`` and the rounding of the traced path (tested equal to the quantize-dequantize
+    for every input, zeros, Inf and NaN included), with no read back to the host.
+    Otherwise, for a finite, nonzero ``amax`` (else ``None``): the same scale
+    (:func:`~lowprec.core.scales.compute_scale` of the same ``amax``) and the same divide,
+    cast and multiply, without the autograd and wrapper layers or the second range-check
+    read. ``r ≥ amax / fmt.max`` (rounded up to a power of two), so ``|d / r| ≤ fmt.max``:
+    the cast needs no saturation (checked, else ``None``)."""
+    f = get_format(fmt)
+    if kernels.takes(d, f, kernels.ROUND_TRIP_MIN_NUMEL):  # the same bits, one call
+        fused = kernels.run_group_round_trip(
+            d, (), f, lambda a: group_scale(a, f, "tensor", 0.0, True), "pow2", torch.float32
+        )
+        if fused is not None:
+            return fused[0]
     lo, hi = torch.aminmax(d)
     a = torch.maximum(hi, -lo)
     fa = float(a)
     if not (math.isfinite(fa) and fa > 0.0):
         return None
     r = float(compute_scale(a, fmt, power_of_two=True))
-    f = get_format(fmt)
     if fa / r > f.max:
         return None
-    if kernels.takes(d, f, kernels.ROUND_TRIP_MIN_NUMEL):  # the same bits, one pass
-        y = kernels.run_round_trip(d, torch.tensor(r), f)
-        if y is not None:
-            return y
     return (d / r).to(_FP8[fmt]).to(torch.float32) * r
 
 

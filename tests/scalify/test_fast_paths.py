@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lowprec.core import kernels
 from lowprec.core.tensor import quantize_scaled
 from lowprec.scalify import core, rules, scaled, unscale
 from lowprec.scalify.config import config
@@ -60,6 +61,30 @@ def test_fp8_rounding_matches_quantize_scaled(fmt: str, e: int) -> None:
     fast = rules._fp8_eager(d, fmt)
     assert fast is not None
     assert torch.equal(_bits(fast), _bits(ref))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_fp8_rounding_kernel_matches_quantize_scaled(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused eager kernel (forced on these small tensors): amax, scale and rounding in
+    one call, the quantize-dequantize's bits for every input, zeros of both signs,
+    subnormals, Inf and NaN included (no host check, no fallback), transposed too."""
+    monkeypatch.setenv("LOWPREC_EAGER_KERNELS", "1")
+    monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
+    special = _data(0, 7)
+    special[0, :6] = torch.tensor([0.0, -0.0, 1e-45, -3e-39, float("inf"), float("nan")])
+    inf = _data(3, 8)
+    inf[5, 5] = float("-inf")
+    cases = [_data(e, e + 900) for e in EXPONENTS] + [special, inf, torch.zeros(5, 7)]
+    for d in [*cases, cases[3].t()]:
+        ref = quantize_scaled(d.contiguous(), fmt, power_of_two=True).dequantize()
+        got = rules._fp8_eager(d, fmt)
+        assert got is not None and got.shape == d.shape
+        nan = ref.isnan()
+        assert torch.equal(got.contiguous().isnan(), nan)
+        assert torch.equal(_bits(got)[~nan], _bits(ref)[~nan])
+    assert not kernels._BROKEN, kernels._BROKEN
 
 
 def test_fp8_cache_views_match_and_miss_after_change() -> None:
