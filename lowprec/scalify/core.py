@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lowprec.core.granularity import apply_scale, check_scale_shape
+from lowprec.core.rounding import dense_view
 from lowprec.core.scales import round_pow2
 from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import current_config
@@ -77,38 +79,60 @@ def one(ref: Tensor) -> Tensor:
     return torch.ones((), device=ref.device)
 
 
-class _Cache(threading.local):
-    def __init__(self) -> None:
-        self.entries: list[tuple[tuple[Any, ...], Tensor, Tensor]] = []  # (key, base, upcast)
+class BlockCache(threading.local):
+    """A few recent results of an elementwise map of stored data, keyed by the block of
+    storage the data occupy (per thread: no thread sees another's entries mid-update).
+
+    A rule reads one tensor several times, often through different views (``g`` and
+    ``gᵀ``, ``x`` and its ``(B·T, C)`` reshape): views made inside a rule carry no
+    ``_base`` and no shared version counter, so the key is the storage block itself:
+    the storage's address, the block's offset and length, the dtype and the view's
+    version counter (an in-place change through that view misses). Stored data are never
+    changed in place by scalify (in-place ops replace a ScaledTensor's data); the entry
+    keeps the tensor, so its storage, alive (no address reuse)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: list[tuple[tuple[Any, ...], Tensor, Tensor]] = []  # (key, data, result)
+
+    def get(
+        self, d: Tensor, tag: tuple[Any, ...], fn: Callable[[Tensor], Tensor | None]
+    ) -> Tensor | None:
+        """``fn`` (an elementwise map, or one whose per-tensor statistics are the same for
+        every view of the block) of ``d``, laid out like ``d``: computed on the block
+        flattened in storage order, or a recent result for the same block reused. A ``d``
+        that does not cover a contiguous block exactly once gets ``fn(d)`` directly."""
+        flat = dense_view(d)
+        if not flat.is_contiguous():
+            return fn(d)
+        key = (d.untyped_storage().data_ptr(), d.storage_offset(), d.numel(), d.dtype,
+               d._version, *tag)  # fmt: skip
+        hit = [r for k, _, r in self.entries if k == key]
+        if hit:
+            r: Tensor | None = hit[0]
+        else:
+            r = fn(flat.reshape(-1))
+            if r is None:
+                return None
+            self.entries.insert(0, (key, d, r))
+            del self.entries[self.size :]
+        assert r is not None
+        return r.as_strided(d.shape, d.stride(), r.storage_offset())
 
 
-_CACHE = _Cache()  # per thread: no thread sees another's entries mid-update
-_CACHE_SIZE, _CACHE_MIN = 4, 1 << 16
+_UPCASTS = BlockCache(4)
+_CACHE_MIN = 1 << 16
 
 
 def upcast(d: Tensor, work: torch.dtype) -> Tensor:
-    """``d.to(work)``, reusing a recent upcast of the same data (eager, large tensors only).
-
-    Backward ops read one gradient or activation several times, often through different
-    views (``g`` and ``gᵀ``): the whole base tensor is upcast once and viewed with the
-    same strides. The key holds the base's address, layout and version counter (an
-    in-place change misses), and the entry keeps the base alive (no address reuse).
-    """
+    """``d.to(work)``, reusing a recent upcast of the same stored data (eager, large
+    tensors only; :class:`BlockCache`): backward ops read one gradient or activation
+    several times, often through different views, and each is upcast once."""
     if d.dtype == work or d.numel() < _CACHE_MIN or compiling():
         return d.to(work)
-    base = d._base if d._base is not None else d
-    if not base.is_contiguous():
-        return d.to(work)
-    key = (base.data_ptr(), tuple(base.shape), base.dtype, work, base._version)
-    cache = _CACHE.entries
-    hit = [u for k, _, u in cache if k == key]
-    if hit:
-        up = hit[0]
-    else:
-        up = base.to(work)
-        cache.insert(0, (key, base, up))
-        del cache[_CACHE_SIZE:]
-    return up.as_strided(d.shape, d.stride(), d.storage_offset() - base.storage_offset())
+    up = _UPCASTS.get(d, (work,), lambda t: t.to(work))
+    assert up is not None
+    return up
 
 
 def pair(x: Any, work: torch.dtype) -> Pair:

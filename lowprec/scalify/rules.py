@@ -10,7 +10,6 @@ chosen scale (up to the final rounding): only its range does.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from lowprec.core.scales import amax, compute_scale, group_scale, round_pow2
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
 from lowprec.scalify.config import current_config
 from lowprec.scalify.core import (
+    BlockCache,
     Pair,
     check_compatible,
     check_real_float,
@@ -283,49 +283,17 @@ def _fp8(d: Tensor, s: Tensor, grad: bool) -> Pair:
 _FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-class _Fp8Cache(threading.local):
-    def __init__(self) -> None:
-        self.entries: list[tuple[tuple[Any, ...], Tensor, Tensor]] = []  # (key, base, fp8)
-
-
-_FP8_CACHE = _Fp8Cache()
-_FP8_CACHE_SIZE = 4
-
-
-def _dense(d: Tensor) -> bool:
-    """``d``'s elements are each of its storage's span exactly once (a permuted
-    contiguous layout: no gaps, no overlap)."""
-    n = 1
-    for st, sz in sorted((st, sz) for st, sz in zip(d.stride(), d.shape, strict=True) if sz != 1):
-        if st != n:
-            return False
-        n *= sz
-    return True
+_FP8_ROUNDINGS = BlockCache(4)
 
 
 def _fp8_cached(d: Tensor, fmt: str) -> Tensor | None:
-    """:func:`_fp8_eager`, reusing a recent result for the same data (a backward reads
-    one gradient as ``g`` and ``gᵀ``; see :func:`~lowprec.scalify.core.upcast`, whose
-    cached bases these views share). Only a view holding every element of its base
-    once: the per-tensor scale is then the base's, and the rounding elementwise."""
-    base = d._base if d._base is not None else d
-    if d.numel() < (1 << 16) or d.numel() != base.numel() or not base.is_contiguous():
+    """:func:`_fp8_eager`, reusing a recent result for the same stored data (a backward
+    reads one gradient as ``g`` and ``gᵀ``; :class:`~lowprec.scalify.core.BlockCache`):
+    only for a view covering its storage block once, whose per-tensor scale is then the
+    block's, and the rounding elementwise."""
+    if d.numel() < (1 << 16):
         return _fp8_eager(d, fmt)
-    if not _dense(d):
-        return _fp8_eager(d, fmt)
-    key = (base.data_ptr(), tuple(base.shape), base._version, fmt)
-    cache = _FP8_CACHE.entries
-    hit = [q for k, _, q in cache if k == key]
-    if hit:
-        q = hit[0]
-    else:
-        r = _fp8_eager(base, fmt)
-        if r is None:
-            return None
-        q = r
-        cache.insert(0, (key, base, q))
-        del cache[_FP8_CACHE_SIZE:]
-    return q.as_strided(d.shape, d.stride(), d.storage_offset() - base.storage_offset())
+    return _FP8_ROUNDINGS.get(d, (fmt,), lambda t: _fp8_eager(t, fmt))
 
 
 def _fp8_eager(d: Tensor, fmt: str) -> Tensor | None:
