@@ -92,6 +92,29 @@ def number_pair(x: Any, ref: Tensor, work: torch.dtype) -> Pair:
     return d, torch.where(fin, mag, 1.0).float()
 
 
+def _fused_add(a: Any, b: Any, alpha: float, work: torch.dtype) -> Pair | None:
+    """:func:`add_pairs`' max rule for two ScaledTensors of one shape with per-tensor
+    scales, ``d = d_a·(s_a/s) + d_b·(α·s_b/s)``, ``s = max(s_a, s_b)``, from one fused
+    kernel (:func:`~lowprec.scalify.fused.fused_rule`) that also rounds to the storage
+    format; ``None`` where it does not apply."""
+    if not (is_st(a) and is_st(b)) or tuple(a.shape) != tuple(b.shape):
+        return None
+    if current_config().add_rule != "max":
+        return None
+    fa, fb = fscale(a.scale), fscale(b.scale)
+    if fa is None or fb is None or max(fa, fb) == 0.0:
+        return None
+    f = max(fa, fb)
+    ra, rb = fa / f, alpha * fb / f
+
+    def factor(r: float) -> Tensor | None:
+        return None if r == 1.0 else torch.tensor(r, device=a.device)
+
+    ops = [(a.qdata, factor(ra)), (b.qdata, factor(rb))]
+    d = fused_rule(aten.add.Tensor, ops, work)
+    return None if d is None else (d, a.scale.new_tensor(f).reshape(()))
+
+
 @rule(aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar)
 def _add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``a ± α·b``: :func:`add_pairs`; a zero-scale operand short-circuits to the other.
@@ -109,6 +132,9 @@ def _add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not isinstance(b, Tensor) and float(b) * alpha == 0.0 and isinstance(a, ScaledTensor):
         return a
     work = work_dtype(a, b)
+    fused = _fused_add(a, b, alpha, work)
+    if fused is not None:
+        return out(func, args, *fused)
     ref = first_st((a, b))
     pa, pb = number_pair(a, ref, work), number_pair(b, ref, work)
     shape = tuple(torch.broadcast_shapes(pa[0].shape, pb[0].shape))  # type: ignore[no-untyped-call]

@@ -249,19 +249,19 @@ def _softmax_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 @rule(aten.native_layer_norm.default)
 def _layer_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``n = (x − μ)/√(σ² + ε)`` from ``v = d_x·s_x`` in float32; ``y = n·w + b`` with
-    ``s = max(s_w, s_b)`` (1 without affine). Mean and rstd return as plain float32."""
+    """``y = (x − μ)/√(σ² + ε)·w + b`` from ``v = d_x·s_x`` and the affine's values, in
+    float32 by aten's kernel (one pass, as the plain model computes it); ``s = max(s_w,
+    s_b)`` (1 without affine), ``d = y / s``. Mean and rstd return as plain float32."""
     x, shape, w, b, eps = args
     work = work_dtype(x)
-    n, mean, rstd = func(deq(x, work), shape, None, None, eps)
-    y = n
+    wv = deq(w, work) if w is not None else None
+    bv = deq(b, work) if b is not None else None
+    y, mean, rstd = func(deq(x, work), shape, wv, bv, eps)
     scales = [t.scale.amax() for t in (w, b) if isinstance(t, ScaledTensor)]
-    s = torch.stack(scales).amax() if scales else one(n)
-    if w is not None:
-        y = y * deq(w, work)
-    if b is not None:
-        y = y + deq(b, work)
-    return out(func, args, y / torch.where(s > 0, s, 1.0).to(work), s), mean, rstd
+    s = torch.stack(scales).amax() if scales else one(y)
+    if fscale(s) != 1.0:  # (a unit scale, eager: nothing to divide)
+        y = y / torch.where(s > 0, s, 1.0).to(work)
+    return out(func, args, y, s), mean, rstd
 
 
 @rule(aten.native_layer_norm_backward.default)
