@@ -154,17 +154,22 @@ def _run(
     fn = _CACHE.get(key)
     if fn is None:
         fn = _CACHE[key] = _compile(build())
+    # (Python numbers of the closure stay constants: with dynamic=True Dynamo would trace
+    # floats, such as a cast's margin, as symbols and break on their checks, and ints, such
+    # as a format's bias, as symbols whose shifts and powers of two the kernel would
+    # compute for every vector. Set and restored directly: config.patch's context manager
+    # cost more than a small kernel's own call.)
+    cfg = torch._dynamo.config
+    old = cfg.specialize_float, cfg.specialize_int
+    cfg.specialize_float = cfg.specialize_int = True
     try:
-        # (Python numbers of the closure stay constants: with dynamic=True Dynamo would
-        # trace floats, such as a cast's margin, as symbols and break on their checks, and
-        # ints, such as a format's bias, as symbols whose shifts and powers of two the
-        # kernel would compute for every vector.)
-        flags = torch._dynamo.config.patch(specialize_float=True, specialize_int=True)
-        with torch.no_grad(), flags:
+        with torch.no_grad():
             return fn(*args)
     except Exception as e:  # a missing compiler, an inductor bug: fall back, once
         _broken(e)
         return None
+    finally:
+        cfg.specialize_float, cfg.specialize_int = old
 
 
 def _broken(e: Exception) -> None:
