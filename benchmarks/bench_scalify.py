@@ -7,7 +7,9 @@ Eager scalify runs every aten op through a Python ``__torch_dispatch__`` rule an
 each output to FP16 (CPU GEMMs run in FP32 on the FP16 values), so its overhead is the
 dispatch plus the casts; compiled, the rules are traced away and inductor fuses the casts.
 ``--threads`` defaults to 1 (shared 2-core machine); ``--quick``: tiny shape, temp JSON;
-``--no-compile`` skips the compiled rows; ``--train-steps 300`` also trains FP32,
+``--no-compile`` skips the compiled rows; ``--kernels-off`` adds eager rows with the
+compiled eager kernels off (``LOWPREC_EAGER_KERNELS=0`` during their steps), interleaved
+with the others: the kernels' effect in one run; ``--train-steps 300`` also trains FP32,
 fp16-scalify and fp8-scalify at the demo config and records their val losses (issue 6's
 goal: within 1% of FP32). Compiled models are compiled (and checked to run
 their compiled graph) before timing: their "first call" column excludes compilation,
@@ -17,7 +19,9 @@ recorded as ``compile_s``.
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,6 +69,23 @@ def train_val_loss(fmt: str, steps: int) -> dict[str, Any]:
             "median_ms_per_step": 1e3 * sorted(times)[len(times) // 2]}  # fmt: skip
 
 
+def _kernels_off(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` run with ``LOWPREC_EAGER_KERNELS=0`` (read at each kernel call)."""
+
+    def run() -> None:
+        old = os.environ.get("LOWPREC_EAGER_KERNELS")
+        os.environ["LOWPREC_EAGER_KERNELS"] = "0"
+        try:
+            step()
+        finally:
+            if old is None:
+                del os.environ["LOWPREC_EAGER_KERNELS"]
+            else:
+                os.environ["LOWPREC_EAGER_KERNELS"] = old
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -72,6 +93,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kernels-off", action="store_true",
+                    help="also time fp16/fp8 eager with LOWPREC_EAGER_KERNELS=0 during "
+                    "their steps (no compiled eager kernels): an in-process A/B")  # fmt: skip
     ap.add_argument("--clock", default="wall", choices=CLOCKS,
                     help="wall time, or the (one) compute thread's CPU time: leaves out "
                     "the time a shared virtual machine's host takes the core away "
@@ -101,6 +125,13 @@ def main() -> None:
                 _, loss = run(*batches[0])
                 compile_s[name] = time.perf_counter() - t0
                 compiled_ok[name] = ran_compiled(loss)
+    if a.kernels_off:
+        for name in ("fp16-scalify", "fp8-scalify"):
+            torch.manual_seed(0)
+            base = CharGPT(cfg)
+            m = apply_scalify(base, data_format=name.split("-")[0])
+            opt = torch.optim.AdamW(base.parameters(), lr=3e-3)
+            calls[f"{name} kernels off/eager"] = _kernels_off(lm_step_fn(m, opt, batches))
     reset_coverage()
     t = time_many(calls, repeats=a.repeats, warmup=3, min_repeat_s=0.3, clock=a.clock)
     print_mode_ratio_table("scalify'd vs plain FP32 CharGPT step (fwd+bwd+AdamW)", t,
@@ -111,6 +142,10 @@ def main() -> None:
         for mode in modes:
             rec[f"ratio_{fmt}_{mode}"] = (
                 t[f"{fmt}-scalify/{mode}"].median_ms / t[f"plain/{mode}"].median_ms
+            )
+        if a.kernels_off:
+            rec[f"ratio_{fmt}_eager_kernels_off"] = (
+                t[f"{fmt}-scalify kernels off/eager"].median_ms / t["plain/eager"].median_ms
             )
     rec["goal_ratio_eager"], rec["goal_ratio_compiled"] = 1.5, 1.1
     rec["compiled_graph_used"] = compiled_ok
