@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lowprec.core.granularity import apply_scale
 from lowprec.core.tensor import _LOGICAL, ScaledTensor
+from lowprec.scalify.config import current_config
 from lowprec.scalify.core import (
     check_compatible,
     combine,
@@ -32,7 +33,7 @@ from lowprec.scalify.core import (
     sqrt_factor,
     work_dtype,
 )
-from lowprec.scalify.domains import rule
+from lowprec.scalify.domains import out_domain, rule
 from lowprec.scalify.fused import fused_rule, stored
 from lowprec.scalify.rules import number_pair
 
@@ -118,6 +119,24 @@ def _pack(x: ScaledTensor, d: Any, s: Any, func: Any, args: Any) -> Any:
     return _same(x, d, s, func, args)
 
 
+def _same_scale(xs: list[Any]) -> Tensor | None:
+    """The common per-tensor scale of ScaledTensors stored in the configured format, in
+    one domain, eager and without automatic rescale (which would read the float32
+    result), else ``None``."""
+    if not xs or current_config().rescale != "none":
+        return None
+    if not all(isinstance(x, ScaledTensor) and x.scale.numel() == 1 for x in xs):
+        return None
+    store = current_config().storage_dtype
+    if any(x.qdata.dtype != store for x in xs) or len({x.domain for x in xs}) != 1:
+        return None
+    first: ScaledTensor = xs[0]
+    f = fscale(first.scale)
+    if f is None or any(fscale(x.scale) != f for x in xs[1:]):
+        return None
+    return first.scale.reshape(()).float()
+
+
 @rule(aten.cat.default, aten.stack.default)
 def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """cat/stack of ``x_i``: per-tensor scales give ``s = max s_i``, ``d = cat(d_i·s_i/s)``;
@@ -126,6 +145,10 @@ def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     check_compatible(*xs)
     ref = first_st(xs)
     work = work_dtype(*xs)
+    same = _same_scale(xs)
+    if same is not None:  # (eager) d_i·s_i/s = d_i: the stored data, joined as they are
+        d = func([x.qdata for x in xs], *args[1:], **kwargs)
+        return ScaledTensor._wrap(d, same, ref.dtype, ref._fmt, out_domain(args))
     pairs = [pair(x, work) for x in xs]
     if all(scalar(s) for _, s in pairs):
         s = torch.stack([p[1].reshape(()) for p in pairs]).amax()

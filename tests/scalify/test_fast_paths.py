@@ -9,7 +9,7 @@ import torch
 
 from lowprec.core import kernels
 from lowprec.core.tensor import quantize_scaled
-from lowprec.scalify import core, rules, scaled, unscale
+from lowprec.scalify import core, rules, rules_nn, scaled, unscale
 from lowprec.scalify.config import config
 
 # Magnitudes from float32's subnormals to near its max: the guard's power of two and the
@@ -146,3 +146,23 @@ def test_fp8_rounding_compiled_matches_eager() -> None:
         d = _data(e, e + 800)
         for grad in (False, True):
             assert torch.equal(_bits(f(d, grad)), _bits(rules._fp8(d, torch.ones(()), grad)[0]))
+
+
+@pytest.mark.parametrize("op", ["cat", "stack"])
+def test_cat_of_equal_scales_joins_the_stored_data(
+    op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cat/stack of operands with one per-tensor scale keep their stored data (no upcast,
+    no rounding): the bits and scale of the general path, which rounds ``d_i·s_i/s``."""
+    g = torch.Generator().manual_seed(5)
+    xs = [scaled(torch.randn(6, 7, generator=g).half(), 0.25) for _ in range(3)]
+    xs[1].qdata[0, :3] = torch.tensor([float("inf"), -0.0, 65504.0]).half()
+    fn = (lambda t: torch.cat(t, 1)) if op == "cat" else (lambda t: torch.stack(t, 0))
+    fast = fn(xs)
+    assert all(torch.equal(x.qdata, d) for x, d in zip(xs, fast.qdata.unbind(0), strict=True)) \
+        if op == "stack" else torch.equal(fast.qdata[:, 7:14], xs[1].qdata)  # fmt: skip
+    monkeypatch.setattr(core, "compiling", lambda: True)  # the general path
+    monkeypatch.setattr(rules_nn, "fscale", lambda s: None)
+    ref = fn(xs)
+    assert torch.equal(fast.qdata.view(torch.int16), ref.qdata.view(torch.int16))
+    assert torch.equal(fast.scale, ref.scale) and fast.dtype == ref.dtype
