@@ -114,6 +114,7 @@ class BlockCache(threading.local):
             r = fn(flat.reshape(-1))
             if r is None:
                 return None
+            r = r.contiguous()  # (the block's layout, for the strided views below)
             self.entries.insert(0, (key, d, r))
             del self.entries[self.size :]
         assert r is not None

@@ -108,7 +108,7 @@ def _fused_add(a: Any, b: Any, alpha: float, work: torch.dtype) -> Pair | None:
     ra, rb = fa / f, alpha * fb / f
 
     def factor(r: float) -> Tensor | None:
-        return None if r == 1.0 else torch.tensor(r, device=a.device)
+        return None if r == 1.0 else torch.tensor(r, dtype=torch.float32, device=a.device)
 
     ops = [(a.qdata, factor(ra)), (b.qdata, factor(rb))]
     d = fused_rule(aten.add.Tensor, ops, work)
