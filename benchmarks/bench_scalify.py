@@ -7,9 +7,10 @@ Eager scalify runs every aten op through a Python ``__torch_dispatch__`` rule an
 each output to FP16 (CPU GEMMs run in FP32 on the FP16 values), so its overhead is the
 dispatch plus the casts; compiled, the rules are traced away and inductor fuses the casts.
 ``--threads`` defaults to 1 (shared 2-core machine); ``--quick``: tiny shape, temp JSON;
-``--no-compile`` skips the compiled rows; ``--kernels-off`` adds eager rows with the
-compiled eager kernels off (``LOWPREC_EAGER_KERNELS=0`` during their steps), interleaved
-with the others: the kernels' effect in one run; ``--train-steps 300`` also trains FP32,
+``--no-compile`` skips the compiled rows; ``--fused`` adds eager rows with scalify's
+fused rule kernels on (``LOWPREC_SCALIFY_FUSED=1`` during their steps) and
+``--kernels-off`` rows with every compiled eager kernel off (``LOWPREC_EAGER_KERNELS=0``),
+interleaved with the others: their effect in one run; ``--train-steps 300`` also trains FP32,
 fp16-scalify and fp8-scalify at the demo config and records their val losses (issue 6's
 goal: within 1% of FP32). Compiled models are compiled (and checked to run
 their compiled graph) before timing: their "first call" column excludes compilation,
@@ -69,19 +70,20 @@ def train_val_loss(fmt: str, steps: int) -> dict[str, Any]:
             "median_ms_per_step": 1e3 * sorted(times)[len(times) // 2]}  # fmt: skip
 
 
-def _kernels_off(step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` run with ``LOWPREC_EAGER_KERNELS=0`` (read at each kernel call)."""
+def _with_env(step: Callable[[], None], var: str, value: str) -> Callable[[], None]:
+    """``step`` run with the environment variable ``var`` set to ``value`` (lowprec reads
+    its switches at each call)."""
 
     def run() -> None:
-        old = os.environ.get("LOWPREC_EAGER_KERNELS")
-        os.environ["LOWPREC_EAGER_KERNELS"] = "0"
+        old = os.environ.get(var)
+        os.environ[var] = value
         try:
             step()
         finally:
             if old is None:
-                del os.environ["LOWPREC_EAGER_KERNELS"]
+                del os.environ[var]
             else:
-                os.environ["LOWPREC_EAGER_KERNELS"] = old
+                os.environ[var] = old
 
     return run
 
@@ -93,6 +95,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fused", action="store_true",
+                    help="also time fp16/fp8 eager with LOWPREC_SCALIFY_FUSED=1 during "
+                    "their steps (scalify's fused rule kernels on): an in-process A/B")  # fmt: skip
     ap.add_argument("--kernels-off", action="store_true",
                     help="also time fp16/fp8 eager with LOWPREC_EAGER_KERNELS=0 during "
                     "their steps (no compiled eager kernels): an in-process A/B")  # fmt: skip
@@ -125,13 +130,16 @@ def main() -> None:
                 _, loss = run(*batches[0])
                 compile_s[name] = time.perf_counter() - t0
                 compiled_ok[name] = ran_compiled(loss)
-    if a.kernels_off:
+    extra = [("fused", "LOWPREC_SCALIFY_FUSED", "1")] if a.fused else []
+    extra += [("kernels off", "LOWPREC_EAGER_KERNELS", "0")] if a.kernels_off else []
+    for label, var, value in extra:
         for name in ("fp16-scalify", "fp8-scalify"):
             torch.manual_seed(0)
             base = CharGPT(cfg)
             m = apply_scalify(base, data_format=name.split("-")[0])
             opt = torch.optim.AdamW(base.parameters(), lr=3e-3)
-            calls[f"{name} kernels off/eager"] = _kernels_off(lm_step_fn(m, opt, batches))
+            step = _with_env(lm_step_fn(m, opt, batches), var, value)
+            calls[f"{name} {label}/eager"] = step
     reset_coverage()
     t = time_many(calls, repeats=a.repeats, warmup=3, min_repeat_s=0.3, clock=a.clock)
     print_mode_ratio_table("scalify'd vs plain FP32 CharGPT step (fwd+bwd+AdamW)", t,
@@ -143,9 +151,9 @@ def main() -> None:
             rec[f"ratio_{fmt}_{mode}"] = (
                 t[f"{fmt}-scalify/{mode}"].median_ms / t[f"plain/{mode}"].median_ms
             )
-        if a.kernels_off:
-            rec[f"ratio_{fmt}_eager_kernels_off"] = (
-                t[f"{fmt}-scalify kernels off/eager"].median_ms / t["plain/eager"].median_ms
+        for label, _, _ in extra:
+            rec[f"ratio_{fmt}_eager_{label.replace(' ', '_')}"] = (
+                t[f"{fmt}-scalify {label}/eager"].median_ms / t["plain/eager"].median_ms
             )
     rec["goal_ratio_eager"], rec["goal_ratio_compiled"] = 1.5, 1.1
     rec["compiled_graph_used"] = compiled_ok

@@ -16,10 +16,20 @@ The kernels are :mod:`lowprec.core.kernels`' (one cache, one switch
 ``LOWPREC_EAGER_KERNELS``, compiled with ``dynamic=True``): used eagerly on the CPU, for
 data of at least ``2**16`` elements (``LOWPREC_EAGER_KERNELS_MIN_NUMEL``), outside
 :func:`lowprec.core.rounding._reference_paths`; elsewhere the rule runs its eager ops.
+
+The rules use them only when ``LOWPREC_SCALIFY_FUSED=1`` (off by default). Inductor
+compiles a dynamic-shape kernel with its first input's sizes as hints, and the code it
+writes (a row's summation order, a vectorised or scalar ``exp``/``erf``) can differ with
+them; the compiled kernel is cached on disk and reused by later processes, so the last
+bits of a result could depend on which shapes first compiled each kernel on the machine
+(the demo's fp16-scalify val loss read 2.5697 from an empty inductor cache and 2.5698 after
+the test suite had compiled the kernels on small tensors). Off, results depend only on the
+inputs; on, an eager FP16 step is faster (``benchmarks/README.md``, *Scaled arithmetic*).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,10 +38,19 @@ from torch import Tensor
 
 from lowprec.core import kernels, rounding
 
-__all__ = ["MIN_NUMEL", "fused_rule", "run_fp32", "stored"]
+__all__ = ["MIN_NUMEL", "enabled", "fused_rule", "run_fp32", "stored"]
 
 MIN_NUMEL = 1 << 16  # below this, the kernel call costs more than the passes it saves
 _STORED = (torch.float16, torch.bfloat16)
+
+
+def enabled() -> bool:
+    """Whether the rules use the fused kernels: ``LOWPREC_SCALIFY_FUSED`` = ``1`` (``on``,
+    ``true``); ``0`` (the default, ``off``, ``false``) leaves them off (module docstring)."""
+    flag = os.environ.get("LOWPREC_SCALIFY_FUSED", "0").strip().lower()
+    if flag not in ("0", "1", "on", "off", "true", "false"):
+        raise ValueError(f"LOWPREC_SCALIFY_FUSED must be '0' or '1', got {flag!r}")
+    return flag in ("1", "on", "true")
 
 
 def run_fp32(
@@ -117,6 +136,8 @@ def fused_rule(
     and no automatic rescale (it reads the float32 result)."""
     from lowprec.scalify.config import current_config
 
+    if not enabled():
+        return None
     cfg = current_config()
     if work != torch.float32 or cfg.rescale != "none" or any(o is None for o in ops):
         return None

@@ -31,6 +31,7 @@ aten = torch.ops.aten
 def _small_tensors_use_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWPREC_EAGER_KERNELS", "1")
     monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
+    monkeypatch.setenv("LOWPREC_SCALIFY_FUSED", "1")
     set_config(ScalifyConfig())
 
 
@@ -158,3 +159,24 @@ def test_unscaled_gelu_matches_plain_torch() -> None:
         float(((got.dequantize(torch.float32) - ref).abs() / ref.abs().clamp_min(1e-3)).max())
         < 2.0**-10
     )
+
+
+def test_rules_leave_the_kernels_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without LOWPREC_SCALIFY_FUSED the rules run their eager ops (results that depend on
+    the inputs only, not on which shapes compiled a cached kernel); a bad value is an error
+    naming the variable."""
+    monkeypatch.delenv("LOWPREC_SCALIFY_FUSED")
+    x = scaled(torch.randn(64, 100).half(), 0.5)
+    calls: list[object] = []
+    run = kernels._run
+
+    def spy(key: tuple[object, ...], *args: Any) -> Any:
+        calls.append(key[0])
+        return run(key, *args)
+
+    monkeypatch.setattr(kernels, "_run", spy)
+    y = F.gelu(x).softmax(-1)
+    assert "scalify" not in calls and isinstance(y.qdata, torch.Tensor)
+    monkeypatch.setenv("LOWPREC_SCALIFY_FUSED", "maybe")
+    with pytest.raises(ValueError, match="LOWPREC_SCALIFY_FUSED"):
+        F.gelu(x)
