@@ -35,7 +35,7 @@ from torch import Tensor
 from lowprec.core import kernels, rounding
 from lowprec.core.codes import BYTE_FORMATS
 from lowprec.core.formats import Format, get_format
-from lowprec.core.granularity import apply_scale, pad_to_blocks
+from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
 from lowprec.core.rounding import _to_format_bounded, dense_view, from_dense_view, to_format
 from lowprec.core.scales import amax, compute_scale, mx_scale, nv_scale
 from lowprec.core.tensor import ScaledTensor, register_rule
@@ -110,6 +110,24 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
 _BLOCK_KINDS = ("block", "mx", "nv")
 
 
+def _fused_target(
+    t: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype, kinds: tuple[str, ...]
+) -> tuple[Granularity, Format] | None:
+    """``(granularity, format)`` of the 2-D ``t``'s cast for an eager fused operand kernel
+    (:func:`quantize_dequantize`, :func:`quantize_values`), or ``None`` where one does not
+    apply: a granularity kind not in ``kinds``, a result ``dtype`` other than float32 or
+    bfloat16, a float64, empty, traced, autograd-recorded or small ``t``, kernels off."""
+    if t.dim() != 2:
+        raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
+    g = cast.bound_granularity(cd)
+    fmt = get_format(cast.fmt)
+    if g.kind not in kinds or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if t.dtype == torch.float64 or not t.numel() or not kernels.takes(t, fmt):
+        return None
+    return g, fmt
+
+
 def quantize_dequantize(t: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype) -> Tensor | None:
     """``dequantize(quantize_operand(t, cast, cd), dtype)``, the same bits, by one fused
     kernel that never stores the payload (:func:`lowprec.core.kernels.run_group_round_trip`):
@@ -117,14 +135,10 @@ def quantize_dequantize(t: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype
     a dynamic scale, eager on the CPU. ``None`` where that does not apply (another
     granularity, a traced or autograd-recorded ``t``, a small or float64 one, kernels
     off): the caller quantizes and dequantizes."""
-    if t.dim() != 2:
-        raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
-    g = cast.bound_granularity(cd)
-    fmt = get_format(cast.fmt)
-    if g.kind not in _BLOCK_KINDS or dtype not in (torch.float32, torch.bfloat16):
+    target = _fused_target(t, cast, cd, dtype, _BLOCK_KINDS)
+    if target is None:
         return None
-    if t.dtype == torch.float64 or not t.numel() or not kernels.takes(t, fmt):
-        return None
+    g, fmt = target
     xp = pad_to_blocks(t.float(), g)
     out = kernels.run_group_round_trip(
         xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g.kind, fmt), cast, dtype
@@ -143,16 +157,10 @@ def quantize_values(
     in a float8 format, eager on the CPU. ``None`` where that does not apply (another
     granularity or format, a traced, autograd-recorded, small or float64 ``t``, kernels
     off): the caller quantizes."""
-    if t.dim() != 2:
-        raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
-    g = cast.bound_granularity(cd)
-    fmt = get_format(cast.fmt)
-    if g.kind not in ("tensor", "axis") or fmt not in BYTE_FORMATS:
+    target = _fused_target(t, cast, cd, dtype, ("tensor", "axis"))
+    if target is None or target[1] not in BYTE_FORMATS:
         return None
-    if dtype not in (torch.float32, torch.bfloat16) or t.dtype == torch.float64:
-        return None
-    if not t.numel() or not kernels.takes(t, fmt):
-        return None
+    g, fmt = target
     if g.kind == "tensor":
         s = cast.scale_for(amax(t)) if scale is None else scale
         v = kernels.run_round_trip(t, s.reshape(1, 1).float(), fmt, False, dtype)
