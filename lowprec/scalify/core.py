@@ -89,10 +89,11 @@ class BlockCache(threading.local):
     the storage's address, the block's offset and length, the dtype and the view's
     version counter (an in-place change through that view misses). Stored data are never
     changed in place by scalify (in-place ops replace a ScaledTensor's data); the entry
-    keeps the tensor, so its storage, alive (no address reuse)."""
+    keeps the tensor, so its storage, alive (no address reuse). Tensors under ``min_numel``
+    elements get ``fn`` directly: for them a lookup costs about what it saves."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, min_numel: int = 1 << 16) -> None:
+        self.size, self.min_numel = size, min_numel
         self.entries: list[tuple[tuple[Any, ...], Tensor, Tensor]] = []  # (key, data, result)
 
     def get(
@@ -101,7 +102,10 @@ class BlockCache(threading.local):
         """``fn`` (an elementwise map, or one whose per-tensor statistics are the same for
         every view of the block) of ``d``, laid out like ``d``: computed on the block
         flattened in storage order, or a recent result for the same block reused. A ``d``
-        that does not cover a contiguous block exactly once gets ``fn(d)`` directly."""
+        that does not cover a contiguous block exactly once, or a small one, gets ``fn(d)``
+        directly."""
+        if d.numel() < self.min_numel:
+            return fn(d)
         flat = dense_view(d)
         if not flat.is_contiguous():
             return fn(d)
@@ -122,14 +126,13 @@ class BlockCache(threading.local):
 
 
 _UPCASTS = BlockCache(4)
-_CACHE_MIN = 1 << 16
 
 
 def upcast(d: Tensor, work: torch.dtype) -> Tensor:
     """``d.to(work)``, reusing a recent upcast of the same stored data (eager, large
     tensors only; :class:`BlockCache`): backward ops read one gradient or activation
     several times, often through different views, and each is upcast once."""
-    if d.dtype == work or d.numel() < _CACHE_MIN or compiling():
+    if d.dtype == work or compiling():
         return d.to(work)
     up = _UPCASTS.get(d, (work,), lambda t: t.to(work))
     assert up is not None

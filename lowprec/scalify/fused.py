@@ -36,7 +36,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.core import kernels, rounding
+from lowprec.core import kernels
+from lowprec.core.tensor import ScaledTensor
+from lowprec.scalify.config import current_config
+from lowprec.scalify.core import fscale
 
 __all__ = ["MIN_NUMEL", "enabled", "fused_rule", "run_fp32", "stored"]
 
@@ -66,10 +69,10 @@ def run_fp32(
     a 0-dim float32 scale ``s`` (``None``: 1); ``post``: a 0-dim float32 divisor or
     ``None``. ``func`` returns one float32 tensor. ``None`` where the kernel does not apply
     (the caller runs its eager ops)."""
-    if store not in _STORED or not rounding._FAST_EAGER or not operands:
+    if store not in _STORED or not operands:
         return None
     for d, s in operands:
-        if d.dtype not in _STORED or not kernels.applies(d, _STORED, MIN_NUMEL):
+        if d.dtype not in _STORED or not kernels.takes(d, threshold=MIN_NUMEL):
             return None
         if s is not None and (s.dim() != 0 or s.dtype != torch.float32):
             return None
@@ -111,9 +114,6 @@ def run_fp32(
 def stored(x: object) -> tuple[Tensor, Tensor | None] | None:
     """A ScaledTensor operand with a per-tensor scale as :func:`run_fp32` takes it:
     ``(data, scale)``, the scale ``None`` when it is 1; ``None`` for anything else."""
-    from lowprec.core.tensor import ScaledTensor
-    from lowprec.scalify.core import fscale
-
     if not isinstance(x, ScaledTensor) or x.scale.numel() != 1:
         return None
     f = fscale(x.scale)
@@ -124,22 +124,30 @@ def stored(x: object) -> tuple[Tensor, Tensor | None] | None:
 
 def fused_rule(
     func: Any,
-    ops: Sequence[tuple[Tensor, Tensor | None] | None],
+    ops: Sequence[object],
     work: torch.dtype,
     consts: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
-    post: Tensor | None = None,
+    divide_by: Tensor | None = None,
 ) -> Tensor | None:
-    """A rule's stored result ``(func(d·s, ...) / post).to(store)`` from :func:`run_fp32`,
-    or ``None`` (the rule runs its eager ops): only where that is the rule's own
-    computation, float32 work, every operand given (:func:`stored`: a per-tensor scale),
-    and no automatic rescale (it reads the float32 result)."""
-    from lowprec.scalify.config import current_config
-
+    """A rule's stored result ``(func(d·s, ...) / p).to(store)`` from :func:`run_fp32`, or
+    ``None`` (the rule runs its eager ops): only when :func:`enabled`, for float32 work and
+    no automatic rescale (it reads the float32 result). ``ops``: ``(data, scale)`` pairs as
+    :func:`run_fp32` takes them, or ScaledTensors with per-tensor scales (:func:`stored`;
+    anything else: ``None``), read only once the checks pass (a scale read is a host
+    sync); ``divide_by``: a per-tensor output scale ``s``, ``p = s`` (1 where ``s = 0``)."""
     if not enabled():
         return None
     cfg = current_config()
-    if work != torch.float32 or cfg.rescale != "none" or any(o is None for o in ops):
+    if work != torch.float32 or cfg.rescale != "none":
         return None
-    given = [o for o in ops if o is not None]
+    given = []
+    for o in ops:
+        pair = o if isinstance(o, tuple) else stored(o)
+        if pair is None:
+            return None
+        given.append(pair)
+    post = None
+    if divide_by is not None:
+        post = torch.where(divide_by > 0, divide_by, 1.0).reshape(()).float()
     return run_fp32(func, given, cfg.storage_dtype, consts, kwargs, post)

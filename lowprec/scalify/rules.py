@@ -46,7 +46,8 @@ from lowprec.scalify.core import (
     work_dtype,
 )
 from lowprec.scalify.domains import is_grad, rule
-from lowprec.scalify.fused import fused_rule, stored
+from lowprec.scalify.fused import enabled as fused_enabled
+from lowprec.scalify.fused import fused_rule
 
 aten = torch.ops.aten
 __all__: list[str] = []
@@ -96,8 +97,9 @@ def _fused_add(a: Any, b: Any, alpha: float, work: torch.dtype) -> Pair | None:
     """:func:`add_pairs`' max rule for two ScaledTensors of one shape with per-tensor
     scales, ``d = d_a·(s_a/s) + d_b·(α·s_b/s)``, ``s = max(s_a, s_b)``, from one fused
     kernel (:func:`~lowprec.scalify.fused.fused_rule`) that also rounds to the storage
-    format; ``None`` where it does not apply."""
-    if not (is_st(a) and is_st(b)) or tuple(a.shape) != tuple(b.shape):
+    format; ``None`` where it does not apply (checked first where the kernels are off:
+    the ratios read both scales on the host)."""
+    if not fused_enabled() or not (is_st(a) and is_st(b)) or tuple(a.shape) != tuple(b.shape):
         return None
     if current_config().add_rule != "max":
         return None
@@ -228,8 +230,7 @@ def _like_input(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     work = work_dtype(*args)
     if len(args) == 1 and isinstance(args[0], ScaledTensor) and scalar(args[0].scale):
         sx = args[0].scale
-        post = torch.where(sx > 0, sx, 1.0).reshape(()).float()
-        fused = fused_rule(func, [stored(args[0])], work, kwargs=kwargs, post=post)
+        fused = fused_rule(func, args, work, kwargs=kwargs, divide_by=sx)
         if fused is not None:
             return out(func, args, fused, sx)
     v = func(*(deq(a, work) for a in args), **kwargs)
@@ -244,8 +245,7 @@ def _act_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     g, x = args[0], args[1]
     work = work_dtype(g, x)
     if isinstance(g, ScaledTensor) and scalar(g.scale):
-        ops = [(g.qdata, None), stored(x)]
-        fused = fused_rule(func, ops, work, tuple(args[2:]), kwargs)
+        fused = fused_rule(func, [(g.qdata, None), x], work, tuple(args[2:]), kwargs)
         if fused is not None:
             return out(func, args, fused, g.scale)
     dg, sg = pair(g, work)
@@ -317,8 +317,6 @@ def _fp8_cached(d: Tensor, fmt: str) -> Tensor | None:
     reads one gradient as ``g`` and ``gᵀ``; :class:`~lowprec.scalify.core.BlockCache`):
     only for a view covering its storage block once, whose per-tensor scale is then the
     block's, and the rounding elementwise."""
-    if d.numel() < (1 << 16):
-        return _fp8_eager(d, fmt)
     return _FP8_ROUNDINGS.get(d, (fmt,), lambda t: _fp8_eager(t, fmt))
 
 

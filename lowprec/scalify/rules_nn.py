@@ -34,7 +34,7 @@ from lowprec.scalify.core import (
     work_dtype,
 )
 from lowprec.scalify.domains import out_domain, rule
-from lowprec.scalify.fused import fused_rule, stored
+from lowprec.scalify.fused import fused_rule
 from lowprec.scalify.rules import number_pair
 
 aten = torch.ops.aten
@@ -123,11 +123,12 @@ def _same_scale(xs: list[Any]) -> Tensor | None:
     """The common per-tensor scale of ScaledTensors stored in the configured format, in
     one domain, eager and without automatic rescale (which would read the float32
     result), else ``None``."""
-    if not xs or current_config().rescale != "none":
+    cfg = current_config()
+    if not xs or cfg.rescale != "none":
         return None
     if not all(isinstance(x, ScaledTensor) and x.scale.numel() == 1 for x in xs):
         return None
-    store = current_config().storage_dtype
+    store = cfg.storage_dtype
     if any(x.qdata.dtype != store for x in xs) or len({x.domain for x in xs}) != 1:
         return None
     first: ScaledTensor = xs[0]
@@ -242,7 +243,7 @@ def _softmax(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """softmax / log_softmax: ``v = f(d_x·s_x)`` in float32 (not scale-invariant), ``s = 1``."""
     x, dim = args[0], args[1]
     work = work_dtype(x)
-    fused = fused_rule(func, [stored(x)], work, (dim, False))
+    fused = fused_rule(func, [x], work, (dim, False))
     if fused is not None:
         return out(func, args, fused, one(fused))
     v = func(deq(x, work), dim, False)
@@ -257,7 +258,7 @@ def _softmax_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     g, y, dim = args[0], args[1], args[2]
     work = work_dtype(g, y)
     if isinstance(g, ScaledTensor) and scalar(g.scale):
-        fused = fused_rule(func, [(g.qdata, None), stored(y)], work, (dim, work))
+        fused = fused_rule(func, [(g.qdata, None), y], work, (dim, work))
         if fused is not None:
             return out(func, args, fused, g.scale)
     dg, sg = pair(g, work)
