@@ -1,0 +1,461 @@
+"""The hardware FP8 path on a GPU: ``torch._scaled_mm`` against BF16, lowprec against torchao.
+
+Written for a lent CUDA machine (Hopper: H100/H200); ``--device cpu`` with a small
+``--shape`` is a dry run of the same code (no GPU timings mean anything there). Sections, in
+order, each written to the JSON as it finishes (a later failure keeps the earlier ones):
+
+1. **ceilings**: a device-to-device copy of ``--copy-mib`` MiB (bandwidth counts bytes read
+   plus bytes written) and an 8192³ bf16 ``mm`` on random data (TFLOP/s), the two rates the
+   GEMM times below are read against.
+2. **gemm** at ``--shape M×K×N`` (default 4096×8192×16384, 2MKN flops): ``A (M×K)``
+   row-major and ``B (K×N)`` column-major (a linear layer's ``x · Wᵀ``), both N(0, 1) bf16,
+   out bf16. Rows: ``bf16 mm``; raw ``torch._scaled_mm`` on operands quantized beforehand
+   (E4M3 tensor-wise, also with ``use_fast_accum``; E4M3 row-wise scales);
+   ``lowprec scaled_mm`` on lowprec operands quantized beforehand (its dispatch over the raw
+   kernel); and dynamic quantization of both bf16 operands plus the GEMM, lowprec
+   (``quantize_operand`` + ``scaled_mm``) against torchao (``hp_tensor_to_float8_dynamic`` +
+   ``torch.mm`` of the two ``Float8TrainingTensor``\\ s). Accuracy: ``rel err`` is
+   ``‖C − C_ref‖ / ‖C_ref‖`` against the float64 product of the *dequantized* operands (the
+   GEMM's own error: float32 accumulation and the bf16 output), ``SQNR`` is against the
+   float64 product of the bf16 inputs (quantization error included);
+   ``lowprec scaled_mm`` must equal the raw kernel's bits on the same operands.
+3. **linear**: forward + backward of ``Linear(K, N, bias=False)`` on ``M`` tokens (6MKN
+   flops), bf16 parameters and input, eager and ``torch.compile``: ``bf16``,
+   ``lowprec tensorwise`` / ``rowwise`` (``convert_to_float8``, hardware GEMMs),
+   ``torchao tensorwise`` / ``rowwise`` (``convert_to_float8_training``). SQNR of ``y``,
+   ``dx`` and ``dW`` against float64; ``hw vs emu``: lowprec's hardware result against its
+   own emulation (``emulate=True``) on the same GPU and inputs, ``max_i |a−b| / max|b|``
+   over the three outputs (the two compute the same products of the same FP8 values in
+   float32; they differ only in summation order and the final rounding); peak memory of a
+   step above what was allocated before it.
+
+Timing: CUDA events around each call, ``--warmup`` untimed calls, then ``--repeats`` rounds
+with every row once per round (interleaved), median per row. Inputs are fresh random
+normals, never zeros. ``--budget-s`` stops before a section or compiled variant would
+start past that many seconds (the lease is short); skipped rows are listed.
+
+Usage::
+
+    python benchmarks/bench_fp8_gpu.py [--shape 4096x8192x16384] [--repeats 30]
+        [--modes eager,compiled] [--budget-s 330] [--out benchmarks/results/fp8_gpu.json]
+    python benchmarks/bench_fp8_gpu.py --device cpu --shape 64x128x256 --repeats 2  # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import print_table, run_record, synchronize, write_json
+from torch import Tensor, nn
+
+from lowprec.float8 import Float8Recipe, convert_to_float8
+from lowprec.float8.quant import quantize_operand, scaled_mm
+from lowprec.float8.recipe import CastConfig
+
+E4M3 = torch.float8_e4m3fn
+T0 = time.monotonic()
+
+
+def elapsed() -> float:
+    return time.monotonic() - T0
+
+
+def time_calls(
+    calls: dict[str, Callable[[], object]], device: torch.device, repeats: int, warmup: int
+) -> dict[str, dict[str, float]]:
+    """Median/min ms per call of each function, interleaved round by round (CUDA events
+    on a GPU, the host clock after a synchronize elsewhere)."""
+    first: dict[str, float] = {}
+    for name, fn in calls.items():
+        for i in range(warmup):
+            synchronize(device)
+            t = time.perf_counter()
+            fn()
+            synchronize(device)
+            if i == 0:
+                first[name] = (time.perf_counter() - t) * 1e3
+    times: dict[str, list[float]] = {n: [] for n in calls}
+    cuda = device.type == "cuda"
+    for _ in range(repeats):
+        if cuda:
+            marks = []
+            for name, fn in calls.items():
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                marks.append((name, s, e))
+            torch.cuda.synchronize(device)
+            for name, s, e in marks:
+                times[name].append(s.elapsed_time(e))
+        else:
+            for name, fn in calls.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t) * 1e3)
+    return {
+        n: {"median_ms": statistics.median(ts), "min_ms": min(ts), "first_ms": first[n]}
+        for n, ts in times.items()
+    }
+
+
+def rel_err(v: Tensor, ref: Tensor) -> float:
+    """``‖v − ref‖ / ‖ref‖`` in float64."""
+    r = ref.double()
+    return float(torch.linalg.vector_norm(v.double() - r) / torch.linalg.vector_norm(r))
+
+
+def sqnr_db(v: Tensor, ref: Tensor) -> float | None:
+    """``10 log10(Σ ref² / Σ (v − ref)²)`` in float64 (``None`` when equal)."""
+    r = ref.double()
+    err = float(((v.double() - r) ** 2).sum())
+    return 10 * math.log10(float((r**2).sum()) / err) if err > 0 else None
+
+
+def finite(t: Tensor, what: str) -> Tensor:
+    if not bool(torch.isfinite(t).all()):
+        raise RuntimeError(f"{what}: non-finite values in the result")
+    return t
+
+
+def ceilings(device: torch.device, copy_mib: int, repeats: int) -> dict[str, Any]:
+    n = copy_mib * 2**20 // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t = time_calls(
+        {"copy": lambda: dst.copy_(src), "mm": lambda: torch.mm(a, b)}, device, repeats, 3
+    )
+    if not torch.equal(dst, src):
+        raise RuntimeError("copy: destination differs from source")
+    copy_ms, mm_ms = t["copy"]["median_ms"], t["mm"]["median_ms"]
+    return {
+        "copy_mib": copy_mib,
+        "copy_ms": copy_ms,
+        "copy_tb_s": 2 * n * 4 / (copy_ms * 1e-3) / 1e12,
+        "bf16_mm_8192_ms": mm_ms,
+        "bf16_mm_8192_tflops": 2 * 8192**3 / (mm_ms * 1e-3) / 1e12,
+    }
+
+
+def _torchao() -> Any:
+    try:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+    except Exception as e:  # any import failure: the peer rows are skipped, with the reason
+        return f"{type(e).__name__}: {e}"
+    return {
+        "version": torchao.__version__,
+        "config": Float8LinearConfig,
+        "convert": convert_to_float8_training,
+        "dynamic": hp_tensor_to_float8_dynamic,
+        "role": GemmInputRole,
+        "mm_config": LinearMMConfig,
+    }
+
+
+def gemm_section(
+    m: int, k: int, n: int, device: torch.device, repeats: int, ao: Any
+) -> dict[str, Any]:
+    bf = torch.bfloat16
+    a = torch.randn(m, k, device=device, dtype=bf)
+    b = torch.randn(n, k, device=device, dtype=bf).t()  # K×N, column-major
+    e4 = CastConfig("e4m3fn")
+    e4_row = CastConfig("e4m3fn", granularity="axis")
+    qa, qb = quantize_operand(a, e4, 1), quantize_operand(b, e4, 0)
+    ra, rb = quantize_operand(a, e4_row, 1), quantize_operand(b, e4_row, 0)
+    a8, sa = qa.qdata.contiguous(), qa.scale.float().reshape(())
+    b8, sb = qb.qdata.t().contiguous().t(), qb.scale.float().reshape(())
+    ar8, sar = ra.qdata.contiguous(), ra.scale.float().reshape(m, 1)
+    br8, sbr = rb.qdata.t().contiguous().t(), rb.scale.float().reshape(1, n)
+    hw = device.type == "cuda"
+
+    def raw(fast: bool = False) -> Tensor:
+        return torch._scaled_mm(a8, b8, sa, sb, out_dtype=bf, use_fast_accum=fast)
+
+    calls: dict[str, Callable[[], Tensor]] = {"bf16 mm": lambda: torch.mm(a, b)}
+    if hw:
+        calls["_scaled_mm tensorwise"] = raw
+        calls["_scaled_mm tensorwise fast-accum"] = lambda: raw(True)
+        calls["_scaled_mm rowwise"] = lambda: torch._scaled_mm(ar8, br8, sar, sbr, out_dtype=bf)
+    calls["lowprec scaled_mm tensorwise"] = lambda: scaled_mm(qa, qb, out_dtype=bf)
+    calls["lowprec scaled_mm rowwise"] = lambda: scaled_mm(ra, rb, out_dtype=bf)
+    calls["lowprec quantize+mm tensorwise"] = lambda: scaled_mm(
+        quantize_operand(a, e4, 1), quantize_operand(b, e4, 0), out_dtype=bf
+    )
+    if isinstance(ao, dict):
+        cfg, role = ao["mm_config"](), ao["role"]
+
+        def ao_mm() -> Tensor:
+            fa = ao["dynamic"](a, E4M3, cfg, gemm_input_role=role.INPUT)
+            fb = ao["dynamic"](b, E4M3, cfg, gemm_input_role=role.WEIGHT)
+            return torch.mm(fa, fb)
+
+        calls["torchao quantize+mm tensorwise"] = ao_mm
+    outs = {name: finite(fn(), name) for name, fn in calls.items()}
+    if hw and not torch.equal(outs["lowprec scaled_mm tensorwise"], outs["_scaled_mm tensorwise"]):
+        raise RuntimeError("lowprec scaled_mm differs from torch._scaled_mm on the same operands")
+    ref_in = a.double() @ b.double()
+    deq_t = (a8.double() * sa.double()) @ (b8.double() * sb.double())
+    deq_r = (ar8.double() * sar.double()) @ (br8.double() * sbr.double())
+    acc: dict[str, dict[str, float | None]] = {}
+    for name, out in outs.items():
+        deq = deq_r if "rowwise" in name else deq_t
+        acc[name] = {
+            "rel_err_vs_dequantized": None if name == "bf16 mm" else rel_err(out, deq),
+            "sqnr_db_vs_bf16_inputs": sqnr_db(out, ref_in),
+        }
+    del outs, ref_in, deq_t, deq_r
+    t = time_calls(calls, device, repeats, 3)
+    flops = 2 * m * k * n
+    base = t["bf16 mm"]["median_ms"]
+    rows = {
+        name: {
+            **t[name],
+            "tflops": flops / (t[name]["median_ms"] * 1e-3) / 1e12,
+            "x_bf16": t[name]["median_ms"] / base,
+            **acc[name],
+        }
+        for name in calls
+    }
+    return {"shape": [m, k, n], "rows": rows}
+
+
+def _linear_variants(ao: Any) -> dict[str, Callable[[nn.Module], nn.Module]]:
+    v: dict[str, Callable[[nn.Module], nn.Module]] = {"bf16": lambda mod: mod}
+    for name in ("tensorwise", "rowwise"):
+        v[f"lowprec {name}"] = lambda mod, r=name: convert_to_float8(mod, Float8Recipe.from_name(r))
+    if isinstance(ao, dict):
+        v["torchao tensorwise"] = lambda mod: ao["convert"](mod, config=ao["config"]())
+        v["torchao rowwise"] = lambda mod: ao["convert"](
+            mod, config=ao["config"].from_recipe_name("rowwise")
+        )
+    return v
+
+
+def linear_section(
+    m: int,
+    k: int,
+    n: int,
+    device: torch.device,
+    repeats: int,
+    modes: list[str],
+    budget_s: float,
+    ao: Any,
+) -> dict[str, Any]:
+    bf = torch.bfloat16
+    base = nn.Linear(k, n, bias=False, device=device, dtype=bf)
+    x = torch.randn(m, k, device=device, dtype=bf)
+    g = torch.randn(m, n, device=device, dtype=bf)
+    w64, x64, g64 = base.weight.detach().double(), x.double(), g.double()
+    ref = {"y": x64 @ w64.t(), "dx": g64 @ w64, "dW": g64.t() @ x64}
+    hw = device.type == "cuda"
+
+    def run(model: nn.Module) -> dict[str, Tensor]:
+        xi = x.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        y = model(xi)
+        y.backward(g)
+        w = next(model.parameters())
+        assert xi.grad is not None and w.grad is not None
+        return {"y": y.detach(), "dx": xi.grad, "dW": w.grad}
+
+    rows: dict[str, Any] = {}
+    skipped: list[str] = []
+    emu_out: dict[str, dict[str, Tensor]] = {}
+    if hw:  # lowprec's own emulation on the GPU: the cross-check of its hardware path
+        for r in ("tensorwise", "rowwise"):
+            emu = convert_to_float8(copy.deepcopy(base), Float8Recipe.from_name(r, emulate=True))
+            emu_out[f"lowprec {r}"] = run(emu)
+        del emu
+    for mode in modes:
+        steps: dict[str, Callable[[], object]] = {}
+        for name, make in _linear_variants(ao).items():
+            key = f"{name}/{mode}"
+            if elapsed() > budget_s:
+                skipped.append(key)
+                continue
+            model = make(copy.deepcopy(base))
+            if mode == "compiled":
+                model = torch.compile(model)
+            synchronize(device)
+            t = time.perf_counter()
+            out = run(model)  # the first step (compiles when compiled)
+            synchronize(device)
+            row: dict[str, Any] = {"first_step_s": time.perf_counter() - t}
+            for o, v in out.items():
+                row[f"sqnr_{o}_db"] = sqnr_db(finite(v, f"{key} {o}"), ref[o])
+            if name in emu_out:
+                e = emu_out[name]
+                row["hw_vs_emu_max_rel"] = max(
+                    float((out[o].float() - e[o].float()).abs().max())
+                    / float(e[o].float().abs().max())
+                    for o in out
+                )
+            if hw:
+                synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                mem0 = torch.cuda.memory_allocated(device)
+                run(model)
+                synchronize(device)
+                row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - mem0) / 2**20
+            rows[key] = row
+            steps[key] = lambda mod=model: run(mod)
+        if steps:
+            for key, tm in time_calls(steps, device, repeats, 2).items():
+                rows[key].update(tm)
+                rows[key]["tflops"] = 6 * m * k * n / (tm["median_ms"] * 1e-3) / 1e12
+    for key, row in rows.items():
+        b = rows.get(f"bf16/{key.split('/')[1]}")
+        if b is not None and "median_ms" in row and "median_ms" in b:
+            row["x_bf16"] = row["median_ms"] / b["median_ms"]
+    for key, row in rows.items():
+        name, mode = key.split("/")
+        peer = rows.get(f"{name.replace('lowprec', 'torchao')}/{mode}")
+        if name.startswith("lowprec") and peer is not None and "median_ms" in peer:
+            row["x_torchao"] = row["median_ms"] / peer["median_ms"]
+    return {"shape": [m, k, n], "rows": rows, "skipped": skipped}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--shape", default="4096x8192x16384", help="M x K x N")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--copy-mib", type=int, default=1024)
+    p.add_argument("--budget-s", type=float, default=330.0)
+    p.add_argument("--revision", default=None, help="the git commit, where .git is absent")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available")
+    try:
+        m, k, n = (int(v) for v in args.shape.lower().split("x"))
+    except ValueError:
+        p.error(f"--shape must be MxKxN, got {args.shape!r}")
+    modes = [s for s in args.modes.split(",") if s]
+    if any(s not in ("eager", "compiled") for s in modes):
+        p.error(f"--modes takes eager and/or compiled, got {args.modes!r}")
+    device = torch.device(args.device)
+    out = Path(args.out or Path(__file__).parent / "results" / f"fp8_gpu_{args.device}.json")
+    torch.manual_seed(0)
+    ao = _torchao()
+    record = run_record(
+        "fp8_gpu",
+        device,
+        shape=[m, k, n],
+        repeats=args.repeats,
+        modes=modes,
+        torchao=ao["version"] if isinstance(ao, dict) else ao,
+        revision=args.revision,
+    )
+    if device.type == "cuda":
+        record["capability"] = list(torch.cuda.get_device_capability(device))
+    sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("ceilings", lambda: ceilings(device, args.copy_mib, args.repeats)),
+        ("gemm", lambda: gemm_section(m, k, n, device, args.repeats, ao)),
+        ("linear", lambda: linear_section(m, k, n, device, args.repeats, modes, args.budget_s, ao)),
+    ]
+    for name, fn in sections:
+        if elapsed() > args.budget_s:
+            record[name] = {"skipped": f"budget: {elapsed():.0f} s > {args.budget_s:.0f} s"}
+            continue
+        t = time.perf_counter()
+        try:
+            record[name] = fn()
+        except Exception as e:
+            record[name] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }
+            print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
+            traceback.print_exc()
+        record[name]["section_s"] = time.perf_counter() - t
+        write_json(record, out)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report(record)
+    print(f"wrote {out} ({elapsed():.0f} s)")
+
+
+def report(record: dict[str, Any]) -> None:
+    c = record.get("ceilings", {})
+    if "copy_tb_s" in c:
+        print(
+            f"ceilings: copy {c['copy_tb_s']:.2f} TB/s (read+write), "
+            f"bf16 mm 8192^3 {c['bf16_mm_8192_tflops']:.0f} TFLOP/s"
+        )
+    g = record.get("gemm", {})
+    if "rows" in g:
+        print_table(
+            f"GEMM {'x'.join(map(str, g['shape']))} ({record['device']})",
+            ["row", "ms", "TFLOP/s", "x bf16", "rel err vs deq", "SQNR dB"],
+            [
+                [
+                    n,
+                    r["median_ms"],
+                    r["tflops"],
+                    r["x_bf16"],
+                    r["rel_err_vs_dequantized"],
+                    r["sqnr_db_vs_bf16_inputs"],
+                ]
+                for n, r in g["rows"].items()
+            ],
+        )
+    lin = record.get("linear", {})
+    if "rows" in lin:
+        print_table(
+            f"Linear fwd+bwd {'x'.join(map(str, lin['shape']))} ({record['device']})",
+            [
+                "variant",
+                "ms",
+                "TFLOP/s",
+                "x bf16",
+                "x torchao",
+                "first s",
+                "SQNR y",
+                "SQNR dx",
+                "SQNR dW",
+                "peak MiB",
+                "hw vs emu",
+            ],
+            [
+                [
+                    k,
+                    r.get("median_ms"),
+                    r.get("tflops"),
+                    r.get("x_bf16"),
+                    r.get("x_torchao"),
+                    r.get("first_step_s"),
+                    r.get("sqnr_y_db"),
+                    r.get("sqnr_dx_db"),
+                    r.get("sqnr_dW_db"),
+                    r.get("peak_mib"),
+                    r.get("hw_vs_emu_max_rel"),
+                ]
+                for k, r in lin["rows"].items()
+            ],
+        )
+        if lin.get("skipped"):
+            print("skipped (budget):", ", ".join(lin["skipped"]))
+    for name in ("ceilings", "gemm", "linear"):
+        if "error" in record.get(name, {}):
+            print(f"{name}: {record[name]['error']}")
+
+
+if __name__ == "__main__":
+    main()
