@@ -44,8 +44,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
+import os
 import statistics
 import sys
 import time
@@ -58,8 +60,10 @@ import torch
 from _common import print_table, run_record, synchronize, write_json
 from torch import Tensor, nn
 
+from lowprec.core import kernels
+from lowprec.core.rounding import _cast_saturates
 from lowprec.float8 import Float8Recipe, convert_to_float8
-from lowprec.float8.quant import quantize_operand, scaled_mm
+from lowprec.float8.quant import quantize_operand, quantize_parts, scaled_mm
 from lowprec.float8.recipe import CastConfig
 
 E4M3 = torch.float8_e4m3fn
@@ -126,6 +130,100 @@ def finite(t: Tensor, what: str) -> Tensor:
     if not bool(torch.isfinite(t).all()):
         raise RuntimeError(f"{what}: non-finite values in the result")
     return t
+
+
+@contextlib.contextmanager
+def kernels_off() -> Any:
+    """``LOWPREC_EAGER_KERNELS=0`` inside: lowprec's eager ops instead of its compiled kernels."""
+    old = os.environ.get("LOWPREC_EAGER_KERNELS")
+    os.environ["LOWPREC_EAGER_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["LOWPREC_EAGER_KERNELS"]
+        else:
+            os.environ["LOWPREC_EAGER_KERNELS"] = old
+
+
+def max_ulps(v: Tensor, ref: Tensor) -> float:
+    """The largest ``|v − ref|`` in units of bf16's last place at ``ref`` (where ``ref`` ≠ 0;
+    a nonzero ``v`` against a zero ``ref`` counts as infinitely far)."""
+    a, b = v.float(), ref.float()
+    d = (a - b).abs()
+    ulp = torch.ldexp(torch.ones_like(b), torch.frexp(b).exponent - 8)
+    ratio = torch.where(b != 0, d / ulp, torch.where(d == 0, 0.0, math.inf))
+    return float(ratio.max())
+
+
+SPECIALS = (math.inf, -math.inf, math.nan, 3e4, -5e-6, 0.0)
+BIT_CASTS = {  # (cast, dtype of the input)
+    "tensor e4m3fn": CastConfig("e4m3fn"),
+    "tensor e5m2": CastConfig("e5m2"),
+    "axis e4m3fn": CastConfig("e4m3fn", granularity="axis"),
+    "axis e5m2": CastConfig("e5m2", granularity="axis"),
+    "block:128x128 e4m3fn": CastConfig("e4m3fn", granularity="block:128x128"),
+    "mx:32 e4m3fn": CastConfig("e4m3fn", granularity="mx:32"),
+    "nv:16 e2m1": CastConfig("e2m1", granularity="nv:16"),
+}
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    if a.dtype.itemsize == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def bits_section(device: torch.device) -> dict[str, Any]:
+    """lowprec's float8 quantize on the GPU (its compiled kernels, then its eager ops)
+    against the same call on the CPU, bit for bit, on inputs with Inf, NaN, large and tiny
+    values; plus torch's own casts of overflowing values on both devices."""
+    casts: dict[str, Any] = {}
+    for dt in (E4M3, torch.float8_e5m2):
+        v = torch.tensor([1e30, 464.0, 465.0, 6e4, 7e4, math.inf, -math.inf, math.nan])
+        casts[str(dt)] = {
+            "input": v.tolist(),
+            "cpu": v.to(dt).view(torch.uint8).tolist(),
+            device.type: v.to(device).to(dt).view(torch.uint8).cpu().tolist(),
+        }
+    out: dict[str, Any] = {"casts": casts, "e4m3fn_cast_saturates": _cast_saturates(device)}
+    rows: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(2048, 1024, generator=gen).to(dtype)  # 2^21: the kernels' size
+        flat = x.view(-1)
+        flat[torch.randint(0, flat.numel(), (len(SPECIALS) * 4,), generator=gen)] = torch.tensor(
+            SPECIALS * 4, dtype=dtype
+        )
+        x[5:9] = 0.0  # whole zero rows (axis scales of zero groups)
+        xt = x.t()  # a transposed (column-major) operand too
+        for name, cast in BIT_CASTS.items():
+            for cd, t in ((1, x), (0, xt)):
+                key = f"{name} {str(dtype)[6:]} cd={cd}"
+                ref = quantize_parts(t, cast, cd)
+                got = quantize_parts(t.to(device), cast, cd)
+                with kernels_off():
+                    eager = quantize_parts(t.to(device), cast, cd)
+                rows[key] = {
+                    "kernels": _same(got[0].cpu(), ref[0]) and _same(got[1].cpu(), ref[1]),
+                    "eager": _same(eager[0].cpu(), ref[0]) and _same(eager[1].cpu(), ref[1]),
+                }
+        s = torch.tensor(1e-3)  # a given (delayed/static) scale: most values overflow
+        for name in ("tensor e4m3fn", "tensor e5m2"):
+            cast = BIT_CASTS[name]
+            key = f"{name} {str(dtype)[6:]} given scale"
+            ref = quantize_parts(x, cast, 1, s)
+            got = quantize_parts(x.to(device), cast, 1, s.to(device))
+            with kernels_off():
+                eager = quantize_parts(x.to(device), cast, 1, s.to(device))
+            rows[key] = {
+                "kernels": _same(got[0].cpu(), ref[0]),
+                "eager": _same(eager[0].cpu(), ref[0]),
+            }
+    out["rows"] = rows
+    out["all_equal"] = all(r["kernels"] and r["eager"] for r in rows.values())
+    out["kernels_broken"] = list(kernels._BROKEN)
+    return out
 
 
 def ceilings(device: torch.device, copy_mib: int, repeats: int) -> dict[str, Any]:
@@ -238,6 +336,7 @@ def _linear_variants(ao: Any) -> dict[str, Callable[[nn.Module], nn.Module]]:
     v: dict[str, Callable[[nn.Module], nn.Module]] = {"bf16": lambda mod: mod}
     for name in ("tensorwise", "rowwise"):
         v[f"lowprec {name}"] = lambda mod, r=name: convert_to_float8(mod, Float8Recipe.from_name(r))
+        v[f"lowprec {name} kernels-off"] = v[f"lowprec {name}"]
     if isinstance(ao, dict):
         v["torchao tensorwise"] = lambda mod: ao["convert"](mod, config=ao["config"]())
         v["torchao rowwise"] = lambda mod: ao["convert"](
@@ -264,11 +363,12 @@ def linear_section(
     ref = {"y": x64 @ w64.t(), "dx": g64 @ w64, "dW": g64.t() @ x64}
     hw = device.type == "cuda"
 
-    def run(model: nn.Module) -> dict[str, Tensor]:
+    def run(model: nn.Module, off: bool = False) -> dict[str, Tensor]:
         xi = x.clone().requires_grad_(True)
         model.zero_grad(set_to_none=True)
-        y = model(xi)
-        y.backward(g)
+        with kernels_off() if off else contextlib.nullcontext():
+            y = model(xi)
+            y.backward(g)
         w = next(model.parameters())
         assert xi.grad is not None and w.grad is not None
         return {"y": y.detach(), "dx": xi.grad, "dW": w.grad}
@@ -285,6 +385,9 @@ def linear_section(
         steps: dict[str, Callable[[], object]] = {}
         for name, make in _linear_variants(ao).items():
             key = f"{name}/{mode}"
+            off = name.endswith("kernels-off")
+            if off and mode == "compiled":
+                continue  # (the kernels are eager-only)
             if elapsed() > budget_s:
                 skipped.append(key)
                 continue
@@ -293,27 +396,24 @@ def linear_section(
                 model = torch.compile(model)
             synchronize(device)
             t = time.perf_counter()
-            out = run(model)  # the first step (compiles when compiled)
+            out = run(model, off)  # the first step (compiles when compiled)
             synchronize(device)
             row: dict[str, Any] = {"first_step_s": time.perf_counter() - t}
             for o, v in out.items():
                 row[f"sqnr_{o}_db"] = sqnr_db(finite(v, f"{key} {o}"), ref[o])
             if name in emu_out:
                 e = emu_out[name]
-                row["hw_vs_emu_max_rel"] = max(
-                    float((out[o].float() - e[o].float()).abs().max())
-                    / float(e[o].float().abs().max())
-                    for o in out
-                )
+                row["hw_vs_emu_max_ulps"] = max(max_ulps(out[o], e[o]) for o in out)
+                row["hw_vs_emu_differ"] = max(float((out[o] != e[o]).float().mean()) for o in out)
             if hw:
                 synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 mem0 = torch.cuda.memory_allocated(device)
-                run(model)
+                run(model, off)
                 synchronize(device)
                 row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - mem0) / 2**20
             rows[key] = row
-            steps[key] = lambda mod=model: run(mod)
+            steps[key] = lambda mod=model, o=off: run(mod, o)
         if steps:
             for key, tm in time_calls(steps, device, repeats, 2).items():
                 rows[key].update(tm)
@@ -369,6 +469,7 @@ def main() -> None:
         ("ceilings", lambda: ceilings(device, args.copy_mib, args.repeats)),
         ("gemm", lambda: gemm_section(m, k, n, device, args.repeats, ao)),
         ("linear", lambda: linear_section(m, k, n, device, args.repeats, modes, args.budget_s, ao)),
+        ("bits", lambda: bits_section(device)),
     ]
     for name, fn in sections:
         if elapsed() > args.budget_s:
@@ -393,6 +494,18 @@ def main() -> None:
 
 
 def report(record: dict[str, Any]) -> None:
+    b = record.get("bits", {})
+    if "rows" in b:
+        bad = [k for k, r in b["rows"].items() if not (r["kernels"] and r["eager"])]
+        print(
+            f"bits: {len(b['rows']) - len(bad)}/{len(b['rows'])} quantize cases equal to the CPU's "
+            f"(kernels and eager); e4m3fn cast saturates here: {b['e4m3fn_cast_saturates']}; "
+            f"kernels broken: {b['kernels_broken'] or 'no'}"
+        )
+        for k in bad:
+            print(f"  DIFFERS: {k}: {b['rows'][k]}")
+        for dt, c in b["casts"].items():
+            print(f"  cast {dt}: {c}")
     c = record.get("ceilings", {})
     if "copy_tb_s" in c:
         print(
@@ -431,7 +544,8 @@ def report(record: dict[str, Any]) -> None:
                 "SQNR dx",
                 "SQNR dW",
                 "peak MiB",
-                "hw vs emu",
+                "hw/emu ulps",
+                "differ",
             ],
             [
                 [
@@ -445,14 +559,15 @@ def report(record: dict[str, Any]) -> None:
                     r.get("sqnr_dx_db"),
                     r.get("sqnr_dW_db"),
                     r.get("peak_mib"),
-                    r.get("hw_vs_emu_max_rel"),
+                    r.get("hw_vs_emu_max_ulps"),
+                    r.get("hw_vs_emu_differ"),
                 ]
                 for k, r in lin["rows"].items()
             ],
         )
         if lin.get("skipped"):
             print("skipped (budget):", ", ".join(lin["skipped"]))
-    for name in ("ceilings", "gemm", "linear"):
+    for name in ("ceilings", "bits", "gemm", "linear"):
         if "error" in record.get(name, {}):
             print(f"{name}: {record[name]['error']}")
 

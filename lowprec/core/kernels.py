@@ -1,4 +1,4 @@
-"""Compiled kernels behind the eager API: fused rounding and scaling for large CPU tensors.
+"""Compiled kernels behind the eager API: fused rounding and scaling for large tensors.
 
 Eager, every step of a rounding or scaling is a full pass over the tensor, and torch's casts
 between float32 and the float8 dtypes are scalar loops on the CPU. A caller who never uses
@@ -29,7 +29,10 @@ A kernel is used only when all of these hold:
 * eager mode (not already inside ``torch.compile``) on a CPU tensor (float32, float16 or
   bfloat16; a float8 payload for decoding) with at least ``min_numel`` elements (small
   tensors would pay the call overhead and, the first time, a compilation of a few seconds
-  for no gain), and not inside :func:`lowprec.core.rounding._reference_paths`;
+  for no gain), and not inside :func:`lowprec.core.rounding._reference_paths`. The float8
+  operand quantize of :func:`lowprec.float8.quant.quantize_parts` (:func:`run_scaled_encode`,
+  :func:`run_group_quantize`) also runs on CUDA tensors (:data:`QUANTIZE_DEVICES`), as
+  Triton kernels: eager, its steps would each write a full-size float32 temporary;
 * round-to-nearest (stochastic rounding draws from a ``torch.Generator``, not compiled);
 * the switch is on: environment variable ``LOWPREC_EAGER_KERNELS`` = ``auto`` (default)
   or ``1``; ``0`` turns the kernels off. ``LOWPREC_EAGER_KERNELS_MIN_NUMEL`` sets
@@ -55,6 +58,7 @@ from lowprec.core.formats import Format
 from lowprec.core.warn import warn_once
 
 __all__ = [
+    "QUANTIZE_DEVICES",
     "enabled",
     "min_numel",
     "run_decode",
@@ -81,6 +85,10 @@ def enabled() -> bool:
 
 
 MIN_NUMEL = 1 << 19  # the default threshold
+# Device types of the float8 operand quantize kernels (run_scaled_encode and
+# run_group_quantize as lowprec.float8.quant calls them): on CUDA, inductor writes them as
+# Triton kernels, one pass instead of eager's chain of full-size float32 temporaries.
+QUANTIZE_DEVICES = ("cpu", "cuda")
 ROUND_TRIP_MIN_NUMEL = 1 << 16  # run_round_trip's default threshold
 
 
@@ -102,14 +110,19 @@ def min_numel(default: int = MIN_NUMEL) -> int:
 
 
 def applies(
-    x: Tensor, dtypes: tuple[torch.dtype, ...] = _INPUTS, threshold: int = MIN_NUMEL
+    x: Tensor,
+    dtypes: tuple[torch.dtype, ...] = _INPUTS,
+    threshold: int = MIN_NUMEL,
+    devices: tuple[str, ...] = ("cpu",),
 ) -> bool:
     """Whether an eager call on ``x`` should use a compiled kernel (module docstring;
     not for an ``x`` that autograd records: the kernel runs without autograd). ``dtypes``:
     the input dtypes the kernel takes (default: float32, float16, bfloat16);
-    ``threshold``: the kernel's default :func:`min_numel`."""
+    ``threshold``: the kernel's default :func:`min_numel`; ``devices``: the device types
+    the caller's kernel serves (default the CPU; :data:`QUANTIZE_DEVICES` for the float8
+    operand quantize kernels)."""
     return (
-        x.device.type == "cpu"
+        x.device.type in devices
         and x.dtype in dtypes
         and not (x.requires_grad and torch.is_grad_enabled())
         and x.numel() >= min_numel(threshold)
@@ -118,22 +131,28 @@ def applies(
     )
 
 
-def takes(t: Tensor, fmt: Format | None = None, threshold: int = MIN_NUMEL) -> bool:
+def takes(
+    t: Tensor,
+    fmt: Format | None = None,
+    threshold: int = MIN_NUMEL,
+    devices: tuple[str, ...] = ("cpu",),
+) -> bool:
     """Whether an eager call should run the kernels below on ``t`` (:func:`applies`, and
     not inside :func:`lowprec.core.rounding._reference_paths`): ``fmt`` given, ``t`` is
     to be encoded into ``fmt`` (a format :func:`encodes` takes) or is a 1-byte payload of
-    it; ``fmt=None``, ``t`` is a float payload holding its values."""
+    it; ``fmt=None``, ``t`` is a float payload holding its values. ``devices``: as for
+    :func:`applies`."""
     from lowprec.core import rounding
     from lowprec.core.codes import BYTE_FORMATS
 
     if not rounding._FAST_EAGER:
         return False
     if fmt is None:
-        return applies(t, threshold=threshold)
+        return applies(t, threshold=threshold, devices=devices)
     if not encodes(fmt):
         return False
     dtypes = (*_INPUTS, BYTE_FORMATS[fmt]) if fmt in BYTE_FORMATS else _INPUTS
-    return applies(t, dtypes, threshold)
+    return applies(t, dtypes, threshold, devices)
 
 
 def _compile(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -151,6 +170,7 @@ def _run(
 ) -> Tensor | None:
     """The cached kernel ``key`` (made by ``build`` on first use) applied to ``args``
     without autograd; ``None`` if it cannot run (compilation failed: turned off, once)."""
+    key = (*key, args[0].device.type)  # a CPU (C++) and a CUDA (Triton) kernel apart
     fn = _CACHE.get(key)
     if fn is None:
         fn = _CACHE[key] = _compile(build())

@@ -257,7 +257,7 @@ def _cast_native(
             return x.to(native)  # nothing to saturate or turn into NaN: one plain cast
         if absmax < math.inf and fmt.special == "fn":
             tie = fmt.max + 2.0 ** (fmt.max_exponent - fmt.mantissa_bits - 1)
-            if (saturate and _E4M3FN_CAST_SATURATES) or (not saturate and absmax <= tie):
+            if (saturate and _cast_saturates(x.device)) or (not saturate and absmax <= tie):
                 return x.to(native)  # finite: the general path's masks are all False
         if absmax < math.inf and fmt.special != "fn" and saturate:
             return x.clamp(-top, top).to(native)  # finite: no Inf to keep
@@ -267,7 +267,7 @@ def _cast_native(
         # that test also catches ±Inf, and NaN compares False (it stays NaN, sign kept).
         if saturate:
             over = x.abs() == math.inf
-            if not _E4M3FN_CAST_SATURATES:
+            if not _cast_saturates(x.device):
                 x = x.clamp(-top, top)
         else:
             tie = fmt.max + 2.0 ** (fmt.max_exponent - fmt.mantissa_bits - 1)
@@ -335,10 +335,31 @@ def _absmax_eager(x: Tensor) -> float | None:
     return float(torch.maximum(hi, -lo))
 
 
-# Whether torch's fp32 -> float8_e4m3fn cast saturates finite overflow (it does from 2.7).
+# Whether torch's fp32 -> float8_e4m3fn cast saturates finite overflow on the CPU (it does
+# from 2.7).
 _E4M3FN_CAST_SATURATES: bool = (
     float(torch.tensor([1e30]).to(torch.float8_e4m3fn).float().item()) == 448.0
 )
+_SATURATES: dict[str, bool] = {"cpu": _E4M3FN_CAST_SATURATES}
+
+
+def _cast_saturates(device: torch.device) -> bool:
+    """Whether torch's float32 -> float8_e4m3fn cast saturates finite overflow on
+    ``device``'s type: each device type has its own cast kernel, so each is probed once,
+    eagerly; under ``torch.compile``, on the meta device or where the probe cannot be read
+    (fake tensors), an unprobed type counts as not saturating: the clamp is kept (traced,
+    it fuses into the cast's kernel)."""
+    known = _SATURATES.get(device.type)
+    if known is not None:
+        return known
+    if torch.compiler.is_compiling() or device.type == "meta":
+        return False
+    try:
+        probe = float(torch.tensor([1e30], device=device).to(torch.float8_e4m3fn).float().item())
+    except RuntimeError:  # a fake tensor's data cannot be read
+        return False
+    _SATURATES[device.type] = known = probe == 448.0
+    return known
 
 
 def _quantize_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:

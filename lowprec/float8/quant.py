@@ -82,7 +82,10 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
     if g.kind == "nv" and torch.compiler.is_compiling():
         return _nv_eager(t, cast, cd)
-    x = t if t.dtype == torch.float64 else t.float()  # float64 is rounded once, directly
+    # float64 is rounded once, directly. Off the CPU no float32 copy is made: the division
+    # by the float32 scale promotes, giving the same quotients, and the CUDA kernels take
+    # 16-bit inputs (the CPU's are keyed and tuned on float32).
+    x = t if t.dtype == torch.float64 or t.device.type != "cpu" else t.float()
     if g.kind == "axis":
         if x.numel() == 0:  # e.g. an expert that got no tokens: nothing to scale
             return to_format(x, fmt), x.new_ones(g.scale_shape(x.shape)), None
@@ -92,7 +95,7 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
         if x.numel() == 0:
             return to_format(xp, fmt), xp.new_ones(g.scale_shape(xp.shape)), pad
-    if kernels.takes(xp, fmt):  # amax, scale and encode fused (same bits)
+    if kernels.takes(xp, fmt, devices=kernels.QUANTIZE_DEVICES):  # amax, scale, encode fused
         fused = kernels.run_group_quantize(
             xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g.kind, fmt), cast
         )
@@ -230,7 +233,9 @@ def _group_scale(a: Tensor, cast: CastConfig, kind: str, fmt: Format) -> Tensor:
 def _encode(t: Tensor, s: Tensor, fmt: Format) -> Tensor | None:
     """``to_format(apply_scale(t, s, "div"), fmt, saturate=True)`` by a compiled kernel,
     or ``None`` where it does not apply (the caller runs the eager ops)."""
-    return kernels.run_scaled_encode(t, s, fmt) if kernels.takes(t, fmt) else None
+    if not kernels.takes(t, fmt, devices=kernels.QUANTIZE_DEVICES):
+        return None
+    return kernels.run_scaled_encode(t, s, fmt)
 
 
 def _quotient_max(a: Tensor | None, s: Tensor, x: Tensor) -> float | None:

@@ -145,3 +145,33 @@ def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "x")
     with pytest.raises(ValueError, match="LOWPREC_EAGER_KERNELS_MIN_NUMEL"):
         kernels.min_numel()
+
+
+def test_cast_saturation_is_probed_per_device_type() -> None:
+    assert rounding._cast_saturates(torch.device("cpu")) is rounding._E4M3FN_CAST_SATURATES
+    # no data to probe on the meta device: the clamp is kept, nothing is cached
+    assert rounding._cast_saturates(torch.device("meta")) is False
+    assert "meta" not in rounding._SATURATES
+
+
+def test_non_saturating_cast_device_gives_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device whose float32 -> e4m3fn cast does not saturate (the general path clamps
+    first) gives the saturating device's bits: finite overflow to +-448, Inf to NaN."""
+    x = next(iter(cases()))[1].clone()
+    x.view(-1)[: len(SPECIALS)] = torch.tensor(SPECIALS)
+    with rounding._reference_paths():  # the general masked path
+        want = to_format(x, "e4m3fn", saturate=True)
+        monkeypatch.setitem(rounding._SATURATES, "cpu", False)
+        got = to_format(x, "e4m3fn", saturate=True)
+    assert same(got, want)
+    v = got.float()
+    assert float(v[v.isfinite()].abs().max()) == 448.0
+    assert int(v.isnan().sum()) == 3  # the two Infs and the NaN
+
+
+def test_kernel_device_types() -> None:
+    x = torch.randn(1024, 1024)
+    assert kernels.applies(x) and kernels.applies(x, devices=kernels.QUANTIZE_DEVICES)
+    assert not kernels.applies(x, devices=("cuda",))
+    m = torch.empty(1024, 1024, device="meta")
+    assert not kernels.applies(m, devices=kernels.QUANTIZE_DEVICES)
