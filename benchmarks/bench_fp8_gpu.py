@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from lowprec.core import kernels
 from lowprec.core.rounding import _cast_saturates
 from lowprec.float8 import Float8Recipe, convert_to_float8
-from lowprec.float8.quant import quantize_operand, quantize_parts, scaled_mm
+from lowprec.float8.quant import Parts, quantize_operand, quantize_parts, scaled_mm
 from lowprec.float8.recipe import CastConfig
 
 E4M3 = torch.float8_e4m3fn
@@ -168,10 +168,25 @@ BIT_CASTS = {  # (cast, dtype of the input)
 }
 
 
-def _same(a: Tensor, b: Tensor) -> bool:
+def _same(a: Tensor, b: Tensor, nan_sign: bool = True) -> bool:
+    """Equal bits; ``nan_sign=False``: a NaN's sign and payload are not compared (the NaN
+    that ``inf / inf`` makes is negative on x86 CPUs and positive on CUDA)."""
     if a.dtype.itemsize == 1:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+        eq = a.view(torch.uint8) == b.view(torch.uint8)
+    else:
+        w = {2: torch.int16, 4: torch.int32}[a.dtype.itemsize]
+        eq = a.contiguous().view(w) == b.contiguous().view(w)
+    if not nan_sign:
+        eq |= a.float().isnan() & b.float().isnan()
+    return bool(eq.all())
+
+
+def _compare(got: Parts, ref: Parts) -> dict[str, bool]:
+    pairs = [(got[0].cpu(), ref[0]), (got[1].cpu(), ref[1])]
+    return {
+        "bits": all(_same(a, b) for a, b in pairs),
+        "values": all(_same(a, b, nan_sign=False) for a, b in pairs),
+    }
 
 
 def bits_section(device: torch.device) -> dict[str, Any]:
@@ -204,10 +219,7 @@ def bits_section(device: torch.device) -> dict[str, Any]:
                 got = quantize_parts(t.to(device), cast, cd)
                 with kernels_off():
                     eager = quantize_parts(t.to(device), cast, cd)
-                rows[key] = {
-                    "kernels": _same(got[0].cpu(), ref[0]) and _same(got[1].cpu(), ref[1]),
-                    "eager": _same(eager[0].cpu(), ref[0]) and _same(eager[1].cpu(), ref[1]),
-                }
+                rows[key] = {"kernels": _compare(got, ref), "eager": _compare(eager, ref)}
         s = torch.tensor(1e-3)  # a given (delayed/static) scale: most values overflow
         for name in ("tensor e4m3fn", "tensor e5m2"):
             cast = BIT_CASTS[name]
@@ -216,13 +228,14 @@ def bits_section(device: torch.device) -> dict[str, Any]:
             got = quantize_parts(x.to(device), cast, 1, s.to(device))
             with kernels_off():
                 eager = quantize_parts(x.to(device), cast, 1, s.to(device))
-            rows[key] = {
-                "kernels": _same(got[0].cpu(), ref[0]),
-                "eager": _same(eager[0].cpu(), ref[0]),
-            }
+            rows[key] = {"kernels": _compare(got, ref), "eager": _compare(eager, ref)}
     out["rows"] = rows
-    out["all_equal"] = all(r["kernels"] and r["eager"] for r in rows.values())
+    out["all_equal_values"] = all(
+        r["kernels"]["values"] and r["eager"]["values"] for r in rows.values()
+    )
+    out["all_equal_bits"] = all(r["kernels"]["bits"] and r["eager"]["bits"] for r in rows.values())
     out["kernels_broken"] = list(kernels._BROKEN)
+    out["quantize_devices"] = list(kernels.quantize_devices())
     return out
 
 
@@ -496,14 +509,18 @@ def main() -> None:
 def report(record: dict[str, Any]) -> None:
     b = record.get("bits", {})
     if "rows" in b:
-        bad = [k for k, r in b["rows"].items() if not (r["kernels"] and r["eager"])]
+        n = len(b["rows"])
+        for what in ("bits", "values"):
+            bad = [k for k, r in b["rows"].items() if not (r["kernels"][what] and r["eager"][what])]
+            print(
+                f"{what}: {n - len(bad)}/{n} quantize cases equal to the CPU's (kernels and eager)"
+            )
+            for k in bad:
+                print(f"  {what} differ: {k}: {b['rows'][k]}")
         print(
-            f"bits: {len(b['rows']) - len(bad)}/{len(b['rows'])} quantize cases equal to the CPU's "
-            f"(kernels and eager); e4m3fn cast saturates here: {b['e4m3fn_cast_saturates']}; "
-            f"kernels broken: {b['kernels_broken'] or 'no'}"
+            f"e4m3fn cast saturates here: {b['e4m3fn_cast_saturates']}; kernels on "
+            f"{b['quantize_devices']}; broken: {b['kernels_broken'] or 'no'}"
         )
-        for k in bad:
-            print(f"  DIFFERS: {k}: {b['rows'][k]}")
         for dt, c in b["casts"].items():
             print(f"  cast {dt}: {c}")
     c = record.get("ceilings", {})

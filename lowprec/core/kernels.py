@@ -31,8 +31,9 @@ A kernel is used only when all of these hold:
   tensors would pay the call overhead and, the first time, a compilation of a few seconds
   for no gain), and not inside :func:`lowprec.core.rounding._reference_paths`. The float8
   operand quantize of :func:`lowprec.float8.quant.quantize_parts` (:func:`run_scaled_encode`,
-  :func:`run_group_quantize`) also runs on CUDA tensors (:data:`QUANTIZE_DEVICES`), as
-  Triton kernels: eager, its steps would each write a full-size float32 temporary;
+  :func:`run_group_quantize`) also runs on CUDA tensors (:func:`quantize_devices`), as
+  Triton kernels with eager CUDA's float32 arithmetic (correctly rounded division,
+  subnormals kept): eager, its steps would each write a full-size float32 temporary;
 * round-to-nearest (stochastic rounding draws from a ``torch.Generator``, not compiled);
 * the switch is on: environment variable ``LOWPREC_EAGER_KERNELS`` = ``auto`` (default)
   or ``1``; ``0`` turns the kernels off. ``LOWPREC_EAGER_KERNELS_MIN_NUMEL`` sets
@@ -46,6 +47,7 @@ with one WARNING and the eager ops run: same bits, slower.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import types
@@ -58,9 +60,9 @@ from lowprec.core.formats import Format
 from lowprec.core.warn import warn_once
 
 __all__ = [
-    "QUANTIZE_DEVICES",
     "enabled",
     "min_numel",
+    "quantize_devices",
     "run_decode",
     "run_group_quantize",
     "run_group_round_trip",
@@ -85,10 +87,6 @@ def enabled() -> bool:
 
 
 MIN_NUMEL = 1 << 19  # the default threshold
-# Device types of the float8 operand quantize kernels (run_scaled_encode and
-# run_group_quantize as lowprec.float8.quant calls them): on CUDA, inductor writes them as
-# Triton kernels, one pass instead of eager's chain of full-size float32 temporaries.
-QUANTIZE_DEVICES = ("cpu", "cuda")
 ROUND_TRIP_MIN_NUMEL = 1 << 16  # run_round_trip's default threshold
 
 
@@ -119,7 +117,7 @@ def applies(
     not for an ``x`` that autograd records: the kernel runs without autograd). ``dtypes``:
     the input dtypes the kernel takes (default: float32, float16, bfloat16);
     ``threshold``: the kernel's default :func:`min_numel`; ``devices``: the device types
-    the caller's kernel serves (default the CPU; :data:`QUANTIZE_DEVICES` for the float8
+    the caller's kernel serves (default the CPU; :func:`quantize_devices` for the float8
     operand quantize kernels)."""
     return (
         x.device.type in devices
@@ -155,14 +153,50 @@ def takes(
     return applies(t, dtypes, threshold, devices)
 
 
-def _compile(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+@functools.cache
+def _cuda_exact_options() -> dict[str, str | int | bool | Callable[..., object]] | None:
+    """Inductor options under which its Triton kernels compute float32 as eager CUDA does:
+    correctly rounded division (``x / y`` is otherwise an approximate ``div.full``),
+    subnormals kept (not flushed to zero), no multiply-add contraction and every cast kept.
+    ``None`` where this torch has no option for either of the first two: the kernels then
+    stay on the CPU (:func:`quantize_devices`)."""
+    from torch._inductor import config as ic
+
+    en = getattr(ic, "eager_numerics", None)
+    if en is not None and hasattr(en, "division_rounding"):
+        div = "eager_numerics.division_rounding"
+    elif hasattr(ic, "emulate_divison_rounding"):  # (the option's spelling up to torch 2.12)
+        div = "emulate_divison_rounding"
+    else:
+        return None
+    if en is None or not hasattr(en, "disable_ftz"):
+        return None
+    return {div: True, "eager_numerics.disable_ftz": True, "emulate_precision_casts": True}
+
+
+def quantize_devices() -> tuple[str, ...]:
+    """Device types of the float8 operand quantize kernels (:func:`run_scaled_encode` and
+    :func:`run_group_quantize` as :func:`lowprec.float8.quant.quantize_parts` calls them):
+    the CPU, and CUDA where inductor can write them with eager CUDA's float32 arithmetic
+    (:func:`_cuda_exact_options`; Triton kernels: one pass instead of eager's chain of
+    full-size float32 temporaries)."""
+    return ("cpu", "cuda") if _cuda_exact_options() is not None else ("cpu",)
+
+
+def _compile(fn: Callable[..., Tensor], device_type: str = "cpu") -> Callable[..., Tensor]:
     """``torch.compile(fn, dynamic=True, fullgraph=True)`` of a copy of ``fn`` with a code
-    object of its own. Dynamo keeps one cache, and one recompile limit, per code object;
-    every kernel here is a closure of one of a few functions, so without the copy the
-    kernels of different formats would share (and exhaust) one cache."""
+    object of its own (on CUDA with :func:`_cuda_exact_options`). Dynamo keeps one cache,
+    and one recompile limit, per code object; every kernel here is a closure of one of a
+    few functions, so without the copy the kernels of different formats would share (and
+    exhaust) one cache."""
     code = fn.__code__.replace()  # an equal but distinct code object
     own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(own, dynamic=True, fullgraph=True)
+    if device_type == "cpu":
+        return torch.compile(own, dynamic=True, fullgraph=True)
+    options = _cuda_exact_options()
+    if options is None:
+        raise RuntimeError(f"no exact float32 kernels for {device_type} in this torch")
+    return torch.compile(own, dynamic=True, fullgraph=True, options=dict(options))
 
 
 def _run(
@@ -170,10 +204,11 @@ def _run(
 ) -> Tensor | None:
     """The cached kernel ``key`` (made by ``build`` on first use) applied to ``args``
     without autograd; ``None`` if it cannot run (compilation failed: turned off, once)."""
-    key = (*key, args[0].device.type)  # a CPU (C++) and a CUDA (Triton) kernel apart
+    device_type = args[0].device.type
+    key = (*key, device_type)  # a CPU (C++) and a CUDA (Triton) kernel apart
     fn = _CACHE.get(key)
     if fn is None:
-        fn = _CACHE[key] = _compile(build())
+        fn = _CACHE[key] = _compile(build(), device_type)
     # (Python numbers of the closure stay constants: with dynamic=True Dynamo would trace
     # floats, such as a cast's margin, as symbols and break on their checks, and ints, such
     # as a format's bias, as symbols whose shifts and powers of two the kernel would

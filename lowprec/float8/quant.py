@@ -95,7 +95,7 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
         if x.numel() == 0:
             return to_format(xp, fmt), xp.new_ones(g.scale_shape(xp.shape)), pad
-    if kernels.takes(xp, fmt, devices=kernels.QUANTIZE_DEVICES):  # amax, scale, encode fused
+    if kernels.takes(xp, fmt, devices=kernels.quantize_devices()):  # amax, scale, encode fused
         fused = kernels.run_group_quantize(
             xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g.kind, fmt), cast
         )
@@ -233,7 +233,7 @@ def _group_scale(a: Tensor, cast: CastConfig, kind: str, fmt: Format) -> Tensor:
 def _encode(t: Tensor, s: Tensor, fmt: Format) -> Tensor | None:
     """``to_format(apply_scale(t, s, "div"), fmt, saturate=True)`` by a compiled kernel,
     or ``None`` where it does not apply (the caller runs the eager ops)."""
-    if not kernels.takes(t, fmt, devices=kernels.QUANTIZE_DEVICES):
+    if not kernels.takes(t, fmt, devices=kernels.quantize_devices()):
         return None
     return kernels.run_scaled_encode(t, s, fmt)
 

@@ -171,7 +171,7 @@ def test_non_saturating_cast_device_gives_same_bits(monkeypatch: pytest.MonkeyPa
 
 def test_kernel_device_types() -> None:
     x = torch.randn(1024, 1024)
-    assert kernels.applies(x) and kernels.applies(x, devices=kernels.QUANTIZE_DEVICES)
+    assert kernels.applies(x) and kernels.applies(x, devices=kernels.quantize_devices())
     assert not kernels.applies(x, devices=("cuda",))
     m = torch.empty(1024, 1024, device="meta")
-    assert not kernels.applies(m, devices=kernels.QUANTIZE_DEVICES)
+    assert not kernels.applies(m, devices=kernels.quantize_devices())
