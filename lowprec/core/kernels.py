@@ -179,7 +179,10 @@ def quantize_devices() -> tuple[str, ...]:
     :func:`run_group_quantize` as :func:`lowprec.float8.quant.quantize_parts` calls them):
     the CPU, and CUDA where inductor can write them with eager CUDA's float32 arithmetic
     (:func:`_cuda_exact_options`; Triton kernels: one pass instead of eager's chain of
-    full-size float32 temporaries)."""
+    full-size float32 temporaries). Under ``torch.compile`` (where no kernel runs) the CPU
+    alone, without reading inductor's configuration."""
+    if torch.compiler.is_compiling():
+        return ("cpu",)
     return ("cpu", "cuda") if _cuda_exact_options() is not None else ("cpu",)
 
 
