@@ -221,6 +221,25 @@ def _round_pow2_tensor(s: Tensor, up: bool) -> Tensor:
     return torch.where(ok, r.to(s.dtype), s)
 
 
+def _div_const(x: Tensor, c: float) -> Tensor:
+    """``x / c`` for a float32 (or float64) ``x`` and a Python float ``c`` with at most 24
+    significant bits (a format's max times a power of two), correctly rounded on every
+    device, eager or compiled.
+
+    Eager CUDA and inductor's GPU code divide by a constant as a product with its rounded
+    reciprocal, off by an ulp now and then. So the quotient is formed in float64 and
+    rounded once to float32: where float64's quotient is itself correctly rounded, the
+    double rounding is innocuous (53 >= 2·24 + 2 bits); where it is the reciprocal's
+    product, its relative error is below 2^-52, while ``x / c`` lies at least 2^-48
+    (relative) from every float32 rounding midpoint, never on one (a midpoint times ``c``
+    has 25 or more significant bits, ``x`` has 24): the same float32 either way
+    (``tests/core/test_scaling.py`` checks both on random and boundary values).
+    """
+    if x.dtype == torch.float64:
+        return x / c
+    return (x.double() / c).to(x.dtype)
+
+
 def compute_scale(
     amax: Tensor, fmt: str | Format, margin: float = 0.0, power_of_two: bool = False
 ) -> Tensor:
@@ -229,7 +248,9 @@ def compute_scale(
     Zero, Inf and NaN ``amax`` give scale 1 (see the module docstring); the scale is
     clamped to ``[2^-126, 2^127]``. ``margin``: finite, ``|margin| <= 256`` (else
     ``ValueError``). A float64 ``amax`` is used in float64 (a finite value beyond float32's
-    range raises ``ValueError``; module docstring).
+    range raises ``ValueError``; module docstring). The division is correctly rounded on
+    every device for an integer ``margin``; a fractional one gives the divisor 53
+    significant bits, and off the CPU the scale may then be one float32 ulp from it.
 
     Example:
         >>> import torch
@@ -245,7 +266,7 @@ def compute_scale(
     # One correctly rounded division (fmt.max · 2^-margin is exact: a power-of-two multiple,
     # applied as two ldexp steps so that 2^±256 never overflows a float).
     div = math.ldexp(fmt.max, -int(margin)) * 2.0 ** -(margin - int(margin))
-    s = (torch.where(ok, a, 1.0) / div).clamp(_MIN_SCALE, _MAX_SCALE).float()
+    s = _div_const(torch.where(ok, a, 1.0), div).clamp(_MIN_SCALE, _MAX_SCALE).float()
     if power_of_two:
         s = round_pow2(s, "up").clamp(max=_MAX_SCALE)
     return torch.where(ok, s, 1.0)
@@ -291,7 +312,7 @@ def nv_scale(amax: Tensor, fmt: str | Format) -> Tensor:
     ok = torch.isfinite(a)
     fin = torch.where(ok, a, 0.0)
     t_amax = fin.amax() if fin.numel() else fin.new_zeros(())
-    s_t = torch.where(t_amax > 0, t_amax / (fmt.max * _E4M3.max), 1.0)
+    s_t = torch.where(t_amax > 0, _div_const(t_amax, fmt.max * _E4M3.max), 1.0)
     s_b = quantize(fin / (fmt.max * s_t), _E4M3, saturate=True)
     s = torch.where(s_b > 0, s_b, _E4M3.min_subnormal) * s_t
     return torch.where(ok, s, 1.0)

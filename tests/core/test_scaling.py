@@ -13,7 +13,7 @@ import torch
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
 from lowprec.core.scalers import DelayedScaler, DynamicScaler, StaticScaler
-from lowprec.core.scales import amax, compute_scale, mx_scale, round_pow2
+from lowprec.core.scales import _div_const, amax, compute_scale, mx_scale, round_pow2
 
 # ---- granularity -------------------------------------------------------------------------
 
@@ -167,6 +167,31 @@ def test_compute_scale_formula(fmt: str, margin: float) -> None:
     assert np.all(m == 0.5), "power-of-two scales have mantissa exactly 0.5 in frexp"
     assert bool((p >= s).all()) and bool((p < 2 * s).all()), "rounded up, by less than 2x"
     assert bool((a / p <= f.max * 2.0**-margin).all())
+
+
+@pytest.mark.parametrize("c", [448.0, 57344.0, 6.0, 240.0, 6.0 * 448.0, 56.0, 381.0 * 2**-4])
+def test_division_by_a_constant_is_correctly_rounded_also_by_reciprocal(c: float) -> None:
+    """``scales._div_const`` (the scale division) against the CPU's float32 division,
+    which is correctly rounded, on random values over many binades and on values whose
+    quotient sits next to a float32 rounding midpoint; and the same quotient formed as
+    the GPU forms it (float64 times the rounded reciprocal) rounds to it too. The plain
+    float32 reciprocal product does not, for some of these values (why the float64
+    step)."""
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 18
+    rand = torch.randn(n, generator=g) * 2.0 ** torch.randint(-60, 60, (n,), generator=g)
+    # midpoints m = k + 1/2 ulp of float32 quotients k, times c, and their float32 neighbours
+    k = (torch.rand(n, generator=g, dtype=torch.float64) + 1.0).float()
+    mid = k.double() + torch.ldexp(torch.ones(n, dtype=torch.float64), torch.tensor(-24))
+    near = (mid * c).float()
+    up, down = torch.nextafter(near, near + 1), torch.nextafter(near, near - 1)
+    x = torch.cat([rand, near, up, down])
+    want = x / c
+    assert torch.equal(_div_const(x, c).view(torch.int32), want.view(torch.int32))
+    by_reciprocal = (x.double() * (1.0 / c)).float()
+    assert torch.equal(by_reciprocal.view(torch.int32), want.view(torch.int32))
+    naive = x * torch.tensor(1.0 / c, dtype=torch.float32)
+    assert bool((naive != want).any()), "the float32 reciprocal should miss somewhere"
 
 
 def test_compute_scale_specials_never_nan() -> None:
