@@ -50,9 +50,9 @@ machine pass ``--threads`` = the number of physical cores.
 ``--shapes MxKxN,...`` (default none on CPU) also times one ``Linear(K, N, bias=False)`` on
 ``M`` tokens (fwd+bwd, 6MKN flops; same variants, accuracy and memory columns).
 
-``--device cuda`` (UNTESTED: written without access to a GPU): lowprec with its default
-``emulate=None`` (``torch._scaled_mm`` on sm89+; the mxfp8 preset emulates) and torchao with
-``emulate=False``, on *bf16* parameters and input (the fp32 row stays fp32; the bf16-emu row,
+``--device cuda`` (run once, on an H200 at 69b0546: ``results/float8_cuda_h200.json``):
+lowprec with its default ``emulate=None`` (``torch._scaled_mm`` on sm89+; the mxfp8 preset
+emulates) and torchao with ``emulate=False``, on *bf16* parameters and input (the fp32 row stays fp32; the bf16-emu row,
 identical to ``tensorwise`` on the hardware path, is dropped); ``--shapes`` defaults to
 ``1024x1024x4096,4096x4096x4096,4096x8192x16384``; the peak memory of the second step above
 the memory allocated before it (``torch.cuda.max_memory_allocated``) is reported too.

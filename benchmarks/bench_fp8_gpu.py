@@ -21,13 +21,21 @@ order, each written to the JSON as it finishes (a later failure keeps the earlie
    ``lowprec scaled_mm`` must equal the raw kernel's bits on the same operands.
 3. **linear**: forward + backward of ``Linear(K, N, bias=False)`` on ``M`` tokens (6MKN
    flops), bf16 parameters and input, eager and ``torch.compile``: ``bf16``,
-   ``lowprec tensorwise`` / ``rowwise`` (``convert_to_float8``, hardware GEMMs),
-   ``torchao tensorwise`` / ``rowwise`` (``convert_to_float8_training``). SQNR of ``y``,
-   ``dx`` and ``dW`` against float64; ``hw vs emu``: lowprec's hardware result against its
-   own emulation (``emulate=True``) on the same GPU and inputs, ``max_i |a−b| / max|b|``
-   over the three outputs (the two compute the same products of the same FP8 values in
-   float32; they differ only in summation order and the final rounding); peak memory of a
-   step above what was allocated before it.
+   ``lowprec tensorwise`` / ``rowwise`` (``convert_to_float8``, hardware GEMMs; eager also
+   ``kernels-off``: ``LOWPREC_EAGER_KERNELS=0`` during its steps, lowprec's eager ops
+   instead of its compiled quantize kernels), ``torchao tensorwise`` / ``rowwise``
+   (``convert_to_float8_training``). SQNR of ``y``, ``dx`` and ``dW`` against float64;
+   ``hw/emu``: lowprec's hardware result against its own emulation (``emulate=True``) on
+   the same GPU and inputs, the largest difference in bf16 ulps of the emulated value and
+   the share of elements that differ, worst of the three outputs (the two multiply the
+   same FP8 values; they differ in the accumulation); peak memory of a step above what was
+   allocated before it.
+4. **bits**: lowprec's quantize (``quantize_parts``) of bf16 and float32 matrices holding
+   Inf, NaN, large and tiny values and zero rows, on the GPU with its kernels and with
+   them off, against the same call on the CPU, for tensor/axis E4M3 and E5M2, block:128x128
+   and mx:32 E4M3, nv:16 E2M1, both layouts, and a given scale that overflows: ``bits``
+   equal, and ``values`` equal (a NaN's sign aside); plus torch's own casts of overflowing
+   values to E4M3/E5M2 on both devices.
 
 Timing: CUDA events around each call, ``--warmup`` untimed calls, then ``--repeats`` rounds
 with every row once per round (interleaved), median per row. Inputs are fresh random
