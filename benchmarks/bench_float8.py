@@ -52,10 +52,11 @@ machine pass ``--threads`` = the number of physical cores.
 
 ``--device cuda`` (run once, on an H200 at 69b0546: ``results/float8_cuda_h200.json``):
 lowprec with its default ``emulate=None`` (``torch._scaled_mm`` on sm89+; the mxfp8 preset
-emulates) and torchao with ``emulate=False``, on *bf16* parameters and input (the fp32 row stays fp32; the bf16-emu row,
-identical to ``tensorwise`` on the hardware path, is dropped); ``--shapes`` defaults to
-``1024x1024x4096,4096x4096x4096,4096x8192x16384``; the peak memory of the second step above
-the memory allocated before it (``torch.cuda.max_memory_allocated``) is reported too.
+emulates) and torchao with ``emulate=False``, on *bf16* parameters and input (the fp32 row
+stays fp32; the bf16-emu row, identical to ``tensorwise`` on the hardware path, is dropped);
+``--shapes`` defaults to ``1024x1024x4096,4096x4096x4096,4096x8192x16384``; the peak memory
+of the second step above the memory allocated before it
+(``torch.cuda.max_memory_allocated``) is reported too.
 
 ``--quick``: d=64, batch 32, one 32x64x128 shape, 2 repeats; compiled mode only for the MLP
 and only for ``QUICK_COMPILED`` (compiling everything takes minutes); JSON in the temp dir.
