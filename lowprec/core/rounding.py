@@ -262,7 +262,8 @@ def _cast_native(
         if absmax < math.inf and fmt.special != "fn" and saturate:
             return x.clamp(-top, top).to(native)  # finite: no Inf to keep
     if fmt.special == "fn":
-        # torch >= 2.7 saturates fp32 -> float8_e4m3fn (even Inf); ml_dtypes gives NaN.
+        # torch's fp32 -> float8_e4m3fn cast saturates on some versions and devices (2.13's
+        # CPU cast, even Inf; not 2.11's: _cast_saturates); ml_dtypes gives NaN.
         # Above max + half an ulp (the tie rounds down to max's even mantissa) is overflow;
         # that test also catches ±Inf, and NaN compares False (it stays NaN, sign kept).
         if saturate:
@@ -335,12 +336,16 @@ def _absmax_eager(x: Tensor) -> float | None:
     return float(torch.maximum(hi, -lo))
 
 
-# Whether torch's fp32 -> float8_e4m3fn cast saturates finite overflow on the CPU (it does
-# from 2.7).
-_E4M3FN_CAST_SATURATES: bool = (
-    float(torch.tensor([1e30]).to(torch.float8_e4m3fn).float().item()) == 448.0
-)
-_SATURATES: dict[str, bool] = {"cpu": _E4M3FN_CAST_SATURATES}
+def _probe_saturation(device: torch.device) -> bool:
+    """Whether torch's float32 -> float8_e4m3fn cast on ``device`` turns 1e30 into 448."""
+    x = torch.tensor([1e30], device=device)
+    return float(x.to(torch.float8_e4m3fn).float().item()) == 448.0
+
+
+# Per device type, whether that cast saturates finite overflow (torch 2.13's CPU cast does,
+# 2.11's does not). The CPU's is probed at import, so that code torch.compile traces for the
+# CPU reads it as a constant.
+_SATURATES: dict[str, bool] = {"cpu": _probe_saturation(torch.device("cpu"))}
 
 
 def _cast_saturates(device: torch.device) -> bool:
@@ -355,10 +360,10 @@ def _cast_saturates(device: torch.device) -> bool:
     if torch.compiler.is_compiling() or device.type == "meta":
         return False
     try:
-        probe = float(torch.tensor([1e30], device=device).to(torch.float8_e4m3fn).float().item())
+        known = _probe_saturation(device)
     except RuntimeError:  # a fake tensor's data cannot be read
         return False
-    _SATURATES[device.type] = known = probe == 448.0
+    _SATURATES[device.type] = known
     return known
 
 
