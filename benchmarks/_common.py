@@ -14,13 +14,15 @@ times across runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,11 +37,13 @@ REPO_ROOT = BENCH_DIR.parent
 __all__ = [
     "RESULTS_DIR",
     "Timing",
+    "env",
     "git_revision",
     "machine_info",
     "print_table",
     "ran_compiled",
     "run_record",
+    "sqnr_db",
     "synchronize",
     "time_fn",
     "time_many",
@@ -252,6 +256,32 @@ def time_fn(
 ) -> Timing:
     """Time one function (see :func:`time_many`)."""
     return time_many({"fn": fn}, device, repeats, warmup, min_repeat_s)["fn"]
+
+
+@contextlib.contextmanager
+def env(var: str, value: str) -> Iterator[None]:
+    """The environment variable ``var`` set to ``value`` inside (restored, or removed, on
+    exit): lowprec reads its switches at each call, so a variant's steps can run with one
+    switched, side by side with the others in one process."""
+    old = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = old
+
+
+# ---- accuracy -----------------------------------------------------------------------------
+
+
+def sqnr_db(v: torch.Tensor, ref: torch.Tensor) -> float | None:
+    """``10 log10(Σ ref² / Σ (v − ref)²)`` in float64 (``None`` when ``v == ref`` exactly)."""
+    r = ref.detach().double()
+    err = float(((v.detach().double() - r) ** 2).sum())
+    return 10 * math.log10(float((r**2).sum()) / err) if err > 0 else None
 
 
 # ---- output -------------------------------------------------------------------------------

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import math
 import sys
 import time
 import traceback
@@ -56,6 +55,7 @@ from _common import (
     print_table,
     run_record,
     setup_torch,
+    sqnr_db,
     time_many,
     write_json,
 )
@@ -66,13 +66,6 @@ from lowprec.core.rounding import _reference_paths
 from lowprec.float8 import Float8Recipe, calibrate, convert_to_float8
 
 PRESETS = ("tensorwise", "delayed", "static", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")
-
-
-def sqnr_db(v: Tensor, ref: Tensor) -> float | None:
-    """``10 log10(sum ref^2 / sum (v - ref)^2)`` in fp64 (``None`` when exact)."""
-    ref = ref.double()
-    err = float(((v.double() - ref) ** 2).sum())
-    return 10 * math.log10(float((ref**2).sum()) / err) if err > 0 else None
 
 
 # ---- peers ----------------------------------------------------------------------------------

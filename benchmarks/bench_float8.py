@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import sys
 import time
 import traceback
@@ -89,6 +88,7 @@ from _common import (
     ran_compiled,
     run_record,
     setup_torch,
+    sqnr_db,
     synchronize,
     time_many,
     write_json,
@@ -180,14 +180,6 @@ def build(spec: Spec, base: nn.Module, device: torch.device) -> nn.Module:
 
 
 # ---- measurements -------------------------------------------------------------------------
-
-
-def sqnr_db(v: Tensor, ref: Tensor) -> float | None:
-    """``10 log10(sum ref^2 / sum (v - ref)^2)`` in fp64 (``None`` when v == ref exactly)."""
-    ref = ref.double()
-    err = float(((v.double() - ref) ** 2).sum())
-    sig = float((ref**2).sum())
-    return 10 * math.log10(sig / err) if err > 0 else None
 
 
 def _storages(t: Tensor) -> list[Tensor]:

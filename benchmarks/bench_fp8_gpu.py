@@ -55,7 +55,6 @@ import argparse
 import contextlib
 import copy
 import math
-import os
 import statistics
 import sys
 import time
@@ -65,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import print_table, run_record, synchronize, write_json
+from _common import env, print_table, run_record, sqnr_db, synchronize, write_json
 from torch import Tensor, nn
 
 from lowprec.core import kernels
@@ -127,31 +126,15 @@ def rel_err(v: Tensor, ref: Tensor) -> float:
     return float(torch.linalg.vector_norm(v.double() - r) / torch.linalg.vector_norm(r))
 
 
-def sqnr_db(v: Tensor, ref: Tensor) -> float | None:
-    """``10 log10(Σ ref² / Σ (v − ref)²)`` in float64 (``None`` when equal)."""
-    r = ref.double()
-    err = float(((v.double() - r) ** 2).sum())
-    return 10 * math.log10(float((r**2).sum()) / err) if err > 0 else None
-
-
 def finite(t: Tensor, what: str) -> Tensor:
     if not bool(torch.isfinite(t).all()):
         raise RuntimeError(f"{what}: non-finite values in the result")
     return t
 
 
-@contextlib.contextmanager
-def kernels_off() -> Any:
+def kernels_off() -> contextlib.AbstractContextManager[None]:
     """``LOWPREC_EAGER_KERNELS=0`` inside: lowprec's eager ops instead of its compiled kernels."""
-    old = os.environ.get("LOWPREC_EAGER_KERNELS")
-    os.environ["LOWPREC_EAGER_KERNELS"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["LOWPREC_EAGER_KERNELS"]
-        else:
-            os.environ["LOWPREC_EAGER_KERNELS"] = old
+    return env("LOWPREC_EAGER_KERNELS", "0")
 
 
 def max_ulps(v: Tensor, ref: Tensor) -> float:

@@ -20,7 +20,6 @@ recorded as ``compile_s``.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from _common import (
     CLOCKS,
     default_out,
+    env,
     lm_step_fn,
     print_mode_ratio_table,
     print_table,
@@ -71,19 +71,11 @@ def train_val_loss(fmt: str, steps: int) -> dict[str, Any]:
 
 
 def _with_env(step: Callable[[], None], var: str, value: str) -> Callable[[], None]:
-    """``step`` run with the environment variable ``var`` set to ``value`` (lowprec reads
-    its switches at each call)."""
+    """``step`` run with the environment variable ``var`` set to ``value``."""
 
     def run() -> None:
-        old = os.environ.get(var)
-        os.environ[var] = value
-        try:
+        with env(var, value):
             step()
-        finally:
-            if old is None:
-                del os.environ[var]
-            else:
-                os.environ[var] = old
 
     return run
 
