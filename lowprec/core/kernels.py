@@ -56,6 +56,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lowprec.core import kernel_views
 from lowprec.core.formats import Format
 from lowprec.core.warn import warn_once
 
@@ -265,41 +266,6 @@ def run_quantize(x: Tensor, fmt: Format, saturate: bool) -> Tensor | None:
     return out if d is x else from_dense_view(out, x)
 
 
-def _block_pair(x: Tensor, scale: Tensor) -> tuple[Tensor, Tensor] | None:
-    """``x`` with its dims in storage order (:func:`dense_view`; ``scale``, of ``x``'s rank
-    or less, permuted alike) and both reshaped so that the block-wise broadcast of
-    :func:`~lowprec.core.granularity.apply_scale` is a plain broadcast, or ``None`` if ``x``
-    is not dense. (A kernel on these views keeps a block's elements in its innermost loop,
-    which inductor vectorises; indexing the scale by ``i // block`` there would not be.)"""
-    from lowprec.core.granularity import _block_views
-    from lowprec.core.rounding import dense_view, storage_order
-
-    d = dense_view(x)
-    if not d.is_contiguous():
-        return None
-    s = scale.reshape((1,) * (x.dim() - scale.dim()) + tuple(scale.shape))
-    if d is not x:  # (contiguous: a strided scale makes inductor tile the whole loop)
-        s = s.permute(storage_order(x)).contiguous()
-    dview, sview, _ = _block_views(tuple(d.shape), tuple(s.shape))
-    return d.reshape(dview), s.reshape(sview)
-
-
-def _pattern(x: Tensor, scale: Tensor) -> tuple[object, ...]:
-    """How ``scale`` broadcasts over ``x`` (part of a kernel's key, so that each compiled
-    function sees a few shape patterns, not an unbounded number)."""
-    return tuple((a == 1, a == b) for a, b in zip(scale.shape, x.shape, strict=True))
-
-
-def _unview(out: Tensor, x: Tensor) -> Tensor:
-    """A kernel's result on :func:`_block_pair`'s view, laid out as an eager elementwise op
-    on ``x`` lays out its result."""
-    from lowprec.core.rounding import dense_view, from_dense_view
-
-    d = dense_view(x)
-    out = out.reshape(d.shape)
-    return out if d is x else from_dense_view(out, x)
-
-
 def _encode_fn(
     fmt: Format, saturate: bool = True
 ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
@@ -320,34 +286,9 @@ def _encode_fn(
     return (lambda v: quantize(v.float(), fmt, "nearest", saturate)), (lambda q: q.to(store))
 
 
-def _groups(x: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, tuple[int, ...]] | None:
-    """``x`` in :func:`_block_pair`'s view for a scale of ``shape``, and the dims of that
-    view to reduce for one value per group; ``None`` if ``x`` is not dense."""
-    probe = x.new_empty((1,) * (x.dim() - len(shape)) + tuple(shape), dtype=torch.float32)
-    pair = _block_pair(x, probe)
-    if pair is None:
-        return None
-    view, sview = pair
-    return view, tuple(
-        i for i, (a, b) in enumerate(zip(view.shape, sview.shape, strict=True)) if a != b
-    )
-
-
 def _group_amax(t: Tensor, red: tuple[int, ...]) -> Tensor:
     """The largest ``|t|`` over the dims ``red`` (kept), float32; NaN propagates."""
     return t.abs().amax(dim=red, keepdim=True).float()
-
-
-def _in_scale_shape(s: Tensor, x: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """A per-group result on :func:`_groups`' view of ``x``, as a contiguous tensor of the
-    scale shape ``shape`` in ``x``'s dims."""
-    from lowprec.core.rounding import dense_view, from_dense_view, storage_order
-
-    if dense_view(x) is x:
-        return s.reshape(shape)
-    full = (1,) * (x.dim() - len(shape)) + tuple(shape)  # the scale at x's rank
-    permuted = [full[i] for i in storage_order(x)]
-    return from_dense_view(s.reshape(permuted), x).contiguous().reshape(shape)
 
 
 def run_group_quantize(
@@ -363,7 +304,7 @@ def run_group_quantize(
     the scale rule and the encode fused. ``scale_fn`` must be traceable and elementwise
     on ``a`` up to tensor-wide reductions (it is applied to ``a`` in a block view);
     ``key`` identifies it (with ``fmt``) in the cache. ``None`` if the kernel cannot run."""
-    groups = _groups(x, shape)
+    groups = kernel_views.groups(x, shape)
     if groups is None:
         return None
     view, red = groups
@@ -380,7 +321,7 @@ def run_group_quantize(
     if out is None:
         return None
     q, s = out  # type: ignore[misc]
-    return _unview(after(q), x), _in_scale_shape(s, x, shape)
+    return kernel_views.unview(after(q), x), kernel_views.in_scale_shape(s, x, shape)
 
 
 def run_group_round_trip(
@@ -405,7 +346,7 @@ def run_group_round_trip(
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     if not encodes(fmt):
         raise ValueError(f"fmt: {fmt.name} has a wider torch dtype; use its cast")
-    groups = _groups(x, shape)
+    groups = kernel_views.groups(x, shape)
     if groups is None:
         return None
     view, red = groups
@@ -425,7 +366,7 @@ def run_group_round_trip(
     if out is None:
         return None
     v, s = out  # type: ignore[misc]
-    return _unview(v, x), _in_scale_shape(s, x, shape)
+    return kernel_views.unview(v, x), kernel_views.in_scale_shape(s, x, shape)
 
 
 def encodes(fmt: Format) -> bool:
@@ -440,7 +381,7 @@ def run_block_amax(x: Tensor, shape: tuple[int, ...]) -> Tensor | None:
     """The largest ``|x|`` of each block, as float32 of the scale shape ``shape``
     (:func:`lowprec.core.scales.amax`, NaN propagating), in one pass; ``None`` if the
     kernel cannot run."""
-    groups = _groups(x, shape)
+    groups = kernel_views.groups(x, shape)
     if groups is None:
         return None
     view, red = groups
@@ -452,7 +393,7 @@ def run_block_amax(x: Tensor, shape: tuple[int, ...]) -> Tensor | None:
         return kernel
 
     out = _run(("amax", x.dtype, view.dim(), red), build, view)
-    return None if out is None else _in_scale_shape(out, x, shape)
+    return None if out is None else kernel_views.in_scale_shape(out, x, shape)
 
 
 def run_scaled_encode(
@@ -464,7 +405,7 @@ def run_scaled_encode(
     ``None`` if the kernel cannot run (the caller runs the eager path). ``scale``: float32,
     broadcast block-wise (:func:`lowprec.core.granularity.apply_scale`)."""
     enc, after = _encode_fn(fmt, saturate)
-    pair = _block_pair(x, scale)
+    pair = kernel_views.block_pair(x, scale)
     if pair is None:
         return None
 
@@ -474,8 +415,8 @@ def run_scaled_encode(
 
         return kernel
 
-    out = _run(("encode", fmt.name, saturate, x.dtype, _pattern(*pair)), build, *pair)
-    return None if out is None else _unview(after(out), x)
+    out = _run(("encode", fmt.name, saturate, x.dtype, kernel_views.pattern(*pair)), build, *pair)
+    return None if out is None else kernel_views.unview(after(out), x)
 
 
 def run_round_trip(
@@ -497,7 +438,7 @@ def run_round_trip(
         raise ValueError(f"fmt: {fmt.name} is not a 1-byte float8 format")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    pair = _block_pair(x, scale)
+    pair = kernel_views.block_pair(x, scale)
     if pair is None:
         return None
 
@@ -508,9 +449,9 @@ def run_round_trip(
 
         return kernel
 
-    key = ("round-trip", fmt.name, x.dtype, multiply, dtype, _pattern(*pair))
+    key = ("round-trip", fmt.name, x.dtype, multiply, dtype, kernel_views.pattern(*pair))
     out = _run(key, build, *pair)
-    return None if out is None else _unview(out, x)
+    return None if out is None else kernel_views.unview(out, x)
 
 
 def run_decode(
@@ -527,7 +468,9 @@ def run_decode(
     byte = fmt is not None
     if fmt is not None and fmt not in BYTE_FORMATS:
         raise ValueError(f"fmt: {fmt.name} is not a 1-byte float8 format")
-    pair = _block_pair(data, scale if scale is not None else torch.ones((), device=data.device))
+    pair = kernel_views.block_pair(
+        data, scale if scale is not None else torch.ones((), device=data.device)
+    )
     if pair is None:
         return None
 
@@ -545,7 +488,7 @@ def run_decode(
         None if fmt is None else fmt.name,
         data.dtype,
         dtype,
-        _pattern(*pair) if scaled else None,
+        kernel_views.pattern(*pair) if scaled else None,
     )
     out = _run(key, build, *pair)
-    return None if out is None else _unview(out, data)
+    return None if out is None else kernel_views.unview(out, data)
