@@ -44,6 +44,7 @@ __all__ = [
     "METRICS",
     "NUMERICS",
     "SUMMARY",
+    "NonFiniteError",
     "RunError",
     "RunNote",
     "append_jsonl",
@@ -75,6 +76,15 @@ _NUMERIC_KEYS = ("step", "name", "kind", "below_normal", "above_max")
 
 class RunError(ValueError):
     """A run cannot start or resume (bad directory, missing or corrupt files)."""
+
+
+class NonFiniteError(RunError):
+    """The run stopped on an Inf/NaN loss or gradient (or too many skipped steps); the
+    last checkpoint, written before it, is kept. ``step``: the step that failed."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class RunNote(UserWarning):

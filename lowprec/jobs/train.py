@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -40,6 +39,7 @@ from lowprec.analysis.tracking import Tracker
 from lowprec.distributed import env
 from lowprec.distributed.parallel import PARALLEL
 from lowprec.distributed.parallel import prepare as dist_prepare
+from lowprec.jobs import checkpoints
 from lowprec.jobs import parallel as par
 from lowprec.jobs.data import CharData
 from lowprec.jobs.interrupts import Interrupted, StopSignals
@@ -51,16 +51,14 @@ from lowprec.jobs.rundir import (  # re-exported: the job's own names for its fi
     METRICS,
     NUMERICS,
     SUMMARY,
+    NonFiniteError,
     RunError,
     append_jsonl,
-    load_checkpoint,
     make_new_dir,
     read_config,
     read_metrics,
-    save_checkpoint,
     summarize,
     summary_of,
-    truncate_jsonl,
     write_atomic,
 )
 from lowprec.recipes import Prepared, get_recipe, prepare
@@ -90,15 +88,6 @@ __all__ = [
 TRACK_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
 ON_NONFINITE = ("stop", "skip")  # what a step with an Inf/NaN loss or gradient does
 _MEMORY_SHARE = 0.8  # refuse a configuration whose step needs more of the machine's memory
-
-
-class NonFiniteError(RunError):
-    """The run stopped on an Inf/NaN loss or gradient (or too many skipped steps); the
-    last checkpoint, written before it, is kept. ``step``: the step that failed."""
-
-    def __init__(self, message: str, step: int) -> None:
-        super().__init__(message)
-        self.step = step
 
 
 @dataclass(frozen=True)
@@ -224,51 +213,6 @@ def check_size(cfg: TrainConfig) -> CharData:
     return data
 
 
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-
-
-def _nonfinite_state(prepared: Prepared) -> str | None:
-    """The name of the first parameter or optimizer-state tensor holding Inf/NaN, if any."""
-    named: list[tuple[str, Any]] = list(prepared.model.named_parameters())
-    stack: list[tuple[str, Any]] = [("optimizer", prepared.optimizer.state_dict())]
-    while stack:
-        name, v = stack.pop()
-        if isinstance(v, dict):
-            stack += [(f"{name}.{k}", x) for k, x in v.items()]
-        elif isinstance(v, (list, tuple)):
-            stack += [(f"{name}.{i}", x) for i, x in enumerate(v)]
-        elif isinstance(v, torch.Tensor):
-            named.append((name, v))
-    for name, t in named:
-        if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
-            return name
-    if not math.isfinite(prepared.scaler.loss_scale):
-        return "loss scale"
-    return None
-
-
-def _save_checkpoint(out: Path, prepared: Prepared, step: int, parallel: str | None = None) -> None:
-    """Checkpoint at ``step``; refuses (:class:`NonFiniteError`) to write Inf/NaN state, so
-    the last good checkpoint is never overwritten with it. ``parallel``: a DCP checkpoint
-    written by every rank (:mod:`lowprec.jobs.parallel`)."""
-    bad = _nonfinite_state(prepared)
-    if bad is not None:
-        raise NonFiniteError(
-            f"step {step}: {bad} holds Inf/NaN; no checkpoint written (the last one is kept)",
-            step,
-        )
-    if parallel is not None:
-        par.save_checkpoint(out, prepared, step, parallel)
-        return
-    save_checkpoint(out, {"step": step, "run": prepared.state_dict(), "rng": _rng_state()})
-
-
 def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None) -> None:
     if resume:
         saved = read_config(out, "--resume")
@@ -285,41 +229,6 @@ def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None
             )
         return
     make_new_dir(out, "pass --resume or another --out")
-
-
-def _resume(out: Path, prepared: Prepared, parallel: str | None = None) -> int:
-    """Restore the checkpoint of ``out`` (none yet: step 0) and cut the logs back to it
-    (atomic rewrites); the step to continue from."""
-    if parallel is not None:
-        start = 0
-        if env.on_main(lambda: par.has_checkpoint(out), RunError):
-            start = par.load_checkpoint(out, prepared, parallel)
-        env.on_main(lambda: _cut_logs(out, start), RunError)
-        return start
-    start = 0
-    if (out / CHECKPOINT).exists():
-        state = load_checkpoint(out)
-        try:
-            prepared.load_state_dict(state["run"])
-        except (ValueError, KeyError, RuntimeError, TypeError) as e:
-            raise RunError(f"--resume: checkpoint {out / CHECKPOINT} does not fit ({e})") from None
-        _set_rng_state(state["rng"])
-        start = int(state["step"])
-    _cut_logs(out, start)
-    return start
-
-
-def _cut_logs(out: Path, start: int) -> None:
-    """Cut the logs of ``out`` back to the checkpoint's step ``start`` (atomic rewrites)."""
-    truncate_jsonl(out / METRICS, start)  # metrics: "step" = steps done (1-based)
-    truncate_jsonl(out / NUMERICS, start - 1)  # numerics: 0-based step index
-    logged = [r["step"] for r in read_metrics(out)]
-    if logged != list(range(1, start + 1)):
-        raise RunError(
-            f"--resume: {out / METRICS} does not hold steps 1..{start} of the checkpoint once "
-            "each (edited or lost); the run cannot continue exactly"
-        )
-    (out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
 
 
 def train(
@@ -372,7 +281,7 @@ def train(
         )
     env.on_main(lambda: _prepare_dir(out, cfg, resume, parallel), RunError)
     prepared, data = build(cfg, data, parallel)
-    start = _resume(out, prepared, parallel) if resume else 0
+    start = checkpoints.restore(out, prepared, parallel) if resume else 0
     has_ckpt = env.on_main(
         lambda: (out / (CHECKPOINT if parallel is None else par.POINTER)).exists(), RunError
     )
@@ -401,18 +310,18 @@ def train(
                 step += 1
                 if step % cfg.ckpt_every == 0 and step < cfg.steps:
                     with signals.protect():
-                        _save_checkpoint(out, prepared, step, parallel)
+                        checkpoints.save(out, prepared, step, parallel)
                     loop.last_ckpt = step
                 bar.update(step, rec, prepared.scaler.skipped_steps)
                 received = env.agreed_signal(signals.received)  # every rank stops here
             if received is not None and step < end:
                 if loop.last_ckpt != step:
                     with signals.protect():
-                        _save_checkpoint(out, prepared, step, parallel)
+                        checkpoints.save(out, prepared, step, parallel)
                 raise Interrupted(step, received, str(out))
     finally:
         loop.close()
-    _save_checkpoint(out, prepared, step, parallel)
+    checkpoints.save(out, prepared, step, parallel)
     if step < cfg.steps:
         return {"stopped_at": step}
     summary = env.on_main(lambda: summarize(out), RunError)

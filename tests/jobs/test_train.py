@@ -15,6 +15,7 @@ import torch
 
 import lowprec.jobs.train as train_mod
 from lowprec.cli import main
+from lowprec.jobs import checkpoints
 from lowprec.jobs.train import (
     Interrupted,
     NonFiniteError,
@@ -374,5 +375,5 @@ def test_no_checkpoint_of_nonfinite_state(tmp_path: Path) -> None:
     with torch.no_grad():
         next(prepared.model.parameters())[0] = float("inf")
     with pytest.raises(NonFiniteError, match="holds Inf/NaN; no checkpoint written"):
-        train_mod._save_checkpoint(out, prepared, 3)
+        checkpoints.save(out, prepared, 3)
     assert (out / "checkpoint.pt").read_bytes() == before

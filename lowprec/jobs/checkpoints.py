@@ -1,0 +1,117 @@
+"""Checkpoints of a training run and resuming from them.
+
+A checkpoint holds the run's state (model, optimizer, scaler, recipe state), the step and
+the RNG states; it is never written while any of that holds Inf/NaN, so the last good one
+survives a diverging run. Resuming restores it and cuts the run's logs back to its step, so
+that the continued run appends exactly the steps it redoes. Process-group runs go through
+:mod:`lowprec.jobs.parallel` (a DCP checkpoint written by every rank).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowprec.distributed import env
+from lowprec.jobs import parallel as par
+from lowprec.jobs.rundir import (
+    CHECKPOINT,
+    METRICS,
+    NUMERICS,
+    SUMMARY,
+    NonFiniteError,
+    RunError,
+    load_checkpoint,
+    read_metrics,
+    save_checkpoint,
+    truncate_jsonl,
+)
+from lowprec.recipes import Prepared
+
+__all__ = ["cut_logs", "nonfinite_state", "restore", "save"]
+
+
+def _rng_state() -> dict[str, Any]:
+    """The process's torch and Python RNG states (saved with each checkpoint)."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`_rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def nonfinite_state(prepared: Prepared) -> str | None:
+    """The name of the first parameter or optimizer-state tensor holding Inf/NaN, if any."""
+    named: list[tuple[str, Any]] = list(prepared.model.named_parameters())
+    stack: list[tuple[str, Any]] = [("optimizer", prepared.optimizer.state_dict())]
+    while stack:
+        name, v = stack.pop()
+        if isinstance(v, dict):
+            stack += [(f"{name}.{k}", x) for k, x in v.items()]
+        elif isinstance(v, (list, tuple)):
+            stack += [(f"{name}.{i}", x) for i, x in enumerate(v)]
+        elif isinstance(v, torch.Tensor):
+            named.append((name, v))
+    for name, t in named:
+        if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+            return name
+    if not math.isfinite(prepared.scaler.loss_scale):
+        return "loss scale"
+    return None
+
+
+def save(out: Path, prepared: Prepared, step: int, parallel: str | None = None) -> None:
+    """Checkpoint at ``step``; refuses (:class:`NonFiniteError`) to write Inf/NaN state, so
+    the last good checkpoint is never overwritten with it. ``parallel``: a DCP checkpoint
+    written by every rank (:mod:`lowprec.jobs.parallel`)."""
+    bad = nonfinite_state(prepared)
+    if bad is not None:
+        raise NonFiniteError(
+            f"step {step}: {bad} holds Inf/NaN; no checkpoint written (the last one is kept)",
+            step,
+        )
+    if parallel is not None:
+        par.save_checkpoint(out, prepared, step, parallel)
+        return
+    save_checkpoint(out, {"step": step, "run": prepared.state_dict(), "rng": _rng_state()})
+
+
+def restore(out: Path, prepared: Prepared, parallel: str | None = None) -> int:
+    """Restore the checkpoint of ``out`` (none yet: step 0) and cut the logs back to it
+    (atomic rewrites); the step to continue from."""
+    if parallel is not None:
+        start = 0
+        if env.on_main(lambda: par.has_checkpoint(out), RunError):
+            start = par.load_checkpoint(out, prepared, parallel)
+        env.on_main(lambda: cut_logs(out, start), RunError)
+        return start
+    start = 0
+    if (out / CHECKPOINT).exists():
+        state = load_checkpoint(out)
+        try:
+            prepared.load_state_dict(state["run"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as e:
+            raise RunError(f"--resume: checkpoint {out / CHECKPOINT} does not fit ({e})") from None
+        _set_rng_state(state["rng"])
+        start = int(state["step"])
+    cut_logs(out, start)
+    return start
+
+
+def cut_logs(out: Path, start: int) -> None:
+    """Cut the logs of ``out`` back to the checkpoint's step ``start`` (atomic rewrites)."""
+    truncate_jsonl(out / METRICS, start)  # metrics: "step" = steps done (1-based)
+    truncate_jsonl(out / NUMERICS, start - 1)  # numerics: 0-based step index
+    logged = [r["step"] for r in read_metrics(out)]
+    if logged != list(range(1, start + 1)):
+        raise RunError(
+            f"--resume: {out / METRICS} does not hold steps 1..{start} of the checkpoint once "
+            "each (edited or lost); the run cannot continue exactly"
+        )
+    (out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
