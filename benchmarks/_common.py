@@ -36,11 +36,14 @@ REPO_ROOT = BENCH_DIR.parent
 
 __all__ = [
     "RESULTS_DIR",
+    "StepProfile",
     "Timing",
     "env",
     "git_revision",
     "machine_info",
+    "print_profiles",
     "print_table",
+    "profile_many",
     "ran_compiled",
     "run_record",
     "sqnr_db",
@@ -256,6 +259,96 @@ def time_fn(
 ) -> Timing:
     """Time one function (see :func:`time_many`)."""
     return time_many({"fn": fn}, device, repeats, warmup, min_repeat_s)["fn"]
+
+
+# ---- where the time goes ------------------------------------------------------------------
+
+GEMM_OPS = frozenset(
+    {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::_int_mm"}
+)
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Where one call's time goes, per call, in ms, from ``torch.profiler`` (self CPU time).
+
+    ``gemm_ms``: the matrix products (:data:`GEMM_OPS`; inductor calls them as aten ops).
+    ``kernels_ms``: inductor's generated C++ kernels (``cpp_fused_*``, named in the profile
+    because they are compiled with ``cpp.enable_kernel_profile``), those of a
+    ``torch.compile``d model and lowprec's own eager kernels alike. ``ops_ms``: every other
+    recorded op and wrapper (aten ops, autograd nodes, compiled-graph wrappers; a custom
+    ``autograd.Function``'s own Python counts under its node). ``python_ms``: the rest of the
+    call's wall time, outside any recorded op (Python, dispatch; the profiler's own cost).
+    ``top``: the largest entries, ``(name, calls per call, ms per call)``."""
+
+    step_ms: float
+    gemm_ms: float
+    kernels_ms: float
+    ops_ms: float
+    python_ms: float
+    top: tuple[tuple[str, float, float], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["top"] = [list(t) for t in self.top]
+        return d
+
+
+def profile_many(
+    calls: Mapping[str, Callable[[], object]], steps: int = 3, top: int = 8
+) -> dict[str, StepProfile]:
+    """Profile each function for ``steps`` calls (after two warm-up calls) on the CPU.
+
+    Dynamo's caches are reset first and every call runs with inductor's kernel profiling
+    on, so compiled functions (and lowprec's kernels) are recompiled here with their kernels
+    named in the profile: run this after the timing, never around it (the profiler and the
+    recompilation change what is timed)."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    from torch.profiler import ProfilerActivity, profile
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    out: dict[str, StepProfile] = {}
+    torch._dynamo.reset()
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        for name, fn in calls.items():
+            fn()
+            fn()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                wall = (time.perf_counter() - t0) * 1e3 / steps
+            events = [(e.key, e.count / steps, e.self_cpu_time_total / 1e3 / steps)
+                      for e in prof.key_averages()]  # fmt: skip
+            gemm = sum(ms for k, _, ms in events if k in GEMM_OPS)
+            kern = sum(ms for k, _, ms in events if "cpp_fused" in k)
+            recorded = sum(ms for _, _, ms in events)
+            out[name] = StepProfile(
+                step_ms=wall,
+                gemm_ms=gemm,
+                kernels_ms=kern,
+                ops_ms=recorded - gemm - kern,
+                python_ms=max(0.0, wall - recorded),
+                top=tuple(sorted(events, key=lambda e: -e[2])[:top]),
+            )
+    torch._dynamo.reset()
+    return out
+
+
+def print_profiles(title: str, profiles: Mapping[str, StepProfile]) -> None:
+    """Print :func:`profile_many`'s results, one row per function, and each one's top entries."""
+    rows = [
+        [k, p.step_ms, p.gemm_ms, p.kernels_ms, p.ops_ms, p.python_ms,
+         "; ".join(f"{n[:48]} {ms:.2f}" for n, _, ms in p.top[:4])]
+        for k, p in profiles.items()
+    ]  # fmt: skip
+    print_table(
+        title,
+        ["variant", "ms/step", "GEMM", "kernels", "other ops", "python", "largest self CPU (ms)"],
+        rows,
+    )
 
 
 @contextlib.contextmanager

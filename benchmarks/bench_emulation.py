@@ -24,6 +24,10 @@ step (``zero_grad``, ``y = model(x)``, ``(y * g).sum().backward()``) of
 ``--reference`` adds each preset run eagerly inside ``_reference_paths()`` (the general
 masked casts, no table upcast, no compiled kernels: the eager speed before issue 18).
 
+``--profile N`` then profiles N steps of each timed variant (``_common.profile_many``:
+``torch.profiler`` self CPU time split into GEMMs, inductor's kernels, other ops and
+Python, recompiled with inductor's kernel profiling) and adds a ``profile`` to each row.
+
 ``first s``: the first step of each variant and mode (eager: one-time set-up; compiled:
 tracing and inductor). SQNR (dB) of the output ``y``, the input gradient ``dx`` and the first
 layer's weight gradient ``dW1`` against an FP64 copy of the same model and data.
@@ -33,7 +37,7 @@ Usage::
     python benchmarks/bench_emulation.py [--dim 1024] [--batch 512] [--repeats 10]
         [--modes eager,compiled] [--threads 1] [--presets tensorwise,rowwise,...]
         [--no-peers] [--reference] [--compiled-variants fp32,lowprec tensorwise,...]
-        [--clock wall|thread]
+        [--clock wall|thread] [--profile N]
         [--out benchmarks/results/emulation_cpu.json] [--quick]
 """
 
@@ -52,7 +56,9 @@ import torch
 from _common import (
     CLOCKS,
     default_out,
+    print_profiles,
     print_table,
+    profile_many,
     run_record,
     setup_torch,
     sqnr_db,
@@ -213,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         help="wall time, or the (one) compute thread's CPU time: leaves out the time a "
         "shared virtual machine's host takes the core away (needs --threads 1)",
     )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile N steps of each variant: where the time goes",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="d=64, batch 32, 2 repeats, eager")
     args = p.parse_args(argv)
@@ -294,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         row.update(t.as_dict())
         base_t = timings.get(f"fp32/{row['mode']}")
         row["x_fp32"] = t.median_ms / base_t.median_ms if base_t else None
+    profiles = profile_many(calls, args.profile) if args.profile else {}
+    for row in rows:
+        prof = profiles.get(f"{row['variant']}/{row['mode']}")
+        if prof is not None:
+            row["profile"] = prof.as_dict()
     record = run_record(
         "emulation",
         "cpu",
@@ -304,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         threads=args.threads,
         clock=args.clock,
+        profile_steps=args.profile,
         modes=modes,
         presets=presets,
         step="zero_grad; y = model(x); (y * g).sum().backward()",
@@ -324,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         table,
         caption="\n".join([*notes, f"JSON: {path}"]),
     )
+    if profiles:
+        print_profiles(f"self CPU ms per step, {args.profile} profiled steps", profiles)
     return 0
 
 

@@ -12,9 +12,10 @@ fused rule kernels on (``LOWPREC_SCALIFY_FUSED=1`` during their steps) and
 ``--kernels-off`` rows with every compiled eager kernel off (``LOWPREC_EAGER_KERNELS=0``),
 interleaved with the others: their effect in one run; ``--train-steps 300`` also trains FP32,
 fp16-scalify and fp8-scalify at the demo config and records their val losses (issue 6's
-goal: within 1% of FP32). Compiled models are compiled (and checked to run
-their compiled graph) before timing: their "first call" column excludes compilation,
-recorded as ``compile_s``.
+goal: within 1% of FP32); ``--profile N`` profiles N steps of each row after the timing
+(``_common.profile_many``: GEMMs, inductor's kernels, other ops, Python). Compiled models
+are compiled (and checked to run their compiled graph) before timing: their "first call"
+column excludes compilation, recorded as ``compile_s``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from _common import (
     env,
     lm_step_fn,
     print_mode_ratio_table,
+    print_profiles,
     print_table,
+    profile_many,
     ran_compiled,
     reference_lm_setup,
     run_record,
@@ -99,6 +102,8 @@ def main() -> None:
                     "(needs --threads 1)")  # fmt: skip
     ap.add_argument("--train-steps", type=int, default=0,
                     help="also train fp32/fp16/fp8 at the demo config (300: the demo)")  # fmt: skip
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, profile N steps of each row")  # fmt: skip
     a = ap.parse_args()
     setup_torch(a.threads, cold_compile=False)
     import torch._inductor.config as inductor_config
@@ -152,6 +157,11 @@ def main() -> None:
     rec["compile_s"] = compile_s
     rec["inductor_emulate_precision_casts"] = True
     rec["fallbacks"] = coverage().fallbacks
+    if a.profile:
+        profiles = profile_many(calls, a.profile)
+        print_profiles(f"self CPU ms per step, {a.profile} profiled steps", profiles)
+        rec["profile_steps"] = a.profile
+        rec["profiles"] = {k: v.as_dict() for k, v in profiles.items()}
     print({k: round(v, 3) for k, v in rec.items() if k.startswith("ratio_")})
     if a.train_steps:
         runs = {f: train_val_loss(f, a.train_steps) for f in ("fp32", "fp16", "fp8")}
