@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 from lowprec.core.scalers import DelayedScaler, StaticScaler, delayed_amax, push_amax
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.dtensor import dtensor_forward, mesh_amax
-from lowprec.float8.operands import Operand, cast_kind, gemm, operand, transposed
-from lowprec.float8.quant import Parts, as_operand, dequantize_parts, quantize_parts
+from lowprec.float8.operands import Operand, cast_kind, from_parts, gemm, operand, transposed
+from lowprec.float8.quant import Parts, dequantize_parts, quantize_parts
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 
 __all__ = ["Float8Linear"]
@@ -134,16 +134,16 @@ class _Float8MatmulFn(torch.autograd.Function):
         xpad: Any = None
         if isinstance(x, ScaledTensor):
             xd, xs = x.qdata, x.scale
-            xq: Operand = as_operand((xd, xs, None), r.input, 1, x.dtype)
+            xq: Operand = from_parts((xd, xs, None), r.input, 1, x.dtype, r)
         elif r.fp8_saved_activations:  # the payload is saved for backward
             xd, xs, xpad = xp = quantize_parts(x, r.input, 1, x_scale)
-            xq = as_operand(xp, r.input, 1, x.dtype)
+            xq = from_parts(xp, r.input, 1, x.dtype, r)
         else:
             xq, xs, _ = operand(x, r.input, 1, x_scale, r)
         ws_used: Tensor | None = None
         wq: Operand
         if isinstance(w, ScaledTensor):
-            wq = as_operand((w.qdata.t(), w.scale, None), r.weight, 0, w.dtype)
+            wq = from_parts((w.qdata.t(), w.scale, None), r.weight, 0, w.dtype, r)
         else:
             wq, ws_used, _ = operand(w.t(), r.weight, 0, w_scale, r)
         y = gemm(xq, wq, out_dtype, r)
@@ -185,7 +185,7 @@ class _Float8MatmulFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             wq: Operand
             if isinstance(w, ScaledTensor):  # tensor-wise: the forward's values, transposed
-                wq = as_operand((w.qdata, w.scale, None), r.weight, 0, w.dtype)
+                wq = from_parts((w.qdata, w.scale, None), r.weight, 0, w.dtype, r)
             else:
                 wq = operand(w, r.weight, 0, w_scale, r)[0]
             dx = gemm(gq, wq, x_dtype, r)
@@ -198,7 +198,7 @@ class _Float8MatmulFn(torch.autograd.Function):
                 gq_t = operand(g.t(), r.grad_output, 1, None, r)[0]
             if x is None:
                 if x_tensor:  # used transposed in the wgrad GEMM: same values, same scale
-                    xq = as_operand((xq_data, xq_scale, None), r.input, 0, x_dtype)
+                    xq = from_parts((xq_data, xq_scale, None), r.input, 0, x_dtype, r)
                 else:  # re-quantize along the token dimension (documented double rounding)
                     deq = dequantize_parts(xq_data, xq_scale, xpad, torch.float32)
                     xq = operand(deq, r.input, 0, None, r)[0]

@@ -3,9 +3,10 @@ GEMM of two of them.
 
 An operand is a :class:`~lowprec.core.tensor.ScaledTensor` built from
 :func:`~lowprec.float8.quant.quantize_parts` (what ``torch.compile`` traces and the hardware
-GEMM reads), or, where the GEMM is emulated anyway, eager on the CPU, what the emulation
-reads, from one kernel that stores no 1-byte payload (the same bits): a block-scaled cast's
-dequantized values, or a tensor- or axis-scaled cast's :class:`Payload`.
+GEMM reads), or, where the GEMM is emulated anyway, what the emulation reads, without a
+1-byte payload (the same bits): a block-scaled cast's dequantized values
+(eager, one kernel), or a tensor- or axis-scaled cast's :class:`Payload` (eager, one kernel;
+traced, bit arithmetic inductor fuses).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lowprec.float8.quant import (
     as_operand,
     dequantize,
     emulated_mm,
+    hardware_fp8_available,
     matmul,
     operand_kind,
     payload_mm,
@@ -36,8 +38,10 @@ __all__ = [
     "Operand",
     "Payload",
     "cast_kind",
+    "from_parts",
     "gemm",
     "operand",
+    "surely_emulated",
     "transposed",
 ]
 
@@ -66,30 +70,54 @@ def payload_roles(r: Float8Recipe) -> bool:
     return all(cast_kind(c) in ("tensor", "axis") for c in (r.input, r.weight, r.grad_output))
 
 
+def surely_emulated(t: Tensor, r: Float8Recipe) -> bool:
+    """Every GEMM of ``r`` on ``t``'s device is emulated by the hardware formula on payloads
+    (:func:`~lowprec.float8.quant.payload_mm`), whatever its operands: every role is
+    tensor- or axis-scaled, and ``emulate=True`` or the device has no hardware FP8 GEMM."""
+    if not payload_roles(r) or r.emulate is False:
+        return False
+    return r.emulate is True or not hardware_fp8_available(t.device)
+
+
+def from_parts(
+    parts: Parts, cast: CastConfig, cd: int, dtype: torch.dtype, r: Float8Recipe
+) -> Operand:
+    """The GEMM operand of :func:`~lowprec.float8.quant.quantize_parts`' result ``parts``
+    (of a tensor of logical dtype ``dtype``): where :func:`surely_emulated`, a
+    :class:`Payload` (the payload upcast once into the emulation dtype, which a transposed
+    use shares; under ``torch.compile`` no ScaledTensor made in the graph is then read
+    back); else the ScaledTensor (:func:`~lowprec.float8.quant.as_operand`)."""
+    data, s, pad = parts
+    if pad is None and surely_emulated(data, r):
+        return Payload(upcast(data, EMULATION_DTYPES[r.emulation_dtype]), s, cast_kind(cast))
+    return as_operand(parts, cast, cd, dtype)
+
+
 def operand(
     t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None, r: Float8Recipe
 ) -> tuple[Operand, Tensor | None, Parts | None]:
     """``(operand, scale, parts)``: the GEMM operand of ``t`` contracted over ``cd``, its
     scale and the :func:`quantize_parts` it was built from (a ScaledTensor, whose own
     fields are not read back: under ``torch.compile`` it is traced). Where the GEMM is emulated
-    anyway (``emulate`` not ``False``), eager on the CPU, one kernel that stores no 1-byte
-    payload gives what the emulation reads instead, the same bits: for a block-scaled
-    cast the dequantized values (:func:`~lowprec.float8.quant.quantize_dequantize`; scale
-    ``None``), and, when every role of ``r`` is tensor- or axis-scaled, a
-    :class:`Payload` (:func:`~lowprec.float8.quant.quantize_values`). :func:`gemm` takes
-    any of them."""
+    anyway (``emulate`` not ``False``), what the emulation reads is built without a 1-byte
+    payload, the same bits: eager on the CPU, for a block-scaled cast, the dequantized
+    values from one kernel (:func:`~lowprec.float8.quant.quantize_dequantize`; scale
+    ``None``); and when every role of ``r`` is tensor- or axis-scaled and the GEMM is
+    surely emulated (``emulate=True``, or no hardware FP8 GEMM on ``t``'s device), a
+    :class:`Payload` (:func:`~lowprec.float8.quant.quantize_values`: one kernel eager,
+    bit arithmetic that inductor fuses when traced). :func:`gemm` takes any of them."""
     if r.emulate is not False:
         ed = EMULATION_DTYPES[r.emulation_dtype]
         if scale is None:
             v = quantize_dequantize(t, cast, cd, ed)
             if v is not None:
                 return v, None, None
-        if payload_roles(r):
+        if surely_emulated(t, r):
             vs = quantize_values(t, cast, cd, ed, scale)
             if vs is not None:
                 return Payload(vs[0], vs[1], cast_kind(cast)), vs[1], None
     parts = quantize_parts(t, cast, cd, scale)
-    return as_operand(parts, cast, cd, t.dtype), parts[1], parts
+    return from_parts(parts, cast, cd, t.dtype, r), parts[1], parts
 
 
 def gemm(a: Operand, b: Operand, out_dtype: torch.dtype, r: Float8Recipe) -> Tensor:

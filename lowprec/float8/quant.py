@@ -24,6 +24,7 @@ kernel is never used: it is thousands of times slower than a bf16 matmul.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -155,11 +156,17 @@ def quantize_values(
     t: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype, scale: Tensor | None = None
 ) -> tuple[Tensor, Tensor] | None:
     """``(upcast(data, dtype), s)`` for ``(data, s, _) = quantize_parts(t, cast, cd,
-    scale)``, the same bits, by one kernel that never stores the 1-byte payload: what the
-    emulated hardware GEMM (:func:`payload_mm`) reads of a tensor- or axis-scaled operand
-    in a float8 format, eager on the CPU. ``None`` where that does not apply (another
-    granularity or format, a traced, autograd-recorded, small or float64 ``t``, kernels
-    off): the caller quantizes."""
+    scale)``, the same bits, without the 1-byte payload: what the emulated hardware GEMM
+    (:func:`payload_mm`) reads of a tensor- or axis-scaled operand in a float8 format.
+    Eager on the CPU, one kernel; traced (``torch.compile``), the rounding written as
+    float32 bit arithmetic (:func:`~lowprec.core.rounding.round_bits`), which inductor
+    vectorises and fuses with the scale's division, instead of the float8 cast and the
+    cast back. ``None`` where that does not apply (another granularity or format, an
+    autograd-recorded, small, empty or float64 ``t``, kernels off when eager): the caller
+    quantizes. The caller decides that the GEMM is emulated: a traced operand given here
+    never reaches the hardware GEMM."""
+    if torch.compiler.is_compiling():
+        return _traced_values(t, cast, cd, dtype, scale)
     target = _fused_target(t, cast, cd, dtype, ("tensor", "axis"))
     if target is None or target[1] not in BYTE_FORMATS:
         return None
@@ -181,6 +188,36 @@ def quantize_values(
     )
 
 
+def _traced_values(
+    t: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype, scale: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
+    """:func:`quantize_values` under ``torch.compile``: :func:`quantize_parts`' scale, and
+    its payload's values rounded by ``round_bits`` (saturating, nearest: the values of the
+    cast ``quantize_parts`` traces, Inf and NaN included) in ``dtype``."""
+    if t.dim() != 2:
+        raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
+    g = cast.bound_granularity(cd)
+    fmt = get_format(cast.fmt)
+    if (
+        g.kind not in ("tensor", "axis")
+        or fmt not in BYTE_FORMATS
+        or dtype not in (torch.float32, torch.bfloat16)
+        or t.dtype == torch.float64
+        or not t.numel()
+    ):
+        return None
+    if g.kind == "tensor":
+        s = cast.scale_for(amax(t)) if scale is None else scale
+        q = t / s.reshape(1, 1)  # float32 for 16-bit t, as quantize_parts divides
+    else:
+        if scale is not None:
+            raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
+        x = t.float()
+        s = _group_scale(amax(x, g), cast, g.kind, fmt)
+        q = apply_scale(x, s, op="div")
+    return rounding.round_bits(q, fmt, "nearest", True).to(dtype), s
+
+
 def payload_mm(
     av: Tensor, sa: Tensor, ka: str, bv: Tensor, sb: Tensor, kb: str, out_dtype: torch.dtype
 ) -> Tensor:
@@ -188,8 +225,11 @@ def payload_mm(
     the payloads' values ``av``, ``bv`` (in the emulation dtype: products of 8-bit values
     are exact) accumulated in it, then scaled, ``(a·b)·(s_a s_b)`` (one factor, as the
     hardware's alpha, when both are tensor-wise; else row then column scales), in
-    ``out_dtype``."""
-    raw = (av @ bv).float()
+    ``out_dtype``. Computed in the emulation dtype whatever the caller's autocast (a
+    compiled backward is traced under the forward's: an FP16 mm overflows on E5M2 × E4M3
+    payload products, ``tests/float8/test_autocast_compile.py``)."""
+    with _no_autocast(av):
+        raw = (av @ bv).float()
     if ka == kb == "tensor":
         out = raw.mul_((sa * sb).reshape(()))
     else:
@@ -199,8 +239,18 @@ def payload_mm(
 
 def emulated_mm(da: Tensor, db: Tensor, out_dtype: torch.dtype) -> Tensor:
     """The emulated GEMM of two dequantized operands (in the emulation dtype): their
-    product, accumulated in that dtype, in ``out_dtype``."""
-    return (da @ db).to(out_dtype)
+    product, accumulated in that dtype (whatever the caller's autocast), in ``out_dtype``."""
+    with _no_autocast(da):
+        return (da @ db).to(out_dtype)
+
+
+def _no_autocast(t: Tensor) -> contextlib.AbstractContextManager[object]:
+    """Autocast off for ``t``'s device type (entered even where the flag reads off: a
+    backward traced by AOTAutograd applies the forward's autocast without it)."""
+    dev = t.device.type
+    if dev in ("cpu", "cuda"):
+        return torch.autocast(dev, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _nv_parts(t: Tensor, cast: CastConfig, cd: int) -> Parts:

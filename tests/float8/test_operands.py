@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import lowprec.float8
+from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8 import CastConfig, dequantize, quantize_operand, scaled_mm
@@ -43,3 +44,72 @@ def test_scaled_mm_refuses_scales_along_the_wrong_dim() -> None:
     a = quantize_operand(t, CastConfig(granularity="axis"), 1)
     want = a.dequantize().double() @ b.dequantize().double()
     torch.testing.assert_close(scaled_mm(a, b).double(), want, rtol=1e-6, atol=1e-6)
+
+
+def _specials(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with Inf, -Inf, NaN, zeros of both signs, huge, tiny and subnormal values."""
+    t = t.clone()
+    flat = t.view(-1)
+    vals = [float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 3e38, -1e-40, 1e-30, 7.0]
+    for i, v in enumerate(vals):
+        flat[i * 37] = v
+    return t
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, except that any NaN matches any NaN (payloads may differ)."""
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    ai = a.float().masked_fill(nan, 0).view(torch.int32)
+    bi = b.float().masked_fill(nan, 0).view(torch.int32)
+    return torch.equal(ai, bi)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fmt", "granularity", "cd", "given", "in_dtype", "out_dtype"),
+    [
+        ("e4m3fn", "tensor", 1, False, torch.float32, torch.float32),
+        ("e4m3fn", "tensor", 0, True, torch.float32, torch.float32),  # given scale: overflow
+        ("e5m2", "tensor", 1, True, torch.float32, torch.bfloat16),
+        ("e5m2", "tensor", 0, False, torch.bfloat16, torch.float32),
+        ("e4m3fn", "axis", 1, False, torch.float32, torch.float32),
+        ("e4m3fn", "axis", 0, False, torch.float16, torch.bfloat16),
+        ("e5m2", "axis", 1, False, torch.float32, torch.float32),
+    ],
+)
+def test_traced_payload_values_are_the_casts(
+    fmt: str,
+    granularity: str,
+    cd: int,
+    given: bool,
+    in_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> None:
+    """Under torch.compile a tensor- or axis-scaled operand's payload values come from bit
+    arithmetic (round_bits), not from the float8 cast and back: the same values and scale
+    as eager ``quantize_parts`` upcast, for ordinary values and for Inf, NaN, ±0,
+    subnormals, values that overflow a given scale (saturate; Inf becomes NaN in e4m3fn)."""
+    from lowprec.float8.quant import quantize_parts, quantize_values, upcast
+
+    torch._dynamo.reset()
+    cast = CastConfig(fmt, granularity=granularity)
+    t = _specials(torch.randn(48, 80, generator=torch.Generator().manual_seed(3)) * 50)
+    t = t.to(in_dtype)
+    scale = torch.tensor(1e-3) if given else None  # 50·N(0,1) / 1e-3 overflows both formats
+
+    def traced(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = quantize_values(x, cast, cd, out_dtype, scale)
+        assert out is not None
+        return out
+
+    values, s = torch.compile(traced, fullgraph=True)(t)
+    data, s_ref, _ = quantize_parts(t, cast, cd, scale)
+    ref = upcast(data, out_dtype)
+    assert values.dtype == out_dtype and values.shape == ref.shape
+    assert _same_values(values, ref)
+    assert torch.equal(s, s_ref)
+    assert bool(ref.isnan().any())  # the specials were exercised
+    if given:  # and the saturation of a quotient beyond the format's range
+        assert bool((ref.abs() == get_format(fmt).max).any())
