@@ -115,19 +115,26 @@ _BLOCK_KINDS = ("block", "mx", "nv")
 
 
 def _fused_target(
-    t: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype, kinds: tuple[str, ...]
+    t: Tensor,
+    cast: CastConfig,
+    cd: int,
+    dtype: torch.dtype,
+    kinds: tuple[str, ...],
+    eager: bool = True,
 ) -> tuple[Granularity, Format] | None:
-    """``(granularity, format)`` of the 2-D ``t``'s cast for an eager fused operand kernel
-    (:func:`quantize_dequantize`, :func:`quantize_values`), or ``None`` where one does not
-    apply: a granularity kind not in ``kinds``, a result ``dtype`` other than float32 or
-    bfloat16, a float64, empty, traced, autograd-recorded or small ``t``, kernels off."""
+    """``(granularity, format)`` of the 2-D ``t``'s cast for a fused operand (an eager
+    kernel of :func:`quantize_dequantize` or :func:`quantize_values`; ``eager=False``: the
+    traced formula of :func:`quantize_values`), or ``None`` where one does not apply: a
+    granularity kind not in ``kinds``, a result ``dtype`` other than float32 or bfloat16,
+    a float64 or empty ``t``, and for an eager kernel a traced, autograd-recorded or small
+    ``t`` or kernels off."""
     if t.dim() != 2:
         raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
     g = cast.bound_granularity(cd)
     fmt = get_format(cast.fmt)
     if g.kind not in kinds or dtype not in (torch.float32, torch.bfloat16):
         return None
-    if t.dtype == torch.float64 or not t.numel() or not kernels.takes(t, fmt):
+    if t.dtype == torch.float64 or not t.numel() or (eager and not kernels.takes(t, fmt)):
         return None
     return g, fmt
 
@@ -194,18 +201,10 @@ def _traced_values(
     """:func:`quantize_values` under ``torch.compile``: :func:`quantize_parts`' scale, and
     its payload's values rounded by ``round_bits`` (saturating, nearest: the values of the
     cast ``quantize_parts`` traces, Inf and NaN included) in ``dtype``."""
-    if t.dim() != 2:
-        raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
-    g = cast.bound_granularity(cd)
-    fmt = get_format(cast.fmt)
-    if (
-        g.kind not in ("tensor", "axis")
-        or fmt not in BYTE_FORMATS
-        or dtype not in (torch.float32, torch.bfloat16)
-        or t.dtype == torch.float64
-        or not t.numel()
-    ):
+    target = _fused_target(t, cast, cd, dtype, ("tensor", "axis"), eager=False)
+    if target is None or target[1] not in BYTE_FORMATS:
         return None
+    g, fmt = target
     if g.kind == "tensor":
         s = cast.scale_for(amax(t)) if scale is None else scale
         q = t / s.reshape(1, 1)  # float32 for 16-bit t, as quantize_parts divides
