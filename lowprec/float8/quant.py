@@ -83,6 +83,9 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
     if g.kind == "nv" and torch.compiler.is_compiling():
         return _nv_eager(t, cast, cd)
+    if g.kind == "block" and _traced_transpose(t):
+        data, s, pad = quantize_parts(t.t(), cast, 1 - cd)  # the same blocks, transposed
+        return data.t(), s.t(), None if pad is None else (pad[1], pad[0])
     # float64 is rounded once, directly. Off the CPU no float32 copy is made: the division
     # by the float32 scale promotes, giving the same quotients, and the CUDA kernels take
     # 16-bit inputs (the CPU's are keyed and tuned on float32).
@@ -340,6 +343,20 @@ def upcast(data: Tensor, dtype: torch.dtype) -> Tensor:
     return out if d is data else from_dense_view(out, data)
 
 
+def _traced_transpose(t: Tensor) -> bool:
+    """``t`` is traced and the transpose of a contiguous matrix (a weight ``W.t()``, a
+    gradient ``g.t()``). Block scaling commutes with transposition, so a block-scaled cast
+    of ``t`` is computed on ``t.t()`` and transposed back: block views of ``t`` itself
+    (reshapes) make inductor write its result transposed, one store per element at a
+    stride of a row."""
+    return (
+        torch.compiler.is_compiling()
+        and t.dim() == 2
+        and not t.is_contiguous()
+        and t.t().is_contiguous()
+    )
+
+
 def as_operand(parts: Parts, cast: CastConfig, cd: int, dtype: torch.dtype) -> ScaledTensor:
     """The :class:`~lowprec.core.tensor.ScaledTensor` of :func:`quantize_parts`' result
     (logical dtype ``dtype``, granularity ``cast.bound_granularity(cd)``)."""
@@ -366,6 +383,9 @@ def dequantize_parts(
     data: Tensor, scale: Tensor, unpadded: tuple[int, ...] | None, dtype: torch.dtype
 ) -> Tensor:
     """``data × scale`` in ``dtype`` (computed in float32), cropped to ``unpadded``."""
+    if scale.dim() == 2 and _traced_transpose(data):
+        crop = None if unpadded is None else (unpadded[1], unpadded[0])
+        return dequantize_parts(data.t(), scale.t(), crop, dtype).t()
     fmt = _BYTE_DTYPES.get(data.dtype)  # None: a float payload that holds its values
     fast = kernels.takes(data, fmt)
     if fast and scale.dtype == torch.float32:

@@ -113,3 +113,36 @@ def test_traced_payload_values_are_the_casts(
     assert bool(ref.isnan().any())  # the specials were exercised
     if given:  # and the saturation of a quotient beyond the format's range
         assert bool((ref.abs() == get_format(fmt).max).any())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("granularity", ["block:1x128", "block:128x128"])
+@pytest.mark.parametrize("cd", [0, 1])
+@pytest.mark.parametrize("shape", [(256, 384), (300, 200)])  # whole blocks; padded
+def test_traced_block_cast_of_a_transpose_is_the_eager_one(
+    granularity: str, cd: int, shape: tuple[int, int]
+) -> None:
+    """Compiled, a block-scaled cast of a transposed matrix (``W.t()``, ``g.t()``) is
+    computed on the contiguous matrix and transposed back: payload, scale, unpadded shape
+    and the dequantized values equal eager's bit for bit (zero padding included)."""
+    from lowprec.float8.quant import dequantize_parts, quantize_parts
+
+    torch._dynamo.reset()
+    cast = CastConfig("e4m3fn", granularity=granularity)
+    w = _specials(torch.randn(*shape, generator=torch.Generator().manual_seed(5)))
+
+    def both(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        data, s, pad = quantize_parts(m.t(), cast, cd)
+        return data, s, dequantize_parts(data, s, pad, torch.float32)
+
+    got = torch.compile(both, fullgraph=True)(w)
+    data, s, pad = quantize_parts(w.t(), cast, cd)
+    want = (data, s, dequantize_parts(data, s, pad, torch.float32))
+    assert got[0].shape == want[0].shape and torch.equal(
+        got[0].view(torch.uint8), want[0].view(torch.uint8)
+    )
+    assert torch.equal(got[1], want[1])
+    assert got[2].shape == w.t().shape and _same_values(got[2], want[2])
+    # computed in the contiguous matrix's layout (the point of the transposition): the
+    # transposed matrix's dim 0 is the storage's unit-stride dim (a crop keeps it)
+    assert got[0].stride(0) == 1 and got[2].stride(0) == 1
