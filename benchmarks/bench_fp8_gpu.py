@@ -70,7 +70,8 @@ from torch import Tensor, nn
 from lowprec.core import kernels
 from lowprec.core.rounding import _cast_saturates
 from lowprec.float8 import Float8Recipe, convert_to_float8
-from lowprec.float8.quant import Parts, quantize_operand, quantize_parts, scaled_mm
+from lowprec.float8.mm import scaled_mm
+from lowprec.float8.quant import Parts, quantize_operand, quantize_parts
 from lowprec.float8.recipe import CastConfig
 
 E4M3 = torch.float8_e4m3fn

@@ -16,12 +16,8 @@ Recipes (:func:`recipe_names`): ``tensorwise``, ``delayed``, ``static``, ``rowwi
 from lowprec.float8.calibration import calibrate
 from lowprec.float8.convert import apply, convert_back, convert_to_float8
 from lowprec.float8.linear import Float8Linear
-from lowprec.float8.quant import (
-    dequantize,
-    hardware_fp8_available,
-    quantize_operand,
-    scaled_mm,
-)
+from lowprec.float8.mm import hardware_fp8_available, scaled_mm
+from lowprec.float8.quant import dequantize, quantize_operand
 from lowprec.float8.recipe import PRESETS, CastConfig, Float8Recipe, recipe_names
 
 __all__ = [

@@ -17,7 +17,6 @@ fresh.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from lowprec.core.scalers import DelayedScaler, StaticScaler, delayed_amax, push_amax
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.dtensor import dtensor_forward, mesh_amax
+from lowprec.float8.mm import autocast_off
 from lowprec.float8.operands import Operand, cast_kind, from_parts, gemm, operand, transposed
 from lowprec.float8.quant import Parts, dequantize_parts, quantize_parts
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
@@ -375,7 +375,7 @@ class Float8Linear(nn.Linear):
         gemm = _Float8MatmulFn.apply
         if torch.compiler.is_compiling() and _block_scaled(r):
             gemm = _eager_gemm  # outside the graph: inductor fails on MX/NVFP4 quantizes
-        with contextlib.nullcontext() if dev == "meta" else torch.autocast(dev, enabled=False):
+        with autocast_off(dev):
             y: Tensor = gemm(x2d, w, xs, ws, gs, go, spec, out_dtype)  # type: ignore[no-untyped-call]
         return y.reshape(*x.shape[:-1], w.shape[0])
 

@@ -17,15 +17,11 @@ import torch
 from torch import Tensor
 
 from lowprec.core.tensor import ScaledTensor
+from lowprec.float8.mm import emulated_mm, hardware_fp8_available, matmul, operand_kind, payload_mm
 from lowprec.float8.quant import (
     Parts,
     as_operand,
     dequantize,
-    emulated_mm,
-    hardware_fp8_available,
-    matmul,
-    operand_kind,
-    payload_mm,
     quantize_dequantize,
     quantize_parts,
     quantize_values,
@@ -72,7 +68,7 @@ def payload_roles(r: Float8Recipe) -> bool:
 
 def surely_emulated(t: Tensor, r: Float8Recipe) -> bool:
     """Every GEMM of ``r`` on ``t``'s device is emulated by the hardware formula on payloads
-    (:func:`~lowprec.float8.quant.payload_mm`), whatever its operands: every role is
+    (:func:`~lowprec.float8.mm.payload_mm`), whatever its operands: every role is
     tensor- or axis-scaled, and ``emulate=True`` or the device has no hardware FP8 GEMM."""
     if not payload_roles(r) or r.emulate is False:
         return False
@@ -122,9 +118,9 @@ def operand(
 
 def gemm(a: Operand, b: Operand, out_dtype: torch.dtype, r: Float8Recipe) -> Tensor:
     """``a · b`` (``a`` contracted over dim 1, ``b`` over 0) of two :func:`operand`
-    results: :func:`~lowprec.float8.quant.matmul` of two ScaledTensors, else the same
+    results: :func:`~lowprec.float8.mm.matmul` of two ScaledTensors, else the same
     emulation the ``lowprec::float8_mm`` rule runs: the hardware formula on payloads
-    (:func:`~lowprec.float8.quant.payload_mm`) when either side is a :class:`Payload`
+    (:func:`~lowprec.float8.mm.payload_mm`) when either side is a :class:`Payload`
     (both sides are then tensor- or axis-scaled), else the product of dequantized values."""
     ed = EMULATION_DTYPES[r.emulation_dtype]
     if isinstance(a, ScaledTensor) and isinstance(b, ScaledTensor):

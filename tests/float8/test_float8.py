@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import lowprec.float8.linear as f8lin
+import lowprec.float8.mm as f8mm
 import lowprec.float8.operands as f8ops
 import lowprec.float8.quant as f8q
 import lowprec.float8.recipe as f8rec
@@ -46,7 +47,7 @@ from lowprec.float8 import (
     recipe_names,
     scaled_mm,
 )
-from lowprec.float8.quant import matmul
+from lowprec.float8.mm import matmul
 
 
 def sqnr(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -56,7 +57,7 @@ def sqnr(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_doctests() -> None:
-    for mod in (f8rec, f8q, f8lin):
+    for mod in (f8rec, f8q, f8mm, f8lin):
         assert doctest.testmod(mod).failed == 0
 
 
@@ -264,7 +265,7 @@ def test_cpu_never_calls_scaled_mm(
     assert not hardware_fp8_available(torch.device("cpu"))
     m = convert_to_float8(nn.Linear(32, 32), Float8Recipe.from_name("tensorwise", emulate=False))
     reset_warnings("float8:hw-missing")
-    with caplog.at_level("WARNING", logger="lowprec.float8.quant"):
+    with caplog.at_level("WARNING", logger="lowprec.float8.mm"):
         m(torch.randn(16, 32)).sum().backward()
     assert caplog.text.count("emulate=False") == 1  # the fallback is reported, once
 
