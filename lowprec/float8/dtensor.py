@@ -13,6 +13,14 @@ weight              input (redistributed to)  output        GEMM on the shards
 ``Replicate``       as given            as the input        ``x_r · Wᵀ``
 ==================  ==================  ==================  =============================
 
+The local GEMMs' gradients are stated, not assumed (``to_local(grad_placements=...)``):
+the input gradient ``g_r · W_r`` of a column-sharded weight is a partial sum over the ranks
+(``Partial``; a plain replicated input is wrapped so that its gradient is summed too, and
+an FP8-gathered :class:`~lowprec.core.tensor.ScaledTensor` input receives the partial sums,
+which the gather's backward reduce-scatters); the weight gradient ``g_rᵀ · x_r`` of a
+replicated weight whose input is sharded over a token dimension is a partial sum over that
+mesh dimension. Every other local gradient is the shard of its tensor.
+
 The bias is added as a DTensor (sharded with the columns, or replicated after the
 partial sums), so DTensor adds it exactly once.
 
@@ -28,6 +36,7 @@ which ``distribute_module`` replicates as DTensors, are kept as plain local tens
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +44,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+
+from lowprec.core.tensor import ScaledTensor
 
 if TYPE_CHECKING:
     from lowprec.float8.linear import Float8Linear
@@ -52,6 +63,31 @@ def mesh_amax(t: Tensor, mesh: DeviceMesh) -> Tensor:
 
 def _is_shard(p: Placement, dim: int, ndim: int) -> bool:
     return isinstance(p, Shard) and p.dim % ndim == dim
+
+
+def _input_grad_placements(
+    w_pl: Sequence[Placement], x_pl: Sequence[Placement]
+) -> list[Placement]:
+    """The placements of the local GEMM's input gradient ``g_r · W_r``: where the weight is
+    column-sharded (``Shard(0)``), each rank contracts only its own output columns, so the
+    local gradient is a partial sum (``Partial``), summed over the ranks when the gradient
+    is redistributed to the input's placement; elsewhere it is the input's own shard."""
+    return [Partial() if _is_shard(wp, 0, 2) else xp for wp, xp in zip(w_pl, x_pl, strict=True)]
+
+
+def _weight_grad_placements(
+    w_pl: Sequence[Placement], x_pl: Sequence[Placement], nd: int
+) -> list[Placement]:
+    """The placements of the local weight gradient ``g_rᵀ · x_r``: where the weight is
+    replicated and the input sharded over a token dimension (data parallel over that mesh
+    dimension), each rank contracts only its own tokens, so the gradient is a partial sum
+    (``Partial``); elsewhere it is the weight's own shard."""
+    return [
+        Partial()
+        if isinstance(wp, Replicate) and isinstance(xp, Shard) and not _is_shard(xp, nd - 1, nd)
+        else wp
+        for wp, xp in zip(w_pl, x_pl, strict=True)
+    ]
 
 
 def _localize_buffers(layer: Float8Linear) -> None:
@@ -90,7 +126,8 @@ def dtensor_forward(layer: Float8Linear, x: Tensor, w: DTensor) -> Tensor:
                 need.append(xp)
         if tuple(need) != tuple(x.placements):
             x = x.redistribute(mesh, need)
-        x_pl, x_shape, x_local = need, x.shape, x.to_local()
+        x_pl, x_shape = need, x.shape
+        x_local = x.to_local(grad_placements=_input_grad_placements(w.placements, need))
     else:
         if any(_is_shard(p, 1, 2) for p in w.placements):
             raise ValueError(
@@ -98,6 +135,11 @@ def dtensor_forward(layer: Float8Linear, x: Tensor, w: DTensor) -> Tensor:
                 "sharded on its last dim"
             )
         x_pl, x_shape, x_local = [Replicate()] * mesh.ndim, x.shape, x
+        if not isinstance(x, ScaledTensor) and any(_is_shard(p, 0, 2) for p in w.placements):
+            # A plain replicated input: its gradient's partial sums are summed over the
+            # ranks (the backward of from_local to Replicate), as for a DTensor input.
+            whole = DTensor.from_local(x, mesh, x_pl, run_check=False)
+            x_local = whole.to_local(grad_placements=_input_grad_placements(w.placements, x_pl))
     y_pl: list[Placement] = []
     for wp, xp in zip(w.placements, x_pl, strict=True):
         if _is_shard(wp, 0, 2):
@@ -111,7 +153,8 @@ def dtensor_forward(layer: Float8Linear, x: Tensor, w: DTensor) -> Tensor:
         for role, pls in (("x", x_pl), ("w", w.placements), ("g", y_pl))
         if any(isinstance(p, Shard) for p in pls)
     )
-    y_local = layer._gemm(x_local, w.to_local(), mesh, sharded)
+    w_local = w.to_local(grad_placements=_weight_grad_placements(w.placements, x_pl, nd))
+    y_local = layer._gemm(x_local, w_local, mesh, sharded)
     shape = torch.Size((*x_shape[:-1], w.shape[0]))
     y = DTensor.from_local(
         y_local, mesh, y_pl, run_check=False, shape=shape, stride=_contiguous(shape)

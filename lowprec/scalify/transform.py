@@ -122,6 +122,22 @@ def _check_not_sharded_inside(module: nn.Module) -> None:
             )
 
 
+def _check_not_tensor_parallel(module: nn.Module) -> None:
+    """``TypeError`` naming the first parameter that is a DTensor when the wrapped model
+    runs (tensor parallelism: ``ColwiseParallel`` and the like, which FSDP2 as the
+    wrapper's root never leaves behind): scaled arithmetic computes on plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            raise TypeError(
+                f"scalify: parameter {name!r} is a DTensor (placements {tuple(p.placements)}): "
+                "tensor parallelism is not supported under scalify, whose scaled arithmetic "
+                "runs on plain tensors. Use FSDP2 (fully_shard(scalify(model))) or DDP, or "
+                "a float8 or unit-scaling recipe under tensor parallelism"
+            )
+
+
 def _leave(x: Tensor) -> Tensor:
     return unscale(x) if isinstance(x, ScaledTensor) else x
 
@@ -189,6 +205,7 @@ class Scalified(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _check_inputs(args, kwargs)
         _check_not_sharded_inside(self.module)
+        _check_not_tensor_parallel(self.module)
         params = dict(self.module.named_parameters())
 
         def call(params: dict[str, Tensor], *args: Any, **kwargs: Any) -> Any:
