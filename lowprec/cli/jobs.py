@@ -21,7 +21,7 @@ from rich.table import Table
 from lowprec.cli import parallel as cli_parallel
 from lowprec.distributed import env
 from lowprec.jobs.model import model_names
-from lowprec.jobs.rundir import RunError, read_config, summary_cells
+from lowprec.jobs.rundir import read_config, summary_cells
 from lowprec.jobs.train import ON_NONFINITE, TrainConfig, train
 from lowprec.recipes import get_recipe, recipe_names
 
@@ -298,18 +298,15 @@ def _run_demo(args: argparse.Namespace) -> int:
                 f"leave out {', '.join(given)}"
             )
     out = args.resume or args.out or Path("runs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
-    try:
-        run_demo(
-            out,
-            quick=args.quick,
-            recipes=recipe_names() if args.all else args.recipes,
-            progress=not args.no_progress,
-            console=Console(file=sys.stdout, width=180),
-            seeds=seeds,
-            resume=args.resume is not None,
-        )
-    except RunError as e:
-        args.parser.error(str(e))
+    run_demo(  # a RunError (a bad or damaged directory): one error line, no usage (main)
+        out,
+        quick=args.quick,
+        recipes=recipe_names() if args.all else args.recipes,
+        progress=not args.no_progress,
+        console=Console(file=sys.stdout, width=180),
+        seeds=seeds,
+        resume=args.resume is not None,
+    )
     return 0
 
 

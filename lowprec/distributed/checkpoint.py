@@ -22,22 +22,33 @@ tensor is restored bit for bit; on another, the values are the same bits, but th
 gradient sums are split differently, so the run continues within float rounding of the
 original (``docs/distributed.md`` states the measured tolerance).
 
-Layout: tensors are stored under ``"<part>/<path>"`` keys; the structure with every
-tensor replaced by its key is stored as one pickled object (``"skeleton"``; DCP itself
-unpickles the objects of a checkpoint: load only checkpoints you trust), so that any nested
-state (a ``MasterWeights`` state dict, the scaler's history) round-trips without a
-template.
+Layout (format 2): tensors are stored under ``"<part>/<path>"`` keys. The structure, with
+every tensor replaced by a reference to its key, is stored as a JSON index in one
+``uint8`` tensor (``"lowprec.index"``), so that any nested state (a ``MasterWeights``
+state dict, the scaler's history, ``extra``) round-trips without a template.
+
+**Loading never runs code from the checkpoint.** DCP's own reader unpickles the
+checkpoint's ``.metadata`` file and any non-tensor object; :func:`load` does neither. It
+reads ``.metadata`` with an unpickler that rebuilds only DCP's metadata classes, torch's
+dtypes, layouts and sizes (anything else is refused, so a payload never runs), and asks
+DCP for tensors alone, which DCP reads with ``torch.load(weights_only=True)``. The index is
+parsed as JSON and validated. Checkpoints of format 1 (lowprec before this change: the
+structure was a pickle, ``"skeleton"``) are refused with an error that says so; they are
+never unpickled.
 """
 
 from __future__ import annotations
 
+import io
+import json
+import math
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -51,9 +62,13 @@ from lowprec.distributed.parallel import unwrap
 from lowprec.recipes.prepared import Prepared
 from lowprec.recipes.recipe import Recipe
 
-__all__ = ["is_sharded", "load", "save"]
+__all__ = ["FORMAT", "is_sharded", "load", "save"]
 
-_TENSOR = "\0tensor:"  # marks a tensor's key in the skeleton
+FORMAT = 2
+"""The checkpoint format :func:`save` writes and :func:`load` reads (1: a pickled
+structure, refused)."""
+_INDEX = "lowprec.index"  # the JSON index, as a uint8 tensor
+_LEGACY = "skeleton"  # format 1: the pickled structure
 
 
 def is_sharded(prepared: Prepared) -> bool:
@@ -80,28 +95,140 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _flatten(obj: Any, path: str, out: dict[str, Any]) -> Any:
-    """``obj`` with every tensor replaced by a marker of its key; the tensors go to ``out``."""
+_SCALARS = (str, int, bool, type(None))
+
+
+def _encode(obj: Any, path: str, out: dict[str, Any]) -> Any:
+    """``obj`` as JSON values, every tensor replaced by ``{"tensor": key}`` (the tensors go
+    to ``out``). Containers are tagged (``{"dict": [[key, value], ...]}``, ``{"list": [...]}``,
+    ``{"tuple": [...]}``) so that int keys and tuples come back as they were; non-finite
+    floats are ``{"float": "nan" | "inf" | "-inf"}``. Anything else raises ``TypeError``."""
     if isinstance(obj, torch.Tensor):
+        if path in out:
+            raise ValueError(f"checkpoint: two entries of the state map to the key {path!r}")
         out[path] = _plain(obj)
-        return _TENSOR + path
+        return {"tensor": path}
+    if isinstance(obj, _SCALARS):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"float": repr(obj)}
     if isinstance(obj, dict):
-        return {k: _flatten(v, f"{path}/{k}", out) for k, v in obj.items()}
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, _SCALARS):
+                raise TypeError(
+                    f"checkpoint: {path or 'the state'} has a key of type {type(k).__name__} "
+                    "(keys must be str, int, bool or None)"
+                )
+            items.append([k, _encode(v, f"{path}/{k}", out)])
+        return {"dict": items}
     if isinstance(obj, (list, tuple)):
-        items = [_flatten(v, f"{path}/{i}", out) for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
+        tag = "list" if isinstance(obj, list) else "tuple"
+        return {tag: [_encode(v, f"{path}/{i}", out) for i, v in enumerate(obj)]}
+    raise TypeError(
+        f"checkpoint: {path or 'the state'} holds a {type(obj).__name__}; a checkpoint stores "
+        "dicts, lists, tuples, str, int, float, bool, None and tensors"
+    )
 
 
-def _rebuild(skeleton: Any, tensors: dict[str, Any]) -> Any:
-    if isinstance(skeleton, str) and skeleton.startswith(_TENSOR):
-        return tensors[skeleton[len(_TENSOR) :]]
-    if isinstance(skeleton, dict):
-        return {k: _rebuild(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        items = [_rebuild(v, tensors) for v in skeleton]
-        return items if isinstance(skeleton, list) else tuple(items)
-    return skeleton
+def _tensor_keys(node: Any, out: dict[str, None]) -> None:
+    """The tensor keys an index refers to (``ValueError`` on anything malformed)."""
+    if isinstance(node, dict):
+        if len(node) != 1:
+            raise ValueError(f"malformed index entry {str(node)[:80]}")
+        ((tag, v),) = node.items()
+        if tag == "tensor" and isinstance(v, str):
+            out[v] = None
+        elif tag == "float" and v in ("nan", "inf", "-inf"):
+            pass
+        elif tag == "dict" and isinstance(v, list):
+            for pair in v:
+                if not (
+                    isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], _SCALARS)
+                ):
+                    raise ValueError(f"malformed index dict item {str(pair)[:80]}")
+                _tensor_keys(pair[1], out)
+        elif tag in ("list", "tuple") and isinstance(v, list):
+            for x in v:
+                _tensor_keys(x, out)
+        else:
+            raise ValueError(f"malformed index entry {str(node)[:80]}")
+    elif not isinstance(node, (*_SCALARS, float)):
+        raise ValueError(f"malformed index value {str(node)[:80]}")
+
+
+def _decode(node: Any, tensors: dict[str, Any]) -> Any:
+    """The inverse of :func:`_encode` (``node`` already validated by :func:`_tensor_keys`)."""
+    if not isinstance(node, dict):
+        return node
+    ((tag, v),) = node.items()
+    if tag == "tensor":
+        return tensors[v]
+    if tag == "float":
+        return float(v)
+    if tag == "dict":
+        return {k: _decode(x, tensors) for k, x in v}
+    items = [_decode(x, tensors) for x in v]
+    return items if tag == "list" else tuple(items)
+
+
+# DCP's ``.metadata`` is a pickle of these classes; nothing else is rebuilt from it.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP metadata and refuses every other global (so no payload can run)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name} (not DCP metadata)")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader whose ``.metadata`` is read by :class:`_MetadataUnpickler`, and
+    whose storage entries must be files inside the checkpoint directory."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _read_metadata(f)
+        for info in (metadata.storage_data or {}).values():
+            rel = Path(str(getattr(info, "relative_path", "")))
+            if rel.is_absolute() or ".." in rel.parts or len(rel.parts) != 1:
+                raise ValueError(f"storage entry {str(rel)!r} is not a file of the checkpoint")
+        return metadata
+
+
+def _read_metadata(f: IO[bytes] | io.IOBase) -> Metadata:
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise ValueError(f"unreadable DCP metadata ({e})") from None
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"unreadable DCP metadata (a {type(metadata).__name__})")
+    return metadata
 
 
 _OPTIONS = StateDictOptions(strict=True)
@@ -130,9 +257,10 @@ def save(prepared: Prepared, path: str | Path, extra: dict[str, Any] | None = No
     calls it). See the module docstring for what is saved."""
     state = {**_live_state(prepared), "extra": extra or {}}
     tensors: dict[str, Any] = {}
-    skeleton = _flatten(state, "", tensors)
-    blob = pickle.dumps(skeleton)  # one opaque object: DCP would flatten a nested dict
-    dcp_save({"skeleton": blob, **tensors}, checkpoint_id=str(path))
+    index = {"format": FORMAT, "state": _encode(state, "", tensors)}
+    data = json.dumps(index, allow_nan=False).encode("utf-8")
+    blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dcp_save({_INDEX: blob, **tensors}, checkpoint_id=str(path))
 
 
 def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
@@ -140,11 +268,36 @@ def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
     return the ``extra`` that :func:`save` stored. ``ValueError`` if it was saved with
     another recipe or layout (FSDP2 shards vs a replicated model)."""
     path = str(path)
-    box: dict[str, Any] = {"skeleton": None}
-    dcp_load(box, checkpoint_id=path)
-    skeleton = pickle.loads(box["skeleton"]) if isinstance(box["skeleton"], bytes) else None
-    if not isinstance(skeleton, dict) or "recipe" not in skeleton:
-        raise ValueError(f"checkpoint {path}: not a lowprec checkpoint (no skeleton)")
+    reader = _SafeReader(path)
+    try:
+        meta = reader.read_metadata().state_dict_metadata
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {path}: not a readable DCP checkpoint ({e})") from None
+    index_md = meta.get(_INDEX)
+    if not isinstance(index_md, TensorStorageMetadata):
+        if _LEGACY in meta:
+            raise ValueError(
+                f"checkpoint {path}: written in lowprec checkpoint format 1, whose structure is "
+                f"a pickle; lowprec {FORMAT} reads format {FORMAT} only and never unpickles a "
+                "checkpoint. Save it again with this version from the run that wrote it"
+            )
+        raise ValueError(f"checkpoint {path}: not a lowprec checkpoint (no {_INDEX!r})")
+    box = {_INDEX: torch.empty(index_md.size, dtype=torch.uint8)}
+    dcp_load(box, storage_reader=_SafeReader(path))
+    try:
+        index = json.loads(bytes(box[_INDEX].numpy()).decode("utf-8"))
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise ValueError(f"format {index.get('format') if isinstance(index, dict) else '?'}")
+        keys: dict[str, None] = {}
+        _tensor_keys(index["state"], keys)
+        skeleton = _decode(index["state"], {k: k for k in keys})  # keys stand in for tensors
+        if not isinstance(skeleton, dict) or not {"recipe", "layout", "extra"} <= set(skeleton):
+            raise ValueError("missing recipe, layout or extra")
+    except (ValueError, KeyError, UnicodeDecodeError) as e:
+        raise ValueError(f"checkpoint {path}: malformed lowprec index ({e})") from None
+    for k in keys:
+        if not isinstance(meta.get(k), TensorStorageMetadata):
+            raise ValueError(f"checkpoint {path}: the index names tensor {k!r}, which is missing")
     if Recipe.from_dict(skeleton["recipe"]) != prepared.recipe:
         raise ValueError(
             f"checkpoint {path}: saved with recipe {skeleton['recipe'].get('name')!r}, not "
@@ -159,19 +312,18 @@ def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
     # The template: this run's own tensors (DTensors: the shards this rank needs), and for
     # what this run does not hold yet (loaded optimizer moments, extra) the saved shapes.
     template: dict[str, Any] = {}
-    _flatten(live, "", template)
-    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    _encode(live, "", template)
     wanted: dict[str, Any] = {}
-    for key, md in meta.items():
-        if key == "skeleton" or not isinstance(md, TensorStorageMetadata):
-            continue
+    for key in keys:  # tensors only: DCP is never asked for a pickled object
+        md = meta[key]
+        assert isinstance(md, TensorStorageMetadata)
         own = template.get(key)
         if isinstance(own, torch.Tensor) and tuple(own.shape) == tuple(md.size):
             wanted[key] = own if isinstance(own, DTensor) else torch.empty_like(own)
         else:
             wanted[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp_load(wanted, checkpoint_id=path)
-    state = _rebuild(skeleton, wanted)
+    dcp_load(wanted, storage_reader=_SafeReader(path))
+    state = _decode(index["state"], wanted)
     if live["layout"] == "fsdp":
         set_state_dict(
             prepared.model,

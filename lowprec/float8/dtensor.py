@@ -65,9 +65,7 @@ def _is_shard(p: Placement, dim: int, ndim: int) -> bool:
     return isinstance(p, Shard) and p.dim % ndim == dim
 
 
-def _input_grad_placements(
-    w_pl: Sequence[Placement], x_pl: Sequence[Placement]
-) -> list[Placement]:
+def _input_grad_placements(w_pl: Sequence[Placement], x_pl: Sequence[Placement]) -> list[Placement]:
     """The placements of the local GEMM's input gradient ``g_r · W_r``: where the weight is
     column-sharded (``Shard(0)``), each rank contracts only its own output columns, so the
     local gradient is a partial sum (``Partial``), summed over the ranks when the gradient

@@ -68,7 +68,11 @@ def _pointer(out: Path) -> dict[str, Any]:
         ptr = json.loads((out / POINTER).read_text(encoding="utf-8"))
         if not isinstance(ptr, dict) or not isinstance(ptr.get("step"), int):
             raise ValueError("no step")
-        if not isinstance(ptr.get("dir"), str) or not (out / ptr["dir"] / ".metadata").is_file():
+        if not isinstance(ptr.get("dir"), str) or not re.fullmatch(
+            rf"{CHECKPOINTS}/step-\d+", ptr["dir"]
+        ):  # only the run's own checkpoints: never a directory elsewhere
+            raise ValueError(f"'dir' must be {CHECKPOINTS}/step-<k>, got {ptr.get('dir')!r}")
+        if not (out / ptr["dir"] / ".metadata").is_file():
             raise ValueError(f"no complete DCP directory {ptr.get('dir')!r}")
     except (OSError, ValueError) as e:
         raise RunError(f"--resume: checkpoint pointer {out / POINTER} is corrupt ({e})") from None

@@ -170,6 +170,19 @@ _WORKER = (
 )
 
 
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to the new file ``path``, readable and writable by this user only.
+
+    The chart workers' hand-off is a pickle (functions and their in-memory arguments,
+    made by this process), read back by the workers this process starts. It lives in a
+    directory of ``tempfile.TemporaryDirectory`` (mode 0700) and is created 0600 and
+    exclusively (``O_EXCL``: never an existing file or a planted link), so no other user
+    can read or replace it between the write and the read."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 def _draw(figures: Sequence[_Figure]) -> None:
     """Draw ``figures`` (function, arguments); over the CPUs this process may use, in
     fresh worker processes, when there are enough figures to pay for their start.
@@ -187,7 +200,7 @@ def _draw(figures: Sequence[_Figure]) -> None:
         try:
             for i in range(workers):
                 spec = Path(tmp) / f"figures{i}.pkl"
-                spec.write_bytes(pickle.dumps(list(figures[i::workers])))
+                _write_private(spec, pickle.dumps(list(figures[i::workers])))
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-c", _WORKER, str(spec)],

@@ -5,8 +5,9 @@
 "module:QualName"``; tuples and lists become lists; a ``torch.dtype`` becomes
 ``{"__dtype__": "float32"}``. :func:`decode` rebuilds the object: lists become tuples (the
 configs are frozen, hashable), tagged dicts become their dataclass. Only dataclasses
-defined under ``lowprec.`` are rebuilt from a tag. So a config whose fields change keeps
-round-tripping without a change here.
+defined under ``lowprec.`` and frozen (the configs) are rebuilt from a tag: decoding imports
+no other module and calls no other class, so a recipe file never runs code. A config whose
+fields change keeps round-tripping without a change here.
 
 Example:
     >>> from lowprec.float8 import Float8Recipe
@@ -65,13 +66,20 @@ def encode(config: Any) -> dict[str, Any]:
 
 def _class(tag: str) -> type:
     module, _, qualname = tag.partition(":")
-    if not module.startswith("lowprec.") or not qualname:
+    dotted = f"{module}.{qualname}".split(".")
+    if (
+        not module.startswith("lowprec.")
+        or not qualname
+        or not all(p.isidentifier() for p in dotted)
+    ):
         raise ValueError(f"{_CLASS}: only lowprec dataclasses are rebuilt, got {tag!r}")
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     if not isinstance(obj, type) or not dataclasses.is_dataclass(obj):
         raise ValueError(f"{_CLASS}: {tag!r} names no dataclass")
+    if not obj.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise ValueError(f"{_CLASS}: {tag!r} is not a frozen config dataclass")
     return obj
 
 
