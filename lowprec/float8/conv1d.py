@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lowprec.float8.linear import Float8Linear, _carry_hooks
+from lowprec.float8.linear import Float8Linear, _carry_extras, _carry_hooks
 from lowprec.float8.recipe import Float8Recipe
 
 __all__ = ["Float8Conv1D", "is_conv1d"]
@@ -80,6 +80,7 @@ class Float8Conv1D(Float8Linear):
         new.train(mod.training)
         new._conv1d_cls = type(mod)
         _carry_hooks(mod, new)
+        _carry_extras(mod, new, {"weight", "bias"})
         return new
 
     def _gemm_weight(self) -> Tensor:
@@ -96,6 +97,7 @@ class Float8Conv1D(Float8Linear):
         new.bias = self.bias
         new.train(self.training)
         _carry_hooks(self, new)
+        _carry_extras(self, new, {"weight", "bias", *self.scaling_buffers()})
         return new
 
     def extra_repr(self) -> str:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from lowprec.float8.conv1d import Float8Conv1D, is_conv1d
-from lowprec.float8.linear import Float8Linear
+from lowprec.float8.linear import Float8Linear, _carry_extras, _carry_hooks
 from lowprec.float8.recipe import Float8Recipe
 
 __all__ = ["ModuleFilter", "apply", "computes_linear", "convert_back", "convert_to_float8"]
@@ -208,6 +208,8 @@ def convert_back(model: nn.Module) -> nn.Module:
         new = nn.Linear(m.in_features, m.out_features, m.bias is not None, device="meta")
         new.weight, new.bias = m.weight, m.bias
         new.train(m.training)
+        _carry_hooks(m, new)
+        _carry_extras(m, new, {"weight", "bias", *m.scaling_buffers()})
         return new
 
     if isinstance(model, Float8Linear):

@@ -36,6 +36,7 @@ from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 __all__ = ["Float8Linear"]
 
 HistoryScaler = DelayedScaler | StaticScaler
+_SUFFIXES = ("_amax_history", "_static_amax")  # a role's scaling-state buffer
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,9 @@ class Float8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, recipe: str | Float8Recipe = "tensorwise") -> Float8Linear:
-        """A ``Float8Linear`` sharing ``mod``'s parameters (no copy)."""
+        """A ``Float8Linear`` sharing ``mod``'s parameters (no copy). Whatever else ``mod``
+        holds (child modules such as a LoRA-style adapter, other parameters and buffers)
+        is kept under the same names, and its hooks carry over."""
         if not isinstance(mod, nn.Linear):
             raise TypeError(f"mod must be an nn.Linear, got {type(mod).__name__}")
         if not mod.weight.dtype.is_floating_point:
@@ -295,7 +298,13 @@ class Float8Linear(nn.Linear):
         new._setup(recipe)  # buffers on the parameters' device
         new.train(mod.training)
         _carry_hooks(mod, new)
+        _carry_extras(mod, new, {"weight", "bias"})
         return new
+
+    def scaling_buffers(self) -> list[str]:
+        """The names of the buffers that hold this layer's scaling state (delayed amax
+        histories, static calibration maxima)."""
+        return [n for n in (f"{r}{sfx}" for r in ROLES for sfx in _SUFFIXES) if n in self._buffers]
 
     def _gemm_weight(self) -> Tensor:
         """The weight as the GEMMs read it, ``(out_features, in_features)``; a layer that
@@ -303,7 +312,7 @@ class Float8Linear(nn.Linear):
         return self.weight
 
     def _state(self, role: str) -> Tensor | None:
-        for suffix in ("_amax_history", "_static_amax"):
+        for suffix in _SUFFIXES:
             t = getattr(self, role + suffix, None)
             if isinstance(t, Tensor):
                 return t
@@ -417,6 +426,34 @@ def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
     for name in _HOOK_DICTS:
         if hasattr(old, name):
             setattr(new, name, getattr(old, name))
+
+
+def _carry_extras(old: nn.Module, new: nn.Module, own: set[str]) -> None:
+    """``new`` (the replacement of ``old``) keeps what ``old`` holds besides the names in
+    ``own``: child modules (a LoRA-style adapter), other parameters and buffers, the same
+    objects under the same names (buffer persistence kept), so that an optimizer built
+    afterwards and ``state_dict()`` see every one. ``ValueError`` if a name is taken."""
+    for kind, src in (("child module", old._modules), ("parameter", old._parameters)):
+        for name, v in src.items():
+            if name in own:
+                continue
+            if hasattr(new, name) and name not in new._modules and name not in new._parameters:
+                raise ValueError(
+                    f"{type(old).__name__}: its {kind} {name!r} clashes with an attribute of "
+                    f"{type(new).__name__}; rename it before converting"
+                )
+            (new._modules if kind == "child module" else new._parameters)[name] = v  # type: ignore[index,assignment]
+    for name, b in old._buffers.items():
+        if name in own:
+            continue
+        if hasattr(new, name):
+            raise ValueError(
+                f"{type(old).__name__}: its buffer {name!r} clashes with an attribute of "
+                f"{type(new).__name__}; rename it before converting"
+            )
+        new._buffers[name] = b
+        if name in old._non_persistent_buffers_set:
+            new._non_persistent_buffers_set.add(name)
 
 
 def _after_load(module: nn.Module, incompatible: Any) -> None:
