@@ -279,7 +279,21 @@ class Float8Linear(nn.Linear):
                 sc.calib_amax = t
 
     def _apply(self, fn: Any, recurse: bool = True) -> Float8Linear:
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``, ...), except that the
+        scaling state keeps its float32 dtype: it moves device with the module but is
+        never cast (an amax history in BF16 would round every recorded maximum)."""
+        order = list(self._buffers)
+        state = {n: self._buffers.pop(n) for n in self.scaling_buffers()}
+        try:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        finally:
+            for n, b in state.items():
+                if b is not None:
+                    moved = fn(b)
+                    if moved.dtype != b.dtype:  # a dtype cast: move the float32 values only
+                        moved = b.to(device=moved.device)
+                    state[n] = moved
+            self._buffers = {n: state[n] if n in state else self._buffers[n] for n in order}
         self._bind_state()
         return self
 

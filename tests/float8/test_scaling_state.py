@@ -145,3 +145,39 @@ def test_meta_device_gives_shapes(name: str) -> None:
     st = convert_to_float8(nn.Linear(32, 16, device="meta"), "static")
     with pytest.raises(ValueError, match="meta device"), calibrate(st):
         pass
+
+
+@pytest.mark.parametrize("name", ["delayed", "static"])
+@pytest.mark.parametrize("cast", ["to_bf16", "half", "bfloat16", "double"])
+def test_module_casts_keep_the_scaling_state_in_float32(name: str, cast: str) -> None:
+    # torchao keeps its amax buffers in FP32 under .to(dtype): an amax history in BF16
+    # would round every recorded maximum (8 bits of mantissa), changing the scales.
+    m = convert_to_float8(_mlp(), name)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    if name == "static":
+        with calibrate(m):
+            _step(m, opt, _batch(0))
+    else:
+        for i in range(3):
+            _step(m, opt, _batch(i))
+    before = {k: v.clone() for k, v in m.state_dict().items() if "amax" in k}
+    assert before and any(bool((v != v.bfloat16().float()).any()) for v in before.values())
+    if cast == "to_bf16":
+        m.to(torch.bfloat16)
+    else:
+        getattr(m, cast)()
+    wdtype = {"to_bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "half": torch.float16}
+    assert m[0].weight.dtype == wdtype.get(cast, torch.float64)
+    after = {k: v for k, v in m.state_dict().items() if "amax" in k}
+    for k, v in before.items():
+        assert after[k].dtype == torch.float32 and torch.equal(after[k], v), k
+    for layer in (m[0], m[2]):  # the scalers still read the module's own buffers
+        for role in ("input", "grad_output"):
+            sc = layer.scaler(role)
+            held = sc.amax_history if isinstance(sc, DelayedScaler) else sc.calib_amax  # type: ignore[union-attr]
+            assert held is layer._state(role)
+    # the cast module still trains and records
+    x = _batch(9).to(m[0].weight.dtype)
+    m(x).float().pow(2).mean().backward()
+    if name == "delayed":
+        assert not torch.equal(m[0].input_amax_history, before["0.input_amax_history"])
