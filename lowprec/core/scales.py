@@ -19,6 +19,16 @@ Special statistics (no division by zero, never a NaN scale):
   scalers do not record such an ``amax`` in their history and count it in
   ``nonfinite_count``.
 
+A *scaled cast* (:func:`lowprec.core.tensor.quantize_scaled`, the float8 operands) never
+turns a non-finite value into a finite one: :func:`nonfinite_scale` gives a block whose
+``amax`` is not finite the NaN scale, so that the whole block reads NaN, where the block
+cannot carry the value itself: an MX or NVFP4 block (the OCP MX rule) and any block of a
+format without Inf and NaN codes (E2M1, E3M2, E2M3, which would otherwise clamp ±Inf to
+``±max``). Elsewhere the scale stays 1 and the value stays as the cast gives it: ±Inf in
+formats with Inf (E5M2, FP16, BF16), NaN in those without (E4M3FN, E4M3FNUZ). So an
+overflow upstream, a gradient's above all, stays visible to loss scaling
+(``docs/formats.md``).
+
 Scales are float32, so a scale covers ``[2^-126, 2^127]`` (times ``fmt.max``). float64
 inputs beyond that (the only way to get them: float32 has no such values) are refused or
 reported, never silently changed:
@@ -318,6 +328,25 @@ def nv_scale(amax: Tensor, fmt: str | Format) -> Tensor:
     return torch.where(ok, s, 1.0)
 
 
+def nonfinite_scale(scale: Tensor, amax: Tensor, fmt: str | Format, kind: str) -> Tensor:
+    """``scale`` with NaN where ``amax`` is not finite and the block cannot carry the
+    non-finite value: ``kind`` ``"mx"``/``"nv"`` (a granularity kind), or a ``fmt``
+    without Inf and NaN codes (``special="finite"``). Elsewhere ``scale`` unchanged (see
+    the module docstring: the rule of every scaled cast).
+
+    Example:
+        >>> import torch
+        >>> a = torch.tensor([2.0, float("inf")])
+        >>> nonfinite_scale(torch.ones(2), a, "e2m1", "tensor").tolist()
+        [1.0, nan]
+        >>> nonfinite_scale(torch.ones(2), a, "e5m2", "axis").tolist()
+        [1.0, 1.0]
+    """
+    if kind in ("mx", "nv") or get_format(fmt, arg="fmt").special == "finite":
+        return torch.where(torch.isfinite(amax), scale, torch.nan)
+    return scale
+
+
 def group_scale(
     amax: Tensor,
     fmt: str | Format,
@@ -326,10 +355,13 @@ def group_scale(
     power_of_two: bool = False,
 ) -> Tensor:
     """The scale of each group of a granularity: :func:`mx_scale` for ``mx``,
-    :func:`nv_scale` for ``nv``, else :func:`compute_scale` (``margin``, ``power_of_two``)."""
+    :func:`nv_scale` for ``nv``, else :func:`compute_scale` (``margin``, ``power_of_two``);
+    then :func:`nonfinite_scale`."""
     kind = as_granularity(granularity).kind
     if kind == "mx":
-        return mx_scale(amax, fmt)
-    if kind == "nv":
-        return nv_scale(amax, fmt)
-    return compute_scale(amax, fmt, margin, power_of_two)
+        s = mx_scale(amax, fmt)
+    elif kind == "nv":
+        s = nv_scale(amax, fmt)
+    else:
+        s = compute_scale(amax, fmt, margin, power_of_two)
+    return nonfinite_scale(s, amax, fmt, kind)

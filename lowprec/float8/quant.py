@@ -22,7 +22,7 @@ from lowprec.core.codes import BYTE_FORMATS
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
 from lowprec.core.rounding import _to_format_bounded, dense_view, from_dense_view, to_format
-from lowprec.core.scales import amax, compute_scale, mx_scale, nv_scale
+from lowprec.core.scales import amax, compute_scale, mx_scale, nonfinite_scale, nv_scale
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.recipe import CastConfig
 
@@ -217,9 +217,7 @@ def _group_scale(a: Tensor, cast: CastConfig, kind: str, fmt: Format) -> Tensor:
         s = mx_scale(a, fmt)
     else:
         s = compute_scale(a, fmt, 0.0, True)
-    # OCP MX: a block holding Inf/NaN gets the NaN scale, so the whole block reads NaN
-    # (E2M1 has no Inf/NaN code: saturating would hide an overflow from loss scaling).
-    return torch.where(torch.isfinite(a), s, torch.nan)
+    return nonfinite_scale(s, a, fmt, kind)  # a block holding Inf/NaN reads NaN
 
 
 def _encode(t: Tensor, s: Tensor, fmt: Format) -> Tensor | None:

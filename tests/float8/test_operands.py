@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8 import CastConfig, dequantize, quantize_operand, scaled_mm
+from lowprec.float8.quant import dequantize_parts, quantize_parts
 
 
 def test_no_operand_type() -> None:
@@ -146,3 +149,43 @@ def test_traced_block_cast_of_a_transpose_is_the_eager_one(
     # computed in the contiguous matrix's layout (the point of the transposition): the
     # transposed matrix's dim 0 is the storage's unit-stride dim (a crop keeps it)
     assert got[0].stride(0) == 1 and got[2].stride(0) == 1
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "e2m1"])
+@pytest.mark.parametrize("gran", ["tensor", "axis", "block:1x32", "mx:32", "nv:16"])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_non_finite_values_never_become_finite_and_both_paths_agree(
+    fmt: str, gran: str, bad: float
+) -> None:
+    # The scaled-cast rule (lowprec.core.scales.nonfinite_scale, docs/formats.md): a block
+    # holding Inf/NaN reads NaN where it cannot carry the value (MX/NV blocks, formats
+    # without Inf and NaN codes); elsewhere ±Inf stays ±Inf (E5M2) or becomes NaN (E4M3FN).
+    # quantize_scaled and the float8 operand path give the same scales and values.
+    from lowprec import quantize_scaled
+
+    if gran == "nv:16" and fmt != "e2m1":
+        pytest.skip("NVFP4 blocks are E2M1")
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    x[1, 5] = bad
+    d, s, pad = quantize_parts(x, CastConfig(fmt, granularity=gran), 1)
+    ours = dequantize_parts(d, s, pad, torch.float32)
+    qs = quantize_scaled(x, fmt, granularity=gran)
+    assert torch.equal(s.isnan(), qs.scale.isnan()) and torch.equal(
+        s.nan_to_num(0.0), qs.scale.nan_to_num(0.0)
+    )
+    assert torch.equal(ours.isnan(), qs.dequantize().isnan())
+    assert not torch.isfinite(ours[1, 5])  # never turned into a finite value
+    block = gran in ("mx:32", "nv:16") or fmt == "e2m1"
+    if block:  # the whole group of the bad value reads NaN, the others stay finite
+        width = {"tensor": 64, "axis": 64, "block:1x32": 32, "mx:32": 32, "nv:16": 16}[gran]
+        group = ours if gran == "tensor" else ours[1, :width]
+        assert bool(group.isnan().all())
+        if gran != "tensor":
+            assert bool(torch.isfinite(ours[0]).all())
+    else:  # only the bad value itself is non-finite
+        assert int((~torch.isfinite(ours)).sum()) == 1
+        want = bad if (fmt == "e5m2" and not math.isnan(bad)) else None
+        if want is None:
+            assert math.isnan(float(ours[1, 5]))
+        else:
+            assert float(ours[1, 5]) == want
