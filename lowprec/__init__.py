@@ -8,6 +8,7 @@ from lowprec._startup import guard_startup
 
 guard_startup()  # a Ctrl-C while the lowprec command imports torch: one line, no traceback
 
+from lowprec.core import tensor_ops as _tensor_ops  # noqa: F401  (registers the layout rules)
 from lowprec.core.codes import from_bits, to_bits
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity

@@ -20,7 +20,10 @@ pass gradients through unchanged, ``∂L/∂x = ∂L/∂dequantize(quantize_scal
 treated as the identity and the scale, a statistic of the data, as a constant.
 
 Ops: a ScaledTensor supports ``detach``, ``clone`` and ``.to(...)`` (``.to(device)`` moves
-data and scale; ``.to(dtype)`` changes the logical dtype and leaves the payload alone). Any
+data and scale; ``.to(dtype)`` changes the logical dtype and leaves the payload alone), and
+the layout ops that keep its scale layout valid (:mod:`lowprec.core.tensor_ops`:
+transposes, views of a tensor-scaled value, slices, splits and ``cat`` that do not cut a
+scale block, ``copy_`` into a plain tensor, ``index_put_`` of equally scaled values). Any
 other op raises ``NotImplementedError`` naming the op: call ``.dequantize()`` first, or add a
 rule with :func:`register_rule` (the float8 and scalify layers do).
 
@@ -51,16 +54,21 @@ __all__ = ["ScaledTensor", "quantize_scaled", "register_fallback", "register_rul
 aten = torch.ops.aten
 Rule = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 _RULES: dict[Any, Rule] = {}
+_PLAIN_RULES: dict[Any, Rule] = {}  # for ScaledTensors of no domain only
 _DOMAIN_RULES: dict[str, dict[Any, Rule]] = {}
 _FALLBACKS: dict[str, Rule] = {}
 _LOGICAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def register_rule(*ops: Any, domain: str | tuple[str, ...] | None = None) -> Callable[[Rule], Rule]:
+def register_rule(
+    *ops: Any, domain: str | tuple[str, ...] | None = None, plain_only: bool = False
+) -> Callable[[Rule], Rule]:
     """Register ``fn(func, args, kwargs)`` as the ScaledTensor rule for aten ``ops``.
 
     With ``domain`` (a name or several) the rule applies only to ops on tensors of that
-    domain (see the module docstring); without, to every ScaledTensor.
+    domain (see the module docstring); without, to every ScaledTensor. ``plain_only``:
+    only to ScaledTensors of no domain (a domain's own rules and fallback keep deciding
+    for its tensors).
 
     Example:
         >>> @register_rule(torch.ops.aten.neg.default)
@@ -73,7 +81,9 @@ def register_rule(*ops: Any, domain: str | tuple[str, ...] | None = None) -> Cal
 
     def deco(fn: Rule) -> Rule:
         for op in ops:
-            if domains is None:
+            if plain_only:
+                _PLAIN_RULES[op] = fn
+            elif domains is None:
                 _RULES[op] = fn
             for d in domains or ():
                 _DOMAIN_RULES.setdefault(d, {})[op] = fn
@@ -286,7 +296,7 @@ class ScaledTensor(Tensor):
     ) -> Any:
         domain = _domain_of(args)
         if domain is None:
-            rule = _RULES.get(func)
+            rule = _RULES.get(func) or _PLAIN_RULES.get(func)
         else:
             rule = _DOMAIN_RULES.get(domain, {}).get(func) or _RULES.get(func)
             rule = rule or _FALLBACKS.get(domain)
@@ -328,11 +338,18 @@ def _clone(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledTe
 
 @register_rule(aten.copy_.default)
 def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledTensor:
-    """In-place copy of a ScaledTensor into one of the same layout (``load_state_dict``)."""
+    """In-place copy of a ScaledTensor into one of the same layout (``load_state_dict``),
+    or into a plain tensor (its dequantized values)."""
     dst, src = args[0], args[1]
+    if not isinstance(dst, ScaledTensor) and isinstance(src, ScaledTensor):
+        # Into a plain tensor: the values, as torchao's float8 tensor copies them.
+        dst.copy_(src.dequantize(torch.float32 if dst.dtype not in _LOGICAL else dst.dtype))
+        out: ScaledTensor = dst  # the plain destination, as copy_ returns it
+        return out
     if not isinstance(dst, ScaledTensor) or not isinstance(src, ScaledTensor):
         raise TypeError(
-            "src: a ScaledTensor copies only from and into a ScaledTensor (dequantize first)"
+            "src: a plain tensor cannot be copied into a ScaledTensor (its payload and scale "
+            "would have to be recomputed): build one with quantize_scaled instead"
         )
     same = (
         dst._data.shape == src._data.shape
