@@ -128,6 +128,17 @@ class _Float8MatmulFn(torch.autograd.Function):
         out_dtype: torch.dtype,
     ) -> Tensor:
         r = spec.recipe
+        if "forward" in r.high_precision_gemms:  # y = x Wᵀ on the unquantized operands
+            xh = x.dequantize() if isinstance(x, ScaledTensor) else x
+            wh = w.dequantize() if isinstance(w, ScaledTensor) else w
+            y_hp = torch.matmul(xh.to(out_dtype), wh.to(out_dtype).t())
+            # The backward's quantized operands use the forward's tensor scales, as below.
+            ctx.save_for_backward(xh, None, x_scale, w, w_scale)
+            ctx.go_state, ctx.go_scale = go_state, go_scale
+            ctx.spec, ctx.x_meta = spec, (None, x.dtype)
+            return y_hp
+        # A high-precision weight gradient needs the unquantized input: it is saved instead.
+        fp8_saved = r.fp8_saved_activations and "weight_grad" not in r.high_precision_gemms
         # A ScaledTensor operand arrives quantized (tensor-wise) by the distributed layer:
         # an FP8-gathered FSDP2 weight, an FP8-gathered sequence-parallel input.
         xd: Tensor | None = None
@@ -136,7 +147,7 @@ class _Float8MatmulFn(torch.autograd.Function):
         if isinstance(x, ScaledTensor):
             xd, xs = x.qdata, x.scale
             xq: Operand = from_parts((xd, xs, None), r.input, 1, x.dtype, r)
-        elif r.fp8_saved_activations:  # the payload is saved for backward
+        elif fp8_saved:  # the payload is saved for backward
             xd, xs, xpad = xp = quantize_parts(x, r.input, 1, x_scale)
             xq = from_parts(xp, r.input, 1, x.dtype, r)
         else:
@@ -151,7 +162,7 @@ class _Float8MatmulFn(torch.autograd.Function):
         # (A ScaledTensor weight carries its scale; FSDP2 refills it in place on re-gather.)
         w_tensor = cast_kind(r.weight) == "tensor" and not isinstance(w, ScaledTensor)
         w_used = ws_used if w_tensor else None
-        if r.fp8_saved_activations or isinstance(x, ScaledTensor):
+        if fp8_saved or isinstance(x, ScaledTensor):
             assert xd is not None
             kept = _keep_for_backward(xd) if torch.compiler.is_compiling() else xd
             ctx.save_for_backward(None, kept, xs, w, w_used)
@@ -172,8 +183,11 @@ class _Float8MatmulFn(torch.autograd.Function):
         r = spec.recipe
         xpad, x_dtype = ctx.x_meta
         x_tensor = cast_kind(r.input) == "tensor"
+        hp = r.high_precision_gemms
+        fp8_dx = ctx.needs_input_grad[0] and "input_grad" not in hp
+        fp8_dw = ctx.needs_input_grad[1] and "weight_grad" not in hp
         g_scale = ctx.go_scale
-        if g_scale is None:
+        if g_scale is None and (fp8_dx or fp8_dw):
             g_scale = _role_scale(spec.go_scaler, g, spec, go_state, spec.go_mesh)
         if g_scale is None and spec.go_mesh is not None and cast_kind(r.grad_output) == "tensor":
             g_scale = r.grad_output.scale_for(mesh_amax(g, spec.go_mesh))
@@ -181,16 +195,22 @@ class _Float8MatmulFn(torch.autograd.Function):
         dx = dw = None
         gq: Operand
         gp: Parts | None = None
-        if g_tensor or ctx.needs_input_grad[0]:  # tensor-wise: used transposed for dW too
+        if (g_tensor and fp8_dw) or fp8_dx:  # tensor-wise: used transposed for dW too
             gq, _, gp = operand(g, r.grad_output, 1, g_scale, r)
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and not fp8_dx:  # dx = g W, unquantized
+            wh = w.dequantize() if isinstance(w, ScaledTensor) else w
+            dx = torch.matmul(g, wh.to(g.dtype)).to(x_dtype)
+        if ctx.needs_input_grad[1] and not fp8_dw:  # dW = gᵀ x, unquantized
+            xh = x if x is not None else dequantize_parts(xq_data, xq_scale, xpad, g.dtype)
+            dw = torch.matmul(g.t(), xh.to(g.dtype)).to(w.dtype)
+        if fp8_dx:
             wq: Operand
             if isinstance(w, ScaledTensor):  # tensor-wise: the forward's values, transposed
                 wq = from_parts((w.qdata, w.scale, None), r.weight, 0, w.dtype, r)
             else:
                 wq = operand(w, r.weight, 0, w_scale, r)[0]
             dx = gemm(gq, wq, x_dtype, r)
-        if ctx.needs_input_grad[1]:
+        if fp8_dw:
             gq_t: Operand
             xq: Operand
             if g_tensor:  # the same values and scale, transposed

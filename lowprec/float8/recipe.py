@@ -55,6 +55,7 @@ __all__ = ["PRESETS", "CastConfig", "Float8Recipe", "recipe_names"]
 
 Scaling = Literal["dynamic", "delayed", "static"]
 ROLES = ("input", "weight", "grad_output")
+GEMMS = ("forward", "input_grad", "weight_grad")  # y = x Wᵀ, dx = g W, dW = gᵀ x
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,14 @@ class Float8Recipe:
       granularity the numerics are identical (backward uses the forward's quantized
       input either way). For other granularities the weight-gradient GEMM then
       re-quantizes the dequantized saved input along the token dimension: two roundings.
+    * ``high_precision_gemms``: the GEMMs of the three (``"forward"`` ``y = x Wᵀ``,
+      ``"input_grad"`` ``dx = g W``, ``"weight_grad"`` ``dW = gᵀ x``) that multiply the
+      unquantized operands, in the GEMM's output dtype (the autocast dtype under autocast),
+      instead of in float8 (with ``"weight_grad"`` the unquantized input is saved for it,
+      whatever ``fp8_saved_activations``; an input that arrives quantized, FP8-gathered, is
+      its quantized values). A role whose every GEMM is listed is never quantized. The
+      ``rowwise-gw-hp`` preset keeps the weight gradient in high precision, as torchao's
+      ``rowwise_with_gw_hp`` does.
 
     Use :meth:`from_name` for the presets (:func:`recipe_names`).
     """
@@ -210,8 +219,16 @@ class Float8Recipe:
     emulate: bool | None = None
     emulation_dtype: Literal["fp32", "bf16"] = "fp32"
     fp8_saved_activations: bool = True
+    high_precision_gemms: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        hp = self.high_precision_gemms
+        if isinstance(hp, list):
+            object.__setattr__(self, "high_precision_gemms", hp := tuple(hp))
+        if not isinstance(hp, tuple) or not set(hp) <= set(GEMMS) or len(set(hp)) != len(hp):
+            raise ValueError(
+                f"high_precision_gemms must be distinct names among {GEMMS}, got {hp!r}"
+            )
         for role in ROLES:
             c = getattr(self, role)
             if not isinstance(c, CastConfig):
@@ -293,11 +310,14 @@ _preset(
     _e5(granularity="block:1x128"),
     fp8_saved_activations=False,
 )
+# MX block scales rounded up (NVIDIA's MXFP8 recipe), not OCP's floor, by measurement
+# (benchmarks/bench_mx_scale.py: never worse, up to 11 dB better on weight gradients);
+# MXFP4 keeps the floor, which measured better there (E2M1 has too few levels to spare).
 _preset(
     "mxfp8",
-    _e4(granularity="mx:32"),
-    _e4(granularity="mx:32"),
-    _e5(granularity="mx:32"),
+    _e4(granularity="mx:32", mx_scale="ceil"),
+    _e4(granularity="mx:32", mx_scale="ceil"),
+    _e5(granularity="mx:32", mx_scale="ceil"),
     fp8_saved_activations=False,
     emulate=True,
 )
@@ -305,6 +325,16 @@ _fp4 = CastConfig("e2m1", granularity="mx:32")
 _preset("mxfp4", _fp4, _fp4, _fp4, fp8_saved_activations=False, emulate=True)
 _nv4 = CastConfig("e2m1", granularity="nv:16")
 _preset("nvfp4", _nv4, _nv4, _nv4, fp8_saved_activations=False, emulate=True)
+# torchao's rowwise_with_gw_hp: row-wise E4M3 forward and input gradient (E4M3 gradients,
+# as torchao's row-wise recipes have them), the weight gradient in high precision.
+_preset(
+    "rowwise-gw-hp",
+    _e4(granularity="axis"),
+    _e4(granularity="axis"),
+    _e4(granularity="axis"),
+    fp8_saved_activations=False,
+    high_precision_gemms=("weight_grad",),
+)
 
 
 def recipe_names() -> list[str]:

@@ -74,7 +74,12 @@ def test_presets_and_roles() -> None:
         "mxfp8",
         "mxfp4",
         "nvfp4",
+        "rowwise-gw-hp",
     ]
+    assert {Float8Recipe.from_name("mxfp8").cast(k).mx_scale for k in ("input", "weight")} == {
+        "ceil"
+    }  # chosen by benchmarks/bench_mx_scale.py (docs/float8.md)
+    assert Float8Recipe.from_name("mxfp4").grad_output.mx_scale == "floor"
     r = Float8Recipe.from_name("tensorwise")
     assert (r.input.fmt, r.weight.fmt, r.grad_output.fmt) == ("e4m3fn", "e4m3fn", "e5m2")
     b = Float8Recipe.from_name("blockwise")
@@ -296,7 +301,7 @@ THRESHOLDS = {  # recipe: (output dB, gradient dB); reasons in the module docstr
     "static": (25, 20),
     "rowwise": (25, 20),
     "blockwise": (25, 20),
-    "mxfp8": (25, 20),  # E8M0 scales put amax in [256, 512): the top values saturate
+    "mxfp8": (25, 20),  # block scales rounded up: nothing saturates (floor: 27.7 dB)
     "mxfp4": (13, 13),  # E2M1 x E2M1 ~ 16 dB
     "nvfp4": (15, 15),  # E4M3 block scales of 16 recover ~1.5 dB over MX blocks of 32
 }
@@ -775,3 +780,53 @@ def test_fused_operands_match_the_two_step_path(
     ref = run(False)
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("preset", ["tensorwise", "delayed", "rowwise", "mxfp8"])
+@pytest.mark.parametrize("gemm", ["forward", "input_grad", "weight_grad"])
+def test_a_high_precision_gemm_is_exact_and_the_others_unchanged(preset: str, gemm: str) -> None:
+    # The listed GEMM multiplies the unquantized fp32 operands (against an fp64 product:
+    # float32 summation only); the two others are those of the recipe without the option,
+    # bit for bit (the same quantized operands).
+    import torch.nn.functional as F
+
+    from lowprec.float8 import Float8Recipe
+
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(64, 32, bias=False)
+    x0, go = torch.randn(16, 64, generator=g), torch.randn(16, 32, generator=g)
+
+    def run(r: Float8Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m = Float8Linear.from_linear(copy.deepcopy(lin), r)
+        x = x0.clone().requires_grad_(True)
+        y = m(x)
+        y.backward(go)
+        assert x.grad is not None and m.weight.grad is not None
+        return y.detach(), x.grad, m.weight.grad
+
+    base = Float8Recipe.from_name(preset)
+    want = run(base)
+    got = run(base.replace(high_precision_gemms=(gemm,)))
+    w = lin.weight.detach().double()
+    exact = {
+        "forward": F.linear(x0.double(), w),
+        "input_grad": go.double() @ w,
+        "weight_grad": go.double().t() @ x0.double(),
+    }
+    for i, name in enumerate(("forward", "input_grad", "weight_grad")):
+        if name == gemm:
+            assert torch.allclose(got[i].double(), exact[name], rtol=1e-5, atol=1e-5)
+            assert not torch.equal(got[i], want[i])  # the float8 GEMM differs from it
+        else:
+            assert torch.equal(got[i], want[i]), name
+
+
+def test_rowwise_gw_hp_preset() -> None:
+    from lowprec.float8 import Float8Recipe
+
+    r = Float8Recipe.from_name("rowwise-gw-hp")
+    assert r.high_precision_gemms == ("weight_grad",)
+    assert {r.cast(k).granularity for k in ("input", "weight", "grad_output")} == {"axis"}
+    assert r.grad_output.fmt == "e4m3fn"
+    with pytest.raises(ValueError, match="high_precision_gemms must be distinct names"):
+        Float8Recipe(high_precision_gemms=("wgrad",))
