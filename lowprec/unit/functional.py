@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -86,12 +87,74 @@ def _sig(x: np.ndarray) -> np.ndarray:
     return 1 / (1 + np.exp(-x))  # type: ignore[no-any-return]
 
 
-# std of f(X) and root-mean-square of f'(X): the forward and backward gains of each map.
-_GELU = (gauss_moment(lambda x: x * _Phi(x), True), gauss_moment(lambda x: _Phi(x) + x * _phi(x)))
-_SILU = (gauss_moment(lambda x: x * _sig(x), True),
-         gauss_moment(lambda x: _sig(x) * (1 + x * (1 - _sig(x)))))  # fmt: skip
-_SILU_M2 = gauss_moment(lambda x: x * _sig(x))  # E[silu(X)^2] (uncentred)
+def _gelu(x: np.ndarray) -> np.ndarray:
+    return x * _Phi(x)  # type: ignore[no-any-return]
+
+
+def _gelu_d(x: np.ndarray) -> np.ndarray:
+    return _Phi(x) + x * _phi(x)  # type: ignore[no-any-return]
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x * _sig(x)  # type: ignore[no-any-return]
+
+
+def _silu_d(x: np.ndarray) -> np.ndarray:
+    return _sig(x) * (1 + x * (1 - _sig(x)))  # type: ignore[no-any-return]
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _gains(name: str, mult: float) -> tuple[float, float]:
+    """:func:`_moments` as constants of a ``torch.compile`` graph."""
+    return _moments(name, float(mult))
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _silu_m2(mult: float) -> float:
+    """``E[silu(m·G)²]`` (uncentred: a product's second moment), ``G ~ N(0, 1)``."""
+    return _silu_second_moment(float(mult))
+
+
+@functools.lru_cache(maxsize=256)
+def _moments(name: str, mult: float) -> tuple[float, float]:
+    """``(Var f(mX), E[(m·f'(mX))²])`` of ``f`` = ``name`` at ``mult = m``, ``X ~ N(0, 1)``:
+    the squared forward and backward gains of ``x ↦ f(m·x)`` (its derivative carries the
+    ``m``), so the op stays unit at every multiplier u-μP tunes."""
+    f, d = {"gelu": (_gelu, _gelu_d), "silu": (_silu, _silu_d)}[name]
+    fwd = gauss_moment(lambda x: f(mult * x), True)
+    bwd = gauss_moment(lambda x: mult * d(mult * x))
+    return max(fwd, 1e-300), max(bwd, 1e-300)
+
+
+@functools.lru_cache(maxsize=256)
+def _silu_second_moment(mult: float) -> float:
+    return max(gauss_moment(lambda x: _silu(mult * x)), 1e-300)
+
+
 _RELU = (0.5 - 1 / (2 * math.pi), 0.5)  # exact (the kink defeats quadrature)
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _softmax_gains(n: int, mult: float) -> tuple[float, float]:
+    """:func:`_softmax_moments` as constants of a ``torch.compile`` graph (evaluated when
+    it is traced; ``n``, a key count, specialises it)."""
+    return _softmax_moments(int(n), float(mult))
+
+
+@functools.lru_cache(maxsize=256)
+def _softmax_moments(n: int, mult: float) -> tuple[float, float]:
+    """``(E[p²], E[(∂x)²])`` of ``p = softmax(m·x)`` over ``n`` unit-normal logits, the
+    incoming gradient unit-normal and independent: ``∂x = m·p⊙(g - Σp g)``. Estimated once
+    per ``(n, m)`` on a fixed sample (float64, 2^20 values: a relative error ~1/√rows),
+    because no closed form covers both limits: ``E[n²p²] → e^{m²}`` while ``n ≫ e^{m²}``
+    (flat rows) and ``→ n`` when one logit dominates (one-hot rows)."""
+    rows = max(16, min(4096, (1 << 20) // max(n, 1)))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    g = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    p = torch.softmax(mult * x, dim=-1)
+    dx = mult * p * (g - (p * g).sum(-1, keepdim=True))
+    return float(p.square().mean()), max(float(dx.square().mean()), 1e-300)
 
 
 def _product(
@@ -229,23 +292,57 @@ def linear_readout(
     return _affine(x, weight, bias, constraint, float8, fan_in**-0.5)
 
 
+def _broadcast_sizes(*ts: Tensor) -> tuple[int, ...]:
+    """For each tensor, how many output elements each of its elements feeds by
+    broadcasting (the product of the dims broadcasting adds or expands)."""
+    n = torch.broadcast_shapes(*(t.shape for t in ts)).numel()  # type: ignore[no-untyped-call]
+    return tuple(max(1, n // max(1, t.numel())) for t in ts)
+
+
 @_unit_op
-def add(a: Tensor, b: Tensor, weights: tuple[float, float] = (1.0, 1.0)) -> Tensor:
+def add(
+    a: Tensor | float,
+    b: Tensor | float,
+    weights: tuple[float, float] = (1.0, 1.0),
+    *,
+    constraint: str | None = None,
+) -> Tensor:
     """Weighted sum of two independent unit tensors (inputs are cut edges).
 
-    Forward ``y = (w_a a + w_b b)/√(w_a² + w_b²)`` (unit variance); backward
-    ``∂a = ∂b = g`` (each unit). Broadcasting is allowed; the gradient of a broadcast
-    input sums over the broadcast dims as usual.
+    Forward ``y = (w_a a + w_b b)/√(w_a² + w_b²)`` (unit variance). Where one operand is a
+    single value (``numel() == 1``, a Python number included) it shifts the other instead
+    of adding variance: ``y = (w_a a + w_b b)/|w_t|``, ``t`` the other operand (two
+    Python numbers: their plain weighted sum). Backward ``∂a = g/√B_a``, ``∂b = g/√B_b``,
+    ``B`` the number of output elements each element of the operand feeds by broadcasting
+    (1 without broadcasting): a broadcast operand's gradient sums ``B`` unit gradients.
+    ``constraint`` ties the output scale and the two gradient scales (``None``: each
+    ideal, as above; a tensor operand's gradient is then unit).
     """
-    check_float("a", a)
-    check_float("b", b)
     if not isinstance(weights, (tuple, list)) or len(weights) != 2:
         raise TypeError(f"weights must be a pair of numbers, got {weights!r}")
     wa, wb = (check_number("weights", w) for w in weights)
-    norm = math.hypot(wa, wb)
+    if isinstance(a, (int, float)) and not isinstance(a, bool) and isinstance(b, Tensor):
+        a = check_number("a", a)
+        check_float("b", b)
+        if wb == 0.0:
+            raise ValueError(f"weights: the tensor operand's weight is 0, got {weights!r}")
+        return scale_fwd(b, wb / abs(wb)) + wa * a / abs(wb)
+    if isinstance(b, (int, float)) and not isinstance(b, bool) and isinstance(a, Tensor):
+        return add(b, a, (wb, wa), constraint=constraint)
+    check_float("a", a)
+    check_float("b", b)
+    assert isinstance(a, Tensor) and isinstance(b, Tensor)
+    scalar = [t.numel() == 1 for t in (a, b)]
+    if scalar[0] != scalar[1]:
+        norm = abs(wb if scalar[0] else wa)
+    else:
+        norm = math.hypot(wa, wb)
     if norm == 0.0:
-        raise ValueError(f"weights: need a non-zero weight, got {weights!r}")
-    return scale_fwd(a, wa / norm) + scale_fwd(b, wb / norm)
+        raise ValueError(f"weights: need a non-zero weight on a tensor operand, got {weights!r}")
+    ba, bb = _broadcast_sizes(a, b)
+    s_out, s_a, s_b = apply_constraint(constraint, 1.0, ba**-0.5, bb**-0.5)
+    a, b = scale_bwd(a, s_a), scale_bwd(b, s_b)
+    return scale_fwd(scale_fwd(a, wa / norm) + scale_fwd(b, wb / norm), s_out)
 
 
 @_unit_op
@@ -321,22 +418,29 @@ def _pointwise(
 @_unit_op
 def gelu(x: Tensor, approximate: str = "none", *, mult: float = 1.0,
          constraint: str | None = "gmean") -> Tensor:  # fmt: skip
-    """Forward ``y = gelu(mult·x)/σ_f``, ``σ_f² = Var gelu(X) ≈ 0.3456``; backward
-    ``∂x = mult·gelu'(mult·x)·g/σ_b``, ``σ_b² = E[gelu'(X)²] ≈ 0.4559`` (at ``mult=1``); tied
-    by ``constraint`` (input and output are not cut edges)."""
+    """Forward ``y = gelu(m·x)/σ_f(m)``, ``σ_f(m)² = Var gelu(mX)`` (≈ 0.3456 at ``m = 1``);
+    backward ``∂x = m·gelu'(m·x)·g/σ_b(m)``, ``σ_b(m)² = E[(m·gelu'(mX))²]`` (≈ 0.4559 at
+    ``m = 1``), ``m`` = ``mult``; tied by ``constraint`` (input and output are not cut
+    edges). The gains are exact moments at every ``mult`` (Gauss–Hermite), so u-μP's
+    tuned ``act_mult`` keeps the op unit."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
     mult = check_number("mult", mult)
-    return _pointwise(x, lambda t: F.gelu(t * mult, approximate=approximate), _GELU, constraint)
+    if mult == 0.0:
+        raise ValueError("mult must be non-zero, got 0.0")
+    gains = _gains("gelu", mult)
+    return _pointwise(x, lambda t: F.gelu(t * mult, approximate=approximate), gains, constraint)
 
 
 @_unit_op
 def silu(x: Tensor, *, mult: float = 1.0, constraint: str | None = "gmean") -> Tensor:
-    """Forward ``y = silu(mult·x)/σ_f`` (``σ_f² = Var silu(X) ≈ 0.3131``); backward
-    ``∂x = mult·silu'(mult·x)·g/σ_b`` (``σ_b² = E[silu'(X)²] ≈ 0.3795``); tied by
-    ``constraint``."""
+    """Forward ``y = silu(m·x)/σ_f(m)`` (``σ_f(m)² = Var silu(mX)``, ≈ 0.3131 at 1);
+    backward ``∂x = m·silu'(m·x)·g/σ_b(m)`` (``σ_b(m)² = E[(m·silu'(mX))²]``, ≈ 0.3795 at
+    1), exact at every ``mult``; tied by ``constraint``."""
     mult = check_number("mult", mult)
-    return _pointwise(x, lambda t: F.silu(t * mult), _SILU, constraint)
+    if mult == 0.0:
+        raise ValueError("mult must be non-zero, got 0.0")
+    return _pointwise(x, lambda t: F.silu(t * mult), _gains("silu", mult), constraint)
 
 
 @_unit_op
@@ -347,27 +451,43 @@ def relu(x: Tensor, *, constraint: str | None = "gmean") -> Tensor:
 
 
 @_unit_op
-def silu_glu(x: Tensor, gate: Tensor, *, constraint: str | None = "gmean") -> Tensor:
-    """SwiGLU's product ``y = x·silu(gate)/√E[silu(G)²]`` (``E[silu(G)²] ≈ 0.3558``);
-    backward ``∂x = silu(gate)·g/√E[silu²]``, ``∂gate = x·silu'(gate)·g/√E[silu'²]``; the
-    three scales are tied by ``constraint``."""
+def silu_glu(
+    x: Tensor, gate: Tensor, *, mult: float = 1.0, constraint: str | None = "gmean"
+) -> Tensor:
+    """SwiGLU's product ``y = x·silu(m·gate)/√E[silu(mG)²]`` (``≈ 0.3558`` at ``m = 1``);
+    backward ``∂x = silu(m·gate)·g/√E[silu(mG)²]``,
+    ``∂gate = x·m·silu'(m·gate)·g/√E[(m·silu'(mG))²]``, ``m`` = ``mult``; the three
+    scales are tied by ``constraint``."""
     check_float("x", x)
     check_float("gate", gate)
-    s_out, s_x, s_g = apply_constraint(constraint, _SILU_M2**-0.5, _SILU_M2**-0.5, _SILU[1] ** -0.5)
-    return scale_fwd(scale_bwd(x, s_x) * F.silu(scale_bwd(gate, s_g)), s_out)
+    mult = check_number("mult", mult)
+    if mult == 0.0:
+        raise ValueError("mult must be non-zero, got 0.0")
+    m2 = _silu_m2(mult)
+    s_out, s_x, s_g = apply_constraint(
+        constraint, m2**-0.5, m2**-0.5, _gains("silu", mult)[1] ** -0.5
+    )
+    act = F.silu(scale_bwd(gate, s_g) * mult)
+    return scale_fwd(scale_bwd(x, s_x) * act, s_out)
 
 
 @_unit_op
 def softmax(x: Tensor, dim: int = -1, *, mult: float = 1.0,
             constraint: str | None = "to_output_scale") -> Tensor:  # fmt: skip
-    """Forward ``y = n·softmax(mult·x)/√(e-1)`` along ``dim`` of size ``n``: for unit-normal
-    logits ``p_i ≈ e^{x_i}/(n√e)`` so ``Var p = (e²-e)/(n²e)``; backward
-    ``∂x = p⊙(g - Σp g)·n/√e`` (``E[p²] ≈ e/n²``); tied by ``constraint``."""
+    """Forward ``y = softmax(m·x)/√E[p²]`` along ``dim`` of size ``n``: the output has unit
+    *root mean square* (not unit centred std: a softmax output's mean ``1/n`` is part of
+    what its consumer, ``p @ v``, multiplies, and at small ``m`` the rows are nearly flat,
+    where a centred normalisation would blow the rms up); backward
+    ``∂x = m·p⊙(g - Σp g)/√E[(∂x)²]`` (the rms of that gradient for a unit ``g``), with
+    ``E[·]`` over unit-normal logits at this ``n`` and ``m`` = ``mult``
+    (``E[n²p²] ≈ e^{m²}`` for flat rows, ``n`` for one-hot ones); tied by ``constraint``
+    (by default the output scale, so ``∂x`` is unit up to that tie)."""
     check_float("x", x)
     d = check_dim("dim", x, dim)
     mult = check_number("mult", mult)
     n = max(1, x.shape[d]) if x.dim() else 1
-    s_out, s_in = apply_constraint(constraint, n / math.sqrt(math.e - 1), n / math.sqrt(math.e))
+    p2, dx2 = _softmax_gains(n, mult)
+    s_out, s_in = apply_constraint(constraint, p2**-0.5, dx2**-0.5)
     return cast(Tensor, UnitSoftmax.apply(x, d, mult, s_out, s_in))  # type: ignore[no-untyped-call]
 
 

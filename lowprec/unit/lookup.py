@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lowprec.unit.core import check_float, scale_bwd
+from lowprec.unit.core import check_float, check_number, scale_bwd
 from lowprec.unit.core import unit_op as _unit_op
 
 __all__ = ["cross_entropy", "embedding"]
@@ -78,10 +78,26 @@ def cross_entropy(
 
 
 @_unit_op
-def embedding(idx: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:
+def embedding(
+    idx: Tensor,
+    weight: Tensor,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Tensor:
     """``y = W[idx]`` is unit for a unit-variance ``W``; backward: row ``v`` of ``∂W`` sums
     ``count(v)`` gradients, ``E[count] = B/V`` for ``B`` lookups, so ``∂W`` is scaled by
-    ``√(V/B)``. ``padding_idx`` (as ``F.embedding``): that row's gradient stays zero."""
+    ``√(V/B)``. Every argument of ``F.embedding`` means what it means there:
+
+    * ``padding_idx``: that row's gradient stays zero;
+    * ``max_norm``/``norm_type``: looked-up rows whose ``norm_type``-norm exceeds
+      ``max_norm`` are renormalised in place first (``torch.embedding_renorm_``);
+    * ``scale_grad_by_freq``: row ``v``'s gradient is divided by ``count(v)``, a mean of
+      ``count(v)`` unit gradients, so the unit scale becomes ``√(B/V)`` instead;
+    * ``sparse``: ``∂W`` is a sparse tensor (scaled the same).
+    """
     if not isinstance(idx, Tensor):
         raise TypeError(f"idx must be a torch.Tensor, got {type(idx).__name__}")
     if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
@@ -94,5 +110,17 @@ def embedding(idx: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
             raise ValueError(
                 f"padding_idx must be within num_embeddings ({weight.shape[0]}), got {padding_idx}"
             )
-    w = scale_bwd(weight, math.sqrt(weight.shape[0] / max(1, idx.numel())))
-    return F.embedding(idx, w, padding_idx=padding_idx)
+    if max_norm is not None:
+        max_norm = check_number("max_norm", max_norm, 0.0, open_low=True)
+    norm_type = check_number("norm_type", norm_type, 0.0, open_low=True)
+    for name, flag in (("scale_grad_by_freq", scale_grad_by_freq), ("sparse", sparse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if max_norm is not None:  # in place, before the lookup reads the rows (as torch)
+        with torch.no_grad():
+            torch.embedding_renorm_(weight.detach(), idx.contiguous(), max_norm, norm_type)
+    ratio = weight.shape[0] / max(1, idx.numel())
+    w = scale_bwd(weight, math.sqrt(1.0 / ratio if scale_grad_by_freq else ratio))
+    return F.embedding(
+        idx, w, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse
+    )

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lowprec.unit import functional as U
-from lowprec.unit.core import check_number
+from lowprec.unit.core import check_number, scale_bwd
 from lowprec.unit.umup import umup_taus
 
 __all__ = [
@@ -84,7 +84,9 @@ class LinearReadout(Linear):
 
 
 class Embedding(nn.Embedding):
-    """:func:`~lowprec.unit.functional.embedding`; weight ``N(0, 1)`` (nn.Embedding's)."""
+    """:func:`~lowprec.unit.functional.embedding` with every ``nn.Embedding`` argument
+    (``padding_idx``, ``max_norm``, ``norm_type``, ``scale_grad_by_freq``, ``sparse``);
+    weight ``N(0, 1)`` (nn.Embedding's; the padding row zero)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *args: Any, **kw: Any) -> None:
         _size("num_embeddings", num_embeddings, 0)
@@ -92,7 +94,15 @@ class Embedding(nn.Embedding):
         super().__init__(num_embeddings, embedding_dim, *args, **kw)
 
     def forward(self, idx: Tensor) -> Tensor:
-        return U.embedding(idx, self.weight)
+        return U.embedding(
+            idx,
+            self.weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.sparse,
+        )
 
 
 class LayerNorm(nn.LayerNorm):
@@ -118,7 +128,9 @@ class RMSNorm(nn.RMSNorm):
 
 
 class MLP(nn.Module):
-    """``down(act(up(x)))`` with ``act`` GELU, or SwiGLU ``down(up(x)·silu(gate(x)))``."""
+    """``down(act(up(x)))`` with ``act`` GELU, or SwiGLU ``down(up(x)·silu(gate(x)))``:
+    unit output, input gradient and weight gradients at init (the linears unconstrained;
+    with SwiGLU the input's two gradients summed at ``1/√2``)."""
 
     def __init__(self, width: int, hidden: int | None = None, kind: str = "gelu",
                  float8: bool = False) -> None:  # fmt: skip
@@ -128,13 +140,21 @@ class MLP(nn.Module):
         width = _size("width", width)
         hidden = 4 * width if hidden is None else _size("hidden", hidden)
         self.kind = kind
-        self.up = Linear(width, hidden, float8=float8)
-        self.gate = Linear(width, hidden, float8=float8) if kind == "swiglu" else None
-        self.down = Linear(hidden, width, float8=float8)
+        # constraint=None: up (and gate) and down mirror each other's fan-in and fan-out,
+        # so each keeps its ideal scales; tied to the output scale, down's input gradient
+        # would be 1/√(hidden/width) too small and so would up's weight gradient.
+        self.up = Linear(width, hidden, constraint=None, float8=float8)
+        self.gate = (
+            Linear(width, hidden, constraint=None, float8=float8) if kind == "swiglu" else None
+        )
+        self.down = Linear(hidden, width, constraint=None, float8=float8)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.up(x)
-        h = U.gelu(h) if self.gate is None else U.silu_glu(h, self.gate(x))
+        if self.gate is None:
+            h = U.gelu(self.up(x))
+        else:  # x feeds two layers: its gradient sums two unit ones, scaled back by 1/√2
+            x = scale_bwd(x, 2**-0.5)
+            h = U.silu_glu(self.up(x), self.gate(x))
         return self.down(h)  # type: ignore[no-any-return]
 
 
