@@ -28,9 +28,12 @@ __all__ = ["dropout", "scaled_dot_product_attention"]
 
 
 @_unit_op
-def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
     """Inverted dropout multiplies kept values by ``1/(1-p)``: ``Var y = Var x/(1-p)`` and
-    likewise ``∂x``; both passes are scaled by ``√(1-p)`` (one scale: a plain multiply)."""
+    likewise ``∂x``; both passes are scaled by ``√(1-p)`` (one scale: a plain multiply).
+    ``inplace=True`` is refused (``ValueError``): the scale makes a new tensor anyway."""
+    if inplace:
+        raise ValueError("inplace=True is not supported by the unit-scaled dropout")
     check_float("x", x)
     if not 0.0 <= check_number("p", p) < 1.0:
         raise ValueError(f"p must be in [0, 1), got {p!r}")

@@ -42,12 +42,26 @@ __all__ = [
     "unit_op",
 ]
 
-Constraint = Literal["gmean", "hmean", "to_output_scale", "to_grad_input_scale"] | None
+Constraint = (
+    Literal[
+        "gmean",
+        "hmean",
+        "amean",
+        "to_output_scale",
+        "to_grad_input_scale",
+        "to_left_grad_scale",
+        "to_right_grad_scale",
+    ]
+    | None
+)
 CONSTRAINTS: tuple[str | None, ...] = (
     "gmean",
     "hmean",
+    "amean",
     "to_output_scale",
     "to_grad_input_scale",
+    "to_left_grad_scale",
+    "to_right_grad_scale",
     None,
 )
 
@@ -160,8 +174,17 @@ def apply_constraint(
         s = math.exp(sum(math.log(v) for v in scales) / n)
     elif constraint == "hmean":
         s = n / sum(1.0 / v for v in scales)
+    elif constraint == "amean":
+        s = sum(scales) / n
     elif constraint == "to_output_scale":
         s = output_scale
+    elif constraint in ("to_left_grad_scale", "to_right_grad_scale"):
+        if len(grad_input_scales) != 2:
+            raise ValueError(
+                f"constraint {constraint!r} ties a two-operand op's scales (output, left, "
+                f"right); got {len(grad_input_scales)} gradient scale(s)"
+            )
+        s = grad_input_scales[0 if constraint == "to_left_grad_scale" else 1]
     else:  # to_grad_input_scale
         s = math.exp(sum(math.log(v) for v in grad_input_scales) / len(grad_input_scales))
     return (s,) * n

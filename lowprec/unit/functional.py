@@ -58,9 +58,10 @@ from lowprec.unit.lookup import cross_entropy, embedding
 
 __all__ = [
     "add", "conv1d", "cross_entropy", "dropout", "embedding", "gauss_moment", "gelu",
-    "layer_norm", "linear", "linear_readout", "log_softmax", "matmul", "probs_matmul", "relu",
-    "residual_add", "residual_split", "residual_taus", "rms_norm",
-    "scaled_dot_product_attention", "silu", "silu_glu", "softmax",
+    "layer_norm", "linear", "linear_readout", "log_softmax", "matmul", "mse_loss",
+    "probs_matmul", "relu", "residual_add", "residual_apply", "residual_split",
+    "residual_taus", "rms_norm", "scale_elementwise", "scaled_dot_product_attention",
+    "silu", "silu_glu", "softmax",
 ]  # fmt: skip
 
 _NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(160)
@@ -374,6 +375,59 @@ def _check_tau(tau: object) -> float:
     return t
 
 
+def residual_apply(fn: Callable[[Tensor], Tensor], x: Tensor, tau: float) -> Tensor:
+    """``residual_add(fn(residual), skip, τ)`` of ``residual, skip = residual_split(x, τ)``:
+    a residual branch ``fn`` in one call (unit-scaling's ``residual_apply``; its ``tau``
+    is the ratio ``t`` of the branch's scale to the skip's, and ``τ = t²/(1 + t²)`` here)."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    residual, skip = residual_split(x, tau)
+    return residual_add(fn(residual), skip, tau)
+
+
+def scale_elementwise(
+    f: Callable[..., Tensor],
+    output_scale: float,
+    grad_input_scale: float,
+    constraint: str | None = "to_output_scale",
+) -> Callable[..., Tensor]:
+    """``f`` (elementwise in its first argument) as a unit op: ``y = s_out·f(x, ...)``,
+    ``∂x = s_in·f'(x)ᵀg``, the two scales tied by ``constraint`` (unit-scaling's
+    ``scale_elementwise``; the scales are what makes ``f`` unit for unit inputs)."""
+    if not callable(f):
+        raise TypeError(f"f must be callable, got {type(f).__name__}")
+    s_out, s_in = apply_constraint(
+        constraint,
+        check_number("output_scale", output_scale, 0.0, open_low=True),
+        check_number("grad_input_scale", grad_input_scale, 0.0, open_low=True),
+    )
+
+    def scaled(x: Tensor, *args: object, **kwargs: object) -> Tensor:
+        check_float("x", x)
+        return scale_fwd(f(scale_bwd(x, s_in), *args, **kwargs), s_out)
+
+    return scaled
+
+
+@_unit_op
+def mse_loss(x: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    """Mean (or sum) squared error: forward the TRUE loss, as ``F.mse_loss``; backward
+    ``∂x = 2(x - t)/√8`` and ``∂t = -2(x - t)/√8`` times the incoming gradient (the mean's
+    ``1/N`` is forward-only): for unit, independent ``x`` and ``t``,
+    ``Var 2(x - t) = 8``, so both gradients are unit."""
+    check_float("x", x)
+    check_float("target", target)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if x.shape != target.shape:
+        raise ValueError(
+            f"x, target: shapes must be equal, got {tuple(x.shape)} and {tuple(target.shape)}"
+        )
+    s = 8**-0.5
+    total = F.mse_loss(scale_bwd(x, s), scale_bwd(target, s), reduction="sum")
+    return total if reduction == "sum" else scale_fwd(total, 1.0 / max(1, x.numel()))
+
+
 def residual_taus(
     n: int, scheme: str = "running-mean", tau: float = 0.5, weight: float | None = None
 ) -> list[float]:
@@ -433,10 +487,14 @@ def gelu(x: Tensor, approximate: str = "none", *, mult: float = 1.0,
 
 
 @_unit_op
-def silu(x: Tensor, *, mult: float = 1.0, constraint: str | None = "gmean") -> Tensor:
+def silu(
+    x: Tensor, *, mult: float = 1.0, constraint: str | None = "gmean", inplace: bool = False
+) -> Tensor:
     """Forward ``y = silu(m·x)/σ_f(m)`` (``σ_f(m)² = Var silu(mX)``, ≈ 0.3131 at 1);
     backward ``∂x = m·silu'(m·x)·g/σ_b(m)`` (``σ_b(m)² = E[(m·silu'(mX))²]``, ≈ 0.3795 at
-    1), exact at every ``mult``; tied by ``constraint``."""
+    1), exact at every ``mult``; tied by ``constraint``. ``inplace=True``: ``ValueError``."""
+    if inplace:
+        raise ValueError("inplace=True is not supported by the unit-scaled silu")
     mult = check_number("mult", mult)
     if mult == 0.0:
         raise ValueError("mult must be non-zero, got 0.0")

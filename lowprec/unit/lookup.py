@@ -38,7 +38,12 @@ class _DivFwd(torch.autograd.Function):
 
 @_unit_op
 def cross_entropy(
-    logits: Tensor, targets: Tensor, reduction: str = "mean", ignore_index: int = -100
+    logits: Tensor,
+    targets: Tensor,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    weight: Tensor | None = None,
+    label_smoothing: float = 0.0,
 ) -> Tensor:
     """Cross-entropy of ``logits (N, V)`` (or ``(N, V, ...)``) and class ``targets``;
     targets equal to ``ignore_index`` count for nothing, as in ``F.cross_entropy``.
@@ -48,6 +53,12 @@ def cross_entropy(
     gets ``∂logits = (p - onehot)·√V/√(1 + (e-2)/V)`` times the incoming gradient (the
     mean's ``1/N_valid`` is forward-only): for unit-normal logits
     ``E[(p - onehot)²] ≈ 1/V + (e-2)/V²`` per element, so the gradient is unit.
+
+    ``weight`` (one per class) and ``label_smoothing`` mean what they mean in
+    ``F.cross_entropy``: the loss is torch's (with ``weight``, ``"mean"`` divides by the
+    counted targets' total weight), and each row's gradient is torch's times the same
+    unit factor (class weights scale it as they scale the loss: unit for weights near 1;
+    smoothing moves the target mass, not the gradient's size).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -67,13 +78,28 @@ def cross_entropy(
         raise ValueError(f"logits: need at least one class, got shape {tuple(logits.shape)}")
     if reduction == "mean" and targets.numel() == 0:
         raise ValueError("targets: empty; the mean over no targets is undefined (use 'sum')")
+    if weight is not None:
+        check_float("weight", weight)
+        if weight.shape != (v,):
+            raise ValueError(f"weight: need one per class, shape ({v},), got {tuple(weight.shape)}")
+    if not 0.0 <= check_number("label_smoothing", label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     s = math.sqrt(v) / math.sqrt(1.0 + (math.e - 2.0) / v)
     total = F.cross_entropy(
-        scale_bwd(logits, s), targets, reduction="sum", ignore_index=ignore_index
+        scale_bwd(logits, s),
+        targets,
+        weight=weight,
+        reduction="sum",
+        ignore_index=ignore_index,
+        label_smoothing=float(label_smoothing),
     )
     if reduction == "sum":
         return total
-    counted = (targets != ignore_index).sum()
+    mask = targets != ignore_index
+    if weight is None:
+        counted = mask.sum()
+    else:
+        counted = (weight.detach()[targets.clamp(0, v - 1)] * mask).sum()
     return cast(Tensor, _DivFwd.apply(total, counted))  # type: ignore[no-untyped-call]
 
 

@@ -27,8 +27,9 @@ from lowprec.unit.core import check_number, scale_bwd
 from lowprec.unit.umup import umup_taus
 
 __all__ = [
-    "MLP", "CrossEntropyLoss", "Embedding", "LayerNorm", "Linear", "LinearReadout",
-    "MultiHeadAttention", "RMSNorm", "TransformerDecoder", "TransformerLayer",
+    "GELU", "MLP", "Conv1d", "CrossEntropyLoss", "Dropout", "Embedding", "LayerNorm",
+    "Linear", "LinearReadout", "MultiHeadAttention", "RMSNorm", "SiLU", "Softmax",
+    "TransformerDecoder", "TransformerLayer",
 ]  # fmt: skip
 
 
@@ -127,6 +128,86 @@ class RMSNorm(nn.RMSNorm):
         return U.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
 
+class GELU(nn.GELU):
+    """:func:`~lowprec.unit.functional.gelu` with ``mult`` and ``constraint``."""
+
+    def __init__(
+        self, approximate: str = "none", mult: float = 1.0, constraint: str | None = "gmean"
+    ) -> None:
+        super().__init__(approximate)
+        self.mult, self.constraint = check_number("mult", mult), constraint
+
+    def forward(self, x: Tensor) -> Tensor:
+        return U.gelu(x, self.approximate, mult=self.mult, constraint=self.constraint)
+
+
+class SiLU(nn.SiLU):
+    """:func:`~lowprec.unit.functional.silu` with ``mult`` and ``constraint``."""
+
+    def __init__(
+        self, mult: float = 1.0, constraint: str | None = "gmean", inplace: bool = False
+    ) -> None:
+        if inplace:
+            raise ValueError("inplace=True is not supported by the unit-scaled SiLU")
+        super().__init__()
+        self.mult, self.constraint = check_number("mult", mult), constraint
+
+    def forward(self, x: Tensor) -> Tensor:
+        return U.silu(x, mult=self.mult, constraint=self.constraint)
+
+
+class Softmax(nn.Softmax):
+    """:func:`~lowprec.unit.functional.softmax` along ``dim`` with ``mult``, ``constraint``."""
+
+    def __init__(
+        self, dim: int = -1, mult: float = 1.0, constraint: str | None = "to_output_scale"
+    ) -> None:
+        super().__init__(dim)
+        self.mult, self.constraint = check_number("mult", mult), constraint
+
+    def forward(self, x: Tensor) -> Tensor:
+        dim = -1 if self.dim is None else self.dim
+        return U.softmax(x, dim, mult=self.mult, constraint=self.constraint)
+
+
+class Dropout(nn.Dropout):
+    """:func:`~lowprec.unit.functional.dropout` (``inplace=True``: ``ValueError``)."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False) -> None:
+        if inplace:
+            raise ValueError("inplace=True is not supported by the unit-scaled Dropout")
+        super().__init__(p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return U.dropout(x, self.p, self.training)
+
+
+class Conv1d(nn.Conv1d):
+    """:func:`~lowprec.unit.functional.conv1d` (zero padding only); weight ``N(0, 1)``,
+    bias 0."""
+
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
+        padding: int | str = 0, dilation: int = 1, groups: int = 1, bias: bool = True,
+        padding_mode: str = "zeros", constraint: str | None = "to_output_scale",
+    ) -> None:  # fmt: skip
+        if padding_mode != "zeros":
+            raise ValueError(f"padding_mode must be 'zeros', got {padding_mode!r}")
+        self.constraint = constraint
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias)  # fmt: skip
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pad = self.padding if isinstance(self.padding, str) else int(self.padding[0])
+        return U.conv1d(x, self.weight, self.bias, int(self.stride[0]), pad,
+                        int(self.dilation[0]), self.groups, constraint=self.constraint)  # fmt: skip
+
+
 class MLP(nn.Module):
     """``down(act(up(x)))`` with ``act`` GELU, or SwiGLU ``down(up(x)·silu(gate(x)))``:
     unit output, input gradient and weight gradients at init (the linears unconstrained;
@@ -161,13 +242,16 @@ class MLP(nn.Module):
 class MultiHeadAttention(nn.Module):
     """Self-attention: ``qkv`` projection, unit SDPA (causal or not), output projection."""
 
-    def __init__(self, width: int, heads: int, causal: bool = True, float8: bool = False) -> None:
+    def __init__(self, width: int, heads: int, causal: bool = True, float8: bool = False,
+                 dropout_p: float = 0.0) -> None:  # fmt: skip
         super().__init__()
         _size("width", width)
         _size("heads", heads)
         if width % heads:
             raise ValueError(f"width ({width}) must be divisible by heads ({heads})")
-        self.heads, self.causal = heads, causal
+        if not 0.0 <= check_number("dropout_p", dropout_p) < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        self.heads, self.causal, self.dropout_p = heads, causal, float(dropout_p)
         self.qkv = Linear(width, 3 * width, float8=float8)
         self.proj = Linear(width, width, float8=float8)
 
@@ -179,7 +263,8 @@ class MultiHeadAttention(nn.Module):
             z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
             for z in self.qkv(x).split(c, dim=-1)
         )
-        y = U.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        p = self.dropout_p if self.training else 0.0  # attention dropout, unit-scaled
+        y = U.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))  # type: ignore[no-any-return]
 
 
@@ -187,7 +272,8 @@ class TransformerLayer(nn.Module):
     """Pre-norm layer: ``x ← residual_add(attn(ln(x)), x, τ_a)``, then the MLP with ``τ_m``."""
 
     def __init__(self, width: int, heads: int, tau: tuple[float, float] = (0.5, 0.5),
-                 mlp: str = "gelu", causal: bool = True, float8: bool = False) -> None:  # fmt: skip
+                 mlp: str = "gelu", causal: bool = True, float8: bool = False,
+                 dropout_p: float = 0.0) -> None:  # fmt: skip
         super().__init__()
         if not isinstance(tau, (tuple, list)) or len(tau) != 2:
             raise TypeError(f"tau must be a pair of floats in (0, 1), got {tau!r}")
@@ -196,7 +282,7 @@ class TransformerLayer(nn.Module):
                 raise ValueError(f"tau must be a pair of floats in (0, 1), got {tau!r}")
         self.tau = (float(tau[0]), float(tau[1]))
         self.ln1, self.ln2 = LayerNorm(width), LayerNorm(width)
-        self.attn = MultiHeadAttention(width, heads, causal, float8)
+        self.attn = MultiHeadAttention(width, heads, causal, float8, dropout_p)
         self.mlp = MLP(width, kind=mlp, float8=float8)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -209,14 +295,25 @@ class TransformerLayer(nn.Module):
 class CrossEntropyLoss(nn.Module):
     """:func:`~lowprec.unit.functional.cross_entropy` (true loss forward, unit backward)."""
 
-    def __init__(self, reduction: str = "mean") -> None:
+    def __init__(
+        self,
+        weight: Tensor | None = None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+    ) -> None:
         super().__init__()
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        self.reduction = reduction
+        self.reduction, self.ignore_index = reduction, ignore_index
+        self.label_smoothing = check_number("label_smoothing", label_smoothing)
+        self.register_buffer("weight", weight)
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return U.cross_entropy(logits, targets, self.reduction)
+        w = self.weight if isinstance(self.weight, Tensor) else None
+        return U.cross_entropy(
+            logits, targets, self.reduction, self.ignore_index, w, self.label_smoothing
+        )
 
 
 class TransformerDecoder(nn.Module):

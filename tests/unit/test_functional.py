@@ -66,7 +66,10 @@ def test_constraints() -> None:
     assert apply_constraint("to_output_scale", 4.0, 1.0) == (4.0, 4.0)
     assert apply_constraint("to_grad_input_scale", 4.0, 1.0, 4.0) == pytest.approx((2.0,) * 3)
     assert apply_constraint(None, 4.0, 1.0) == (4.0, 1.0)
-    assert set(CONSTRAINTS) == {"gmean", "hmean", "to_output_scale", "to_grad_input_scale", None}
+    assert set(CONSTRAINTS) == {
+        "gmean", "hmean", "amean", "to_output_scale", "to_grad_input_scale",
+        "to_left_grad_scale", "to_right_grad_scale", None,
+    }  # fmt: skip
     with pytest.raises(ValueError, match=r"constraint must be one of.*gmean.*hmean"):
         apply_constraint("mean", 1.0, 1.0)
     with pytest.raises(ValueError, match="constraint must be one of"):
