@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lowprec import _faults
 from lowprec.core.rounding import quantize
 
 __all__ = ["MasterWeights"]
@@ -217,6 +218,7 @@ class MasterWeights(torch.optim.Optimizer):
         if closure is None:
             self.copy_grads()
             self._pull_edits()
+            _faults.point("optimizer")
             loss = self.optimizer.step()
         else:
 
@@ -228,6 +230,7 @@ class MasterWeights(torch.optim.Optimizer):
                 return out
 
             loss = self.optimizer.step(inner)
+        _faults.point("writeback")
         for p, m in zip(self.model_params, self.master_params, strict=True):
             if self.stochastic_rounding and p.dtype in (torch.bfloat16, torch.float16):
                 fmt = "bf16" if p.dtype == torch.bfloat16 else "fp16"

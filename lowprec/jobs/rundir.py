@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from lowprec import _faults
+
 __all__ = [
     "CHECKPOINT",
     "CONFIG",
@@ -261,7 +263,12 @@ def truncate_jsonl(path: Path, last: int) -> None:
 def save_checkpoint(out: Path, state: dict[str, Any]) -> None:
     """Write ``state`` to ``out/checkpoint.pt`` atomically (:func:`write_atomic`: a crash or
     a kill never leaves a half-written checkpoint)."""
-    write_atomic(out / CHECKPOINT, lambda f: torch.save(state, f))
+
+    def write(f: Any) -> None:
+        torch.save(state, f)
+        _faults.point("checkpoint")  # written, not yet in place
+
+    write_atomic(out / CHECKPOINT, write)
 
 
 _RUN_KEYS = ("recipe", "model", "optimizer", "scaler")

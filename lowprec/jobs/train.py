@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lowprec import _faults
 from lowprec.amp import NoLossScaler
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
 from lowprec.analysis.tracking import Tracker
@@ -228,7 +229,25 @@ def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None
                 f"{parallel or '(none)'}; the process count may change, the mode may not"
             )
         return
+    if _never_trained(out):  # killed before anything was written: the same command restarts
+        for name in (CONFIG, METRICS, NUMERICS):
+            (out / name).unlink(missing_ok=True)
     make_new_dir(out, "pass --resume or another --out")
+
+
+def _never_trained(out: Path) -> bool:
+    """Whether ``out`` is a run directory that a start killed before its first step was
+    logged: nothing in it but ``config.json`` (and empty logs or stale temporary files),
+    no checkpoint. Starting it again loses nothing."""
+    if not out.is_dir() or not (out / CONFIG).is_file():
+        return False
+    for f in out.iterdir():
+        if f.name == CONFIG or f.name.endswith(".tmp"):
+            continue
+        if f.name in (METRICS, NUMERICS) and f.is_file() and f.stat().st_size == 0:
+            continue
+        return False
+    return True
 
 
 def train(
@@ -296,6 +315,7 @@ def train(
             else {"mode": parallel, "world_size": env.world_size()},
         }
         write_atomic(out / CONFIG, json.dumps(config, indent=2))
+    _faults.point("startup")
     end = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
     loop = _Loop(cfg, out, prepared, data, on_nonfinite, max_skips, parallel)
     loop.last_ckpt = start if has_ckpt else None
@@ -387,6 +407,7 @@ class _Loop:
         elif done % cfg.eval_every == 0 or done == cfg.steps:
             rec["val_loss"] = evaluate(self.prepared, self.data, cfg.eval_batches)
         if self.main:
+            _faults.point("metrics")
             append_jsonl(self.out / METRICS, [rec])
         if stop is not None:
             if self.main:

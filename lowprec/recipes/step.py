@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lowprec import _faults
 from lowprec.amp import LossScaler, NoLossScaler
 from lowprec.analysis.stats import grad_stats as _grad_stats
 from lowprec.core.tensor import ScaledTensor
@@ -145,6 +146,7 @@ def train_step(
         _, loss = run.model(x, y)
         if loss is None:
             raise ValueError("run.model(x, y) returned no loss")
+        _faults.point("forward")
         try:
             run.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
         except (ValueError, RuntimeError, ArithmeticError):
@@ -162,10 +164,12 @@ def train_step(
     )
     if failed:
         bad = "loss and gradients"
+    _faults.point("backward")
     if bad is None:
         run.scaler.step(run.optimizer)
     else:  # as the scaler's own skip (with its cross-rank found-inf all-reduce)
         run.scaler.skip(run.optimizer)
+    _faults.point("scaler")
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     skipped = run.scaler.history[-1].skipped
