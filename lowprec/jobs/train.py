@@ -230,21 +230,24 @@ def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None
             )
         return
     if _never_trained(out):  # killed before anything was written: the same command restarts
-        for name in (CONFIG, METRICS, NUMERICS):
-            (out / name).unlink(missing_ok=True)
+        for f in out.iterdir():
+            f.unlink()
     make_new_dir(out, "pass --resume or another --out")
 
 
 def _never_trained(out: Path) -> bool:
     """Whether ``out`` is a run directory that a start killed before its first step was
-    logged: nothing in it but ``config.json`` (and empty logs or stale temporary files),
-    no checkpoint. Starting it again loses nothing."""
-    if not out.is_dir() or not (out / CONFIG).is_file():
+    logged: nothing in it but ``config.json`` (or its temporary file, a kill during that
+    write) and empty logs, no checkpoint. Starting it again loses nothing."""
+    if not out.is_dir() or not any(out.iterdir()):
         return False
+    own_tmp = {name + ".tmp" for name in (CONFIG, CHECKPOINT, SUMMARY, METRICS, NUMERICS)}
     for f in out.iterdir():
-        if f.name == CONFIG or f.name.endswith(".tmp"):
+        if not f.is_file() or f.is_symlink():
+            return False
+        if f.name == CONFIG or f.name in own_tmp:
             continue
-        if f.name in (METRICS, NUMERICS) and f.is_file() and f.stat().st_size == 0:
+        if f.name in (METRICS, NUMERICS) and f.stat().st_size == 0:
             continue
         return False
     return True

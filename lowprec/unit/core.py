@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Literal, ParamSpec, TypeVar, cast
+from typing import Any, Literal, ParamSpec, TypeVar, cast, get_args
 
 import torch
 from torch import Tensor
@@ -54,16 +54,7 @@ Constraint = (
     ]
     | None
 )
-CONSTRAINTS: tuple[str | None, ...] = (
-    "gmean",
-    "hmean",
-    "amean",
-    "to_output_scale",
-    "to_grad_input_scale",
-    "to_left_grad_scale",
-    "to_right_grad_scale",
-    None,
-)
+CONSTRAINTS: tuple[str | None, ...] = (*get_args(get_args(Constraint)[0]), None)
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lowprec.cli import main
+from tests.conftest import cli_error
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -25,13 +26,7 @@ TINY = [
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int = 2) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == code, err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "error: " in lines[0] and "Traceback" not in err, err
-    return lines[0]
+    return cli_error(argv, capsys, code)
 
 
 @pytest.fixture(scope="module")

@@ -448,25 +448,9 @@ def results(case: str, tmp_path_factory: Any) -> dict[str, Any]:
 
 def launch(case: str, out_dir: Any) -> dict[str, Any]:
     """Run ``case`` on 2 processes (gloo) with torch's launcher; rank 0's JSON result."""
-    import os
-    import subprocess
     from pathlib import Path
 
-    path = Path(out_dir) / f"{case}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        __file__,
-        case,
-        str(path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{case} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    result: dict[str, Any] = json.loads(path.read_text())
+    from tests.conftest import torchrun_json
+
+    result: dict[str, Any] = torchrun_json(Path(__file__), 2, Path(out_dir) / f"{case}.json", case)
     return result

@@ -97,20 +97,26 @@ def inputs() -> tuple[list[Tensor], Tensor]:
     return xs, torch.randn(4, 8, 64, generator=g)
 
 
+def _record_and_step(
+    records: list[dict[str, Tensor]], rec: dict[str, Tensor], model: nn.Module, opt: Any
+) -> None:
+    """Add every parameter's gradient (whole) to ``rec``, keep it, and take the SGD step."""
+    rec.update({f"{k}.grad": full(p.grad).clone() for k, p in model.named_parameters()})  # type: ignore[arg-type]
+    records.append(rec)
+    opt.step()
+    opt.zero_grad()
+
+
 def one_process(model: nn.Module, xs: list[Tensor], weight: Tensor) -> list[dict[str, Tensor]]:
     """Outputs and gradients of ``PASSES`` passes (SGD steps between) on one process."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    out = []
+    out: list[dict[str, Tensor]] = []
     for x in xs:
         x = x.clone().requires_grad_(True)
         y = model(x)
         (y * weight).sum().backward()
         assert x.grad is not None
-        rec = {"out": y.detach(), "x.grad": x.grad}
-        rec.update({f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()})  # type: ignore[union-attr]
-        out.append(rec)
-        opt.step()
-        opt.zero_grad()
+        _record_and_step(out, {"out": y.detach(), "x.grad": x.grad}, model, opt)
     return out
 
 
@@ -145,7 +151,7 @@ def parallel_1d(
     parallelize_module(getattr(model, "module", model), mesh, plan)
     rank, n = dist.get_rank(), dist.get_world_size()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    out = []
+    out: list[dict[str, Tensor]] = []
     for x in xs:
         local = (x.chunk(n, dim=1)[rank] if sp else x).clone().requires_grad_(True)
         y = model(local)
@@ -157,11 +163,7 @@ def parallel_1d(
             g_full = DTensor.from_local(local.grad, mesh, [Shard(1)]).full_tensor()
         else:
             y_full, g_full = y.detach(), local.grad
-        rec = {"out": y_full, "x.grad": g_full}
-        rec.update({f"{k}.grad": full(p.grad) for k, p in model.named_parameters()})  # type: ignore[arg-type]
-        out.append(rec)
-        opt.step()
-        opt.zero_grad()
+        _record_and_step(out, {"out": y_full, "x.grad": g_full}, model, opt)
     return out
 
 
@@ -187,7 +189,7 @@ def parallel_2d(model: nn.Module, xs: list[Tensor], weight: Tensor) -> list[dict
         setattr(mod, attr, nn.Parameter(distribute_tensor(p.detach(), mesh, pl)))
     dp = dist.get_rank() // mesh.shape[1]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    out = []
+    out: list[dict[str, Tensor]] = []
     for x in xs:
         local = x.chunk(2, dim=0)[dp].clone().requires_grad_(True)
         xd = DTensor.from_local(local, mesh, [Shard(0), rep])
@@ -196,11 +198,7 @@ def parallel_2d(model: nn.Module, xs: list[Tensor], weight: Tensor) -> list[dict
         (y * wd).sum().backward()
         assert local.grad is not None
         g_full = DTensor.from_local(local.grad, mesh, [Shard(0), rep]).full_tensor()
-        rec = {"out": full(y.detach()), "x.grad": g_full}
-        rec.update({f"{k}.grad": full(p.grad) for k, p in model.named_parameters()})  # type: ignore[arg-type]
-        out.append(rec)
-        opt.step()
-        opt.zero_grad()
+        _record_and_step(out, {"out": full(y.detach()), "x.grad": g_full}, model, opt)
     return out
 
 
@@ -211,7 +209,7 @@ def one_process_halves(
     batch slices the ranks get (so each slice's dynamic scales are its own, as on its
     rank); the parameter gradients are averaged over the slices, as DDP and FSDP2 do."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    out = []
+    out: list[dict[str, Tensor]] = []
     for x, w in zip([x.chunk(n) for x in xs], [weight.chunk(n)] * len(xs), strict=True):
         ys, gs = [], []
         for xi, wi in zip(x, w, strict=True):
@@ -221,13 +219,9 @@ def one_process_halves(
             assert xi.grad is not None
             ys.append(y.detach())
             gs.append(xi.grad)
-        rec = {"out": torch.cat(ys), "x.grad": torch.cat(gs)}
         for p in model.parameters():
             p.grad.div_(n)  # type: ignore[union-attr]
-        rec.update({f"{k}.grad": p.grad.clone() for k, p in model.named_parameters()})  # type: ignore[union-attr]
-        out.append(rec)
-        opt.step()
-        opt.zero_grad()
+        _record_and_step(out, {"out": torch.cat(ys), "x.grad": torch.cat(gs)}, model, opt)
     return out
 
 
@@ -253,7 +247,7 @@ def data_parallel(
         fully_shard(model)
         run = model
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    out = []
+    out: list[dict[str, Tensor]] = []
     for x in xs:
         local = x.chunk(n)[rank].clone().requires_grad_(True)
         y = run(local)
@@ -263,11 +257,7 @@ def data_parallel(
         gs: list[Any] = [None] * n
         dist.all_gather_object(ys, y.detach())
         dist.all_gather_object(gs, local.grad)
-        rec = {"out": torch.cat(ys), "x.grad": torch.cat(gs)}
-        rec.update({f"{k}.grad": full(p.grad) for k, p in model.named_parameters()})  # type: ignore[arg-type]
-        out.append(rec)
-        opt.step()
-        opt.zero_grad()
+        _record_and_step(out, {"out": torch.cat(ys), "x.grad": torch.cat(gs)}, model, opt)
     return out
 
 

@@ -33,15 +33,12 @@ sequence-parallel norm gradients by up to 0.78, far above either bound.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.conftest import torchrun_json
 from tests.distributed._tp_worker import DP_PRESETS, LAYOUTS_1D, OTHER_TECHNIQUES, PRESETS
 
 pytestmark = pytest.mark.slow
@@ -55,29 +52,13 @@ LOCAL_SCALES = {(layout, p) for layout in (*LAYOUTS_1D, "2d") for p in ("rowwise
 }
 
 
-def _launch(nproc: int, out: Path) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(WORKER),
-        str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"TP harness on {nproc} processes failed:\n{proc.stderr[-6000:]}")
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
-
-
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("tp_harness")
-    return {**_launch(2, tmp / "tp2.json"), **_launch(4, tmp / "tp4.json")}
+    return {
+        **torchrun_json(WORKER, 2, tmp / "tp2.json"),
+        **torchrun_json(WORKER, 4, tmp / "tp4.json"),
+    }
 
 
 CASES = (

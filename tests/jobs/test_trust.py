@@ -20,6 +20,7 @@ from lowprec.cli import main
 from lowprec.jobs import report
 from lowprec.jobs.rundir import RunError, load_checkpoint
 from lowprec.recipes import Recipe
+from tests.conftest import cli_error
 
 TINY = [
     *("--steps", "4", "--batch-size", "2", "--seq-len", "16", "--width", "32", "--depth", "1"),
@@ -31,13 +32,7 @@ Payload = tuple[Any, bytes, Path]
 
 
 def _error_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("note: ")]
-    assert len(lines) == 1 and "error: " in lines[0] and "Traceback" not in err, err
-    return lines[0]
+    return cli_error(argv, capsys, notes=True)
 
 
 @pytest.fixture(scope="module")
