@@ -318,6 +318,16 @@ class StaticScaler(_HistoryScaler):
             raise ValueError("StaticScaler.freeze(): no tensor seen yet; call it on data first")
         self.scale = self._scale(self.calib_amax)
 
+    def unfreeze(self) -> None:
+        """Go on calibrating from the maximum held (:attr:`calib_amax`), as if the scale had
+        not frozen: a calibration restored from a checkpoint taken before it ended.
+        ``ValueError`` for a given scale."""
+        if self.given:
+            raise ValueError(
+                "StaticScaler.unfreeze(): the scale was given, there is nothing to calibrate"
+            )
+        self.scale = None
+
     def reset(self) -> None:
         """Start calibrating again from scratch (zeroes :attr:`calib_amax` in place)."""
         if self.given:

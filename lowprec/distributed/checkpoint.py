@@ -247,6 +247,7 @@ def _live_state(prepared: Prepared) -> dict[str, Any]:
         "model": model,
         "optimizer": optim,
         "scaler": prepared.scaler.state_dict(),
+        "calibration": prepared.calibration_progress(),
         "recipe": prepared.recipe.to_dict(),
         "layout": mode,
     }
@@ -336,5 +337,6 @@ def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
         unwrap(prepared.model).load_state_dict(state["model"])
         prepared.optimizer.load_state_dict(state["optimizer"])
     prepared.scaler.load_state_dict(state["scaler"])
+    prepared.resume_calibration(state.get("calibration"))
     extra: dict[str, Any] = state["extra"]
     return extra

@@ -36,7 +36,8 @@ class Prepared:
     ``amax`` (:func:`lowprec.float8.calibrate`; the step trains as usual, with the scale of
     the maximum so far), and the scales freeze when the ``recipe.calibration_batches``-th
     ``compute()`` in training mode ends. A checkpoint saved after calibration restores the
-    frozen scales.
+    frozen scales; one saved during it (:meth:`calibration_progress`) goes on calibrating
+    for the batches still missing, from the maxima so far.
     """
 
     model: nn.Module
@@ -120,12 +121,42 @@ class Prepared:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def calibration_progress(self) -> dict[str, Any]:
+        """How far the calibration of static float8 scales has come: ``{"batches": n,
+        "open": b}`` (``open``: it started and has not ended). Saved with checkpoints, so
+        that a run resumed in the middle of its calibration goes on calibrating."""
+        return {"batches": self._calibrated_batches, "open": self._calibration is not None}
+
+    def resume_calibration(self, progress: dict[str, Any] | None) -> None:
+        """Restore :meth:`calibration_progress` after the model's state is loaded: a
+        calibration that was open goes on from the loaded maxima (loading a module state
+        with maxima freezes the scales; they are unfrozen) for the batches it still needs.
+        ``None`` (a checkpoint without it) leaves the loaded state as it is."""
+        if progress is None:
+            return
+        batches, was_open = progress.get("batches"), progress.get("open")
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+            raise ValueError(f"calibration batches must be an int >= 0, got {batches!r}")
+        if not isinstance(was_open, bool):
+            raise ValueError(f"calibration 'open' must be a bool, got {was_open!r}")
+        if self._calibration is not None:
+            self._calibration.close()
+            self._calibration = None
+        self._calibrated_batches = batches
+        if was_open:
+            for s in calibrated_scalers(self.model):
+                s.unfreeze()
+            stack = contextlib.ExitStack()
+            stack.enter_context(calibrate(self.model, fresh=False))
+            self._calibration = stack
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "recipe": self.recipe.to_dict(),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
+            "calibration": self.calibration_progress(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -146,6 +177,7 @@ class Prepared:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scaler.load_state_dict(state["scaler"])
+            self.resume_calibration(state.get("calibration"))
         except Exception:
             self.model.load_state_dict(snapshot["model"])
             self.optimizer.load_state_dict(snapshot["optimizer"])
