@@ -38,6 +38,7 @@ __all__ = [
     "check_number",
     "check_same_dtype",
     "scale_bwd",
+    "scale_elementwise",
     "scale_fwd",
     "unit_op",
 ]
@@ -228,3 +229,27 @@ def check_same_dtype(**tensors: Tensor | None) -> None:
     if len(set(given.values())) > 1:
         listing = ", ".join(f"{k}: {d}" for k, d in given.items())
         raise TypeError(f"{', '.join(given)} must share one dtype, got {listing}")
+
+
+def scale_elementwise(
+    f: Callable[..., Tensor],
+    output_scale: float,
+    grad_input_scale: float,
+    constraint: str | None = "to_output_scale",
+) -> Callable[..., Tensor]:
+    """``f`` (elementwise in its first argument) as a unit op: ``y = s_out·f(x, ...)``,
+    ``∂x = s_in·f'(x)ᵀg``, the two scales tied by ``constraint`` (unit-scaling's
+    ``scale_elementwise``; the scales are what makes ``f`` unit for unit inputs)."""
+    if not callable(f):
+        raise TypeError(f"f must be callable, got {type(f).__name__}")
+    s_out, s_in = apply_constraint(
+        constraint,
+        check_number("output_scale", output_scale, 0.0, open_low=True),
+        check_number("grad_input_scale", grad_input_scale, 0.0, open_low=True),
+    )
+
+    def scaled(x: Tensor, *args: object, **kwargs: object) -> Tensor:
+        check_float("x", x)
+        return scale_fwd(f(scale_bwd(x, s_in), *args, **kwargs), s_out)
+
+    return scaled

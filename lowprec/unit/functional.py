@@ -9,17 +9,17 @@ below is the number of rows a weight gradient sums over (all leading dims).
 Inputs: tensors must be real floating point (``TypeError`` naming the argument for an
 integer, bool or complex one; indices are integer), numbers finite (``ValueError``). A
 zero-size dimension gives torch's (empty or all-zero) result: each count in a scale is
-taken as at least 1, so no scale divides by zero.
-Activation constants are ``E[·]`` under ``X ~ N(0, 1)``, computed by Gauss–Hermite
-quadrature (:func:`gauss_moment`).
+taken as at least 1, so no scale divides by zero. Activation and softmax constants are
+moments under ``X ~ N(0, 1)`` (:mod:`lowprec.unit.moments`).
 
 Where a scale would cost a pass of its own, it is folded (:mod:`lowprec.unit.folded`):
 :func:`linear` puts its scales in the GEMMs' ``alpha`` (and the bias in ``beta``),
 :func:`softmax` keeps only its scaled output for a backward of its own; the maths is the
 composition above.
 
-Attention and dropout live in :mod:`lowprec.unit.attention`, embedding and cross-entropy in
-:mod:`lowprec.unit.lookup`; they are re-exported here.
+Attention and dropout live in :mod:`lowprec.unit.attention`, embedding and the losses
+(cross-entropy, mean squared error) in :mod:`lowprec.unit.lookup`, ``scale_elementwise``
+in :mod:`lowprec.unit.core`; they are re-exported here.
 
 Example:
     >>> import torch
@@ -31,17 +31,16 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import cast
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from lowprec.core.casts import quantize_grad, quantize_ste
+from lowprec.unit import moments
 from lowprec.unit.attention import dropout, scaled_dot_product_attention
 from lowprec.unit.core import (
     apply_constraint,
@@ -50,11 +49,13 @@ from lowprec.unit.core import (
     check_number,
     check_same_dtype,
     scale_bwd,
+    scale_elementwise,
     scale_fwd,
 )
 from lowprec.unit.core import unit_op as _unit_op
 from lowprec.unit.folded import ScaledLinear, UnitSoftmax, gemm_kernels_apply
-from lowprec.unit.lookup import cross_entropy, embedding
+from lowprec.unit.lookup import cross_entropy, embedding, mse_loss
+from lowprec.unit.moments import gauss_moment
 
 __all__ = [
     "add", "conv1d", "cross_entropy", "dropout", "embedding", "gauss_moment", "gelu",
@@ -63,99 +64,6 @@ __all__ = [
     "residual_taus", "rms_norm", "scale_elementwise", "scaled_dot_product_attention",
     "silu", "silu_glu", "softmax",
 ]  # fmt: skip
-
-_NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(160)
-_WEIGHTS = _WEIGHTS / math.sqrt(2 * math.pi)
-_ERF = np.vectorize(math.erf)
-
-
-def gauss_moment(f: Callable[[np.ndarray], np.ndarray], centred: bool = False) -> float:
-    """``E[f(X)^2]`` (or ``Var f(X)`` if ``centred``) for ``X ~ N(0, 1)``."""
-    v = f(_NODES)
-    m2 = float(np.sum(_WEIGHTS * v * v))
-    return m2 - float(np.sum(_WEIGHTS * v)) ** 2 if centred else m2
-
-
-def _phi(x: np.ndarray) -> np.ndarray:
-    return np.exp(-x * x / 2) / math.sqrt(2 * math.pi)  # type: ignore[no-any-return]
-
-
-def _Phi(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1 + _ERF(x / math.sqrt(2)))  # type: ignore[no-any-return]
-
-
-def _sig(x: np.ndarray) -> np.ndarray:
-    return 1 / (1 + np.exp(-x))  # type: ignore[no-any-return]
-
-
-def _gelu(x: np.ndarray) -> np.ndarray:
-    return x * _Phi(x)  # type: ignore[no-any-return]
-
-
-def _gelu_d(x: np.ndarray) -> np.ndarray:
-    return _Phi(x) + x * _phi(x)  # type: ignore[no-any-return]
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    return x * _sig(x)  # type: ignore[no-any-return]
-
-
-def _silu_d(x: np.ndarray) -> np.ndarray:
-    return _sig(x) * (1 + x * (1 - _sig(x)))  # type: ignore[no-any-return]
-
-
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
-def _gains(name: str, mult: float) -> tuple[float, float]:
-    """:func:`_moments` as constants of a ``torch.compile`` graph."""
-    return _moments(name, float(mult))
-
-
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
-def _silu_m2(mult: float) -> float:
-    """``E[silu(m·G)²]`` (uncentred: a product's second moment), ``G ~ N(0, 1)``."""
-    return _silu_second_moment(float(mult))
-
-
-@functools.lru_cache(maxsize=256)
-def _moments(name: str, mult: float) -> tuple[float, float]:
-    """``(Var f(mX), E[(m·f'(mX))²])`` of ``f`` = ``name`` at ``mult = m``, ``X ~ N(0, 1)``:
-    the squared forward and backward gains of ``x ↦ f(m·x)`` (its derivative carries the
-    ``m``), so the op stays unit at every multiplier u-μP tunes."""
-    f, d = {"gelu": (_gelu, _gelu_d), "silu": (_silu, _silu_d)}[name]
-    fwd = gauss_moment(lambda x: f(mult * x), True)
-    bwd = gauss_moment(lambda x: mult * d(mult * x))
-    return max(fwd, 1e-300), max(bwd, 1e-300)
-
-
-@functools.lru_cache(maxsize=256)
-def _silu_second_moment(mult: float) -> float:
-    return max(gauss_moment(lambda x: _silu(mult * x)), 1e-300)
-
-
-_RELU = (0.5 - 1 / (2 * math.pi), 0.5)  # exact (the kink defeats quadrature)
-
-
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
-def _softmax_gains(n: int, mult: float) -> tuple[float, float]:
-    """:func:`_softmax_moments` as constants of a ``torch.compile`` graph (evaluated when
-    it is traced; ``n``, a key count, specialises it)."""
-    return _softmax_moments(int(n), float(mult))
-
-
-@functools.lru_cache(maxsize=256)
-def _softmax_moments(n: int, mult: float) -> tuple[float, float]:
-    """``(E[p²], E[(∂x)²])`` of ``p = softmax(m·x)`` over ``n`` unit-normal logits, the
-    incoming gradient unit-normal and independent: ``∂x = m·p⊙(g - Σp g)``. Estimated once
-    per ``(n, m)`` on a fixed sample (float64, 2^20 values: a relative error ~1/√rows),
-    because no closed form covers both limits: ``E[n²p²] → e^{m²}`` while ``n ≫ e^{m²}``
-    (flat rows) and ``→ n`` when one logit dominates (one-hot rows)."""
-    rows = max(16, min(4096, (1 << 20) // max(n, 1)))
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, n, generator=gen, dtype=torch.float64)
-    g = torch.randn(rows, n, generator=gen, dtype=torch.float64)
-    p = torch.softmax(mult * x, dim=-1)
-    dx = mult * p * (g - (p * g).sum(-1, keepdim=True))
-    return float(p.square().mean()), max(float(dx.square().mean()), 1e-300)
 
 
 def _product(
@@ -385,49 +293,6 @@ def residual_apply(fn: Callable[[Tensor], Tensor], x: Tensor, tau: float) -> Ten
     return residual_add(fn(residual), skip, tau)
 
 
-def scale_elementwise(
-    f: Callable[..., Tensor],
-    output_scale: float,
-    grad_input_scale: float,
-    constraint: str | None = "to_output_scale",
-) -> Callable[..., Tensor]:
-    """``f`` (elementwise in its first argument) as a unit op: ``y = s_out·f(x, ...)``,
-    ``∂x = s_in·f'(x)ᵀg``, the two scales tied by ``constraint`` (unit-scaling's
-    ``scale_elementwise``; the scales are what makes ``f`` unit for unit inputs)."""
-    if not callable(f):
-        raise TypeError(f"f must be callable, got {type(f).__name__}")
-    s_out, s_in = apply_constraint(
-        constraint,
-        check_number("output_scale", output_scale, 0.0, open_low=True),
-        check_number("grad_input_scale", grad_input_scale, 0.0, open_low=True),
-    )
-
-    def scaled(x: Tensor, *args: object, **kwargs: object) -> Tensor:
-        check_float("x", x)
-        return scale_fwd(f(scale_bwd(x, s_in), *args, **kwargs), s_out)
-
-    return scaled
-
-
-@_unit_op
-def mse_loss(x: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
-    """Mean (or sum) squared error: forward the TRUE loss, as ``F.mse_loss``; backward
-    ``∂x = 2(x - t)/√8`` and ``∂t = -2(x - t)/√8`` times the incoming gradient (the mean's
-    ``1/N`` is forward-only): for unit, independent ``x`` and ``t``,
-    ``Var 2(x - t) = 8``, so both gradients are unit."""
-    check_float("x", x)
-    check_float("target", target)
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    if x.shape != target.shape:
-        raise ValueError(
-            f"x, target: shapes must be equal, got {tuple(x.shape)} and {tuple(target.shape)}"
-        )
-    s = 8**-0.5
-    total = F.mse_loss(scale_bwd(x, s), scale_bwd(target, s), reduction="sum")
-    return total if reduction == "sum" else scale_fwd(total, 1.0 / max(1, x.numel()))
-
-
 def residual_taus(
     n: int, scheme: str = "running-mean", tau: float = 0.5, weight: float | None = None
 ) -> list[float]:
@@ -482,7 +347,7 @@ def gelu(x: Tensor, approximate: str = "none", *, mult: float = 1.0,
     mult = check_number("mult", mult)
     if mult == 0.0:
         raise ValueError("mult must be non-zero, got 0.0")
-    gains = _gains("gelu", mult)
+    gains = moments.activation_gains("gelu", mult)
     return _pointwise(x, lambda t: F.gelu(t * mult, approximate=approximate), gains, constraint)
 
 
@@ -498,14 +363,16 @@ def silu(
     mult = check_number("mult", mult)
     if mult == 0.0:
         raise ValueError("mult must be non-zero, got 0.0")
-    return _pointwise(x, lambda t: F.silu(t * mult), _gains("silu", mult), constraint)
+    return _pointwise(
+        x, lambda t: F.silu(t * mult), moments.activation_gains("silu", mult), constraint
+    )
 
 
 @_unit_op
 def relu(x: Tensor, *, constraint: str | None = "gmean") -> Tensor:
     """Forward ``y = relu(x)/σ_f`` (``σ_f² = ½ - 1/(2π)``); backward ``∂x = 1[x>0]·g·√2``
     (``E[1[X>0]] = ½``); tied by ``constraint``."""
-    return _pointwise(x, F.relu, _RELU, constraint)
+    return _pointwise(x, F.relu, moments.RELU_GAINS, constraint)
 
 
 @_unit_op
@@ -521,9 +388,9 @@ def silu_glu(
     mult = check_number("mult", mult)
     if mult == 0.0:
         raise ValueError("mult must be non-zero, got 0.0")
-    m2 = _silu_m2(mult)
+    m2 = moments.silu_second_moment(mult)
     s_out, s_x, s_g = apply_constraint(
-        constraint, m2**-0.5, m2**-0.5, _gains("silu", mult)[1] ** -0.5
+        constraint, m2**-0.5, m2**-0.5, moments.activation_gains("silu", mult)[1] ** -0.5
     )
     act = F.silu(scale_bwd(gate, s_g) * mult)
     return scale_fwd(scale_bwd(x, s_x) * act, s_out)
@@ -544,7 +411,7 @@ def softmax(x: Tensor, dim: int = -1, *, mult: float = 1.0,
     d = check_dim("dim", x, dim)
     mult = check_number("mult", mult)
     n = max(1, x.shape[d]) if x.dim() else 1
-    p2, dx2 = _softmax_gains(n, mult)
+    p2, dx2 = moments.softmax_gains(n, mult)
     s_out, s_in = apply_constraint(constraint, p2**-0.5, dx2**-0.5)
     return cast(Tensor, UnitSoftmax.apply(x, d, mult, s_out, s_in))  # type: ignore[no-untyped-call]
 

@@ -1,5 +1,5 @@
-"""Unit-scaled embedding lookup and cross-entropy (re-exported by
-:mod:`lowprec.unit.functional`).
+"""Unit-scaled embedding lookup and the losses, cross-entropy and mean squared error
+(re-exported by :mod:`lowprec.unit.functional`).
 
 Example:
     >>> import torch
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lowprec.unit.core import check_float, check_number, scale_bwd
+from lowprec.unit.core import check_float, check_number, scale_bwd, scale_fwd
 from lowprec.unit.core import unit_op as _unit_op
 
-__all__ = ["cross_entropy", "embedding"]
+__all__ = ["cross_entropy", "embedding", "mse_loss"]
 
 
 class _DivFwd(torch.autograd.Function):
@@ -150,3 +150,22 @@ def embedding(
     return F.embedding(
         idx, w, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse
     )
+
+
+@_unit_op
+def mse_loss(x: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    """Mean (or sum) squared error: forward the TRUE loss, as ``F.mse_loss``; backward
+    ``∂x = 2(x - t)/√8`` and ``∂t = -2(x - t)/√8`` times the incoming gradient (the mean's
+    ``1/N`` is forward-only): for unit, independent ``x`` and ``t``,
+    ``Var 2(x - t) = 8``, so both gradients are unit."""
+    check_float("x", x)
+    check_float("target", target)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if x.shape != target.shape:
+        raise ValueError(
+            f"x, target: shapes must be equal, got {tuple(x.shape)} and {tuple(target.shape)}"
+        )
+    s = 8**-0.5
+    total = F.mse_loss(scale_bwd(x, s), scale_bwd(target, s), reduction="sum")
+    return total if reduction == "sum" else scale_fwd(total, 1.0 / max(1, x.numel()))

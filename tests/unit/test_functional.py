@@ -22,7 +22,7 @@ from torch import Tensor
 from lowprec.unit import CONSTRAINTS, apply_constraint, folded, scale_bwd, scale_fwd
 from lowprec.unit import functional as U
 from lowprec.unit import nn as unn
-from lowprec.unit.functional import _softmax_gains
+from lowprec.unit.moments import softmax_gains as _softmax_gains
 
 LO, HI = 0.9, 1.1
 

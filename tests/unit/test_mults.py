@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from lowprec.unit import apply_constraint
 from lowprec.unit import functional as U
 from lowprec.unit import nn as unn
-from lowprec.unit.functional import _gains, _silu_m2, _softmax_gains
+from lowprec.unit.moments import activation_gains as _gains
+from lowprec.unit.moments import silu_second_moment as _silu_m2
+from lowprec.unit.moments import softmax_gains as _softmax_gains
 
 MULTS = [0.25, 0.5, 1.0, 2.0, 4.0]
 
