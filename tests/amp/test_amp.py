@@ -130,22 +130,33 @@ def test_dynamic_scaler_bad_args(kwargs: dict[str, float], match: str) -> None:
 
 
 def test_loss_scaling_recovers_fp16_gradients_that_underflow() -> None:
-    """A small loss: FP16 gradients flush to zero without scaling, are exact with it."""
+    """A small loss on an FP16 layer trained through lowprec's ``MasterWeights``: without
+    loss scaling (``NoLossScaler``) its FP16 gradients flush to zero; with
+    ``StaticLossScaler(2^16)`` they are normal FP16 numbers, and the scaler's ``step``
+    divides them by the scale in FP32, in the master copy's gradients (unscaled in FP16
+    they would flush again), which the update then uses."""
     torch.manual_seed(0)
     w32 = torch.randn(64, 64) * 0.05
     x = torch.randn(32, 64)
-
-    def grads(dtype: torch.dtype, scale: float) -> torch.Tensor:
-        w = w32.to(dtype).requires_grad_()
-        loss = (x.to(dtype) @ w).float().square().mean() * 1e-4
-        (loss * scale).backward()
-        assert w.grad is not None
-        return w.grad.float() / scale
-
-    ref = grads(torch.float64, 1.0).float()
-    plain = grads(torch.float16, 1.0)
-    scaled = grads(torch.float16, 2.0**16)
+    w64 = w32.double().requires_grad_()
+    ((x.double() @ w64).square().mean() * 1e-4).backward()
+    assert w64.grad is not None
+    ref = w64.grad.float()
     assert float(ref.abs().max()) < 2.0**-14, "the true gradients sit below FP16's normals"
+
+    def master_grad(scaler: NoLossScaler | StaticLossScaler) -> torch.Tensor:
+        w = nn.Parameter(w32.half())
+        opt = MasterWeights([w], lambda ps: torch.optim.SGD(ps, lr=1.0))
+        loss = (x.half() @ w).float().square().mean() * 1e-4
+        scaler.scale(loss).backward()
+        assert scaler.step(opt)  # unscales (a StaticLossScaler), then updates
+        g = opt.master_params[0].grad
+        assert g is not None and g.dtype == torch.float32
+        assert torch.equal(opt.master_params[0].detach(), w32.half().float() - g)  # SGD, lr 1
+        return g
+
+    plain = master_grad(NoLossScaler())
+    scaled = master_grad(StaticLossScaler(2.0**16))
     assert float((plain == 0).float().mean()) > 0.05, "FP16 flushes some of them to zero"
 
     def rel_l2(g: torch.Tensor) -> float:
