@@ -68,7 +68,7 @@ from _common import (
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lowprec.core.rounding import _reference_paths
+from lowprec.core.layout import reference_paths as _reference_paths
 from lowprec.float8 import Float8Recipe, calibrate, convert_to_float8
 
 PRESETS = ("tensorwise", "delayed", "static", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")

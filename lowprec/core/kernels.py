@@ -7,15 +7,16 @@ large CPU tensor run small functions compiled by ``torch.compile`` (``dynamic=Tr
 one compilation serves every size) and cached per format, dtype and broadcast pattern:
 
 * :func:`run_quantize`: rounding into a format without a torch dtype (E2M1, the FP6
-  formats, E8M0, TF32, ...) on the bit pattern (:func:`lowprec.core.rounding.quantize`);
+  formats, E8M0, TF32, ...) on the bit pattern (:func:`lowprec.core.bits.round_bits`,
+  the rounding of :func:`lowprec.core.rounding.quantize`);
 * :func:`run_scaled_encode`: ``x / scale`` (block-wise broadcast) rounded into a 1-byte
-  float8 format, saturating (:func:`lowprec.core.codes.encode`): the quantize step of
+  float8 format, saturating (:func:`lowprec.core.bits.encode`): the quantize step of
   every float8 GEMM operand (:func:`lowprec.float8.quant.quantize_parts`);
 * :func:`run_group_quantize`: the same for row, block and MX/NVFP4 scales, with the
   group ``amax`` reduction and the scale rule fused in;
 * :func:`run_block_amax`: the largest magnitude of each block, in one read;
 * :func:`run_decode`: a float8 payload back to float32/bfloat16, optionally times its
-  scale (:func:`lowprec.core.codes.decode`): the emulated GEMM's operands;
+  scale (:func:`lowprec.core.bits.decode`): the emulated GEMM's operands;
 * :func:`run_round_trip`: quantize-dequantize to float32 in one pass (scalify's FP8
   rounding of matmul inputs);
 * :func:`run_group_round_trip`: :func:`run_group_quantize` and :func:`run_decode` in one
@@ -29,7 +30,7 @@ A kernel is used only when all of these hold:
 * eager mode (not already inside ``torch.compile``) on a CPU tensor (float32, float16 or
   bfloat16; a float8 payload for decoding) with at least ``min_numel`` elements (small
   tensors would pay the call overhead and, the first time, a compilation of a few seconds
-  for no gain), and not inside :func:`lowprec.core.rounding._reference_paths`. The float8
+  for no gain), and not inside :func:`lowprec.core.layout.reference_paths`. The float8
   operand quantize of :func:`lowprec.float8.quant.quantize_parts` (:func:`run_scaled_encode`,
   :func:`run_group_quantize`) also runs on CUDA tensors (:func:`quantize_devices`), as
   Triton kernels with eager CUDA's float32 arithmetic (correctly rounded division,
@@ -43,6 +44,10 @@ A kernel is used only when all of these hold:
 The first call per key compiles (inductor's on-disk caches make later processes faster).
 If compilation fails (no C++ compiler, say), the kernels are turned off for the process
 with one WARNING and the eager ops run: same bits, slower.
+
+The kernels trace the bit arithmetic of :mod:`lowprec.core.bits` on the views of
+:mod:`lowprec.core.layout`; the rounding API (:mod:`lowprec.core.rounding`) sits above them
+and calls them, never the other way round.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lowprec.core import kernel_views
+from lowprec.core import layout
+from lowprec.core.bits import BYTE_FORMATS, decode, encode, round_bits, storage_dtype
 from lowprec.core.formats import Format
 from lowprec.core.warn import warn_once
 
@@ -137,14 +143,11 @@ def takes(
     devices: tuple[str, ...] = ("cpu",),
 ) -> bool:
     """Whether an eager call should run the kernels below on ``t`` (:func:`applies`, and
-    not inside :func:`lowprec.core.rounding._reference_paths`): ``fmt`` given, ``t`` is
+    not inside :func:`lowprec.core.layout.reference_paths`): ``fmt`` given, ``t`` is
     to be encoded into ``fmt`` (a format :func:`encodes` takes) or is a 1-byte payload of
     it; ``fmt=None``, ``t`` is a float payload holding its values. ``devices``: as for
     :func:`applies`."""
-    from lowprec.core import rounding
-    from lowprec.core.codes import BYTE_FORMATS
-
-    if not rounding._FAST_EAGER:
+    if not layout.fast_paths():
         return False
     if fmt is None:
         return applies(t, threshold=threshold, devices=devices)
@@ -247,15 +250,13 @@ def run_quantize(x: Tensor, fmt: Format, saturate: bool) -> Tensor | None:
     """``quantize(x, fmt, "nearest", saturate)`` by a compiled kernel (on ``x`` flattened in
     storage order), with ``x``'s strides; ``None`` if the kernel cannot run (the caller
     runs the eager path)."""
-    from lowprec.core.rounding import dense_view, from_dense_view, quantize
-
-    d = dense_view(x)
+    d = layout.dense_view(x)
     if not d.is_contiguous():
         return None
 
     def build() -> Callable[..., Tensor]:
-        def kernel(t: Tensor) -> Tensor:
-            return quantize(t, fmt, "nearest", saturate)
+        def kernel(t: Tensor) -> Tensor:  # (quantize's own path for a format without a cast)
+            return round_bits(t, fmt, "nearest", saturate)
 
         return kernel
 
@@ -263,7 +264,7 @@ def run_quantize(x: Tensor, fmt: Format, saturate: bool) -> Tensor | None:
     if out is None:
         return None
     out = out.view(d.shape)
-    return out if d is x else from_dense_view(out, x)
+    return out if d is x else layout.from_dense_view(out, x)
 
 
 def _encode_fn(
@@ -272,18 +273,15 @@ def _encode_fn(
     """``(inside, after)``: ``after(inside(v))`` is ``to_format(v, fmt, saturate=saturate)``
     for a format :func:`encodes` takes; ``inside`` is traced into a kernel, ``after`` runs
     eagerly on its result. A 1-byte float8 format is encoded inside
-    (:func:`lowprec.core.codes.encode`); another is rounded inside on the bit pattern, in
+    (:func:`lowprec.core.bits.encode`); another is rounded inside on the bit pattern, in
     float32, and cast to its storage dtype after: a narrower output would make inductor
     run the whole loop on pairs of float32 vectors, several times slower."""
-    from lowprec.core.codes import BYTE_FORMATS, encode
-    from lowprec.core.rounding import quantize, storage_dtype
-
     if not encodes(fmt):
         raise ValueError(f"fmt: {fmt.name} has a wider torch dtype; use its cast")
     if fmt in BYTE_FORMATS:
         return (lambda v: encode(v.float(), fmt, saturate)), (lambda q: q)
     store = storage_dtype(fmt)
-    return (lambda v: quantize(v.float(), fmt, "nearest", saturate)), (lambda q: q.to(store))
+    return (lambda v: round_bits(v.float(), fmt, "nearest", saturate)), (lambda q: q.to(store))
 
 
 def _group_amax(t: Tensor, red: tuple[int, ...]) -> Tensor:
@@ -304,7 +302,7 @@ def run_group_quantize(
     the scale rule and the encode fused. ``scale_fn`` must be traceable and elementwise
     on ``a`` up to tensor-wide reductions (it is applied to ``a`` in a block view);
     ``key`` identifies it (with ``fmt``) in the cache. ``None`` if the kernel cannot run."""
-    groups = kernel_views.groups(x, shape)
+    groups = layout.groups(x, shape)
     if groups is None:
         return None
     view, red = groups
@@ -321,7 +319,7 @@ def run_group_quantize(
     if out is None:
         return None
     q, s = out  # type: ignore[misc]
-    return kernel_views.unview(after(q), x), kernel_views.in_scale_shape(s, x, shape)
+    return layout.unview(after(q), x), layout.in_scale_shape(s, x, shape)
 
 
 def run_group_round_trip(
@@ -340,13 +338,11 @@ def run_group_round_trip(
     values), laid out like ``x``, ``s`` contiguous of the scale shape ``shape`` (an
     emulated GEMM's operand, read once). ``dtype``: float32 or bfloat16 (which hold every
     value of the formats :func:`encodes` takes). ``None`` if the kernel cannot run."""
-    from lowprec.core.rounding import round_bits
-
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     if not encodes(fmt):
         raise ValueError(f"fmt: {fmt.name} has a wider torch dtype; use its cast")
-    groups = kernel_views.groups(x, shape)
+    groups = layout.groups(x, shape)
     if groups is None:
         return None
     view, red = groups
@@ -366,14 +362,12 @@ def run_group_round_trip(
     if out is None:
         return None
     v, s = out  # type: ignore[misc]
-    return kernel_views.unview(v, x), kernel_views.in_scale_shape(s, x, shape)
+    return layout.unview(v, x), layout.in_scale_shape(s, x, shape)
 
 
 def encodes(fmt: Format) -> bool:
     """Whether :func:`run_scaled_encode` takes ``fmt``: a 1-byte float8 format, or a
     format without a torch dtype (stored in a wider float dtype)."""
-    from lowprec.core.codes import BYTE_FORMATS
-
     return fmt in BYTE_FORMATS or fmt.torch_dtype is None
 
 
@@ -381,7 +375,7 @@ def run_block_amax(x: Tensor, shape: tuple[int, ...]) -> Tensor | None:
     """The largest ``|x|`` of each block, as float32 of the scale shape ``shape``
     (:func:`lowprec.core.scales.amax`, NaN propagating), in one pass; ``None`` if the
     kernel cannot run."""
-    groups = kernel_views.groups(x, shape)
+    groups = layout.groups(x, shape)
     if groups is None:
         return None
     view, red = groups
@@ -393,7 +387,7 @@ def run_block_amax(x: Tensor, shape: tuple[int, ...]) -> Tensor | None:
         return kernel
 
     out = _run(("amax", x.dtype, view.dim(), red), build, view)
-    return None if out is None else kernel_views.in_scale_shape(out, x, shape)
+    return None if out is None else layout.in_scale_shape(out, x, shape)
 
 
 def run_scaled_encode(
@@ -401,11 +395,11 @@ def run_scaled_encode(
 ) -> Tensor | None:
     """``to_format(apply_scale(x, scale, "div"), fmt, saturate)`` in one pass, laid out
     like the eager ops' result, for a format :func:`encodes` takes (a 1-byte float8 one is
-    rounded and encoded by :func:`lowprec.core.codes.encode`, another on the bit pattern);
+    rounded and encoded by :func:`lowprec.core.bits.encode`, another on the bit pattern);
     ``None`` if the kernel cannot run (the caller runs the eager path). ``scale``: float32,
     broadcast block-wise (:func:`lowprec.core.granularity.apply_scale`)."""
     enc, after = _encode_fn(fmt, saturate)
-    pair = kernel_views.block_pair(x, scale)
+    pair = layout.block_pair(x, scale)
     if pair is None:
         return None
 
@@ -415,8 +409,8 @@ def run_scaled_encode(
 
         return kernel
 
-    out = _run(("encode", fmt.name, saturate, x.dtype, kernel_views.pattern(*pair)), build, *pair)
-    return None if out is None else kernel_views.unview(after(out), x)
+    out = _run(("encode", fmt.name, saturate, x.dtype, layout.pattern(*pair)), build, *pair)
+    return None if out is None else layout.unview(after(out), x)
 
 
 def run_round_trip(
@@ -431,14 +425,11 @@ def run_round_trip(
     the result), laid out like ``x``; ``None`` if the kernel cannot run. ``scale``:
     float32, broadcast block-wise. ``multiply=False``: the payload's values, not times the
     scale; ``dtype``: the result's, float32 or bfloat16 (each holds every float8 value)."""
-    from lowprec.core.codes import BYTE_FORMATS
-    from lowprec.core.rounding import round_bits
-
     if fmt not in BYTE_FORMATS:
         raise ValueError(f"fmt: {fmt.name} is not a 1-byte float8 format")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    pair = kernel_views.block_pair(x, scale)
+    pair = layout.block_pair(x, scale)
     if pair is None:
         return None
 
@@ -449,9 +440,9 @@ def run_round_trip(
 
         return kernel
 
-    key = ("round-trip", fmt.name, x.dtype, multiply, dtype, kernel_views.pattern(*pair))
+    key = ("round-trip", fmt.name, x.dtype, multiply, dtype, layout.pattern(*pair))
     out = _run(key, build, *pair)
-    return None if out is None else kernel_views.unview(out, x)
+    return None if out is None else layout.unview(out, x)
 
 
 def run_decode(
@@ -459,16 +450,14 @@ def run_decode(
 ) -> Tensor | None:
     """``apply_scale(data.to(float32), scale).to(dtype)`` (without ``scale``:
     ``data.to(dtype)``) in one pass, laid out like ``data``, for a 1-byte float8 payload
-    of ``fmt`` (decoded by :func:`lowprec.core.codes.decode`) or, with ``fmt=None``, a
+    of ``fmt`` (decoded by :func:`lowprec.core.bits.decode`) or, with ``fmt=None``, a
     float payload that holds its values (E2M1 in bfloat16, say); ``None`` if the kernel
     cannot run (the caller runs the eager path)."""
-    from lowprec.core.codes import BYTE_FORMATS, decode
-
     scaled = scale is not None
     byte = fmt is not None
     if fmt is not None and fmt not in BYTE_FORMATS:
         raise ValueError(f"fmt: {fmt.name} is not a 1-byte float8 format")
-    pair = kernel_views.block_pair(
+    pair = layout.block_pair(
         data, scale if scale is not None else torch.ones((), device=data.device)
     )
     if pair is None:
@@ -488,7 +477,7 @@ def run_decode(
         None if fmt is None else fmt.name,
         data.dtype,
         dtype,
-        kernel_views.pattern(*pair) if scaled else None,
+        layout.pattern(*pair) if scaled else None,
     )
     out = _run(key, build, *pair)
-    return None if out is None else kernel_views.unview(out, data)
+    return None if out is None else layout.unview(out, data)

@@ -21,23 +21,29 @@ fp32 bit pattern as torch and ``ml_dtypes`` do (so a value in fp32's subnormal r
 above ``2^-127`` rounds to ``2^-126``; ``2^-127`` itself is E8M0's smallest value).
 
 The work happens on float32 bits (float64 bits for float64 inputs, so a float64 value is
-rounded once, never twice). Where torch has a native dtype that rounds exactly like this,
-the native cast is used (fp16, bf16, the four float8 dtypes).
+rounded once, never twice): :func:`lowprec.core.bits.round_bits`, which this module checks
+the arguments of and dispatches to. Where torch has a native dtype that rounds exactly like
+this, the native cast is used (fp16, bf16, the four float8 dtypes), with shortcuts eager
+on the CPU that the largest magnitude of the input picks (off inside
+:func:`lowprec.core.layout.reference_paths`); a large CPU tensor is rounded by a compiled
+kernel (:mod:`lowprec.core.kernels`). Every path gives the same bits.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-__all__ = ["quantize", "snr_db", "storage_dtype", "to_format"]
-
 from lowprec.core import kernels
-from lowprec.core.formats import _ELIDED, _NATIVE, BF16, FP16, FP32, Format, Rounding, get_format
+from lowprec.core.bits import round_bits, storage_dtype
+from lowprec.core.formats import _ELIDED, _NATIVE, Format, Rounding, get_format
+from lowprec.core.layout import dense_view, fast_paths
+
+# (storage_dtype, the dtype to_format returns, lives with the bit arithmetic in
+# lowprec.core.bits and is named here too: it is part of to_format's contract)
+__all__ = ["quantize", "snr_db", "storage_dtype", "to_format"]
 
 # ---------------------------------------------------------------------------------------
 # Rounding
@@ -55,68 +61,6 @@ def _check_input(x: object, arg: str = "x") -> Tensor:
             "(integer, bool and complex tensors cannot be quantized)"
         )
     return x
-
-
-def _work_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, int]:
-    """(float dtype, int dtype, mantissa bits) of the arithmetic used for inputs of ``dtype``."""
-    if dtype == torch.float64:
-        return torch.float64, torch.int64, 52
-    return torch.float32, torch.int32, 23
-
-
-def _scale_pow2(t: Tensor, k: int) -> Tensor:
-    """``t · 2^k`` as two exact multiplications (2^149 itself overflows float32)."""
-    a = k // 2
-    return t * 2.0**a * 2.0 ** (k - a)
-
-
-def _round_magnitude(
-    a: Tensor, fmt: Format, rounding: Rounding, generator: torch.Generator | None
-) -> Tensor:
-    """Round the non-negative finite-or-inf magnitude ``a`` to ``fmt`` (no overflow handling)."""
-    fdt, idt, ms = _work_dtypes(a.dtype)
-    m = fmt.mantissa_bits
-    d = ms - m
-    bits = a.view(idt)
-    if not fmt.signed:  # E8M0: round the bit pattern half up into the exponent field
-        r = (((bits + (1 << (ms - 1))) >> ms) << ms).view(fdt)
-        # At or below the smallest value 2^-bias the result is 2^-bias (as in torch and
-        # ml_dtypes); the bit rule alone would round 2^-127, a float32 subnormal, up.
-        return torch.where(a <= fmt.min_normal, fmt.min_normal, r)
-    # Normal range: round the source mantissa to M bits on the bit pattern. A carry out
-    # of the mantissa correctly moves the value to the next binade.
-    # If the format's normal range reaches below float32's (bias >= 128), those values are
-    # float32 subnormals: lift them into float32's normal range for the bit rounding.
-    tiny_f = torch.finfo(fdt).tiny
-    lift = fmt.min_normal < tiny_f
-    if lift:
-        bits = torch.where(a < tiny_f, a * 2.0**64, a).view(idt)
-    rand: Tensor | None = None
-    if rounding == "stochastic":
-        rand = torch.randint(0, 2**ms, a.shape, generator=generator, dtype=idt, device=a.device)
-    if d == 0:
-        rn = a
-    elif rand is None:
-        # Ties go to the even code. With M = 0 the last code bit is the exponent's, whose
-        # parity is the source's (odd bias) flipped when the format's bias is even.
-        flip = (fmt._bias + 1) & 1 if m == 0 else 0
-        rn = (bits + ((1 << (d - 1)) - 1) + (((bits >> d) ^ flip) & 1)) & -(1 << d)
-        rn = rn.view(fdt)
-    else:
-        rn = ((bits + (rand >> m)) & -(1 << d)).view(fdt)
-    if lift:
-        rn = torch.where(a < tiny_f, rn * 2.0**-64, rn)  # exact: a format value
-    # Subnormal range of the target: round to a multiple of min_subnormal = 2^-k.
-    k = fmt._bias - 1 + m
-    s = _scale_pow2(a, k)  # exact: a < min_normal so s < 2^M
-    if rand is None:
-        rs = torch.round(s)  # ties to even
-    else:
-        fl = torch.floor(s)
-        u = rand.to(fdt) * 2.0**-ms
-        rs = fl + (u < (s - fl)).to(fdt)
-    rs = _scale_pow2(rs, -k)
-    return torch.where(a < fmt.min_normal, rs, rn)
 
 
 def _check_rounding(rounding: str, fmt: Format, dtype: torch.dtype) -> None:
@@ -181,41 +125,6 @@ def quantize(
     return round_bits(x, fmt, rounding, saturate, generator)
 
 
-def round_bits(
-    x: Tensor,
-    fmt: Format,
-    rounding: Rounding = "nearest",
-    saturate: bool = False,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """:func:`quantize` (arguments checked) by arithmetic on the float32 (float64) bit
-    pattern for every format, a torch dtype's included: the same values as its cast
-    (NaN payloads aside), from elementwise integer and float ops that inductor
-    vectorises, where its own float8 casts are scalar loops on the CPU."""
-    orig = x.dtype
-    fdt, _, _ = _work_dtypes(orig)
-    xf = x.to(fdt)
-    a = _round_magnitude(xf.abs(), fmt, rounding, generator)
-    over = a > fmt.max
-    if fmt.special == "finite":
-        a = torch.where(over, fmt.max, a)
-    else:
-        overflow_value = math.inf if fmt.has_inf else math.nan
-        if saturate:  # (|x| == inf, x != x: inductor vectorises these, not isinf/isnan)
-            over_value = torch.where(xf.abs() == math.inf, overflow_value, fmt.max)
-            a = torch.where(over, over_value, a)
-        else:
-            a = torch.where(over, overflow_value, a)
-    if fmt.signed:
-        r = torch.copysign(a, xf)
-        if fmt.special == "fnuz":
-            r = r + 0.0  # -0 + 0 = +0: fnuz has no negative zero
-    else:
-        r = torch.where(xf > 0, a, math.nan)
-    r = torch.where(xf != xf, xf, r)
-    return r.to(orig)
-
-
 def _native_for(x: Tensor, fmt: Format, rounding: str) -> torch.dtype | None:
     """The torch dtype whose cast rounds ``x`` into ``fmt`` exactly, or None for the bit path.
 
@@ -251,7 +160,7 @@ def _cast_native(
         absmax = _absmax_eager(x)
     # the clamp bound in x's dtype (a wider format's max does not fit in, e.g., fp16)
     top = min(fmt.max, torch.finfo(x.dtype).max)
-    if absmax is not None and _FAST_EAGER:
+    if absmax is not None and fast_paths():
         # Every |x| <= absmax: NaN compares False, so a NaN or Inf skips these shortcuts.
         if absmax <= fmt.max:
             return x.to(native)  # nothing to saturate or turn into NaN: one plain cast
@@ -278,52 +187,6 @@ def _cast_native(
     if saturate:
         x = torch.where(x.abs() == math.inf, x, x.clamp(-top, top))
     return x.to(native)
-
-
-# Eager fast paths on (the reference path is the general masked one; tests compare both
-# bit for bit through :func:`_reference_paths`).
-_FAST_EAGER = True
-
-
-@contextlib.contextmanager
-def _reference_paths() -> Iterator[None]:
-    """Within this context the eager shortcuts are off: every cast takes the general path
-    (for tests that check the shortcuts bit for bit). Not thread-safe; tests only."""
-    global _FAST_EAGER
-    old, _FAST_EAGER = _FAST_EAGER, False
-    try:
-        yield
-    finally:
-        _FAST_EAGER = old
-
-
-def dense_view(x: Tensor) -> Tensor:
-    """``x`` with its dims permuted into storage order when that makes it contiguous (a
-    transposed matrix: its transpose), else ``x``. For reductions whose result does not
-    depend on the order of the elements (``amax``, ``aminmax``): CPU kernels read a
-    contiguous tensor several times faster than a strided one."""
-    if x.dim() < 2 or x.is_contiguous() or not _FAST_EAGER:
-        return x
-    y = x.permute(storage_order(x))
-    return y if y.is_contiguous() else x
-
-
-def storage_order(x: Tensor) -> list[int]:
-    """``x``'s dims from the largest stride to the smallest (ties: in order): the
-    permutation :func:`dense_view` applies."""
-    return sorted(range(x.dim()), key=lambda d: (-x.stride()[d], d))
-
-
-def from_dense_view(y: Tensor, x: Tensor) -> Tensor:
-    """``y``, computed elementwise on ``dense_view(x)``, permuted back to ``x``'s dims (and
-    so to ``x``'s strides, as an eager elementwise op on ``x`` lays out its result)."""
-    if y.dim() < 2 or x.is_contiguous() or not _FAST_EAGER:
-        return y
-    perm = storage_order(x)
-    inv = [0] * len(perm)
-    for j, p in enumerate(perm):
-        inv[p] = j
-    return y.permute(inv)
 
 
 def _absmax_eager(x: Tensor) -> float | None:
@@ -370,7 +233,7 @@ def _cast_saturates(device: torch.device) -> bool:
 def _quantize_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool) -> Tensor:
     absmax = _absmax_eager(x)
     y = _cast_native(x, fmt, native, saturate, absmax).to(x.dtype)
-    if _FAST_EAGER and absmax is not None and absmax == absmax:
+    if fast_paths() and absmax is not None and absmax == absmax:
         return y  # no NaN in x: nothing to restore
     # Keep an input NaN as it is (its sign too, as the bit path does): torch's casts
     # drop or set the sign of NaN depending on the dtype.
@@ -411,29 +274,6 @@ def to_format(
     if native is not None:
         return _cast_native(x, fmt, native, saturate)
     return quantize(x, fmt, rounding, saturate, generator).to(storage_dtype(fmt))
-
-
-def storage_dtype(fmt: str | Format) -> torch.dtype:
-    """The torch dtype that holds every value of ``fmt`` exactly, using the fewest bytes:
-    the format's own dtype when torch has one, else bf16, fp16 or fp32.
-
-    Example:
-        >>> storage_dtype("e4m3fn"), storage_dtype("e2m1"), storage_dtype("tf32")
-        (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
-    """
-    fmt = get_format(fmt, arg="fmt")
-    if fmt.torch_dtype is not None:
-        return fmt.torch_dtype
-    for cand in (BF16, FP16, FP32):
-        if (
-            fmt.mantissa_bits <= cand.mantissa_bits
-            and fmt.max <= cand.max
-            and fmt.min_subnormal >= cand.min_subnormal
-        ):
-            dt = cand.torch_dtype
-            assert dt is not None
-            return dt
-    return torch.float32
 
 
 # ---------------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ from torch import Tensor
 from lowprec.core import kernels
 from lowprec.core.formats import E8M0, Format, get_format
 from lowprec.core.granularity import Granularity, _block_views, as_granularity
-from lowprec.core.rounding import dense_view, quantize
+from lowprec.core.layout import dense_view
+from lowprec.core.rounding import quantize
 from lowprec.core.warn import warn_once
 
 __all__ = [

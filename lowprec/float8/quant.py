@@ -17,11 +17,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lowprec.core import kernels, rounding
-from lowprec.core.codes import BYTE_FORMATS
+from lowprec.core import kernels, layout
+from lowprec.core.bits import BYTE_FORMATS, round_bits
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
-from lowprec.core.rounding import _to_format_bounded, dense_view, from_dense_view, to_format
+from lowprec.core.layout import dense_view, from_dense_view
+from lowprec.core.rounding import _to_format_bounded, to_format
 from lowprec.core.scales import amax, compute_scale, mx_scale, nonfinite_scale, nv_scale
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.recipe import CastConfig
@@ -144,7 +145,7 @@ def quantize_values(
     scale)``, the same bits, without the 1-byte payload: what the emulated hardware GEMM
     (:func:`payload_mm`) reads of a tensor- or axis-scaled operand in a float8 format.
     Eager on the CPU, one kernel; traced (``torch.compile``), the rounding written as
-    float32 bit arithmetic (:func:`~lowprec.core.rounding.round_bits`), which inductor
+    float32 bit arithmetic (:func:`~lowprec.core.bits.round_bits`), which inductor
     vectorises and fuses with the scale's division, instead of the float8 cast and the
     cast back. ``None`` where that does not apply (another granularity or format, an
     autograd-recorded, small, empty or float64 ``t``, kernels off when eager): the caller
@@ -192,7 +193,7 @@ def _traced_values(
         x = t.float()
         s = _group_scale(amax(x, g), cast, g.kind, fmt)
         q = apply_scale(x, s, op="div")
-    return rounding.round_bits(q, fmt, "nearest", True).to(dtype), s
+    return round_bits(q, fmt, "nearest", True).to(dtype), s
 
 
 def _nv_parts(t: Tensor, cast: CastConfig, cd: int) -> Parts:
@@ -266,7 +267,7 @@ def upcast(data: Tensor, dtype: torch.dtype) -> Tensor:
         or data.numel() < _LUT_MIN_NUMEL
         or data.device.type != "cpu"
         or torch.compiler.is_compiling()
-        or not rounding._FAST_EAGER
+        or not layout.fast_paths()
     ):
         return data.to(dtype)
     d = dense_view(data)

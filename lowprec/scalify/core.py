@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lowprec.core.granularity import apply_scale, check_scale_shape
-from lowprec.core.rounding import dense_view
+from lowprec.core.layout import dense_view
 from lowprec.core.scales import round_pow2
 from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import current_config

@@ -15,7 +15,7 @@ to float32 rounding, the stored result to one unit of the storage format in rare
 The kernels are :mod:`lowprec.core.kernels`' (one cache, one switch
 ``LOWPREC_EAGER_KERNELS``, compiled with ``dynamic=True``): used eagerly on the CPU, for
 data of at least ``2**16`` elements (``LOWPREC_EAGER_KERNELS_MIN_NUMEL``), outside
-:func:`lowprec.core.rounding._reference_paths`; elsewhere the rule runs its eager ops.
+:func:`lowprec.core.layout.reference_paths`; elsewhere the rule runs its eager ops.
 
 The rules use them only when ``LOWPREC_SCALIFY_FUSED=1`` (off by default). Inductor
 compiles a dynamic-shape kernel with its first input's sizes as hints, and the code it

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from lowprec.core import kernels
+from lowprec.core.bits import round_bits
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import apply_scale
-from lowprec.core.rounding import round_bits
 from lowprec.core.scales import amax, compute_scale, group_scale, round_pow2
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
 from lowprec.scalify.config import current_config

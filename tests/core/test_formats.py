@@ -21,6 +21,7 @@ import torch
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
+import lowprec.core.bits as bits_module
 import lowprec.core.codes as codes_module
 import lowprec.core.formats as formats_module
 import lowprec.core.rounding as rounding_module
@@ -1461,9 +1462,9 @@ def test_to_format_equals_quantize(name: str) -> None:
 
 
 def test_docstring_examples() -> None:
-    # formats.py was split into formats (Format), rounding (quantize) and codes (bits).
+    # formats.py was split into formats (Format), rounding (quantize), codes (to_bits) and bits.
     attempted = 0
-    for module in (formats_module, rounding_module, codes_module):
+    for module in (formats_module, rounding_module, codes_module, bits_module):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0
         attempted += result.attempted

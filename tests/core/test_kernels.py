@@ -1,6 +1,6 @@
 """The 1-byte float8 codes in integer arithmetic and the compiled eager kernels built on them.
 
-``lowprec.core.codes.encode``/``decode`` must give torch's own cast bits (encode: the
+``lowprec.core.bits.encode``/``decode`` must give torch's own cast bits (encode: the
 saturating cast ``_cast_native``; decode: ``.to(float32/bfloat16)``, NaN payloads included),
 eager and compiled; the kernels behind ``quantize_parts``, ``dequantize_parts`` and
 ``upcast`` (forced on small tensors here) must give the eager ops' payload bits, scales and
@@ -16,24 +16,17 @@ import pytest
 import torch
 from torch import Tensor
 
-from lowprec.core import codes, kernels, rounding
+from lowprec.core import bits, kernels, layout, rounding
 from lowprec.core.formats import get_format
 from lowprec.core.rounding import _cast_native
-from lowprec.float8 import Float8Recipe
-from lowprec.float8.quant import (
-    dequantize_parts,
-    quantize_dequantize,
-    quantize_parts,
-    quantize_values,
-    upcast,
-)
-from tests.core.test_fast_paths import bits, cases, same
+from lowprec.core.tensor import quantize_scaled
+from tests._bits import cases, same, same_values
 
-BYTE = [f.name for f in codes.BYTE_FORMATS]
+BYTE = [f.name for f in bits.BYTE_FORMATS]
 
 
 def all_codes(fmt: str) -> Tensor:
-    dt = codes.BYTE_FORMATS[get_format(fmt)]
+    dt = bits.BYTE_FORMATS[get_format(fmt)]
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt)
 
 
@@ -59,8 +52,8 @@ def probe_values(fmt: str) -> Tensor:
 def test_encode_is_torchs_saturating_cast(fmt: str) -> None:
     f = get_format(fmt)
     x = probe_values(fmt)
-    ref = _cast_native(x, f, codes.BYTE_FORMATS[f], saturate=True)
-    got = codes.encode(x, f)
+    ref = _cast_native(x, f, bits.BYTE_FORMATS[f], saturate=True)
+    got = bits.encode(x, f)
     assert got.dtype == ref.dtype
     assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
 
@@ -69,14 +62,14 @@ def test_encode_is_torchs_saturating_cast(fmt: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_is_torchs_cast_bit_for_bit(fmt: str, dtype: torch.dtype) -> None:
     c = all_codes(fmt)
-    assert same(codes.decode(c, get_format(fmt), dtype), c.to(dtype))
+    assert same(bits.decode(c, get_format(fmt), dtype), c.to(dtype))
 
 
 def test_codes_reject_other_formats() -> None:
     with pytest.raises(ValueError, match="fmt: e2m1 is not a 1-byte"):
-        codes.encode(torch.ones(2), get_format("e2m1"))
+        bits.encode(torch.ones(2), get_format("e2m1"))
     with pytest.raises(ValueError, match="dtype must be"):
-        codes.decode(all_codes("e4m3fn"), get_format("e4m3fn"), torch.float16)
+        bits.decode(all_codes("e4m3fn"), get_format("e4m3fn"), torch.float16)
 
 
 @pytest.mark.slow
@@ -85,73 +78,14 @@ def test_compiled_codes_are_bit_exact() -> None:
     (rounding carries, ties, subnormals, saturation, NaN payloads)."""
     for fmt in ("e4m3fn", "e5m2", "e4m3fnuz"):
         f = get_format(fmt)
-        enc = kernels._compile(lambda x, f=f: codes.encode(x, f))
+        enc = kernels._compile(lambda x, f=f: bits.encode(x, f))
         x = probe_values(fmt)
-        ref = _cast_native(x, f, codes.BYTE_FORMATS[f], saturate=True)
+        ref = _cast_native(x, f, bits.BYTE_FORMATS[f], saturate=True)
         assert torch.equal(enc(x).view(torch.uint8), ref.view(torch.uint8)), fmt
         c = all_codes(fmt)
         for dt in (torch.float32, torch.bfloat16):
-            dec = kernels._compile(lambda c, f=f, dt=dt: codes.decode(c, f, dt))
+            dec = kernels._compile(lambda c, f=f, dt=dt: bits.decode(c, f, dt))
             assert same(dec(c), c.to(dt)), (fmt, dt)
-
-
-def same_values(a: Tensor, b: Tensor) -> bool:
-    """Equal bits, except that NaN payloads may differ (a NaN times a NaN scale keeps one
-    operand's payload or the other's, depending on the machine code)."""
-    nan = torch.isnan(a)
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(nan, torch.isnan(b))
-        and torch.equal(bits(a)[~nan], bits(b)[~nan])
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "preset", ["tensorwise", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"]
-)
-def test_kernel_operands_match_the_eager_ops(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """quantize_parts / dequantize_parts / upcast through the compiled kernels (forced on
-    these small tensors) against the eager ops: payload bits, scales, strides, values."""
-    monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
-    monkeypatch.setenv("LOWPREC_EAGER_KERNELS", "1")
-    r = Float8Recipe.from_name(preset)
-    for name, x in cases():
-        for role in ("input", "grad_output"):
-            for cd in (0, 1):
-                fast = quantize_parts(x, r.cast(role), cd)
-                with rounding._reference_paths():
-                    ref = quantize_parts(x, r.cast(role), cd)
-                why = (name, role, cd)
-                assert same(fast[0], ref[0]) and same(fast[1], ref[1]), why
-                assert fast[0].stride() == ref[0].stride() and fast[2] == ref[2], why
-                for dt in (torch.float32, torch.bfloat16):
-                    d_fast = dequantize_parts(*fast, dt)
-                    with rounding._reference_paths():
-                        d_ref = dequantize_parts(*ref, dt)
-                    assert same_values(d_fast, d_ref), (*why, dt)
-                    u_fast = upcast(fast[0], dt)
-                    assert same(u_fast, fast[0].to(dt)) and u_fast.stride() == fast[0].stride()
-                    # the fused quantize-dequantize of an emulated GEMM's block operand
-                    fused = quantize_dequantize(x, r.cast(role), cd, dt)
-                    if r.cast(role).bound_granularity(cd).kind in ("block", "mx", "nv"):
-                        assert fused is not None, (*why, dt)
-                        assert same_values(fused, d_ref), (*why, dt)
-                        assert fused.stride() == d_fast.stride(), (*why, dt)
-                    else:
-                        assert fused is None, why
-                    # the payload's values and scale, without the payload (tensor, axis)
-                    vals = quantize_values(x, r.cast(role), cd, dt)
-                    kind = r.cast(role).bound_granularity(cd).kind
-                    if kind in ("tensor", "axis"):
-                        assert vals is not None, (*why, dt)
-                        assert same_values(vals[0], ref[0].to(dt)), (*why, dt)
-                        assert vals[0].stride() == ref[0].stride(), (*why, dt)
-                        assert same(vals[1], ref[1]), (*why, dt)
-                    else:
-                        assert vals is None, why
-    assert not kernels._BROKEN, kernels._BROKEN
 
 
 @pytest.mark.parametrize("fmt", [*BYTE, "e2m1", "e3m2", "fp16", "bf16"])
@@ -163,11 +97,11 @@ def test_round_bits_is_the_formats_rounding(fmt: str, saturate: bool) -> None:
     signed zeros included, NaN where NaN."""
     f = get_format(fmt)
     x = probe_values(fmt if fmt in BYTE else "e4m3fn") * (1.0 if fmt in BYTE else f.max / 448)
-    got = rounding.round_bits(x, f, "nearest", saturate)
+    got = bits.round_bits(x, f, "nearest", saturate)
     if f.torch_dtype is not None:
         ref = _cast_native(x, f, f.torch_dtype, saturate).float()
     else:
-        with rounding._reference_paths():
+        with layout.reference_paths():
             ref = rounding.quantize(x, f, saturate=saturate)
     assert same_values(got, ref)
 
@@ -180,8 +114,8 @@ def test_kernels_of_one_function_keep_separate_caches() -> None:
     for fmt in ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz", "e4m3fn"):
         f = get_format(fmt)
         got = kernels.run_scaled_encode(x, torch.ones(()), f)
-        assert got is not None and got.dtype == codes.BYTE_FORMATS[f]
-        ref = _cast_native(x, f, codes.BYTE_FORMATS[f], saturate=True)
+        assert got is not None and got.dtype == bits.BYTE_FORMATS[f]
+        ref = _cast_native(x, f, bits.BYTE_FORMATS[f], saturate=True)
         assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), fmt
 
 
@@ -189,8 +123,8 @@ def test_kernels_of_one_function_keep_separate_caches() -> None:
 def test_encode_without_saturation_is_torchs_cast(fmt: str) -> None:
     f = get_format(fmt)
     x = probe_values(fmt)
-    ref = _cast_native(x, f, codes.BYTE_FORMATS[f], saturate=False)
-    assert torch.equal(codes.encode(x, f, saturate=False).view(torch.uint8), ref.view(torch.uint8))
+    ref = _cast_native(x, f, bits.BYTE_FORMATS[f], saturate=False)
+    assert torch.equal(bits.encode(x, f, saturate=False).view(torch.uint8), ref.view(torch.uint8))
 
 
 @pytest.mark.slow
@@ -200,21 +134,19 @@ def test_to_format_and_quantize_scaled_kernels(
 ) -> None:
     """``to_format`` and ``quantize_scaled`` through the kernels: the eager bits, every
     layout and input dtype, with and without saturation."""
-    from lowprec import quantize_scaled
-
     monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
     monkeypatch.setenv("LOWPREC_EAGER_KERNELS", "1")
     for fmt in ("e4m3fn", "e5m2", "e4m3fnuz"):
         for name, x in cases():
             fast = rounding.to_format(x, fmt, saturate=saturate)
-            with rounding._reference_paths():
+            with layout.reference_paths():
                 ref = rounding.to_format(x, fmt, saturate=saturate)
             assert same(fast, ref) and fast.stride() == ref.stride(), (fmt, name)
             for g in ("tensor", "mx:8"):
                 if g != "tensor" and x.shape[-1] % 8:
                     continue
                 sf = quantize_scaled(x, fmt, granularity=g, saturate=saturate)
-                with rounding._reference_paths():
+                with layout.reference_paths():
                     sr = quantize_scaled(x, fmt, granularity=g, saturate=saturate)
                 assert same(sf.qdata, sr.qdata) and same(sf.scale, sr.scale), (fmt, name, g)
     assert not kernels._BROKEN, kernels._BROKEN
@@ -232,7 +164,7 @@ def test_round_trip_kernel(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     for s in (torch.tensor(2.0**-3), torch.tensor(0.3)):
         got = kernels.run_round_trip(x, s, f)
         assert got is not None
-        ref = _cast_native(x / s, f, codes.BYTE_FORMATS[f], saturate=True).float() * s
+        ref = _cast_native(x / s, f, bits.BYTE_FORMATS[f], saturate=True).float() * s
         assert same_values(got, ref), (fmt, float(s))
         got_t = kernels.run_round_trip(x.t(), s, f)
         assert got_t is not None and same_values(got_t, ref.t()) and got_t.stride() == (1, 4)

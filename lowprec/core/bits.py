@@ -1,0 +1,263 @@
+"""Rounding on bit patterns: the arithmetic that compiled kernels trace.
+
+Everything here is elementwise integer and float arithmetic on the float32 (float64) bit
+pattern, which inductor vectorises, where torch's own casts into the float8 dtypes are
+scalar loops on the CPU. :mod:`lowprec.core.rounding` (the API: checks, torch's native
+casts, the eager fast paths) and the compiled kernels of :mod:`lowprec.core.kernels`
+both rest on it; it imports nothing of lowprec but the formats.
+
+* :func:`round_bits`: round to nearest (ties to even) or stochastically into any format,
+  the value kept in the input's float dtype: :func:`lowprec.core.rounding.quantize`'s
+  rounding, bit-exact with ``ml_dtypes`` (its module docstring has the overflow, Inf,
+  NaN and signed-zero table) and, for a format with a torch dtype, the values of its cast.
+* :func:`encode` and :func:`decode`: the torch float8 formats' bytes in float32/int32
+  arithmetic. They give the bits of torch's casts as lowprec uses them:
+
+  - :func:`encode` is ``_cast_native(v, fmt, dtype, saturate)`` of
+    :mod:`lowprec.core.rounding`: round to nearest, ties to even; finite overflow
+    saturates to ``±max`` (``saturate=False``: NaN, or ``±Inf`` for ``ieee``); ``±Inf``
+    becomes NaN (``fn``, ``fnuz``) or stays ``±Inf`` (``ieee``); NaN stays NaN with its
+    sign, all mantissa bits set (``fnuz``: the one NaN code ``0x80``; ``fnuz`` has no
+    ``-0``).
+  - :func:`decode` is ``payload.to(float32)``.
+
+  For a format with ``M`` mantissa bits and bias ``B`` and a float32 magnitude ``a``
+  whose bits are ``b``, the code's magnitude is
+
+  - ``a >= min_normal``: ``rne(b / 2^(23-M)) - (127 - B)·2^M``: the float32 exponent and
+    mantissa fields are already the code's fields, rebiased; rounding the low ``23 - M``
+    bits to nearest-even on the integer carries into the exponent exactly when the value
+    rounds up to the next binade;
+  - ``a < min_normal``: ``rne(a · 2^(B - 1 + M))``, the multiple of the smallest
+    subnormal (an exact power-of-two scaling; the result ``2^M`` is ``min_normal``'s code).
+
+* :func:`storage_dtype`: the torch dtype a rounded value of a format is stored in.
+
+``tests/core/test_kernels.py`` checks :func:`encode` and :func:`decode` against torch's
+casts on every code, every rounding boundary and tie, the specials and random values,
+eager and compiled, and :func:`round_bits` against torch's casts and the reference rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lowprec.core.formats import _NATIVE, BF16, FP16, FP32, Format, Rounding, get_format
+
+__all__ = ["BYTE_FORMATS", "decode", "encode", "round_bits", "storage_dtype"]
+
+# ---------------------------------------------------------------------------------------
+# Rounding into any format
+# ---------------------------------------------------------------------------------------
+
+
+def _work_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, int]:
+    """(float dtype, int dtype, mantissa bits) of the arithmetic used for inputs of ``dtype``."""
+    if dtype == torch.float64:
+        return torch.float64, torch.int64, 52
+    return torch.float32, torch.int32, 23
+
+
+def _scale_pow2(t: Tensor, k: int) -> Tensor:
+    """``t · 2^k`` as two exact multiplications (2^149 itself overflows float32)."""
+    a = k // 2
+    return t * 2.0**a * 2.0 ** (k - a)
+
+
+def _round_magnitude(
+    a: Tensor, fmt: Format, rounding: Rounding, generator: torch.Generator | None
+) -> Tensor:
+    """Round the non-negative finite-or-inf magnitude ``a`` to ``fmt`` (no overflow handling)."""
+    fdt, idt, ms = _work_dtypes(a.dtype)
+    m = fmt.mantissa_bits
+    d = ms - m
+    bits = a.view(idt)
+    if not fmt.signed:  # E8M0: round the bit pattern half up into the exponent field
+        r = (((bits + (1 << (ms - 1))) >> ms) << ms).view(fdt)
+        # At or below the smallest value 2^-bias the result is 2^-bias (as in torch and
+        # ml_dtypes); the bit rule alone would round 2^-127, a float32 subnormal, up.
+        return torch.where(a <= fmt.min_normal, fmt.min_normal, r)
+    # Normal range: round the source mantissa to M bits on the bit pattern. A carry out
+    # of the mantissa correctly moves the value to the next binade.
+    # If the format's normal range reaches below float32's (bias >= 128), those values are
+    # float32 subnormals: lift them into float32's normal range for the bit rounding.
+    tiny_f = torch.finfo(fdt).tiny
+    lift = fmt.min_normal < tiny_f
+    if lift:
+        bits = torch.where(a < tiny_f, a * 2.0**64, a).view(idt)
+    rand: Tensor | None = None
+    if rounding == "stochastic":
+        rand = torch.randint(0, 2**ms, a.shape, generator=generator, dtype=idt, device=a.device)
+    if d == 0:
+        rn = a
+    elif rand is None:
+        # Ties go to the even code. With M = 0 the last code bit is the exponent's, whose
+        # parity is the source's (odd bias) flipped when the format's bias is even.
+        flip = (fmt._bias + 1) & 1 if m == 0 else 0
+        rn = (bits + ((1 << (d - 1)) - 1) + (((bits >> d) ^ flip) & 1)) & -(1 << d)
+        rn = rn.view(fdt)
+    else:
+        rn = ((bits + (rand >> m)) & -(1 << d)).view(fdt)
+    if lift:
+        rn = torch.where(a < tiny_f, rn * 2.0**-64, rn)  # exact: a format value
+    # Subnormal range of the target: round to a multiple of min_subnormal = 2^-k.
+    k = fmt._bias - 1 + m
+    s = _scale_pow2(a, k)  # exact: a < min_normal so s < 2^M
+    if rand is None:
+        rs = torch.round(s)  # ties to even
+    else:
+        fl = torch.floor(s)
+        u = rand.to(fdt) * 2.0**-ms
+        rs = fl + (u < (s - fl)).to(fdt)
+    rs = _scale_pow2(rs, -k)
+    return torch.where(a < fmt.min_normal, rs, rn)
+
+
+def round_bits(
+    x: Tensor,
+    fmt: Format,
+    rounding: Rounding = "nearest",
+    saturate: bool = False,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """:func:`lowprec.core.rounding.quantize` (arguments already checked) by arithmetic
+    on the float32 (float64) bit pattern for every format, a torch dtype's included: the
+    same values as its cast (NaN payloads aside), from elementwise integer and float ops
+    that inductor vectorises, where its own float8 casts are scalar loops on the CPU."""
+    orig = x.dtype
+    fdt, _, _ = _work_dtypes(orig)
+    xf = x.to(fdt)
+    a = _round_magnitude(xf.abs(), fmt, rounding, generator)
+    over = a > fmt.max
+    if fmt.special == "finite":
+        a = torch.where(over, fmt.max, a)
+    else:
+        overflow_value = math.inf if fmt.has_inf else math.nan
+        if saturate:  # (|x| == inf, x != x: inductor vectorises these, not isinf/isnan)
+            over_value = torch.where(xf.abs() == math.inf, overflow_value, fmt.max)
+            a = torch.where(over, over_value, a)
+        else:
+            a = torch.where(over, overflow_value, a)
+    if fmt.signed:
+        r = torch.copysign(a, xf)
+        if fmt.special == "fnuz":
+            r = r + 0.0  # -0 + 0 = +0: fnuz has no negative zero
+    else:
+        r = torch.where(xf > 0, a, math.nan)
+    r = torch.where(xf != xf, xf, r)
+    return r.to(orig)
+
+
+# ---------------------------------------------------------------------------------------
+# The float8 bytes
+# ---------------------------------------------------------------------------------------
+
+# Formats whose storage is a 1-byte torch float dtype (the ones these functions handle).
+BYTE_FORMATS: dict[Format, torch.dtype] = {
+    f: dt for f, dt in _NATIVE.items() if dt.itemsize == 1 and dt.is_floating_point
+}
+
+
+def _fields(fmt: Format) -> tuple[int, int, int]:
+    """(mantissa bits, bias, largest finite code magnitude) of a 1-byte format."""
+    if fmt not in BYTE_FORMATS:
+        raise ValueError(f"fmt: {fmt.name} is not a 1-byte torch float8 format")
+    m, bias = fmt.mantissa_bits, fmt._bias
+    e_max = math.frexp(fmt.max)[1] - 1  # max = 2^e_max · (1 + mant / 2^M)
+    mant = int((fmt.max / 2.0**e_max - 1.0) * 2**m)
+    return m, bias, ((e_max + bias) << m) | mant
+
+
+def encode(v: Tensor, fmt: Format, saturate: bool = True) -> Tensor:
+    """``v`` (float32) rounded into the 1-byte ``fmt``, as that format's torch dtype
+    (module docstring). ``saturate=False``: a finite value that rounds beyond ``±max``
+    becomes NaN (``fn``, ``fnuz``) or ``±Inf`` (``ieee``), as torch's cast gives it."""
+    m, bias, top = _fields(fmt)
+    d = 23 - m
+    a = v.abs()
+    big = 2.0 * fmt.max  # any finite magnitude above max: saturates below
+    ac = torch.where(a <= big, a, big)  # NaN and Inf compare False: fixed at the end
+    b = ac.view(torch.int32)
+    normal = ((b + ((1 << (d - 1)) - 1) + ((b >> d) & 1)) >> d) - ((127 - bias) << m)
+    sub = torch.round(ac * 2.0 ** (bias - 1 + m)).to(torch.int32)
+    mag = torch.where(ac < fmt.min_normal, sub, normal)
+    sign = (v.view(torch.int32) >> 31) & 1
+    inf = a == math.inf  # (isinf and isnan are not vectorised by inductor on the CPU)
+    nan = a != a
+    if not saturate:  # overflow: as an Inf input (ieee: Inf; fn, fnuz: NaN)
+        inf = inf | (mag > top)
+    mag = mag.clamp(max=top)
+    if fmt.special == "ieee":
+        mag = torch.where(inf, (1 << 7) - (1 << m), mag)  # all-ones exponent, mantissa 0
+        mag = torch.where(nan, 0x7F, mag)  # torch's NaN code: every mantissa bit set
+    elif fmt.special == "fn":
+        mag = torch.where(inf | nan, 0x7F, mag)
+    else:  # fnuz: one NaN code 0x80 (the negative zero's), no -0
+        bad = inf | nan
+        sign = torch.where(bad, 1, torch.where(mag == 0, 0, sign))
+        mag = torch.where(bad, 0, mag)
+    return ((sign << 7) | mag).to(torch.uint8).view(BYTE_FORMATS[fmt])
+
+
+def decode(codes: Tensor, fmt: Format, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The values of a 1-byte float ``codes`` tensor of ``fmt`` as ``dtype`` (float32 or
+    bfloat16, which hold every value exactly): ``codes.to(dtype)``, NaN bits included
+    (float32: torch's NaN payloads; bfloat16: the canonical quiet NaN)."""
+    m, bias, _ = _fields(fmt)
+    c = codes.view(torch.uint8).to(torch.int32)
+    mag = c & 0x7F
+    e, mant = mag >> m, mag & ((1 << m) - 1)
+    normal = ((e + (127 - bias)) << 23) | (mant << (23 - m))
+    sub = (mant.to(torch.float32) * 2.0 ** (1 - bias - m)).view(torch.int32)
+    sign = (c >> 7) << 31
+    bits = torch.where(e == 0, sub, normal)
+    if fmt.special == "ieee":  # Inf: float32's all-ones exponent; NaN: quiet, payload kept
+        top = (1 << 7) - (1 << m)
+        bits = torch.where(mag == top, 0x7F800000, bits)
+        bits = torch.where(mag > top, 0x7FC00000 | (mant << (23 - m)), bits)
+        nan = mag > top
+    elif fmt.special == "fn":  # NaN: all ones, payload kept as torch's cast keeps it
+        nan = mag == 0x7F
+        bits = torch.where(nan, 0x7F800000 | (mant << (23 - m)), bits)
+    else:  # fnuz: the code 0x80 is NaN; torch gives it the bits 0x7F800001
+        nan = c == 0x80
+        sign = torch.where(nan, 0, sign)
+        bits = torch.where(nan, 0x7F800001, bits)
+    v = (bits | sign).view(torch.float32)
+    if dtype == torch.float32:
+        return v
+    if dtype != torch.bfloat16:
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    b16 = v.to(dtype).view(torch.int16)
+    return torch.where(nan, 0x7FC0, b16).to(torch.int16).view(dtype)  # torch's NaN
+
+
+# ---------------------------------------------------------------------------------------
+# Storage
+# ---------------------------------------------------------------------------------------
+
+
+def storage_dtype(fmt: str | Format) -> torch.dtype:
+    """The torch dtype that holds every value of ``fmt`` exactly, using the fewest bytes:
+    the format's own dtype when torch has one, else bf16, fp16 or fp32.
+
+    Example:
+        >>> storage_dtype("e4m3fn"), storage_dtype("e2m1"), storage_dtype("tf32")
+        (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
+    """
+    fmt = get_format(fmt, arg="fmt")
+    if fmt.torch_dtype is not None:
+        return fmt.torch_dtype
+    for cand in (BF16, FP16, FP32):
+        if (
+            fmt.mantissa_bits <= cand.mantissa_bits
+            and fmt.max <= cand.max
+            and fmt.min_subnormal >= cand.min_subnormal
+        ):
+            dt = cand.torch_dtype
+            assert dt is not None
+            return dt
+    return torch.float32
