@@ -48,7 +48,7 @@ from lowprec.jobs.rundir import (
     write_atomic,
 )
 from lowprec.jobs.train import NonFiniteError, TrainConfig, train
-from lowprec.recipes import get_recipe
+from lowprec.recipes import Recipe, get_recipe
 
 __all__ = [
     "DEMO_CONFIG",
@@ -204,8 +204,9 @@ class DemoInterrupted(Interrupted):
         )
 
 
-def is_emulated(recipe: str) -> bool:
-    """Whether the recipe's narrow GEMMs run emulated here (FP8/FP4 without CUDA)."""
+def is_emulated(recipe: str | Recipe) -> bool:
+    """Whether ``recipe``'s (a preset name or a :class:`~lowprec.recipes.Recipe`) narrow
+    GEMMs run emulated here (FP8/FP4 without CUDA)."""
     r = get_recipe(recipe)
     narrow = (
         r.float8 is not None

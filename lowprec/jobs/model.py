@@ -136,6 +136,14 @@ class CharGPT(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
+    @property
+    def dummy_inputs(self) -> dict[str, Tensor]:
+        """Example inputs, as HF models carry them: what :func:`lowprec.unit.unit_scale`
+        runs once to find the adds of the modules ``torch.fx`` cannot trace (this root's
+        sequence-length check, the attention's mask slice)."""
+        p = self.tok.weight
+        return {"idx": torch.zeros(2, self.cfg.seq_len, dtype=torch.long, device=p.device)}
+
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         t = idx.shape[1]
         if t > self.cfg.seq_len:

@@ -1,9 +1,11 @@
 """The unit technique's entry point: :func:`apply`, and the recipes' hook :func:`apply_unit`.
 
-:func:`apply` turns a standard model into its unit-scaled u-μP equivalent (residual τ by
-u-μP's depth rule, :func:`lowprec.unit.umup.umup_taus`); :func:`recipe_param_groups` gives
-its u-μP AdamW parameter groups for a caller's learning rate; :func:`apply_unit` is the two
-together, as ``lowprec.recipes`` calls them.
+:func:`apply` ``(model, config_or_preset)`` turns a standard model into its unit-scaled u-μP
+equivalent (residual τ by u-μP's depth rule, :func:`lowprec.unit.umup.umup_taus`);
+:func:`recipe_param_groups` gives its u-μP AdamW parameter groups for a caller's learning
+rate; :func:`apply_unit` is the two together, as ``lowprec.recipes`` calls them.
+:func:`lowprec.unit.unit_scale` is the transform under :func:`apply`, with the residual
+τ scheme selectable (default: running mean).
 
 Base lr mapping: recipes pass the learning rate tuned for the standard model (the demo's
 ``3e-3``). u-μP's global ``η`` lives on another scale (unit-variance weights: O(1)), so
@@ -20,41 +22,71 @@ from typing import Any
 
 from torch import nn
 
+from lowprec.core.registry import Registry
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.transform import unit_scale
 from lowprec.unit.umup import umup_param_groups, umup_taus
 
-__all__ = ["UMUP_LR_PER_LR", "apply", "apply_unit", "recipe_param_groups"]
+__all__ = ["PRESETS", "UMUP_LR_PER_LR", "apply", "apply_unit", "recipe_param_groups"]
 
 # η = UMUP_LR_PER_LR · lr: the demo's lr 3e-3 maps to η = 1.0 (the sweep behind it:
 # docs/unit-scaling.md; rerun with benchmarks/bench_umup_sweep.py).
 UMUP_LR_PER_LR = 1.0 / 3e-3
 
 
-def apply(
-    model: nn.Module, config: UnitConfig | None = None, *, reinit: bool = False, **kw: Any
-) -> nn.Module:
-    """A unit-scaled u-μP copy of ``model`` (``model`` is not changed): the unit technique's
-    one entry point.
+PRESETS: Registry[UnitConfig] = Registry("unit preset", UnitConfig)
+PRESETS.add("default", description="unit scaling and u-muP in the model's dtype")
+PRESETS.add("float8", float8=True,
+            description="every hidden matmul rounded to E4M3/E5M2 (the readout not)")  # fmt: skip
+PRESETS.add("float8-readout", float8=True, float8_readout=True,
+            description="every matmul, the readout's included, rounded to E4M3/E5M2")  # fmt: skip
 
-    :func:`lowprec.unit.unit_scale` with ``config`` (default ``UnitConfig()``), residual τ
-    by u-μP's depth rule and the readout found automatically (the last ``nn.Linear``).
-    Every weight is re-initialised to unit variance, so ``reinit=True`` is required (a
-    model's own weights are never discarded silently); ``kw`` goes to ``unit_scale``
-    (e.g. ``example_inputs``). Cast the result afterwards as usual; train it with
-    :func:`recipe_param_groups` (or :func:`lowprec.unit.umup_param_groups`).
+
+def apply(
+    model: nn.Module,
+    config: UnitConfig | str | None = None,
+    *,
+    reinit: bool = True,
+    readout: str | None = "auto",
+    example_inputs: Any = None,
+) -> nn.Module:
+    """A unit-scaled u-μP copy of ``model`` (``model`` is not changed): the unit
+    technique's one entry point.
+
+    ``config``: a :class:`UnitConfig`, a preset name of :data:`PRESETS` (``"default"``,
+    ``"float8"``, ``"float8-readout"``) or ``None`` (``UnitConfig()``); every setting of
+    the technique is in it (no keyword overrides it). Residual τ follow u-μP's depth rule
+    (:func:`lowprec.unit.umup.umup_taus`). ``reinit``, ``readout`` and ``example_inputs``:
+    as :func:`lowprec.unit.unit_scale` (by default every weight is re-initialised to unit
+    variance, which a unit-scaled model trains from). Cast the result afterwards as
+    usual; train it with :func:`recipe_param_groups` (or
+    :func:`lowprec.unit.umup_param_groups`).
 
     Example:
         >>> from lowprec.jobs.model import CharGPT, ModelConfig
-        >>> m = apply(CharGPT(ModelConfig(width=32, depth=1, heads=2)), UnitConfig(), reinit=True)
+        >>> m = apply(CharGPT(ModelConfig(width=32, depth=1, heads=2)), "float8")
         >>> [t.split()[-1] for t in m.unit_report["residual_adds"]]  # umup_taus(2)
         ['(tau=0.3333)', '(tau=0.25)']
+        >>> m._unit_config.float8, m.unit_report["unsupported"]
+        (True, [])
     """
     if config is None:
         config = UnitConfig()
+    elif isinstance(config, str):
+        config = PRESETS.get(config)
     if not isinstance(config, UnitConfig):
-        raise TypeError(f"config must be a UnitConfig, got {type(config).__name__}")
-    return unit_scale(model, reinit=reinit, residual=umup_taus, config=config, **kw)
+        raise TypeError(
+            f"config must be a UnitConfig, a preset name ({', '.join(PRESETS)}) or None, "
+            f"got {type(config).__name__}"
+        )
+    return unit_scale(
+        model,
+        reinit=reinit,
+        residual=umup_taus,
+        config=config,
+        readout=readout,
+        example_inputs=example_inputs,
+    )
 
 
 def recipe_param_groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
@@ -76,13 +108,14 @@ def recipe_param_groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
 
 
 def apply_unit(
-    model: nn.Module, *, float8: bool, lr: float, reinit: bool = False
+    model: nn.Module, *, float8: bool, lr: float, reinit: bool = True
 ) -> tuple[nn.Module, list[dict[str, Any]]]:
-    """``(apply(model, UnitConfig(float8=float8), reinit=reinit), recipe_param_groups(·, lr))``.
+    """``(apply(model, UnitConfig(float8=float8), reinit=reinit), recipe_param_groups(·, lr))``:
+    the recipes' hook, :func:`apply` and its parameter groups in one call.
 
     Example:
         >>> from lowprec.jobs.model import CharGPT, ModelConfig
-        >>> m, groups = apply_unit(CharGPT(ModelConfig(width=32, depth=1, heads=2)), float8=False, lr=3e-3, reinit=True)
+        >>> m, groups = apply_unit(CharGPT(ModelConfig(width=32, depth=1, heads=2)), float8=False, lr=3e-3)
         >>> sorted(round(g["lr_mult"], 1) for g in groups)  # η/lr · (1/√128, 1/√32, 1)
         [29.5, 58.9, 333.3]
     """  # noqa: E501

@@ -336,6 +336,12 @@ class Runtime:
     def _pre(self, name: str, module: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
         if name == "<root>":  # a new forward (an earlier one may have raised mid-way)
             self.reset()
+        self.enter(name, module, args, kw)
+
+    def enter(
+        self, name: str, module: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> None:
+        """Push module ``name``'s call frame (what its forward pre-hook does)."""
         fr = _RFrame(name, self.plans.get(name))
         if any(st.skip is not None and st.skip[0] == "view" for st in (fr.steps or {}).values()):
             fr.locs = {}

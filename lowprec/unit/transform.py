@@ -1,6 +1,6 @@
-"""``unit_scale(model, reinit=True)``: turn a standard PyTorch model (one of yours, or an HF
-transformers model, decoder or encoder, pre-norm or post-norm) into its unit-scaled
-equivalent.
+"""``unit_scale(model)``, the transform under :func:`lowprec.unit.apply`: turn a standard
+PyTorch model (one of yours, or an HF transformers model, decoder or encoder, pre-norm or
+post-norm) into its unit-scaled equivalent.
 
 Four mechanisms, each doing what it is good at:
 
@@ -26,17 +26,26 @@ Four mechanisms, each doing what it is good at:
 4. **The readout** (by default the last ``nn.Linear``) gets μP's extra forward
    ``1/√fan_in`` (a forward hook).
 
-**Pretrained weights are never discarded silently.** A unit-scaled layer computes
+**Weights: re-initialised by default** (``reinit=True``). A unit-scaled layer computes
 ``x Wᵀ/√fan_in`` (and every op its own fixed factors), so a model's trained weights do not
 compute its function any more; no consistent rescaling exists in general (the residual
-``τ`` and the activations' factors change the mix). ``unit_scale`` therefore always
-re-initialises, and refuses (``ValueError``) unless called with ``reinit=True``.
+``τ`` and the activations' factors change the mix). The default therefore re-initialises
+every weight to unit variance, what a unit-scaled model trains from; ``reinit=False``
+keeps the weights as they are, for loading a unit-scaled model's ``state_dict`` next.
+
+**Residual adds of modules fx cannot trace** (a ``raise`` on a sequence length, a mask
+sliced by it: CharGPT's and most hand-written models' forwards; HF layers) are found by
+running the model once on example inputs: ``example_inputs``, else the model's
+``dummy_inputs`` where its ``forward`` names every key (HF models, CharGPT), else the
+model's first call, on its own inputs (``unit_report["analysed_by_running"]`` is
+``"pending"`` until then; under ``torch.compile`` that call runs eagerly at a graph break,
+which ``fullgraph=True`` refuses: call the model once, or pass ``example_inputs``, first).
 
 **What is not handled is named**, with the module and the precise cause, in
-``unit_report["unsupported"]`` and in ONE WARNING at transform time: modules of types with
-no rule (Conv2d, BatchNorm, ...), leaf modules whose forward matches no rule, modules fx
-cannot trace when no example inputs were given, and (from the example run) each call the
-unit ops do not handle, e.g. ``model.layers.0.self_attn: F.scaled_dot_product_attention
+``unit_report["unsupported"]`` and in ONE WARNING at transform time (or at the deferred
+analysis, for what it finds): modules of types with no rule (Conv2d, BatchNorm, ...), leaf
+modules whose forward matches no rule, and (from the example run) each call the unit ops
+do not handle, e.g. ``model.layers.0.self_attn: F.scaled_dot_product_attention
 called with arguments its unit rule does not handle: attn_mask: a float (additive) mask
 ...``. Such a call runs unchanged; one first seen later warns once then. ``strict=True``
 raises ``NotImplementedError`` instead.
@@ -56,6 +65,7 @@ import logging
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -86,8 +96,13 @@ _NO_RULE_TYPES = (nn.Conv2d, nn.Conv3d, nn.modules.batchnorm._BatchNorm, nn.Grou
 def _unit_forward_class(cls: type[nn.Module]) -> type[nn.Module]:
     @functools.wraps(cls.forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        rt = self.__dict__.get("_unit_runtime")
-        with UnitMode(cast(UnitConfig, self._unit_config), rt):
+        # every input, positional or keyword, goes to the model's own forward unchanged
+        d = self.__dict__
+        if d.get("_unit_analysing"):  # the analysis run: its own mode converts the ops
+            return super(new_cls, self).forward(*args, **kwargs)  # type: ignore[arg-type]
+        if d.get("_unit_pending") is not None:
+            return _first_call(self, args, kwargs)
+        with UnitMode(cast(UnitConfig, self._unit_config), d.get("_unit_runtime")):
             return super(new_cls, self).forward(*args, **kwargs)  # type: ignore[arg-type]
 
     attrs = {"forward": forward, "__module__": cls.__module__}
@@ -134,8 +149,8 @@ def _example(
             ex = getattr(model, "dummy_inputs", None)
         except Exception:
             ex = None
-        if not isinstance(ex, Mapping):
-            return None
+        if not isinstance(ex, Mapping) or not _names_all(model, ex):
+            return None  # (e.g. HF's generic input_ids for ViT): analysed on the first call
     if isinstance(ex, Mapping):
         return (), dict(ex)
     if isinstance(ex, tuple):
@@ -148,12 +163,27 @@ def _example(
     )
 
 
+def _names_all(model: nn.Module, kw: Mapping[str, Any]) -> bool:
+    """Whether ``model.forward`` names every key of ``kw`` as a parameter (a key only a
+    ``**kwargs`` would take, as HF's generic ``input_ids`` for ViT, is not its input)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return all(k in named for k in kw)
+
+
 def _run_analysis(
     model: nn.Module, cfg: UnitConfig, ex: tuple[tuple[Any, ...], dict[str, Any]]
 ) -> tuple[Any, list[tuple[str, int]], list[tuple[str, str]]]:
+    """Run ``model`` once on ``ex`` (no gradients, eval mode, its own forward: the unit
+    model's mode is the analysis' outer one) and return the plans, the residual adds in
+    call order and the unhandled calls seen."""
     collected: list[tuple[str, str]] = []
     args, kw = ex
     modes = [m for m in model.modules() if m.training]
+    object.__setattr__(model, "_unit_analysing", True)
     try:
         model.eval()  # dropout off: the example run draws no random numbers
         with torch.no_grad():
@@ -163,6 +193,7 @@ def _run_analysis(
                 lambda where: UnitMode(cfg, _Where(where), collected),
             )
     finally:
+        object.__setattr__(model, "_unit_analysing", False)
         for m in modes:
             m.train()
     return plans, order, collected
@@ -177,47 +208,162 @@ class _Where:
         self.where = where
 
 
+@dataclass
+class _Plan:
+    """What :func:`_finish` needs to complete a transform: at transform time, or on the
+    model's first call when the analysis by running waits for its first inputs."""
+
+    residual: str | Sequence[float] | Callable[[int], list[float]]
+    tau: float
+    # (label, module name, split node name, add node name) of each residual add fx found
+    fx_adds: list[tuple[str, str, str, str]]
+    untraced: list[tuple[str, str]]
+    unsupported: list[str]  # known at transform time (module types, leaf modules)
+    warned: set[str] = field(default_factory=set)
+
+
+def _taus(plan: _Plan, n: int, final: bool) -> list[float]:
+    """One τ per residual add, ``n`` of them (``final=False``: the adds fx found, before a
+    deferred analysis adds its own: a list of τ may then be longer)."""
+    if isinstance(plan.residual, str):
+        return U.residual_taus(n, plan.residual, plan.tau)
+    taus = list(plan.residual(n)) if callable(plan.residual) else [float(t) for t in plan.residual]
+    if len(taus) != n and (final or len(taus) < n):
+        raise ValueError(f"residual: {n} residual adds found, got {len(taus)} taus")
+    return taus[:n]
+
+
+def _finish(
+    model: nn.Module, plan: _Plan, ex: tuple[tuple[Any, ...], dict[str, Any]] | None
+) -> None:
+    """Find the residual adds of the modules fx could not trace by running ``model`` on
+    ``ex`` (if given), set every residual's τ, install the runtime and write
+    ``unit_report``; log what is not handled (once per message)."""
+    cfg = cast(UnitConfig, model._unit_config)
+    pending = ex is None and bool(plan.untraced)
+    plans: dict[str, Any] = {}
+    order: list[tuple[str, int]] = []
+    op_msgs: list[tuple[str, str]] = []
+    if ex is not None and plan.untraced:
+        plans, order, op_msgs = _run_analysis(model, cfg, ex)
+    n = len(plan.fx_adds) + len(order)
+    taus = _taus(plan, n, final=not pending)
+    residual_names = _set_fx_taus(model, plan.fx_adds, taus[: len(plan.fx_adds)])
+    for (mname, k), t in zip(order, taus[len(plan.fx_adds) :], strict=True):
+        plans[mname][k].tau = t
+        residual_names.append(f"{mname}: add #{k} (tau={t:.4g})")
+    unit_adds = [f"{mname}: add #{k} ({st.kind})" for mname, steps in plans.items()
+                 for k, st in steps.items() if st.kind != "residual"]  # fmt: skip
+    runtime = None
+    if plan.untraced and ex is not None:  # the plans, and module names for run-time messages
+        runtime = Runtime(plans)
+        runtime.install(model)
+    seen_ops: dict[str, str] = {}
+    for key, msg in op_msgs:
+        seen_ops.setdefault(key, msg)
+        warn_once(_quiet, key, "%s", msg)
+    unsupported = plan.unsupported + list(seen_ops.values())
+    new = [u for u in unsupported if u not in plan.warned]
+    plan.warned.update(new)
+    if new:
+        log.warning("unit_scale: not handled, left unchanged (standard init and ops):\n  %s",
+                    "\n  ".join(new))  # fmt: skip
+    object.__setattr__(model, "_unit_runtime", runtime)
+    object.__setattr__(model, "_unit_pending", plan if pending else None)
+    report = model.__dict__["unit_report"]
+    report.update({
+        "residual_adds": residual_names,
+        "unit_adds": unit_adds,
+        "analysed_by_running": "pending" if pending else runtime is not None,
+        "unsupported": unsupported,
+    })  # fmt: skip
+
+
+def _first_call_eager(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The first call of a unit model whose analysis by running was deferred (modules fx
+    cannot trace, no example inputs): analyse on these inputs, then run the forward (with
+    the root's runtime frame its hooks would have pushed). Eager, also under
+    ``torch.compile`` (a graph break; ``fullgraph=True`` refuses it: call the model once,
+    or give ``example_inputs``, before compiling so)."""
+    plan = cast(_Plan, model.__dict__["_unit_pending"])
+    _finish(model, plan, (args, kwargs))
+    rt = cast(Runtime, model.__dict__["_unit_runtime"])
+    rt.reset()
+    rt.enter("<root>", model, args, kwargs)
+    try:
+        with UnitMode(cast(UnitConfig, model._unit_config), rt):
+            return cast(Any, super(type(model), model)).forward(*args, **kwargs)
+    finally:
+        rt.reset()
+
+
+_first_call = cast(Callable[..., Any], torch.compiler.disable(_first_call_eager))  # type: ignore[no-untyped-call]
+
+
+def _config(config: UnitConfig | None, float8: bool | None, strict: bool | None) -> UnitConfig:
+    """The transform's :class:`UnitConfig`: ``config``, or one from the keywords; both is
+    refused (a config never silently overrides a keyword)."""
+    for name, v in (("float8", float8), ("strict", strict)):
+        if v is not None and not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {type(v).__name__} {v!r}")
+    if config is None:
+        return UnitConfig(float8=bool(float8), strict=bool(strict))
+    if not isinstance(config, UnitConfig):
+        raise TypeError(f"config must be a UnitConfig or None, got {type(config).__name__}")
+    given = [name for name, v in (("float8", float8), ("strict", strict)) if v is not None]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: set in the UnitConfig passed as config, not as keywords "
+            f"too (e.g. config=UnitConfig(float8=True, strict=True))"
+        )
+    return config
+
+
 def unit_scale(
     model: nn.Module,
     *,
-    reinit: bool = False,
-    float8: bool = False,
+    reinit: bool = True,
+    float8: bool | None = None,
     residual: str | Sequence[float] | Callable[[int], list[float]] = "running-mean",
     tau: float = 0.5,
     readout: str | None = "auto",
     config: UnitConfig | None = None,
-    strict: bool = False,
+    strict: bool | None = None,
     example_inputs: Any = None,
 ) -> nn.Module:
-    """Return a unit-scaled copy of ``model`` (``model`` itself is not changed).
+    """Return a unit-scaled copy of ``model`` (``model`` itself is not changed): the
+    transform behind :func:`lowprec.unit.apply`, the technique's entry point, with the
+    residual τ scheme selectable.
 
-    ``reinit=True`` is required: every weight is re-initialised to unit variance (see the
-    module doc: a model's own, e.g. pretrained, weights are never kept silently).
     Called exactly like ``model``, with the same outputs (a loss from ``F.cross_entropy``
-    keeps its true value; only gradients are scaled). ``residual``: the τ scheme of
-    :func:`lowprec.unit.functional.residual_taus` (``"running-mean"``, ``"fixed"`` with
-    ``tau``), one ``τ`` per residual add found, or a function of their number ``n`` giving
-    the list (e.g. :func:`lowprec.unit.umup.umup_taus`). ``readout``: the output layer's
-    module name (``"auto"``: the last ``nn.Linear``; ``None``: none). ``config`` overrides
-    ``float8``/``strict`` and sets the mults. ``example_inputs`` (a tuple of positional
-    arguments, a dict of keyword arguments or one tensor; default: an HF model's
-    ``dummy_inputs``): run once, without gradients, to find the residual adds of modules
-    fx cannot trace. The result's ``unit_report`` dict says what was converted and what
-    was left unchanged.
+    keeps its true value; only gradients are scaled); every positional and keyword input
+    reaches the model's own ``forward``.
+
+    ``reinit``: ``True`` (default) re-initialises every weight to unit variance, which a
+    unit-scaled model trains from; ``False`` keeps the weights as they are, for loading a
+    unit-scaled model's ``state_dict`` into the result next (a model's own, e.g. pretrained,
+    weights do not compute its function once unit-scaled: see the module doc).
+    ``residual``: the τ scheme of :func:`lowprec.unit.functional.residual_taus`
+    (``"running-mean"``, ``"fixed"`` with ``tau``), one ``τ`` per residual add found, or a
+    function of their number ``n`` giving the list (e.g. :func:`lowprec.unit.umup.umup_taus`).
+    ``readout``: the output layer's module name (``"auto"``: the last ``nn.Linear``;
+    ``None``: none). ``config``: a :class:`UnitConfig`; or ``float8``/``strict`` as
+    keywords (default ``False``) — not both (``ValueError`` naming the keywords).
+    ``example_inputs`` (a tuple of positional arguments, a dict of keyword arguments or one
+    tensor; default: the model's ``dummy_inputs`` if its ``forward`` names every key, as HF
+    models and :class:`~lowprec.jobs.model.CharGPT` carry them): run once, without
+    gradients, to find the residual adds of modules fx cannot trace. With none, that
+    analysis runs on the model's first call, on its inputs (``unit_report`` is complete
+    from then on; until then ``unit_report["analysed_by_running"] == "pending"``). The
+    result's ``unit_report`` dict says what was converted and what was left unchanged.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if reinit is not True:
-        raise ValueError(
-            f"reinit: unit_scale re-initialises every weight to unit variance (a model's own, "
-            f"e.g. pretrained, weights do not compute its function once unit-scaled); pass "
-            f"reinit=True to confirm, got reinit={reinit!r}"
-        )
+    if not isinstance(reinit, bool):
+        raise TypeError(f"reinit must be a bool, got {type(reinit).__name__} {reinit!r}")
     if hasattr(model, "_unit_config"):
         raise ValueError("model: already unit-scaled")
-    if config is not None and not isinstance(config, UnitConfig):
-        raise TypeError(f"config must be a UnitConfig or None, got {type(config).__name__}")
-    cfg = config or UnitConfig(float8=float8, strict=strict)
+    cfg = _config(config, float8, strict)
     ex = _example(model, example_inputs)
     model = copy.deepcopy(model)
     bad = sorted({f"{type(m).__name__}: no unit-scaling rule for this module type"
@@ -225,34 +371,12 @@ def unit_scale(
     if bad and cfg.strict:
         raise NotImplementedError(f"unit_scale: no unit-scaling rule for modules {bad}")
     converted, left = convert_modules(model)
-    _reinit(model)
+    if reinit:
+        _reinit(model)
     if left and cfg.strict:
         raise NotImplementedError(f"unit_scale: {left[0]}")
     found, untraced = find_residual_modules(model)
     model, fx_adds = _apply_fx(model, found)
-    plans: dict[str, Any] = {}
-    order: list[tuple[str, int]] = []
-    op_msgs: list[tuple[str, str]] = []
-    if untraced and ex is not None:
-        plans, order, op_msgs = _run_analysis(model, cfg, ex)
-    n = len(fx_adds) + len(order)
-    if isinstance(residual, str):
-        taus = U.residual_taus(n, residual, tau)
-    elif callable(residual):
-        taus = list(residual(n))
-    else:
-        taus = [float(t) for t in residual]
-    if len(taus) != n:
-        raise ValueError(f"residual: {n} residual adds found, got {len(taus)} taus")
-    found_names = _set_fx_taus(fx_adds, taus[: len(fx_adds)])
-    residual_names = found_names
-    unit_adds = []
-    for (mname, k), t in zip(order, taus[len(fx_adds) :], strict=True):
-        plans[mname][k].tau = t
-        residual_names.append(f"{mname}: add #{k} (tau={t:.4g})")
-    for mname, steps in plans.items():
-        unit_adds += [f"{mname}: add #{k} ({st.kind})" for k, st in steps.items()
-                      if st.kind != "residual"]  # fmt: skip
     head = _find_readout(model, readout)
     if head is not None:
         head_module = model.get_submodule(head)
@@ -260,67 +384,58 @@ def unit_scale(
         head_module.register_forward_hook(_ReadoutScale(cfg.output_mult / math.sqrt(fan_in)))
         if cfg.float8 and not cfg.float8_readout:
             head_module.forward = types.MethodType(_readout_forward, head_module)  # type: ignore[method-assign]
-    runtime = None
-    if untraced and ex is not None:  # the plans, and module names for run-time messages
-        runtime = Runtime(plans)
-        runtime.install(model)
-    why = "torch.fx cannot trace it and no example_inputs were given: its adds stay plain adds"
-    not_run = [f"{n_} ({c}): {why}" for n_, c in untraced] if ex is None else []
-    seen_ops: dict[str, str] = {}
-    for key, msg in op_msgs:
-        seen_ops.setdefault(key, msg)
-        warn_once(_quiet, key, "%s", msg)
-    unsupported = bad + left + not_run + list(seen_ops.values())
-    if unsupported:
-        log.warning("unit_scale: not handled, left unchanged (standard init and ops):\n  %s",
-                    "\n  ".join(unsupported))  # fmt: skip
     _route_loss_modules(model)
     model.__class__ = _unit_forward_class(type(model))
     object.__setattr__(model, "_unit_config", cfg)
-    object.__setattr__(model, "_unit_runtime", runtime)
     object.__setattr__(model, "unit_report", {
-        "residual_adds": residual_names,
-        "unit_adds": unit_adds,
+        "residual_adds": [],
+        "unit_adds": [],
         "readout": head,
         "converted_modules": converted,
         "untraced_modules": [f"{n_} ({c})" for n_, c in untraced],
-        "analysed_by_running": runtime is not None,
-        "unsupported": unsupported,
-        "reinit": True,
+        "analysed_by_running": False,
+        "unsupported": [],
+        "reinit": reinit,
     })  # fmt: skip
+    plan = _Plan(residual, tau, fx_adds, untraced, bad + left)
+    _finish(model, plan, ex)
     return model
 
 
 def _apply_fx(
     model: nn.Module, found: list[tuple[str, nn.Module, fx.Graph, list[Any]]]
-) -> tuple[nn.Module, list[tuple[str, fx.GraphModule, fx.Node, fx.Node]]]:
+) -> tuple[nn.Module, list[tuple[str, str, str, str]]]:
     """Rewrite the residual adds fx found (τ set later by :func:`_set_fx_taus`); returns
-    the model (a new root if the root was traced) and ``(name, module, split, add)`` each."""
-    adds: list[tuple[str, Any, fx.Node, fx.Node]] = []
+    the model (a new root if the root was traced) and, for each add, ``(label, module
+    name, split node name, add node name)`` (names, not nodes: they survive a deep copy)."""
+    adds: list[tuple[str, str, str, str]] = []
     for name, _m, graph, res in found:
         for add, skip, out in res:
             split = rewrite_residual(graph, add, skip, out, 0.5)
-            adds.append((f"{name or '<root>'}.{add.name}", name, split, add))
-    gms: dict[str, fx.GraphModule] = {}
+            adds.append((f"{name or '<root>'}.{add.name}", name, split.name, add.name))
     for name, m, graph, _ in reversed(found):  # deepest first: parents copy rewritten children
         gm = fx.GraphModule(m, graph, class_name=type(m).__name__)
-        gms[name] = gm
         if not name:
             model = gm
         else:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, gm)
-    return model, [(label, gms[name], split, add) for label, name, split, add in adds]
+    return model, adds
 
 
 def _set_fx_taus(
-    adds: list[tuple[str, fx.GraphModule, fx.Node, fx.Node]], taus: list[float]
+    model: nn.Module, adds: list[tuple[str, str, str, str]], taus: list[float]
 ) -> list[str]:
+    """Set each fx residual add's τ (and its split's), recompiling the modules changed."""
     names, dirty = [], {}
-    for (label, gm, split, add), t in zip(adds, taus, strict=True):
-        split.args = (split.args[0], t)
-        add.args = (add.args[0], add.args[1], t)
-        dirty[id(gm)] = gm
+    for (label, mname, split_name, add_name), t in zip(adds, taus, strict=True):
+        gm = cast(fx.GraphModule, model.get_submodule(mname))
+        nodes = {n.name: n for n in gm.graph.nodes}
+        split, add = nodes[split_name], nodes[add_name]
+        if split.args[1] != t or add.args[2] != t:
+            split.args = (split.args[0], t)
+            add.args = (add.args[0], add.args[1], t)
+            dirty[id(gm)] = gm
         names.append(f"{label} (tau={t:.4g})")
     for gm in dirty.values():
         gm.recompile()

@@ -250,8 +250,9 @@ def test_unhandled_named_once(caplog: pytest.LogCaptureFixture) -> None:
         unit_scale(m, reinit=True, example_inputs=(idx,), strict=True)
 
 
-def test_reinit_required_and_unknown_norm_left() -> None:
-    """No silent discard of weights: without ``reinit=True`` unit_scale refuses. A Gemma
+def test_reinit_default_keep_option_and_unknown_norm_left() -> None:
+    """Re-initialisation is the default (what a unit-scaled model trains from);
+    ``reinit=False`` keeps every weight as it is; a non-bool is refused by name. A Gemma
     ``(1 + w)`` norm is converted (``w`` re-initialised to 0: gain 1); a norm by the L2
     norm (``x/‖x‖·w``) matches no rule: left as it is, named with its cause."""
 
@@ -268,9 +269,15 @@ def test_reinit_required_and_unknown_norm_left() -> None:
             return F.normalize(x, dim=-1) * self.weight
 
     m = nn.Sequential(nn.Linear(8, 8), OnePlusNorm(), L2Norm(), nn.Linear(8, 4))
-    with pytest.raises(ValueError, match="reinit=True"):
-        unit_scale(m)
-    u = unit_scale(m, reinit=True)
+    with pytest.raises(TypeError, match="reinit must be a bool"):
+        unit_scale(m, reinit="yes")  # type: ignore[arg-type]
+    kept = unit_scale(m, reinit=False)
+    assert kept.unit_report["reinit"] is False
+    for (name, p), q in zip(kept.named_parameters(), m.parameters(), strict=True):
+        assert torch.equal(p, q), name  # every weight as it was
+    u = unit_scale(m)
+    assert u.unit_report["reinit"] is True
+    assert abs(float(u[0].weight.std()) - 1.0) < 0.5  # N(0, 1), 64 values (torch's: 0.2)
     assert u.unit_report["converted_modules"] == ["1 (OnePlusNorm: rms_norm)"]
     assert torch.equal(u[1].weight, torch.zeros(8))
     left = [s for s in u.unit_report["unsupported"] if s.startswith("2 (L2Norm)")]
