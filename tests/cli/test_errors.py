@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lowprec.cli import main
-from tests.conftest import cli_error
+from tests._helpers import cli_error
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [

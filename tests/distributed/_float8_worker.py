@@ -450,7 +450,7 @@ def launch(case: str, out_dir: Any) -> dict[str, Any]:
     """Run ``case`` on 2 processes (gloo) with torch's launcher; rank 0's JSON result."""
     from pathlib import Path
 
-    from tests.conftest import torchrun_json
+    from tests._helpers import torchrun_json
 
     result: dict[str, Any] = torchrun_json(Path(__file__), 2, Path(out_dir) / f"{case}.json", case)
     return result

@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import torchrun_json
+from tests._helpers import torchrun_json
 from tests.distributed._tp_worker import DP_PRESETS, LAYOUTS_1D, OTHER_TECHNIQUES, PRESETS
 
 pytestmark = pytest.mark.slow

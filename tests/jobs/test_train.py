@@ -20,24 +20,10 @@ from lowprec.jobs.train import (
     Interrupted,
     NonFiniteError,
     RunError,
-    TrainConfig,
     read_metrics,
     train,
 )
-
-TINY = TrainConfig(
-    steps=8,
-    batch_size=4,
-    seq_len=16,
-    width=32,
-    depth=1,
-    heads=2,
-    lr=3e-3,
-    warmup=2,
-    eval_every=4,
-    eval_batches=2,
-    ckpt_every=2,
-)
+from tests._helpers import TINY
 
 
 def _losses(out: Path) -> list[float]:

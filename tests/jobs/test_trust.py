@@ -20,7 +20,7 @@ from lowprec.cli import main
 from lowprec.jobs import report
 from lowprec.jobs.rundir import RunError, load_checkpoint
 from lowprec.recipes import Recipe
-from tests.conftest import cli_error
+from tests._helpers import cli_error
 
 TINY = [
     *("--steps", "4", "--batch-size", "2", "--seq-len", "16", "--width", "32", "--depth", "1"),

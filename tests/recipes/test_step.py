@@ -22,7 +22,7 @@ import lowprec.recipes.step as step_mod
 from lowprec.amp import DynamicLossScaler
 from lowprec.jobs.train import build, read_metrics, train
 from lowprec.recipes.step import Plain, set_lr, train_step
-from tests.jobs.test_train import TINY as JOB_TINY
+from tests._helpers import TINY as JOB_TINY
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
