@@ -9,7 +9,9 @@
 * with ``moments``: ``sumsq = Σ x²`` and ``sum_abs = Σ a`` over the finite values (float64
   accumulation, no float32 overflow) and ``amax = max a`` over the finite values.
 
-Everything else counts through it: :func:`grad_stats` (``lowprec.amp.grad_stats``),
+Everything else counts through it: :class:`GradTally` (gradient statistics summed over
+any number of gradients with one synchronisation: behind :func:`grad_stats`, re-exported
+as ``lowprec.amp.grad_stats``, and :class:`~lowprec.jobs.recorder.RunRecorder`'s hooks),
 :class:`GradMeter` (the training job's activation-gradient underflow) and
 :func:`lowprec.analysis.tracking.tensor_stats`. A :class:`~lowprec.ScaledTensor` is measured
 by its stored payload (``qdata``): that is what must fit the format. This module depends
@@ -30,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from lowprec.core.tensor import ScaledTensor
 
-__all__ = ["Counts", "GradMeter", "count_values", "grad_stats"]
+__all__ = ["Counts", "GradMeter", "GradTally", "count_values", "grad_stats"]
 
 _FIXED = 6  # numel, zero, nonfinite, nan, sumsq, sum_abs; then amax, below..., above...
 
@@ -136,30 +138,63 @@ def count_values(
     return _counts(vec, len(below), moments, nonfinite)
 
 
+class GradTally:
+    """Gradient statistics summed over gradients as they come, synchronised once.
+
+    :meth:`add` counts a gradient on its device without a host synchronisation (an FSDP2
+    ``DTensor`` gradient: this rank's shard, summed over the shard group's ranks in
+    :meth:`result`); :meth:`result` gives, over every value added since the last
+    :meth:`reset`, ``grad_zero_share`` (exact zeros), ``grad_nonfinite_share`` (Inf/NaN)
+    and ``grad_norm``, ``sqrt(Σ g²)`` over the finite values; all 0.0 when nothing was
+    added. A :class:`~lowprec.ScaledTensor` gradient is counted by its stored payload.
+
+    Example:
+        >>> t = GradTally()
+        >>> t.add(torch.tensor([0.0, 3.0])); t.add(torch.tensor([4.0, float("nan")]))
+        >>> t.result()
+        {'grad_zero_share': 0.25, 'grad_nonfinite_share': 0.25, 'grad_norm': 5.0}
+    """
+
+    def __init__(self) -> None:
+        self._total: Tensor | None = None
+        self._group: Any = None  # the process group of sharded (DTensor) gradients, if any
+
+    def add(self, grad: Tensor) -> None:
+        """Count the values of ``grad`` (no host synchronisation)."""
+        if isinstance(grad, DTensor):  # FSDP2: count this rank's shard, sum over ranks
+            self._group, grad = grad.device_mesh.get_group(), grad.to_local()
+        vec = _count_vector(grad, (), (), moments=True, nonfinite=True)
+        self._total = vec if self._total is None else self._total + vec.to(self._total.device)
+
+    def reset(self) -> None:
+        self._total, self._group = None, None
+
+    def result(self) -> dict[str, float]:
+        """The statistics of every value added (see the class docstring)."""
+        total = self._total
+        if total is not None and self._group is not None:
+            total = total.clone()
+            torch.distributed.all_reduce(total, group=self._group)  # counts and Σg² add
+        if total is None or total[0] == 0:
+            return {"grad_zero_share": 0.0, "grad_nonfinite_share": 0.0, "grad_norm": 0.0}
+        c = _counts(total.tolist(), 0, moments=True, nonfinite=True)
+        assert c.sumsq is not None and c.nonfinite is not None
+        return {
+            "grad_zero_share": c.zero / c.numel,
+            "grad_nonfinite_share": c.nonfinite / c.numel,
+            "grad_norm": math.sqrt(c.sumsq),
+        }
+
+
 def grad_stats(params: Iterable[Tensor]) -> dict[str, float]:
     """Share of gradient values that are exactly zero and that are non-finite, and the
     global gradient L2 norm ``sqrt(Σ g²)`` over the finite values, over all parameters
-    that have a gradient (one synchronisation)."""
-    total: Tensor | None = None
-    group: Any = None  # the process group of sharded (DTensor) gradients, if any
+    that have a gradient (one synchronisation; :class:`GradTally`)."""
+    tally = GradTally()
     for p in params:
         if p.grad is not None:
-            g = p.grad
-            if isinstance(g, DTensor):  # FSDP2: count this rank's shard, sum over ranks
-                group, g = g.device_mesh.get_group(), g.to_local()
-            vec = _count_vector(g, (), (), moments=True, nonfinite=True)
-            total = vec if total is None else total + vec.to(total.device)
-    if total is not None and group is not None:
-        torch.distributed.all_reduce(total, group=group)  # counts and Σg² add over shards
-    if total is None or total[0] == 0:
-        return {"grad_zero_share": 0.0, "grad_nonfinite_share": 0.0, "grad_norm": 0.0}
-    c = _counts(total.tolist(), 0, moments=True, nonfinite=True)
-    assert c.sumsq is not None and c.nonfinite is not None
-    return {
-        "grad_zero_share": c.zero / c.numel,
-        "grad_nonfinite_share": c.nonfinite / c.numel,
-        "grad_norm": math.sqrt(c.sumsq),
-    }
+            tally.add(p.grad)
+    return tally.result()
 
 
 class GradMeter:

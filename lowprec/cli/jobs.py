@@ -8,9 +8,11 @@ overwritten.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import MISSING, Field, fields, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,18 +23,39 @@ from rich.table import Table
 from lowprec.cli import parallel as cli_parallel
 from lowprec.distributed import env
 from lowprec.jobs.model import model_names
-from lowprec.jobs.rundir import read_config, summary_cells
-from lowprec.jobs.train import ON_NONFINITE, TrainConfig, train
-from lowprec.recipes import get_recipe, recipe_names
+from lowprec.jobs.rundir import RunError, read_config, summary_cells
+from lowprec.jobs.train import ON_NONFINITE, TrainConfig, saved_config, train
+from lowprec.recipes import Recipe, get_recipe, recipe_names
 
 __all__ = ["add_demo", "add_recipes", "add_report", "add_train"]
 
 
 def _recipe_arg(name: str) -> str:
+    """argparse ``type`` of a recipe's preset name (argparse prefixes ``argument
+    --recipe:``, so the message leaves out ``recipe:``)."""
     try:
         return get_recipe(name).name
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(str(e).removeprefix("recipe: ")) from None
+
+
+def _recipe_or_file(text: str) -> str | Recipe:
+    """argparse ``type`` of ``train --recipe``: a preset name, or a JSON file holding a
+    recipe in ``Recipe.to_dict``'s format (a name ending in ``.json``, or any existing
+    file), read strictly (no code runs: :mod:`lowprec.recipes.serial`)."""
+    path = Path(text)
+    if not (text.lower().endswith(".json") or path.is_file()):
+        return _recipe_arg(text)
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text} is not JSON ({e})") from None
+    try:
+        return Recipe.from_dict(d)
+    except (ValueError, TypeError, KeyError) as e:
+        raise argparse.ArgumentTypeError(f"{text} is not a recipe ({e})") from None
 
 
 def _positive_int(text: str) -> int:
@@ -42,16 +65,6 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return v
 
 
@@ -86,50 +99,63 @@ def _run_recipes(args: argparse.Namespace) -> int:
 
 # ---- lowprec train -------------------------------------------------------------------------
 
-_TRAIN_OPTIONS = ("steps", "batch_size", "seq_len", "width", "depth", "heads", "lr", "seed")
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_type(f: Field[Any]) -> Callable[[str], Any]:
+    """argparse ``type`` of TrainConfig field ``f``: parse the text as the field's type,
+    then check it as the config does (the message without the field's name, which
+    argparse gives as the flag)."""
+    if f.name == "recipe":
+        return _recipe_or_file
+    kind = {"int": int, "float": float}.get(str(f.type), str)
+    what = {int: "an integer", float: "a number", str: "a string"}[kind]
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        try:
+            TrainConfig.check_field(f.name, v)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{f.name} ")) from None
+        return v
+
+    return parse
 
 
 def add_train(subparsers: Any) -> None:
-    d = TrainConfig()
     p = subparsers.add_parser(
         "train",
         help="train the reference char-LM with a recipe",
         description="Train the reference character-level transformer on tinyshakespeare. "
         "Writes config.json, metrics.jsonl (one line per step), checkpoint.pt and "
         "summary.json to --out. Ctrl-C (or SIGTERM) finishes the current step, writes a "
-        "checkpoint and exits with 130 (143); --resume continues bit-exactly. See "
+        "checkpoint and exits with 130 (143); --resume --out DIR continues bit-exactly "
+        "with the run's own configuration. The progress bar and the final table show the "
+        "mean train loss of the last 10 steps and the median ms/step. See docs/cli.md and "
         "docs/reliability.md.",
     )
-    p.add_argument(
-        "--recipe",
-        type=_recipe_arg,
-        default=d.recipe,
-        help=f"one of: {', '.join(recipe_names())} (default {d.recipe})",
+    config = p.add_argument_group(
+        "the run's configuration",
+        "one flag per field of lowprec.jobs.train.TrainConfig, saved in config.json; "
+        "with --resume each defaults to the run's value, and only --steps may differ",
     )
-    p.add_argument(
-        "--model",
-        choices=model_names(),
-        default=None,
-        help="reference (default) or an HF transformers architecture, tiny and randomly "
-        "initialised, sized by --width/--depth/--heads (needs pip install 'lowprec[hf]'; "
-        "see docs/models.md); --resume reuses the run's model",
-    )
-    for name in _TRAIN_OPTIONS:
-        kind: Any = _positive_float if name == "lr" else _positive_int
-        if name == "seed":
-            kind = int
-        p.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=kind,
-            default=getattr(d, name),
-            help=f"default {getattr(d, name)}",
-        )
-    for name in ("eval_every", "eval_batches", "ckpt_every"):
-        p.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=_positive_int,
-            default=getattr(d, name),
-            help=f"default {getattr(d, name)}",
+    for f in fields(TrainConfig):
+        default = f.default if f.default is not MISSING else None
+        extra: dict[str, Any] = {"type": _field_type(f)}
+        text = f.metadata["help"]
+        if f.name == "recipe":
+            text += f" (Recipe.to_dict format); presets: {', '.join(recipe_names())}"
+            extra["metavar"] = "NAME|FILE.json"
+        elif f.name == "model":
+            extra = {"choices": model_names()}
+            text += "; needs pip install 'lowprec[hf]' for the HF ones"
+        config.add_argument(
+            _flag(f.name), default=None, help=f"{text} (default {default})", **extra
         )
     p.add_argument(
         "--out",
@@ -140,7 +166,8 @@ def add_train(subparsers: Any) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in --out (from its checkpoint; from step 0 if it has none)",
+        help="continue the run in --out (from its checkpoint; from step 0 if it has none) "
+        "with the configuration in its config.json",
     )
     p.add_argument(
         "--on-nonfinite",
@@ -161,19 +188,42 @@ def add_train(subparsers: Any) -> None:
     p.set_defaults(handler=_run_train, parser=p)
 
 
-def _run_train(args: argparse.Namespace) -> int:
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    """The run's configuration: the flags given over the defaults, or, with ``--resume``,
+    over the run's ``config.json`` (a flag that differs from it, other than ``--steps``:
+    :class:`RunError` naming the flag). Fills ``args.parallel`` from the run if not given."""
     parser: argparse.ArgumentParser = args.parser
-    if args.seed < 0:
-        parser.error(f"--seed: must be >= 0, got {args.seed}")
-    if args.resume and args.out is None:
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not args.resume:
+        try:
+            return TrainConfig(**given)
+        except ValueError as e:  # only the fields' combination: each flag was checked
+            parser.error(str(e))
+    if args.out is None:
         parser.error("--resume needs --out (the run directory to continue)")
-    if args.model is None:  # --resume: the run's own model
-        args.model = _run_model(args.out) if args.resume else TrainConfig().model
-    names = {f.name for f in fields(TrainConfig)}
-    try:
-        cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
-    except ValueError as e:
-        parser.error(str(e))
+    saved = read_config(args.out, "--resume")
+    base = saved_config(args.out, saved)
+    for name, v in given.items():
+        if name == "recipe":
+            differs = get_recipe(v).to_dict() != base.recipe_dict()
+        else:
+            differs = name != "steps" and v != getattr(base, name)
+        if differs:
+            shown = base.recipe_name if name == "recipe" else repr(getattr(base, name))
+            value = v.name if isinstance(v, Recipe) else v
+            raise RunError(
+                f"--resume: {_flag(name)} {value} conflicts with the run in {args.out} "
+                f"({name} {shown}); leave it out (only --steps may change)"
+            )
+    if args.parallel is None:
+        args.parallel = (saved.get("parallel") or {}).get("mode")
+    return replace(base, steps=given.get("steps", base.steps))
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    cfg = _train_config(args)
+    args.recipe = cfg.recipe_name  # the default run directory's name
     if args.nproc_per_node is not None:  # torch's launcher runs this command N times
         return cli_parallel.launch(args, getattr(args, "argv", None) or sys.argv[1:])
     out = cli_parallel.setup(args)
@@ -202,13 +252,8 @@ def _run_train(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     table.add_row(*cells.values())
     console.print(table)
+    console.print("train loss: the mean of the last 10 steps; ms/step: the median step")
     return 0
-
-
-def _run_model(out: Path) -> str:
-    """The model name recorded in run directory ``out`` (runs before --model: reference)."""
-    model = read_config(out, "--resume").get("train", {}).get("model", TrainConfig().model)
-    return str(model)
 
 
 # ---- lowprec demo --------------------------------------------------------------------------
@@ -327,7 +372,8 @@ def add_report(subparsers: Any) -> None:
         "--out",
         type=Path,
         default=Path("report.html"),
-        help="the HTML file to write (default report.html)",
+        help="the HTML file to write (default report.html); a missing folder is created "
+        "(and said so)",
     )
     p.add_argument("--title", default="", help="page title")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
@@ -341,6 +387,7 @@ def _run_report(args: argparse.Namespace) -> int:
         args.parser.error(f"--out: expected an .html file, got {args.out}")
     if args.out.exists() and not args.force:
         args.parser.error(f"--out: {args.out} already exists; pass --force to overwrite it")
+    missing = not args.out.parent.exists()
     path = write_report(args.runs, args.out, title=args.title)  # RunError: one line (main)
-    print(f"report: {path}")
+    print(f"report: {path}" + (f" (created the folder {path.parent})" if missing else ""))
     return 0

@@ -19,6 +19,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from difflib import get_close_matches
 from pathlib import Path
 from typing import TextIO, TypeAlias
 
@@ -254,8 +255,27 @@ def main(argv: list[str] | None = None) -> int:
     return run_then_guard(lambda: _main(argv))
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; an argument no parser knows is reported by the subcommand's parser
+    (its usage, and the nearest flag it has), not the top-level one."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub: argparse.ArgumentParser = getattr(args, "parser", parser)
+        flags = [s for a in sub._actions for s in a.option_strings if s.startswith("--")]
+        near = [
+            m
+            for x in extras
+            if x.startswith("--")
+            for m in get_close_matches(x.split("=", 1)[0], flags, n=1)
+        ]
+        hint = f" (did you mean {' / '.join(dict.fromkeys(near))}?)" if near else ""
+        sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+    return args
+
+
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for a relaunch (torchrun)
     handler: _Handler = args.handler
     prog = f"lowprec {args.command}"

@@ -18,17 +18,13 @@ import torch
 
 from lowprec.distributed import env
 from lowprec.jobs import parallel as par
+from lowprec.jobs import rundir
 from lowprec.jobs.rundir import (
     CHECKPOINT,
-    METRICS,
-    NUMERICS,
-    SUMMARY,
     NonFiniteError,
     RunError,
     load_checkpoint,
-    read_metrics,
     save_checkpoint,
-    truncate_jsonl,
 )
 from lowprec.recipes import Prepared
 
@@ -105,13 +101,7 @@ def restore(out: Path, prepared: Prepared, parallel: str | None = None) -> int:
 
 
 def cut_logs(out: Path, start: int) -> None:
-    """Cut the logs of ``out`` back to the checkpoint's step ``start`` (atomic rewrites)."""
-    truncate_jsonl(out / METRICS, start)  # metrics: "step" = steps done (1-based)
-    truncate_jsonl(out / NUMERICS, start - 1)  # numerics: 0-based step index
-    logged = [r["step"] for r in read_metrics(out)]
-    if logged != list(range(1, start + 1)):
-        raise RunError(
-            f"--resume: {out / METRICS} does not hold steps 1..{start} of the checkpoint once "
-            "each (edited or lost); the run cannot continue exactly"
-        )
-    (out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
+    """Cut the logs of ``out`` back to the checkpoint's step ``start``
+    (:func:`lowprec.jobs.rundir.cut_logs`: checked first, then atomic rewrites);
+    :class:`RunError` unless the metrics hold steps ``1..start`` once each."""
+    rundir.cut_logs(out, start, "--resume", every_step=True)

@@ -1,7 +1,8 @@
 """Record a run directory from your own training loop, for ``lowprec report``.
 
-:class:`RunRecorder` writes the files of a run directory (:mod:`lowprec.jobs.rundir`) as
-``lowprec train`` does: ``config.json`` at the start, one ``metrics.jsonl`` line per
+:class:`RunRecorder` is the one writer of a run directory's records
+(:mod:`lowprec.jobs.rundir`): ``lowprec train`` writes through it too. It writes
+``config.json`` at the start, one ``metrics.jsonl`` line per
 :meth:`RunRecorder.log` (appended whole, :func:`~lowprec.jobs.rundir.append_jsonl`), the
 numerics of the model (:mod:`lowprec.analysis.tracking`) in ``numerics.jsonl``, and
 ``summary.json`` when the block ends without an exception (atomic writes,
@@ -20,9 +21,17 @@ What each metrics record holds (``step`` = the number of steps done, 1-based, as
 * ``skipped`` and ``loss_scale``: given, or read from ``scaler`` (a lowprec loss scaler:
   the steps it recorded since the last ``log``, any skipped, and the scale they used;
   ``torch.amp.GradScaler``: ``get_scale()``), else False and 1;
-* ``grad_zero_share``: the share of exact zeros among the model's gradient values
-  accumulated since the last ``log`` (post-accumulate hooks; 0 when no backward ran);
+* ``grad_zero_share`` and ``grad_nonfinite_share``: the share of exact zeros and of
+  Inf/NaN among the model's gradient values, counted by
+  :class:`~lowprec.analysis.stats.GradTally` (the counting of ``lowprec.amp.grad_stats``)
+  in post-accumulate hooks each time a backward pass accumulates a parameter's gradient
+  since the last ``log`` (0 when no backward ran), unless given; ``count_grads=False``
+  installs no hooks (a loop that measures its gradients itself, as ``lowprec train``);
 * ``step_time``: seconds since the previous ``log`` (or the start), unless given.
+
+Every file is strict JSON: a NaN or infinite number is written as the string ``"NaN"``,
+``"Infinity"`` or ``"-Infinity"`` (:mod:`lowprec._json`); the readers of
+:mod:`lowprec.jobs.rundir` read them back as floats.
 
 Numerics: the first training-mode forward and backward of the model after the start and
 after each ``log(k)`` are recorded as step index ``k`` (0-based: the step being done)
@@ -32,12 +41,17 @@ first and the last tracked step. Forward passes in eval mode are never recorded.
 An existing non-empty directory is refused (:class:`~lowprec.jobs.rundir.RunError`) unless
 ``resume=True``: then its ``config.json`` must exist, and the run continues after the last
 logged step, or after step ``resume_from`` (the step of the checkpoint your loop restarts
-from): the records after it are dropped from both files (atomic rewrites).
+from): the records after it are dropped from both files (atomic rewrites,
+:func:`~lowprec.jobs.rundir.cut_logs`; a ``resume_from`` that is not a logged step is
+refused before anything changes).
+
+``writer=False`` measures as usual but writes and reads nothing: the other ranks of a
+process group, whose numerics of sharded tensors are collectives that every rank joins
+(with ``resume``, ``resume_from`` is then the step to continue after).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -47,19 +61,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lowprec import _faults
+from lowprec._json import dumps
+from lowprec.analysis.stats import GradTally
 from lowprec.analysis.tracking import Tracker
-from lowprec.core.tensor import ScaledTensor
 from lowprec.jobs.rundir import (
     CONFIG,
     METRICS,
     NUMERICS,
     SUMMARY,
     append_jsonl,
+    cut_logs,
     make_new_dir,
     read_config,
     read_metrics,
     summarize,
-    truncate_jsonl,
     write_atomic,
 )
 from lowprec.recipes import Recipe
@@ -70,6 +86,7 @@ __all__ = ["RunRecorder"]
 # The formats whose ranges the numerics measure: lowprec train's (jobs.train.TRACK_FORMATS).
 DEFAULT_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
 _RESERVED = {"step"}
+_OWN_KEYS = ("train", "recipe", "torch")  # config.json's entries that ``extra`` cannot set
 
 
 def _value(key: str, v: Any) -> Any:
@@ -102,6 +119,12 @@ class RunRecorder:
         formats: the formats the numerics judge ranges against.
         resume: append to an existing run directory.
         resume_from: with ``resume``, the number of steps done at the restart.
+        count_grads: count the gradients' zero and Inf/NaN shares in hooks (False: the
+            loop gives ``grad_zero_share`` to every :meth:`log` itself).
+        extra: more top-level entries of ``config.json`` (JSON values; ``lowprec train``:
+            ``model`` and ``parallel``); ``train``, ``recipe`` and ``torch`` are the
+            recorder's own.
+        writer: False: measure, but write (and read) nothing (see the module docstring).
 
     Example:
         >>> import tempfile, torch
@@ -129,6 +152,9 @@ class RunRecorder:
         formats: Sequence[str] = DEFAULT_FORMATS,
         resume: bool = False,
         resume_from: int | None = None,
+        count_grads: bool = True,
+        extra: Mapping[str, Any] | None = None,
+        writer: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -148,37 +174,46 @@ class RunRecorder:
             raise TypeError(f"recipe must be a str, Recipe or None, got {type(recipe).__name__}")
         if config is not None and not isinstance(config, Mapping):
             raise TypeError(f"config must be a mapping, got {type(config).__name__}")
+        if extra is not None and not isinstance(extra, Mapping):
+            raise TypeError(f"extra must be a mapping or None, got {type(extra).__name__}")
+        own = sorted(set(extra or {}) & set(_OWN_KEYS))
+        if own:
+            raise ValueError(f"extra: {own[0]!r} is an entry the recorder writes itself")
+        for name, flag in (("count_grads", count_grads), ("writer", writer)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         self.out, self.model, self.steps, self.scaler = Path(out), model, steps, scaler
-        self.numerics_every = numerics_every
-        self._config = self._make_config(recipe, dict(config or {}), steps)  # before any write
+        self.numerics_every, self.count_grads, self.writer = numerics_every, count_grads, writer
+        # checked before any write
+        self._config = self._make_config(recipe, dict(config or {}), steps, dict(extra or {}))
         self._last = 0  # the last step logged
-        if resume_from is not None and not resume:
-            raise ValueError("resume_from: only with resume=True")
-        if resume:
+        if resume_from is not None:
+            if not resume:
+                raise ValueError("resume_from: only with resume=True")
+            if isinstance(resume_from, bool) or not isinstance(resume_from, int):
+                raise TypeError(f"resume_from must be an int, got {type(resume_from).__name__}")
+            if resume_from < 0:
+                raise ValueError(f"resume_from must be >= 0, got {resume_from}")
+        if not writer:
+            self._last = resume_from or 0 if resume else 0
+        elif resume:
             read_config(self.out, "resume")
-            logged = [r["step"] for r in read_metrics(self.out)]
             if resume_from is not None:
-                if isinstance(resume_from, bool) or not isinstance(resume_from, int):
-                    raise TypeError(f"resume_from must be an int, got {type(resume_from).__name__}")
-                if resume_from not in (0, *logged):
-                    raise ValueError(
-                        f"resume_from: step {resume_from} is not recorded in {self.out / METRICS}"
-                    )
-                truncate_jsonl(self.out / METRICS, resume_from)
-                truncate_jsonl(self.out / NUMERICS, resume_from - 1)
-                logged = [k for k in logged if k <= resume_from]
+                logged = [r["step"] for r in cut_logs(self.out, resume_from, "resume_from")]
+            else:
+                logged = [r["step"] for r in read_metrics(self.out)]
+                (self.out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
             self._last = logged[-1] if logged else 0
-            (self.out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
         else:
             make_new_dir(self.out, "pass resume=True or another directory")
-            write_atomic(self.out / CONFIG, json.dumps(self._config, indent=2))
+            write_atomic(self.out / CONFIG, dumps(self._config, indent=2))
         self._tracker = Tracker(model, formats, auto_step=False)
         self._handles = [model.register_forward_pre_hook(self._on_forward)]
-        self._zeros: list[Tensor] = []
-        self._numel = 0
-        for p in model.parameters():
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
+        self._grads = GradTally()
+        if count_grads:
+            for p in model.parameters():
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
         self._seen_forward = False
         self._scaler_mark = len(getattr(scaler, "history", ()))
         self._t0 = time.perf_counter()
@@ -188,7 +223,10 @@ class RunRecorder:
     # -- config ------------------------------------------------------------------------------
     @staticmethod
     def _make_config(
-        recipe: str | Recipe | None, config: dict[str, Any], steps: int | None
+        recipe: str | Recipe | None,
+        config: dict[str, Any],
+        steps: int | None,
+        extra: dict[str, Any],
     ) -> dict[str, Any]:
         rdict: dict[str, Any] = {}
         if isinstance(recipe, Recipe):
@@ -201,11 +239,12 @@ class RunRecorder:
         if steps is not None:
             train["steps"] = steps
         out = {"train": train, "recipe": rdict, "torch": torch.__version__, "recorder": True}
-        try:
-            json.dumps(out)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"config: values must be JSON values ({e})") from None
-        return out
+        for name, part in (("config", train), ("extra", extra)):
+            try:
+                dumps(part)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"{name}: values must be JSON values ({e})") from None
+        return {**out, **extra}
 
     # -- hooks -------------------------------------------------------------------------------
     def _sampled(self, index: int) -> bool:
@@ -226,12 +265,8 @@ class RunRecorder:
         self._tracker.enabled = first and self._sampled(self._tracker.step)
 
     def _on_grad(self, p: Tensor) -> None:
-        g = p.grad
-        if g is None:
-            return
-        data = g.qdata if isinstance(g, ScaledTensor) else g
-        self._zeros.append((data == 0).sum())
-        self._numel += data.numel()
+        if p.grad is not None:
+            self._grads.add(p.grad)  # a ScaledTensor by its payload, a DTensor by its shard
 
     # -- logging -----------------------------------------------------------------------------
     def log(
@@ -257,21 +292,27 @@ class RunRecorder:
             raise TypeError(
                 f"loss must be a number or a one-element tensor, got {type(loss).__name__}"
             )
+        if not self.count_grads and "grad_zero_share" not in metrics:
+            raise ValueError("grad_zero_share: with count_grads=False, log() needs it")
         rec: dict[str, Any] = {"step": step, "loss": float(lv)}
         rec.update(self._from_scaler())
-        rec["grad_zero_share"] = (
-            float(torch.stack(self._zeros).sum()) / self._numel if self._numel else 0.0
-        )
+        if self.count_grads:
+            counted = self._grads.result()
+            rec["grad_zero_share"] = counted["grad_zero_share"]
+            rec["grad_nonfinite_share"] = counted["grad_nonfinite_share"]
         rec["step_time"] = now - self._t0
         rec.update({k: _value(k, v) for k, v in metrics.items()})
         for k in ("loss_scale", "grad_zero_share", "step_time"):
             if isinstance(rec[k], bool) or not isinstance(rec[k], (int, float)):
                 raise TypeError(f"{k} must be a number, got {type(rec[k]).__name__}")
         rec["skipped"] = bool(rec["skipped"])
-        append_jsonl(self.out / NUMERICS, self._tracker.records)
+        if self.writer:
+            append_jsonl(self.out / NUMERICS, self._tracker.records)
+            _faults.point("metrics")  # the numerics written, not the metrics line
+            append_jsonl(self.out / METRICS, [rec])
         self._tracker.records.clear()
-        append_jsonl(self.out / METRICS, [rec])
-        self._zeros, self._numel, self._t0, self._last = [], 0, now, step
+        self._grads.reset()
+        self._t0, self._last = now, step
         self._next(step)
         return rec
 
@@ -292,8 +333,20 @@ class RunRecorder:
         return out
 
     def records(self) -> list[dict[str, Any]]:
-        """The metrics records written so far (read back from the directory)."""
-        return read_metrics(self.out)
+        """The metrics records written so far (read back from the directory; ``[]`` for a
+        recorder that does not write)."""
+        return read_metrics(self.out) if self.writer else []
+
+    def write_summary(self) -> dict[str, Any]:
+        """Write ``summary.json`` (:func:`~lowprec.jobs.rundir.summarize` of the records
+        written) and return it; :class:`~lowprec.jobs.rundir.RunError` if there are none
+        yet. A recorder that does not write writes nothing and returns ``{}``. Callable
+        after :meth:`close`."""
+        if not self.writer:
+            return {}
+        s = summarize(self.out)
+        write_atomic(self.out / SUMMARY, dumps(s, indent=2))
+        return s
 
     # -- closing -----------------------------------------------------------------------------
     def close(self, summary: bool = True) -> None:
@@ -305,11 +358,11 @@ class RunRecorder:
         for h in self._handles:
             h.remove()
         self._tracker.remove()
-        append_jsonl(self.out / NUMERICS, self._tracker.records)
+        if self.writer:
+            append_jsonl(self.out / NUMERICS, self._tracker.records)
         self._tracker.records.clear()
         if summary and self._last > 0:
-            s = summarize(self.out)
-            write_atomic(self.out / SUMMARY, json.dumps(s, indent=2))
+            self.write_summary()
 
     def __enter__(self) -> RunRecorder:
         return self

@@ -40,7 +40,7 @@ from lowprec.analysis.diagnosis import (  # Run and diagnose re-exported: the re
 )
 from lowprec.analysis.plots import plot_curves, plot_exp_histograms, plot_scale_chart
 from lowprec.analysis.tracking import BACKWARD_KINDS
-from lowprec.jobs.rundir import read_metrics, read_run, summary_of, write_atomic
+from lowprec.jobs.rundir import RunError, read_metrics, read_run, summary_of, write_atomic
 
 __all__ = ["Run", "diagnose", "load_run", "plot_runs", "write_report"]
 
@@ -233,15 +233,18 @@ def write_report(
     histograms (the diagnosis and the tables stay). ``tolerance``: the seed spread of the
     val-loss gap per reference recipe, as the demo judges it
     (:func:`lowprec.analysis.diagnosis.summary_verdicts`; none: gaps below the failure
-    threshold are reported, not judged). Raises :class:`RunError` naming any directory
-    that is not a run."""
+    threshold are reported, not judged). The folder of ``out`` is created if it is
+    missing (with its parents). Raises :class:`RunError` naming any directory that is not
+    a run, or, before any work, the folder of ``out`` if it cannot be created or written
+    (a file stands in its way, or no permission)."""
     if not runs:
         raise ValueError("runs: give at least one run directory")
     if not isinstance(detail, bool):
         raise TypeError(f"detail must be a bool, got {type(detail).__name__}")
+    out = Path(out)
+    _check_folder(out.parent)
     loaded = [load_run(r) for r in runs]
     _unique_labels(loaded)
-    out = Path(out)
     parts = [
         f"<h1>{html.escape(title or 'lowprec numerics report')}</h1>",
         "<h2>Summary</h2>",
@@ -341,6 +344,24 @@ def write_report(
         f"<title>{html.escape(title or 'lowprec report')}</title><style>{_CSS}</style>"
         "</head><body>" + body + "</body></html>"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"cannot create the folder {out.parent}: {e.strerror or e}") from None
     write_atomic(out, page)  # a reader never sees half a page
     return out
+
+
+def _check_folder(folder: Path) -> None:
+    """:class:`RunError` unless ``folder`` is a writable directory or can be created: its
+    nearest existing ancestor is a writable directory."""
+    here = folder
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    made = "" if here == folder else f" (to create {folder} in it)"
+    if not here.is_dir():
+        if here == folder:
+            raise RunError(f"{folder} is not a directory (a file of that name exists)")
+        raise RunError(f"cannot create the folder {folder}: {here} is not a directory")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise RunError(f"the folder {here} is not writable{made}")

@@ -11,6 +11,11 @@ A run directory holds
 * ``checkpoint.pt`` (:data:`CHECKPOINT`): ``{"step", "run", "rng"}``;
 * ``summary.json`` (:data:`SUMMARY`): :func:`summary_of` the metrics, at the end.
 
+Every file is strict JSON (:mod:`lowprec._json`): a NaN or infinite number, such as the loss
+of a diverged run, is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``,
+never as a bare ``NaN`` token that strict parsers reject; every reader here turns those
+strings back into floats (files of older versions, with bare tokens, still read).
+
 How the files are written (``docs/reliability.md`` lists what survives which failure):
 
 * whole files (config, checkpoint, summary, and every rewrite of a JSON-lines file, such as
@@ -27,6 +32,8 @@ a failed check raises :class:`RunError` (a ``ValueError``) with a message for th
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import os
@@ -39,6 +46,7 @@ from typing import Any
 import torch
 
 from lowprec import _faults
+from lowprec._json import dumps, loads
 
 __all__ = [
     "CHECKPOINT",
@@ -49,7 +57,9 @@ __all__ = [
     "NonFiniteError",
     "RunError",
     "RunNote",
+    "RunningSummary",
     "append_jsonl",
+    "cut_logs",
     "load_checkpoint",
     "make_new_dir",
     "read_config",
@@ -131,7 +141,7 @@ def write_atomic(path: Path, write: Callable[[Any], None] | str | bytes) -> None
 def append_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
     """Append ``records`` as JSON lines to ``path`` in one ``write`` call (``O_APPEND``): a
     kill leaves whole lines, or at worst a torn last line that :func:`read_jsonl` drops."""
-    data = "".join(json.dumps(r) + "\n" for r in records).encode("utf-8")
+    data = "".join(dumps(r) + "\n" for r in records).encode("utf-8")
     if not data:
         return
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -166,7 +176,7 @@ def read_config(out: Path, context: str) -> dict[str, Any]:
     if not saved.is_file():
         raise RunError(f"{pre}{out} is not a run directory (no {CONFIG})")
     try:
-        config = json.loads(saved.read_text(encoding="utf-8"))
+        config = loads(saved.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RunError(f"{pre}{saved} is corrupt or unreadable ({e})") from None
     if not isinstance(config, dict) or not isinstance(config.get("train"), dict):
@@ -193,7 +203,7 @@ def read_jsonl(path: Path, required: tuple[str, ...] = ("step",)) -> list[dict[s
             continue
         last = i == len(lines) - 1 or (i == len(lines) - 2 and not lines[-1])
         try:
-            rec = json.loads(line)
+            rec = loads(line)
         except json.JSONDecodeError:
             rec = None
         if not isinstance(rec, dict) or (last and not complete):
@@ -256,8 +266,47 @@ def truncate_jsonl(path: Path, last: int) -> None:
     (:func:`write_atomic`): a kill during the rewrite leaves the old file."""
     if not path.exists():
         return
-    keep = [r for r in read_jsonl(path) if r["step"] <= last]
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
+    _rewrite(path, [r for r in read_jsonl(path) if r["step"] <= last])
+
+
+def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace ``path`` by ``records`` as JSON lines (atomically), unless it holds exactly
+    those lines already."""
+    text = "".join(dumps(r) + "\n" for r in records)
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    write_atomic(path, text)
+
+
+def cut_logs(out: Path, last: int, context: str, every_step: bool = False) -> list[dict[str, Any]]:
+    """Cut the logs of run directory ``out`` back to ``last`` steps done, for a run that
+    continues after step ``last`` (a checkpoint's): the metrics records of steps up to
+    ``last`` and the numerics of step indices below it stay, the rest and ``summary.json``
+    go (atomic rewrites). The metrics are read once, checked, then rewritten, so a failed
+    check changes nothing on disk. The records kept.
+
+    :class:`RunError` prefixed ``context`` unless the kept metrics end at step ``last``
+    (none for ``last == 0``), in increasing order, and, with ``every_step`` (a run that logs
+    every step, as ``lowprec train``), are steps ``1..last`` once each."""
+    path = out / METRICS
+    kept = [r for r in read_metrics(out) if r["step"] <= last]
+    steps = [r["step"] for r in kept]
+    if every_step and steps != list(range(1, last + 1)):
+        raise RunError(
+            f"{context}: {path} does not hold steps 1..{last} of the checkpoint once each "
+            "(edited or lost); the run cannot continue exactly"
+        )
+    increasing = all(a < b for a, b in itertools.pairwise(steps))
+    if not increasing or (last > 0 and (not steps or steps[-1] != last)):
+        raise RunError(f"{context}: step {last} is not recorded in {path} (edited or lost)")
+    if path.exists():
+        _rewrite(path, kept)
+    truncate_jsonl(out / NUMERICS, last - 1)  # numerics: 0-based step index
+    (out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
+    return kept
 
 
 def save_checkpoint(out: Path, state: dict[str, Any]) -> None:
@@ -318,25 +367,56 @@ def diverged_at(recs: list[dict[str, Any]]) -> int | None:
     return step
 
 
+TAIL = 10  # the train loss of a run is the mean of its last TAIL steps' losses
+
+
+class RunningSummary:
+    """The train loss and step time of a run as :func:`summary_of` measures them, kept up
+    to date step by step (the progress bar shows these, so that it ends on the numbers of
+    the final table): ``train_loss`` the mean loss of the last :data:`TAIL` steps,
+    ``step_time_ms`` the median step time, in milliseconds, of every step added (NaN
+    before the first)."""
+
+    def __init__(self, records: Iterable[dict[str, Any]] = ()) -> None:
+        self._losses: list[float] = []
+        self._times: list[float] = []  # sorted
+        for r in records:
+            self.add(r["loss"], r["step_time"])
+
+    def add(self, loss: float, step_time: float) -> None:
+        """Count one step: its train loss and its time in seconds."""
+        self._losses = [*self._losses[1 - TAIL :], float(loss)]
+        bisect.insort(self._times, float(step_time))
+
+    @property
+    def train_loss(self) -> float:
+        return statistics.fmean(self._losses) if self._losses else math.nan
+
+    @property
+    def step_time_ms(self) -> float:
+        return 1e3 * statistics.median(self._times) if self._times else math.nan
+
+
 def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
     """Final numbers of a run from its metrics records and ``config.json``: the mean train
-    loss of the last 10 steps, the last val loss and its bits per character (``/ ln 2``),
-    skipped steps, the mean share of zero gradient values and of activation-gradient
-    underflow, the median step time, and the step where it diverged (:func:`diverged_at`)."""
+    loss of the last :data:`TAIL` (10) steps, the last val loss and its bits per character
+    (``/ ln 2``), skipped steps, the mean share of zero gradient values and of
+    activation-gradient underflow, the median step time, and the step where it diverged
+    (:func:`diverged_at`). A run without records has NaN losses and 0 step time."""
     vals = [r for r in recs if "val_loss" in r]
-    tail = [r["loss"] for r in recs[-10:]]
+    running = RunningSummary(recs)
     final_val = vals[-1]["val_loss"] if vals else math.nan
     return {
         "recipe": cfg["train"].get("recipe", "?"),
         "steps": recs[-1]["step"] if recs else 0,
-        "train_loss": statistics.fmean(tail) if tail else math.nan,
+        "train_loss": running.train_loss,
         "val_loss": final_val,
         "val_bpc": final_val / math.log(2),
         "skipped_steps": sum(bool(r["skipped"]) for r in recs),
         "grad_zero_share": statistics.fmean(r["grad_zero_share"] for r in recs) if recs else 0,
         "act_grad_underflow": _mean(recs, "act_grad_underflow"),
         "act_grad_zero": _mean(recs, "act_grad_zero"),
-        "step_time_ms": 1e3 * statistics.median(r["step_time"] for r in recs) if recs else 0,
+        "step_time_ms": running.step_time_ms if recs else 0,
         "diverged_at": diverged_at(recs),
     }
 

@@ -5,6 +5,14 @@ line per step (from :func:`lowprec.recipes.step.train_step`), ``numerics.jsonl``
 first and the last step, ``checkpoint.pt`` (model, optimizer, loss scaler, data position,
 RNG states; every ``ckpt_every`` steps, at the end and on SIGINT/SIGTERM) and
 ``summary.json`` at the end. Every write is atomic or a whole-line append (see rundir).
+The records (config, metrics, numerics, summary) are written through
+:class:`~lowprec.jobs.recorder.RunRecorder`, the one writer of run directories, which
+``lowprec train`` shares with hand-written loops; checkpoints through
+:mod:`lowprec.jobs.checkpoints`.
+
+The progress bar shows the train loss and the step time as the final table (and
+``summary.json``) measure them: the mean loss of the last 10 steps and the median step
+time (:class:`~lowprec.jobs.rundir.RunningSummary`).
 
 A step is the unit of work: SIGINT/SIGTERM take effect between steps
 (:mod:`lowprec.jobs.interrupts`), then the run checkpoints and raises
@@ -23,11 +31,10 @@ parameters or optimizer state.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +43,6 @@ import torch
 from lowprec import _faults
 from lowprec.amp import NoLossScaler
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
-from lowprec.analysis.tracking import Tracker
 from lowprec.distributed import env
 from lowprec.distributed.parallel import PARALLEL
 from lowprec.distributed.parallel import prepare as dist_prepare
@@ -46,6 +52,7 @@ from lowprec.jobs.data import CharData
 from lowprec.jobs.interrupts import Interrupted, StopSignals
 from lowprec.jobs.model import ModelConfig, build_model, check_model_name
 from lowprec.jobs.progress import Progress
+from lowprec.jobs.recorder import RunRecorder
 from lowprec.jobs.rundir import (  # re-exported: the job's own names for its files
     CHECKPOINT,
     CONFIG,
@@ -54,15 +61,14 @@ from lowprec.jobs.rundir import (  # re-exported: the job's own names for its fi
     SUMMARY,
     NonFiniteError,
     RunError,
-    append_jsonl,
+    RunningSummary,
     make_new_dir,
     read_config,
     read_metrics,
     summarize,
     summary_of,
-    write_atomic,
 )
-from lowprec.recipes import Prepared, get_recipe, prepare
+from lowprec.recipes import Prepared, Recipe, get_recipe, prepare
 from lowprec.recipes.step import train_step
 
 __all__ = [
@@ -91,49 +97,88 @@ ON_NONFINITE = ("stop", "skip")  # what a step with an Inf/NaN loss or gradient 
 _MEMORY_SHARE = 0.8  # refuse a configuration whose step needs more of the machine's memory
 
 
+_POSITIVE = (
+    "steps",
+    "batch_size",
+    "seq_len",
+    "width",
+    "depth",
+    "heads",
+    "eval_every",
+    "eval_batches",
+    "ckpt_every",
+)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything that defines a training run of the reference model."""
+    """Everything that defines a training run of the reference model.
 
-    recipe: str = "fp32"
-    steps: int = 400
-    batch_size: int = 16
-    seq_len: int = 64
-    width: int = 128
-    depth: int = 2
-    heads: int = 4
-    lr: float = 3e-3
-    warmup: int = 20
-    seed: int = 0
-    eval_every: int = 50
-    eval_batches: int = 8
-    ckpt_every: int = 100
-    model: str = "reference"  # lowprec.jobs.model.model_names(): reference, llama, gpt2, ...
+    Every field is a flag of ``lowprec train`` (``--batch-size`` for ``batch_size``), with
+    the field's ``metadata["help"]``. ``recipe``: a preset name or a
+    :class:`~lowprec.Recipe` (``lowprec train --recipe FILE.json``); :meth:`to_dict` writes
+    its name, ``config.json`` the whole recipe. Invalid values raise ``ValueError`` (or
+    ``TypeError``) naming the field (:meth:`check_field`).
+    """
+
+    recipe: str | Recipe = field(
+        default="fp32", metadata={"help": "training recipe: a preset name or a JSON file"}
+    )
+    steps: int = field(default=400, metadata={"help": "training steps"})
+    batch_size: int = field(
+        default=16, metadata={"help": "sequences per step (the global batch under --parallel)"}
+    )
+    seq_len: int = field(default=64, metadata={"help": "characters per sequence"})
+    width: int = field(default=128, metadata={"help": "model width"})
+    depth: int = field(default=2, metadata={"help": "transformer layers"})
+    heads: int = field(default=4, metadata={"help": "attention heads (must divide --width)"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
+    warmup: int = field(
+        default=20, metadata={"help": "linear warm-up steps, then cosine decay to lr/10"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the initialisation and the data"})
+    eval_every: int = field(
+        default=50, metadata={"help": "evaluate every this many steps (and at the end)"}
+    )
+    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
+    ckpt_every: int = field(default=100, metadata={"help": "checkpoint every this many steps"})
+    model: str = field(
+        default="reference", metadata={"help": "reference or an HF architecture (docs/models.md)"}
+    )
 
     def __post_init__(self) -> None:
-        get_recipe(self.recipe)  # unknown names list the valid ones
-        check_model_name(self.model)
-        for name in (
-            "steps",
-            "batch_size",
-            "seq_len",
-            "width",
-            "depth",
-            "heads",
-            "eval_every",
-            "eval_batches",
-            "ckpt_every",
-        ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        for f in fields(self):
+            self.check_field(f.name, getattr(self, f.name))
         self.model_config()  # width divisible by heads
+
+    @classmethod
+    def check_field(cls, name: str, value: Any) -> None:
+        """Check ``value`` for field ``name`` alone: ``ValueError`` (``TypeError`` for a
+        recipe of the wrong type) whose message starts with the field's name."""
+        if name == "recipe":
+            get_recipe(value)  # unknown names list the valid ones
+        elif name == "model":
+            check_model_name(value)
+        elif name in _POSITIVE:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        elif name == "lr":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (ok and math.isfinite(value) and value > 0):
+                raise ValueError(f"lr must be a positive finite number, got {value!r}")
+        elif name in ("warmup", "seed"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        else:
+            raise ValueError(f"name: TrainConfig has no field {name!r}")
+
+    @property
+    def recipe_name(self) -> str:
+        return self.recipe.name if isinstance(self.recipe, Recipe) else self.recipe
+
+    def recipe_dict(self) -> dict[str, Any]:
+        """The recipe as ``Recipe.to_dict`` (what ``config.json`` stores)."""
+        return get_recipe(self.recipe).to_dict()
 
     def lr_at(self, step: int) -> float:
         """Learning rate of step ``step`` (0-based): linear warm-up over ``warmup`` steps,
@@ -149,12 +194,45 @@ class TrainConfig:
         return ModelConfig(vocab_size, self.width, self.depth, self.heads, self.seq_len)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as JSON values, ``recipe`` by its name."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["recipe"] = self.recipe_name
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """From :meth:`to_dict` (unknown keys are ignored; ``recipe`` a preset name)."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TrainConfig:
+        """The configuration a run directory's ``config.json`` records: its ``"train"``
+        entry, with the recipe rebuilt from its ``"recipe"`` dict (the preset name where
+        the dict is that preset's). ``ValueError``/``TypeError`` if it is not valid."""
+        train = dict(config["train"])
+        saved = config.get("recipe")
+        if isinstance(saved, dict) and saved:
+            name = train.get("recipe")
+            same = False
+            try:
+                same = isinstance(name, str) and get_recipe(name).to_dict() == saved
+            except ValueError:
+                pass  # not a preset: a recipe from a file
+            train["recipe"] = name if same else Recipe.from_dict(saved)
+        return cls.from_dict(train)
+
+    def differences(self, other: TrainConfig) -> list[str]:
+        """The names of the fields whose values differ between ``self`` and ``other``
+        (recipes compared by their dicts, whether given by name or as a Recipe)."""
+        out = []
+        for f in fields(self):
+            if f.name == "recipe":
+                if self.recipe_dict() != other.recipe_dict():
+                    out.append(f.name)
+            elif getattr(self, f.name) != getattr(other, f.name):
+                out.append(f.name)
+        return out
 
 
 def build(
@@ -217,10 +295,15 @@ def check_size(cfg: TrainConfig) -> CharData:
 def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None) -> None:
     if resume:
         saved = read_config(out, "--resume")
-        old = TrainConfig.from_dict(saved["train"])
-        if {**old.to_dict(), "steps": 0} != {**cfg.to_dict(), "steps": 0}:
+        old = saved_config(out, saved)
+        diff = [name for name in old.differences(cfg) if name != "steps"]
+        if diff:
+            what = "; ".join(
+                f"{name} {_shown(old, name)} in the run, {_shown(cfg, name)} now" for name in diff
+            )
             raise RunError(
-                f"--resume: {out} was made with a different configuration; only --steps may change"
+                f"--resume: {out} was made with a different configuration ({what}); only "
+                "--steps may change"
             )
         was = (saved.get("parallel") or {}).get("mode")
         if was != parallel:
@@ -233,6 +316,21 @@ def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None
         for f in out.iterdir():
             f.unlink()
     make_new_dir(out, "pass --resume or another --out")
+
+
+def saved_config(out: Path, saved: dict[str, Any] | None = None) -> TrainConfig:
+    """The :class:`TrainConfig` that run directory ``out`` records (``saved``: its
+    ``config.json``, if already read); :class:`RunError` if there is none or it is not
+    valid."""
+    saved = read_config(out, "--resume") if saved is None else saved
+    try:
+        return TrainConfig.from_config(saved)
+    except (ValueError, TypeError, KeyError) as e:
+        raise RunError(f"--resume: {out / CONFIG} is corrupt ({e})") from None
+
+
+def _shown(cfg: TrainConfig, name: str) -> str:
+    return cfg.recipe_name if name == "recipe" else repr(getattr(cfg, name))
 
 
 def _never_trained(out: Path) -> bool:
@@ -307,25 +405,37 @@ def train(
     has_ckpt = env.on_main(
         lambda: (out / (CHECKPOINT if parallel is None else par.POINTER)).exists(), RunError
     )
-    if not resume and env.is_main():
-        config = {
-            "train": cfg.to_dict(),
-            "recipe": prepared.recipe.to_dict(),
-            "model": cfg.model_config(data.vocab_size).to_dict(),
-            "torch": torch.__version__,
-            "parallel": None
-            if parallel is None
-            else {"mode": parallel, "world_size": env.world_size()},
-        }
-        write_atomic(out / CONFIG, json.dumps(config, indent=2))
-    _faults.point("startup")
-    end = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
-    loop = _Loop(cfg, out, prepared, data, on_nonfinite, max_skips, parallel)
-    loop.last_ckpt = start if has_ckpt else None
-    bar = Progress(cfg.steps, start, label or cfg.recipe, enabled=progress and env.is_main())
-    step = start
-    stops = StopSignals() if parallel is None else par.WorkerStopSignals()
+    extra = {
+        "model": cfg.model_config(data.vocab_size).to_dict(),
+        "parallel": None
+        if parallel is None
+        else {"mode": parallel, "world_size": env.world_size()},
+    }
+    # Rank 0 writes; every rank tracks (a statistic of a sharded tensor is a collective).
+    recorder = RunRecorder(
+        out,
+        prepared.model,
+        recipe=prepared.recipe,
+        config=cfg.to_dict(),
+        steps=cfg.steps,
+        numerics_every=cfg.steps,  # step indices 0 and steps - 1
+        formats=TRACK_FORMATS,
+        resume=resume,
+        resume_from=start if resume else None,
+        count_grads=False,  # train_step measures the gradients (all ranks' under --parallel)
+        extra=extra,
+        writer=env.is_main(),
+    )
     try:
+        _faults.point("startup")
+        end = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
+        loop = _Loop(cfg, prepared, data, recorder, on_nonfinite, max_skips, parallel)
+        loop.last_ckpt = start if has_ckpt else None
+        show = progress and env.is_main()
+        bar = Progress(cfg.steps, start, label or cfg.recipe_name, enabled=show)
+        running = RunningSummary(recorder.records() if show and resume else ())
+        step = start
+        stops = StopSignals() if parallel is None else par.WorkerStopSignals()
         with stops as signals, bar:
             received = env.agreed_signal(signals.received)
             while step < end and received is None:
@@ -335,7 +445,9 @@ def train(
                     with signals.protect():
                         checkpoints.save(out, prepared, step, parallel)
                     loop.last_ckpt = step
-                bar.update(step, rec, prepared.scaler.skipped_steps)
+                running.add(rec["loss"], rec["step_time"])
+                shown = {"loss": running.train_loss, "step_time": running.step_time_ms / 1e3}
+                bar.update(step, shown, prepared.scaler.skipped_steps)
                 received = env.agreed_signal(signals.received)  # every rank stops here
             if received is not None and step < end:
                 if loop.last_ckpt != step:
@@ -343,55 +455,40 @@ def train(
                         checkpoints.save(out, prepared, step, parallel)
                 raise Interrupted(step, received, str(out))
     finally:
-        loop.close()
+        recorder.close(summary=False)  # the hooks removed; the summary only at the end
     checkpoints.save(out, prepared, step, parallel)
     if step < cfg.steps:
         return {"stopped_at": step}
-    summary = env.on_main(lambda: summarize(out), RunError)
-    if env.is_main():
-        write_atomic(out / SUMMARY, json.dumps(summary, indent=2))
+    summary: dict[str, Any] = env.on_main(recorder.write_summary, RunError)
     return summary
 
 
 class _Loop:
-    """One step of the job: train, track, evaluate, log; the non-finite policy."""
+    """One step of the job: train, evaluate, record; the non-finite policy."""
 
     def __init__(
         self,
         cfg: TrainConfig,
-        out: Path,
         prepared: Prepared,
         data: CharData,
+        recorder: RunRecorder,
         on_nonfinite: str,
         max_skips: int,
         parallel: str | None = None,
     ) -> None:
-        self.cfg, self.out, self.prepared, self.data = cfg, out, prepared, data
-        self.parallel, self.main = parallel, env.is_main()
+        self.cfg, self.prepared, self.data, self.recorder = cfg, prepared, data, recorder
+        self.parallel = parallel
         self.on_nonfinite, self.max_skips = on_nonfinite, max_skips
         self.scaler_skips = not isinstance(prepared.scaler, NoLossScaler)
         self.meter = GradMeter(prepared.model)
-        # Numerics of every tensor at the first and the last training step (0-based index).
-        self.tracker = Tracker(prepared.model, TRACK_FORMATS, auto_step=False)
-        self.tracked = {0, cfg.steps - 1}
         self.skips = 0  # consecutive skipped steps
         self.last_ckpt: int | None = None  # the step of the checkpoint on disk
 
-    def close(self) -> None:
-        self.tracker.remove()
-
     def step(self, step: int) -> dict[str, Any]:
-        """Run step ``step`` (0-based) to its end, metrics line included; the record."""
-        cfg, tracker = self.cfg, self.tracker
-        # Every rank tracks (a statistic of a sharded tensor is a collective); rank 0 writes.
-        tracker.step, tracker.enabled = step, step in self.tracked
+        """Run step ``step`` (0-based) to its end, its records written; the metrics record."""
+        cfg = self.cfg
         rec = _train_step(self.prepared, self.data, step, cfg, self.meter, self.parallel)
-        tracker.enabled = False
-        if self.main:  # rank 0 writes the run directory
-            append_jsonl(self.out / NUMERICS, tracker.records)
-        tracker.records.clear()
         done = step + 1
-        rec["step"] = done
         self.skips = self.skips + 1 if rec["skipped"] else 0
         stop = None
         if rec["nonfinite"] is not None and not self.scaler_skips and self.on_nonfinite == "stop":
@@ -409,12 +506,9 @@ class _Loop:
             rec["stopped"] = "nonfinite"
         elif done % cfg.eval_every == 0 or done == cfg.steps:
             rec["val_loss"] = evaluate(self.prepared, self.data, cfg.eval_batches)
-        if self.main:
-            _faults.point("metrics")
-            append_jsonl(self.out / METRICS, [rec])
+        rec = self.recorder.log(done, **rec)  # the step's numerics, then its metrics line
         if stop is not None:
-            if self.main:
-                write_atomic(self.out / SUMMARY, json.dumps(summarize(self.out), indent=2))
+            self.recorder.write_summary()  # rank 0 writes
             kept = (
                 "no checkpoint yet"
                 if self.last_ckpt is None
