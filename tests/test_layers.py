@@ -364,6 +364,25 @@ def test_the_core_has_no_lazy_imports_of_itself() -> None:
     assert not lazy, "\n".join(lazy)
 
 
+def test_imports_of_reads_every_kind(tmp_path: Path) -> None:
+    f = tmp_path / "lowprec" / "a" / "m.py"
+    f.parent.mkdir(parents=True)
+    f.write_text(
+        "import lowprec.b\nfrom . import n\nfrom ..c import x\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lowprec.d import y\n"
+        "class K:\n    def g(self):\n        from lowprec.e import z\n"
+    )
+    got = [(i.target, i.names, i.lazy, i.type_only) for i in imports_of(f, "lowprec.a.m")]
+    assert got == [
+        ("lowprec.b", (), False, False),
+        ("lowprec.a", ("n",), False, False),
+        ("lowprec.c", ("x",), False, False),
+        ("typing", ("TYPE_CHECKING",), False, False),
+        ("lowprec.d", ("y",), False, True),
+        ("lowprec.e", ("z",), True, False),
+    ]
+
+
 def test_doc_layers_parse() -> None:
     text = "x\n## Layers\n\n```\nlowprec/\n  a/  b.py   words a/ here\n\n  c/ more\n```\n"
     assert doc_layers(text) == [["a/", "b.py"], ["c/"]]
