@@ -17,7 +17,15 @@ from torch import nn
 
 from lowprec import RunRecorder, prepare
 from lowprec.cli.main import main
-from lowprec.jobs.rundir import CONFIG, NUMERICS, SUMMARY, RunError, read_metrics, read_run
+from lowprec.jobs.rundir import (
+    CONFIG,
+    NUMERICS,
+    SUMMARY,
+    RunError,
+    RunNote,
+    read_metrics,
+    read_run,
+)
 
 STEPS = 6
 
@@ -140,3 +148,110 @@ def test_bad_values_are_refused(
     with pytest.raises(TypeError, match="config"):
         RunRecorder(tmp_path / "c", nn.Linear(1, 1), config={"f": object()})
     assert not (tmp_path / "c").exists(), "a refused config writes nothing"
+
+
+# ---- issue 29, item 6: one writer, one counting --------------------------------------------
+
+
+def test_gradient_shares_are_grad_stats_of_the_update(tmp_path: Path) -> None:
+    """The recorder's hooks count as lowprec.amp.grad_stats does (analysis.stats): equal
+    to grad_stats of the gradients the optimizer used, NaN gradients included."""
+    from lowprec.amp import grad_stats
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    seen = []
+    with RunRecorder(tmp_path / "r", m, numerics_every=None) as rec:
+        for k in range(3):
+            x = torch.randn(8, 6)
+            x[:, 5] = 0  # zero gradients: column 5 of the first weight
+            if k == 1:
+                x[0, 0] = float("nan")  # NaN into some gradients
+            m(x).square().mean().backward()
+            seen.append(grad_stats(m.parameters()))
+            opt.step()
+            opt.zero_grad()
+            rec.log(k + 1, loss=1.0)
+    recs = read_metrics(tmp_path / "r")
+    for r, s in zip(recs, seen, strict=True):
+        assert r["grad_zero_share"] == s["grad_zero_share"]
+        assert r["grad_nonfinite_share"] == s["grad_nonfinite_share"]
+    assert recs[0]["grad_zero_share"] >= 16 / 146 and recs[0]["grad_nonfinite_share"] == 0
+    assert recs[1]["grad_nonfinite_share"] > 0, "the NaN step is counted"
+    assert json.loads((tmp_path / "r" / SUMMARY).read_text())["grad_zero_share"] > 0
+
+
+def test_count_grads_off_writer_off_and_extra(tmp_path: Path) -> None:
+    m = nn.Linear(2, 1)
+    with RunRecorder(tmp_path / "a", m, count_grads=False, extra={"model": {"w": 2}}) as rec:
+        m(torch.ones(1, 2)).sum().backward()
+        with pytest.raises(ValueError, match="grad_zero_share: with count_grads=False"):
+            rec.log(1, loss=1.0)
+        r = rec.log(1, loss=1.0, grad_zero_share=0.5)
+    assert r["grad_zero_share"] == 0.5 and "grad_nonfinite_share" not in r
+    assert not m._forward_pre_hooks and not any(
+        p._post_accumulate_grad_hooks for p in m.parameters()
+    )
+    assert json.loads((tmp_path / "a" / CONFIG).read_text())["model"] == {"w": 2}
+    with pytest.raises(ValueError, match="extra: 'train' is an entry the recorder writes"):
+        RunRecorder(tmp_path / "b", m, extra={"train": {}})
+    # writer=False: measures, writes and reads nothing (the other ranks of a process group)
+    with RunRecorder(tmp_path / "c", m, writer=False, resume=True, resume_from=4) as rec:
+        r = rec.log(loss=2.0)
+        assert r["step"] == 5 and rec.records() == [] and rec.write_summary() == {}
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_refused_resume_from_changes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    m = nn.Linear(2, 1)
+    with RunRecorder(out, m, numerics_every=1) as rec:
+        for k in (2, 4, 6):
+            m(torch.ones(1, 2)).sum().backward()
+            rec.log(k, loss=float(k))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(RunError, match=r"resume_from: step 5 is not recorded in .*metrics\.jsonl"):
+        RunRecorder(out, m, resume=True, resume_from=5)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / "numerics.jsonl").write_text((out / "numerics.jsonl").read_text() + '{"step": 9')
+    with pytest.warns(RunNote, match="torn last line"):
+        RunRecorder(out, m, resume=True, resume_from=4, numerics_every=1).close()
+    assert [r["step"] for r in read_metrics(out)] == [2, 4]
+    steps = [json.loads(line)["step"] for line in (out / NUMERICS).read_text().splitlines()]
+    assert sorted(set(steps)) == [0, 2], "numerics of the step indices below 4 stay"
+    assert json.loads((out / SUMMARY).read_text())["steps"] == 4
+
+
+def test_lowprec_train_writes_through_the_recorder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every record of lowprec train goes through RunRecorder.log, the summary through
+    write_summary, the config through its constructor; the training module itself holds
+    no writer of records."""
+    import lowprec.jobs.train as train_mod
+    from lowprec.jobs.recorder import RunRecorder as Real
+    from tests._helpers import TINY
+
+    calls: list[str] = []
+
+    class Spy(Real):
+        def log(self, step: int | None = None, **kw: Any) -> dict[str, Any]:
+            calls.append("log")
+            return super().log(step, **kw)
+
+        def write_summary(self) -> dict[str, Any]:
+            calls.append("summary")
+            return super().write_summary()
+
+    monkeypatch.setattr(train_mod, "RunRecorder", Spy)
+    from dataclasses import replace
+
+    summary = train_mod.train(replace(TINY, steps=3), tmp_path / "r", progress=False)
+    assert calls == ["log", "log", "log", "summary"]
+    assert json.loads((tmp_path / "r" / SUMMARY).read_text()) == summary
+    config = json.loads((tmp_path / "r" / CONFIG).read_text())
+    assert config["recorder"] is True and config["train"]["steps"] == 3
+    assert set(config) == {"train", "recipe", "torch", "recorder", "model", "parallel"}
+    for name in ("append_jsonl", "write_atomic", "json", "Tracker"):
+        assert not hasattr(train_mod, name), name

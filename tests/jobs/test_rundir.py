@@ -4,6 +4,7 @@ run stopped before its first checkpoint, corrupt files (issue 14, defects 2 and 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 import lowprec.jobs.rundir as rundir
 import lowprec.jobs.train as train_mod
+from lowprec._json import dumps, loads
 from lowprec.jobs.rundir import (
     RunError,
     RunNote,
@@ -213,4 +215,36 @@ def test_summary_marks_only_real_divergence() -> None:
     assert rundir.summary_of(ended, cfg)["diverged_at"] == 4
     stopped = [*recovered, {**base, "step": 4, "loss": 3.0, "stopped": "nonfinite"}]
     assert rundir.summary_of(stopped, cfg)["diverged_at"] == 4
-    assert json.dumps(rundir.summary_of(recovered, cfg))  # plain JSON
+    text = dumps(rundir.summary_of(ended, cfg))  # strict JSON: no bare NaN
+    assert json.loads(text, parse_constant=_refuse)["train_loss"] == "NaN"
+    assert math.isnan(loads(text)["train_loss"])
+
+
+def _refuse(token: str) -> None:
+    raise ValueError(f"bare {token}: not strict JSON")
+
+
+def test_strict_json_encoding_of_nonfinite_numbers(tmp_path: Path) -> None:
+    """NaN and ±Inf anywhere become the strings "NaN", "Infinity", "-Infinity" (JSON has
+    no such numbers); the readers give floats back, and still read the bare tokens of
+    files written before."""
+    inf = float("inf")
+    value = {"a": math.nan, "b": [1.5, -inf, {"c": inf}], "d": "text", "e": None, "f": 2}
+    text = dumps(value)
+    assert text == (
+        '{"a": "NaN", "b": [1.5, "-Infinity", {"c": "Infinity"}], "d": "text", "e": null, "f": 2}'
+    )
+    back = loads(text)
+    assert math.isnan(back["a"]) and back["b"] == [1.5, -inf, {"c": inf}]
+    assert {k: back[k] for k in "def"} == {"d": "text", "e": None, "f": 2}
+    with pytest.raises(TypeError):
+        dumps({"x": object()})
+    path = tmp_path / "m.jsonl"
+    append_jsonl(path, [{"step": 1, "loss": math.nan}, {"step": 2, "loss": inf}])
+    for line in path.read_text().splitlines():
+        json.loads(line, parse_constant=_refuse)
+    truncate_jsonl(path, 1)
+    assert path.read_text() == '{"step": 1, "loss": "NaN"}\n'
+    path.write_text('{"step": 1, "loss": NaN}\n{"step": 2, "loss": -Infinity}\n')  # before
+    recs = read_jsonl(path)
+    assert math.isnan(recs[0]["loss"]) and recs[1]["loss"] == -inf

@@ -160,8 +160,12 @@ def test_resume_errors(tmp_path: Path) -> None:
     (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(RunError, match="corrupt"):
         train(TINY, out, resume=True, progress=False)
-    with pytest.raises(RunError, match="different configuration"):
+    with pytest.raises(
+        RunError, match=r"different configuration \(lr 0\.003 in the run, 0\.001 now\); only"
+    ):
         train(replace(TINY, lr=1e-3), out, resume=True, progress=False)
+    with pytest.raises(RunError, match=r"\(recipe fp32 in the run, bf16 now; seed 0 in the run"):
+        train(replace(TINY, recipe="bf16", seed=1), out, resume=True, progress=False)
 
 
 @pytest.mark.parametrize(
