@@ -9,12 +9,21 @@ and registered as module buffers: pass the tensor to the constructor (``amax_his
 ``calib_amax=``) and the scaler reads and writes that very tensor. A caller that threads
 the state through an autograd function (so that ``torch.compile`` sees it as an input)
 passes it per call with ``state=``.
+
+**One place for "a scale from amax over time".** A caller that knows the ``amax`` already
+(the ``amax`` of a whole tensor sharded over ranks, or of many tensors reduced in one
+collective) passes it as ``amax=`` instead of the tensor; a scaler built with a
+``reducer`` (an :data:`AmaxReducer`, e.g. an ``all_reduce(MAX)`` over a process group, as
+Transformer Engine reduces amax in one place) reduces the ``amax`` of each tensor it is
+called on before using it. Either way the scale is :func:`Scaler.scale_of` of that amax,
+which is :func:`lowprec.core.scales.group_scale` — the one scale function of lowprec.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -24,7 +33,19 @@ from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity, as_granularity
 from lowprec.core.scales import _check_margin, amax, group_scale
 
-__all__ = ["DelayedScaler", "DynamicScaler", "Scaler", "StaticScaler", "delayed_amax", "push_amax"]
+__all__ = [
+    "AmaxReducer",
+    "DelayedScaler",
+    "DynamicScaler",
+    "Scaler",
+    "StaticScaler",
+    "delayed_amax",
+    "push_amax",
+]
+
+AmaxReducer = Callable[[Tensor], Tensor]
+"""Reduces a local ``amax`` (any shape) element-wise with ``max`` across processes and
+returns the result (the same on every process); it must not modify its argument."""
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +59,8 @@ class Scaler(ABC):
 
     Call it on a tensor to get the scale to use for that tensor; it updates its state.
     ``state_dict()`` / ``load_state_dict()`` save and restore that state exactly.
+    ``reducer``: an :data:`AmaxReducer` applied to the ``amax`` of every tensor the scaler
+    is called on (not to an ``amax=`` given by the caller, which is used as is).
     """
 
     def __init__(
@@ -46,6 +69,7 @@ class Scaler(ABC):
         granularity: str | Granularity = "tensor",
         margin: float = 0.0,
         power_of_two: bool = False,
+        reducer: AmaxReducer | None = None,
     ) -> None:
         self.fmt = get_format(fmt, arg="fmt")
         self.granularity = as_granularity(granularity)
@@ -53,6 +77,9 @@ class Scaler(ABC):
         if not isinstance(power_of_two, bool):
             raise TypeError(f"power_of_two must be a bool, got {type(power_of_two).__name__}")
         self.power_of_two = power_of_two
+        if reducer is not None and not callable(reducer):
+            raise TypeError(f"reducer must be callable or None, got {type(reducer).__name__}")
+        self.reducer = reducer
         self.nonfinite: Tensor | None = None  # int64 count of non-finite amax (lazily made)
 
     @property
@@ -60,11 +87,24 @@ class Scaler(ABC):
         """How many calls saw a non-finite ``amax`` (reading it synchronises the device)."""
         return 0 if self.nonfinite is None else int(self.nonfinite)
 
-    def _scale(self, a: Tensor) -> Tensor:
-        return group_scale(a, self.fmt, self.granularity, self.margin, self.power_of_two)
+    def scale_of(self, amax: Tensor) -> Tensor:
+        """The scale of an ``amax`` (:func:`~lowprec.core.scales.group_scale` with this
+        scaler's format, granularity, margin and power-of-two rounding); no state changes."""
+        return group_scale(amax, self.fmt, self.granularity, self.margin, self.power_of_two)
 
-    def _amax(self, x: Tensor) -> Tensor:
-        a = amax(x, self.granularity)
+    def _amax(self, x: Tensor | None, given: Tensor | None = None) -> Tensor:
+        """The ``amax`` to use: ``given`` as is, else ``x``'s reduced by :attr:`reducer`;
+        a non-finite one is counted."""
+        if given is not None:
+            if not isinstance(given, Tensor) or not given.dtype.is_floating_point:
+                raise TypeError(f"amax must be a floating-point tensor, got {given!r}")
+            a = given.detach().float()
+        elif x is None:
+            raise TypeError(f"{type(self).__name__}: give the tensor x or its amax=")
+        else:
+            a = amax(x, self.granularity)
+            if self.reducer is not None:
+                a = self.reducer(a)
         if torch.compiler.is_compiling():
             return a
         # Counted without a host sync; the warning (once) only where checking is free (CPU).
@@ -82,8 +122,9 @@ class Scaler(ABC):
         return a
 
     @abstractmethod
-    def __call__(self, x: Tensor) -> Tensor:
-        """Return the scale for ``x`` (shape ``granularity.scale_shape(x.shape)``)."""
+    def __call__(self, x: Tensor | None = None, *, amax: Tensor | None = None) -> Tensor:
+        """Return the scale for ``x`` (shape ``granularity.scale_shape(x.shape)``), or for a
+        tensor whose ``amax`` is given (already reduced where it must be)."""
 
     def config(self) -> dict[str, Any]:
         return {
@@ -153,10 +194,10 @@ class DynamicScaler(Scaler):
     _STATE_TENSORS = ("nonfinite", "last_amax")
     last_amax: Tensor | None = None  # the amax of the latest tensor (set per call)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        a = self._amax(x)
+    def __call__(self, x: Tensor | None = None, *, amax: Tensor | None = None) -> Tensor:
+        a = self._amax(x, amax)
         self.last_amax = a
-        return self._scale(a)
+        return self.scale_of(a)
 
 
 class _HistoryScaler(Scaler):
@@ -166,8 +207,9 @@ class _HistoryScaler(Scaler):
         granularity: str | Granularity,
         margin: float,
         power_of_two: bool,
+        reducer: AmaxReducer | None = None,
     ) -> None:
-        super().__init__(fmt, granularity, margin, power_of_two)
+        super().__init__(fmt, granularity, margin, power_of_two, reducer)
         if self.granularity.kind in ("mx", "nv"):
             raise ValueError(
                 f"granularity: MX scales are dynamic by definition (NV too); use DynamicScaler, "
@@ -175,11 +217,12 @@ class _HistoryScaler(Scaler):
             )
 
     @staticmethod
-    def _check_shape(x: Tensor, expected: tuple[int, ...], got: tuple[int, ...]) -> None:
+    def _check_shape(x: Tensor | None, expected: tuple[int, ...], got: tuple[int, ...]) -> None:
         if expected != got:
+            src = "amax" if x is None else f"x of shape {tuple(x.shape)}"
             raise ValueError(
-                f"x: scale shape {got} (from x of shape {tuple(x.shape)}) differs from the "
-                f"recorded scale shape {expected}"
+                f"x: scale shape {got} (from {src}) differs from the recorded scale shape "
+                f"{expected}"
             )
 
 
@@ -212,8 +255,9 @@ class DelayedScaler(_HistoryScaler):
         margin: float = 0.0,
         power_of_two: bool = False,
         amax_history: Tensor | None = None,
+        reducer: AmaxReducer | None = None,
     ) -> None:
-        super().__init__(fmt, granularity, margin, power_of_two)
+        super().__init__(fmt, granularity, margin, power_of_two, reducer)
         if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
             raise ValueError(f"history_len must be a positive int, got {history_len!r}")
         if algo not in ("max", "most_recent"):
@@ -242,17 +286,25 @@ class DelayedScaler(_HistoryScaler):
         if h is not None:
             self._check_history(h, "state['amax_history']")
 
-    def __call__(self, x: Tensor, update: bool = True, *, state: Tensor | None = None) -> Tensor:
-        """The scale for ``x``; records its ``amax`` when ``update``. ``state``: the history
-        tensor to use (and update in place) instead of :attr:`amax_history`."""
-        cur = self._amax(x)
+    def __call__(
+        self,
+        x: Tensor | None = None,
+        update: bool = True,
+        *,
+        state: Tensor | None = None,
+        amax: Tensor | None = None,
+    ) -> Tensor:
+        """The scale for ``x`` (or for the tensor whose ``amax`` is given); records that
+        ``amax`` when ``update``. ``state``: the history tensor to use (and update in place)
+        instead of :attr:`amax_history`."""
+        cur = self._amax(x, amax)
         hist = self.amax_history if state is None else state
         if hist is None:
             hist = torch.zeros((self.history_len, *cur.shape), device=cur.device)
             self.amax_history = hist
         else:
             self._check_shape(x, tuple(hist.shape[1:]), tuple(cur.shape))
-        scale = self._scale(delayed_amax(hist, cur, self.algo))
+        scale = self.scale_of(delayed_amax(hist, cur, self.algo))
         if update:
             hist.copy_(push_amax(hist, cur))
         return scale
@@ -282,8 +334,9 @@ class StaticScaler(_HistoryScaler):
         margin: float = 0.0,
         power_of_two: bool = False,
         calib_amax: Tensor | None = None,
+        reducer: AmaxReducer | None = None,
     ) -> None:
-        super().__init__(fmt, granularity, margin, power_of_two)
+        super().__init__(fmt, granularity, margin, power_of_two, reducer)
         if calibration_steps is not None and (
             isinstance(calibration_steps, bool)
             or not isinstance(calibration_steps, int)
@@ -316,7 +369,7 @@ class StaticScaler(_HistoryScaler):
             return
         if self.calib_amax is None:
             raise ValueError("StaticScaler.freeze(): no tensor seen yet; call it on data first")
-        self.scale = self._scale(self.calib_amax)
+        self.scale = self.scale_of(self.calib_amax)
 
     def unfreeze(self) -> None:
         """Go on calibrating from the maximum held (:attr:`calib_amax`), as if the scale had
@@ -350,27 +403,36 @@ class StaticScaler(_HistoryScaler):
         if a is not None and not bool((torch.isfinite(a) & (a >= 0)).all()):
             raise ValueError(f"state['calib_amax'] must be finite and >= 0, got {a!r}")
 
-    def __call__(self, x: Tensor, update: bool = True, *, state: Tensor | None = None) -> Tensor:
-        """The scale for ``x``. While not frozen, ``update`` records ``x``'s ``amax`` in the
-        calibration maximum (``state``: that tensor, instead of :attr:`calib_amax`); with
-        ``update=False`` the scale of the maximum so far (or of ``x``) is returned unrecorded."""
+    def __call__(
+        self,
+        x: Tensor | None = None,
+        update: bool = True,
+        *,
+        state: Tensor | None = None,
+        amax: Tensor | None = None,
+    ) -> Tensor:
+        """The scale for ``x`` (or for the tensor whose ``amax`` is given). While not
+        frozen, ``update`` records that ``amax`` in the calibration maximum (``state``: that
+        tensor, instead of :attr:`calib_amax`); with ``update=False`` the scale of the
+        maximum so far (or of ``x``) is returned unrecorded."""
         if self.scale is not None:
-            return self.scale.to(x.device)
-        cur = self._amax(x)
+            dev = x.device if x is not None else amax.device if amax is not None else None
+            return self.scale if dev is None else self.scale.to(dev)
+        cur = self._amax(x, amax)
         cur = torch.where(torch.isfinite(cur), cur, 0.0)
         calib = self.calib_amax if state is None else state
         if calib is not None:
             self._check_shape(x, tuple(calib.shape), tuple(cur.shape))
             cur = torch.maximum(calib, cur)
         if not update:
-            return self._scale(cur)
+            return self.scale_of(cur)
         if calib is None:
             self.calib_amax = cur
         else:
             calib.copy_(cur)
         if not torch.compiler.is_compiling():
             self.steps += 1
-        scale = self._scale(cur)
+        scale = self.scale_of(cur)
         if self.calibration_steps is not None and self.steps >= self.calibration_steps:
             self.scale = scale
         return scale

@@ -8,6 +8,8 @@ sharded checkpoints — built on torch's own machinery (``fully_shard``, DTensor
 # (parallel, env, checkpoint); float8 under torch.distributed: FP8 all-gather (FSDP2),
 # tensor parallel, scaling state (float8_fsdp, float8_tp, scaling_sync).
 from lowprec.distributed import checkpoint
+from lowprec.distributed import float8_dtensor as _float8_dtensor  # noqa: F401  (registers)
+from lowprec.distributed.amax import MaxReducer, mesh_amax
 from lowprec.distributed.env import init, shutdown
 from lowprec.distributed.float8_fsdp import (
     enable_fp8_all_gather,
@@ -31,6 +33,7 @@ from lowprec.distributed.scaling_sync import (
 __all__ = [
     "PARALLEL",
     "Float8ColwiseParallel",
+    "MaxReducer",
     "attach_scaling_sync",
     "checkpoint",
     "enable_fp8_all_gather",
@@ -38,6 +41,7 @@ __all__ = [
     "fp8_all_gather_layout",
     "fsdp_units",
     "init",
+    "mesh_amax",
     "mixed_precision_policy",
     "prepare",
     "scaling_state",

@@ -72,7 +72,6 @@ from torch.utils._pytree import tree_map_only
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity
 from lowprec.core.rounding import storage_dtype, to_format
-from lowprec.core.scalers import delayed_amax, push_amax
 from lowprec.core.tensor import ScaledTensor, register_rule
 from lowprec.core.warn import warn_once
 from lowprec.distributed import fsdp_blocks
@@ -308,14 +307,9 @@ def _refresh(group: _Group, mesh: DeviceMesh) -> None:
     for s, d, a in zip(live, shards, amaxes, strict=True):
         m = s.layer()
         assert m is not None
-        cast = m.recipe.weight
-        hist = getattr(m, "weight_amax_history", None)
-        if cast.scaling == "delayed" and isinstance(hist, Tensor):
-            s.scale = cast.scale_for(delayed_amax(hist, a, cast.algo))
-            if m.training:
-                hist.copy_(push_amax(hist, a))
-        else:
-            s.scale = cast.scale_for(a)
+        scale = m.role_scale("weight", amax=a)  # dynamic or delayed (eligible layers only)
+        assert scale is not None
+        s.scale = scale
         s.key = _key(d, m)
 
 

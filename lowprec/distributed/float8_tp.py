@@ -3,7 +3,7 @@ sequence-sharded input.
 
 ``Float8Linear`` composes with torch's own ``ColwiseParallel``, ``RowwiseParallel`` and
 ``SequenceParallel`` as they are: it computes its FP8 GEMMs on the local shards with the
-scales of the whole tensors (see :mod:`lowprec.float8.dtensor`).
+scales of the whole tensors (see :mod:`lowprec.distributed.float8_dtensor`).
 
 With sequence parallelism the input of a column-parallel linear is sharded along the
 sequence and must be all-gathered first. ``ColwiseParallel`` gathers it in its own dtype
@@ -31,9 +31,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lowprec.core.granularity import Granularity
 from lowprec.core.rounding import to_format
-from lowprec.core.scalers import DelayedScaler, StaticScaler, delayed_amax, push_amax
+from lowprec.core.scalers import StaticScaler
 from lowprec.core.tensor import ScaledTensor, register_rule
-from lowprec.float8.dtensor import mesh_amax
+from lowprec.distributed.amax import mesh_amax
 from lowprec.float8.linear import Float8Linear
 
 __all__ = ["Float8ColwiseParallel", "fp8_gather_input"]
@@ -54,21 +54,13 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledTen
 def _input_scale(layer: Float8Linear, x_local: Tensor, mesh: DeviceMesh) -> Tensor | None:
     """The scale of the whole input (identical on every rank), or ``None`` when the
     layer's input cast cannot be gathered in FP8 now."""
-    cast = layer.recipe.input
-    if cast.bound_granularity(1).kind != "tensor":
+    if layer.recipe.input.bound_granularity(1).kind != "tensor":
         return None
     sc = layer.scaler("input")
-    if sc is None:
-        return cast.scale_for(mesh_amax(x_local, mesh))
-    if isinstance(sc, StaticScaler):
-        return sc.scale if sc.frozen else None
-    assert isinstance(sc, DelayedScaler) and sc.amax_history is not None
-    a = mesh_amax(x_local, mesh)
-    hist = sc.amax_history
-    scale = cast.scale_for(delayed_amax(hist, a, cast.algo))
-    if layer.training:  # the record one process makes of the whole input
-        hist.copy_(push_amax(hist, a))
-    return scale
+    if isinstance(sc, StaticScaler) and not sc.frozen:
+        return None  # calibrating: the layer records the gathered input itself
+    # The scale (and the delayed record) one process makes of the whole input.
+    return layer.role_scale("input", amax=mesh_amax(x_local, mesh))
 
 
 class _GatherFP8(torch.autograd.Function):

@@ -31,13 +31,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from lowprec.core.scalers import StaticScaler
 from lowprec.float8.linear import Float8Linear
-from lowprec.float8.recipe import ROLES
 
 __all__ = ["attach_scaling_sync", "scaling_state", "sync_scaling_state"]
-
-_SUFFIXES = ("_amax_history", "_static_amax")
 
 
 def scaling_state(model: nn.Module) -> dict[str, Tensor]:
@@ -49,16 +45,14 @@ def scaling_state(model: nn.Module) -> dict[str, Tensor]:
     for name, m in model.named_modules():
         if not isinstance(m, Float8Linear):
             continue
-        for role in ROLES:
-            for suffix in _SUFFIXES:
-                key = role + suffix
-                t = m._buffers.get(key)
-                if isinstance(t, DTensor):  # tensor parallel replicates buffers: use the local
-                    t = t.to_local()
-                    m._buffers[key] = t
-                    m._bind_state()
-                if isinstance(t, Tensor):
-                    out[f"{name}.{key}" if name else key] = t
+        state = m.scaling_state()
+        # Tensor parallelism replicates buffers as DTensors: keep the local tensors.
+        local = {k: t.to_local() for k, t in state.items() if isinstance(t, DTensor)}
+        if local:
+            m.bind_scaling_state(local)
+            state = m.scaling_state()
+        for key, t in state.items():
+            out[f"{name}.{key}" if name else key] = t
     return out
 
 
@@ -82,10 +76,7 @@ def sync_scaling_state(model: nn.Module, group: dist.ProcessGroup | None = None)
             b.copy_(part.view_as(b))
     for m in model.modules():
         if isinstance(m, Float8Linear):
-            for role in ROLES:
-                sc = m.scaler(role)
-                if isinstance(sc, StaticScaler) and sc.frozen and not sc.given:
-                    sc.freeze()  # the scale of the reduced maximum
+            m.refresh_static_scales()  # the scales of the reduced maxima
     return int(flat.numel())
 
 

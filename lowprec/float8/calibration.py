@@ -41,7 +41,7 @@ def calibrate(model: nn.Module, fresh: bool = True) -> Iterator[None]:
         raise TypeError(f"fresh must be a bool, got {type(fresh).__name__}")
     for m in static:  # a new calibration starts from scratch (it may lower a scale)
         m._calibrating = True
-        for s in _calibrated_scalers(m) if fresh else ():
+        for s in m.calibrated_scalers() if fresh else ():
             s.reset()
     try:
         yield
@@ -53,7 +53,7 @@ def calibrate(model: nn.Module, fresh: bool = True) -> Iterator[None]:
         f"{names[id(m)] or 'model'}.{r}"
         for m in static
         for r in ROLES
-        if (t := m._state(r)) is not None and t.dim() == 0 and not bool(t > 0)
+        if (t := m.scaling_state().get(f"{r}_static_amax")) is not None and not bool(t > 0)
     ]
     if empty:
         raise ValueError(
@@ -61,17 +61,12 @@ def calibrate(model: nn.Module, fresh: bool = True) -> Iterator[None]:
             "inside the calibrate block"
         )
     for m in static:
-        for s in _calibrated_scalers(m):
+        for s in m.calibrated_scalers():
             s.freeze()
-
-
-def _calibrated_scalers(m: Float8Linear) -> list[StaticScaler]:
-    return [s for s in m._scalers.values() if isinstance(s, StaticScaler) and not s.given]
 
 
 def calibrated_scalers(model: nn.Module) -> list[StaticScaler]:
     """The scalers that :func:`calibrate` calibrates: every static role without a given
     scale, of every ``Float8Linear`` in ``model``."""
-    return [
-        s for m in model.modules() if isinstance(m, Float8Linear) for s in _calibrated_scalers(m)
-    ]
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    return [s for m in layers for s in m.calibrated_scalers()]

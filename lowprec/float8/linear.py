@@ -19,24 +19,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
-from lowprec.core.scalers import DelayedScaler, StaticScaler, delayed_amax, push_amax
+from lowprec.core.scalers import AmaxReducer, DelayedScaler, StaticScaler
+from lowprec.core.scales import amax as tensor_amax
 from lowprec.core.tensor import ScaledTensor
-from lowprec.float8.dtensor import dtensor_forward, mesh_amax
 from lowprec.float8.mm import autocast_off
 from lowprec.float8.operands import Operand, cast_kind, from_parts, gemm, operand, transposed
 from lowprec.float8.quant import Parts, dequantize_parts, quantize_parts
 from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 
-__all__ = ["Float8Linear"]
+__all__ = ["Float8Linear", "LinearFn", "WeightForward", "register_weight_forward"]
 
 HistoryScaler = DelayedScaler | StaticScaler
 _SUFFIXES = ("_amax_history", "_static_amax")  # a role's scaling-state buffer
+_ROLE_LETTER = {"input": "x", "weight": "w", "grad_output": "g"}
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class _Spec:
     update: bool  # record the grad_output amax in a delayed history
     calibrating: bool  # record the grad_output amax for static calibration
     go_scaler: HistoryScaler | None  # the grad_output's delayed/static scaler
-    go_mesh: Any = None  # tensor parallel: a dynamic grad_output's amax is over this mesh
+    go_reduce: AmaxReducer | None = None  # the grad_output is a shard: its amax is reduced
 
 
 def _make_scaler(cast: CastConfig, state: Tensor | None) -> HistoryScaler | None:
@@ -63,25 +63,36 @@ def _make_scaler(cast: CastConfig, state: Tensor | None) -> HistoryScaler | None
 
 
 def _role_scale(
-    sc: HistoryScaler | None, t: Tensor, spec: _Spec, state: Tensor | None, mesh: Any = None
+    sc: HistoryScaler | None,
+    cast: CastConfig,
+    t: Tensor | None,
+    *,
+    update: bool,
+    calibrating: bool,
+    state: Tensor | None = None,
+    amax: Tensor | None = None,
+    reduce: AmaxReducer | None = None,
 ) -> Tensor | None:
-    """The scale a delayed/static scaler gives ``t`` (``None``: dynamic), updating its state
-    (``state``: the tensor threaded through the function, else the scaler's own). ``mesh``
-    (tensor parallel): ``t`` is a shard; a delayed role uses and records the ``amax`` of the
-    whole tensor (:func:`mesh_amax`), as one process would."""
+    """The one place a role's tensor-wide scale is chosen: the scale of ``t`` from the
+    role's core scaler (delayed: its history, recorded when ``update``; static: its
+    calibration, recorded when ``calibrating``, or its frozen scale), or ``None`` for a
+    dynamic role, whose scale the GEMM's operand computes from ``t`` itself.
+
+    ``amax``: the ``amax`` of the whole tensor, given (already reduced across ranks);
+    ``reduce``: ``t`` is a shard, and the ``amax`` of a tensor-wise role is ``reduce`` of its
+    local ``amax``. With either, a dynamic role's scale is computed here, from that ``amax``.
+    ``state``: the scaler's state tensor threaded through the autograd function.
+    """
+    if isinstance(sc, StaticScaler) and sc.frozen:
+        return sc(t, amax=amax)
+    if amax is None and reduce is not None and cast_kind(cast) == "tensor":
+        assert t is not None
+        amax = reduce(tensor_amax(t))
     if isinstance(sc, DelayedScaler):
-        if mesh is None:
-            return sc(t, update=spec.update, state=state)
-        hist = sc.amax_history if state is None else state
-        assert hist is not None  # Float8Linear binds every history to its buffer
-        a = mesh_amax(t, mesh)
-        scale = sc._scale(delayed_amax(hist, a, sc.algo))
-        if spec.update:
-            hist.copy_(push_amax(hist, a))
-        return scale
+        return sc(t, update=update, state=state, amax=amax)
     if isinstance(sc, StaticScaler):
-        return sc(t, update=spec.calibrating, state=state)
-    return None
+        return sc(t, update=calibrating, state=state, amax=amax)
+    return None if amax is None else cast.scale_for(amax)
 
 
 @torch.library.custom_op("lowprec::keep_for_backward", mutates_args=())
@@ -188,9 +199,15 @@ class _Float8MatmulFn(torch.autograd.Function):
         fp8_dw = ctx.needs_input_grad[1] and "weight_grad" not in hp
         g_scale = ctx.go_scale
         if g_scale is None and (fp8_dx or fp8_dw):
-            g_scale = _role_scale(spec.go_scaler, g, spec, go_state, spec.go_mesh)
-        if g_scale is None and spec.go_mesh is not None and cast_kind(r.grad_output) == "tensor":
-            g_scale = r.grad_output.scale_for(mesh_amax(g, spec.go_mesh))
+            g_scale = _role_scale(
+                spec.go_scaler,
+                r.grad_output,
+                g,
+                update=spec.update,
+                calibrating=spec.calibrating,
+                state=go_state,
+                reduce=spec.go_reduce,
+            )
         g_tensor = cast_kind(r.grad_output) == "tensor"
         dx = dw = None
         gq: Operand
@@ -237,8 +254,29 @@ class _Float8MatmulFn(torch.autograd.Function):
 _eager_gemm: Callable[..., Tensor] = torch.compiler.disable(_Float8MatmulFn.apply)  # type: ignore[no-untyped-call]
 
 
+class LinearFn(Protocol):
+    """``linear_fn(x, w, b, *, matmul)``: a linear's maths around its product, which it
+    computes with ``matmul(x', w') = x' w'ᵀ`` (e.g. :func:`lowprec.unit.functional.linear`)."""
+
+    def __call__(
+        self,
+        x: Tensor,
+        w: Tensor,
+        b: Tensor | None,
+        /,
+        *,
+        matmul: Callable[[Tensor, Tensor], Tensor],
+    ) -> Tensor: ...
+
+
 class Float8Linear(nn.Linear):
     """``nn.Linear`` with float8 GEMMs (see the module docstring).
+
+    :attr:`linear_fn` (default ``None``: ``y = gemm(x, W) + b``) injects the layer's GEMM
+    into other linear maths: with ``layer.linear_fn = lowprec.unit.functional.linear`` the
+    layer computes the unit-scaled linear whose product ``x' W'ᵀ`` is this layer's float8
+    GEMM (:meth:`gemm`, with the layer's scaling state); that is how a recipe composes unit
+    scaling with float8.
 
     Build it with :meth:`from_linear` or :func:`~lowprec.float8.convert_to_float8`; it shares the
     parameters of the module it replaces.
@@ -274,6 +312,7 @@ class Float8Linear(nn.Linear):
         if not self.weight.dtype.is_floating_point:
             raise TypeError(f"weight must be floating point, got dtype {self.weight.dtype}")
         self.recipe = recipe
+        self.linear_fn: LinearFn | None = None
         self._calibrating = False
         dev = self.weight.device
         self._scalers: dict[str, HistoryScaler] = {}
@@ -297,6 +336,42 @@ class Float8Linear(nn.Linear):
                 sc.amax_history = t
             elif not sc.given:
                 sc.calib_amax = t
+
+    def scaling_state(self) -> dict[str, Tensor]:
+        """This layer's scaling state by buffer name (``<role>_amax_history``,
+        ``<role>_static_amax``): the buffer tensors themselves, not copies."""
+        return {n: self._buffers[n] for n in self.scaling_buffers()}  # type: ignore[misc]
+
+    def bind_scaling_state(self, tensors: dict[str, Tensor]) -> None:
+        """Replace scaling buffers (names of :meth:`scaling_state`) by the given tensors and
+        point the scalers at them: distributed code that keeps a rank-local copy of a buffer
+        (e.g. the local tensor of a DTensor buffer). Shapes must match. The scales of
+        calibrated static roles are recomputed from the bound maxima where they were frozen.
+        """
+        own = set(self.scaling_buffers())
+        for name, t in tensors.items():
+            if name not in own:
+                raise ValueError(
+                    f"tensors: {name!r} is not a scaling buffer; expected {sorted(own)}"
+                )
+            old = self._buffers[name]
+            if not isinstance(t, Tensor) or old is None or t.shape != old.shape:
+                shape = None if old is None else tuple(old.shape)
+                raise ValueError(f"tensors[{name!r}]: expected a tensor of shape {shape}")
+            self._buffers[name] = t
+        self._bind_state()
+        self.refresh_static_scales()
+
+    def refresh_static_scales(self) -> None:
+        """Recompute every frozen calibrated static scale from its calibration maximum
+        (after that maximum was changed in place, e.g. reduced across ranks)."""
+        for sc in self._scalers.values():
+            if isinstance(sc, StaticScaler) and sc.frozen and not sc.given:
+                sc.freeze()
+
+    def calibrated_scalers(self) -> list[StaticScaler]:
+        """The static scalers that calibrate (no given scale), in role order."""
+        return [s for s in self._scalers.values() if isinstance(s, StaticScaler) and not s.given]
 
     def _apply(self, fn: Any, recurse: bool = True) -> Float8Linear:
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``, ...), except that the
@@ -379,18 +454,60 @@ class Float8Linear(nn.Linear):
                 "or give CastConfig(static_scale=...)"
             )
         w = self._gemm_weight()
-        if isinstance(w, DTensor):  # tensor parallel: local GEMMs on the shards
-            return dtensor_forward(self, x, w)
-        y = self._gemm(x, w)
+        for cls, weight_forward in _WEIGHT_FORWARDS:  # e.g. DTensor: lowprec.distributed
+            if isinstance(w, cls):
+                if self.linear_fn is not None:
+                    raise TypeError(
+                        f"Float8Linear: a {cls.__name__} weight runs its own forward, which "
+                        f"does not take linear_fn={self.linear_fn!r} (e.g. unit scaling + "
+                        "float8 under tensor parallelism is not supported)"
+                    )
+                return weight_forward(self, x, w)
+        if self.linear_fn is not None:  # the GEMM injected into the given linear maths
+            return self.linear_fn(x, w, self.bias, matmul=self.gemm)
+        y = self.gemm(x, w)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _gemm(self, x: Tensor, w: Tensor, mesh: Any = None, sharded: str = "") -> Tensor:
-        """``Q(x) Q(w)ᵀ`` (no bias) of local tensors, shape ``(..., w.shape[0])``.
-
-        ``mesh``/``sharded`` (tensor parallel): the roles among ``"xwg"`` (input, weight,
-        grad_output) whose local tensors are shards over ``mesh``; their dynamic
-        tensor-wise scales use the ``amax`` of the whole tensor (:func:`mesh_amax`).
+    def role_scale(
+        self, role: str, t: Tensor | None = None, *, amax: Tensor | None = None
+    ) -> Tensor | None:
+        """The scale the GEMM would give ``role``'s tensor ``t`` — or a tensor whose
+        (whole, already reduced) ``amax`` is given — updating the role's scaling state as
+        the GEMM does (delayed: recorded in training and calibration; static: recorded
+        while calibrating). ``None`` for a dynamic role without ``amax`` (the GEMM computes
+        it from the tensor). For distributed code that quantizes an operand before the GEMM
+        (an FP8 all-gather) and hands it over as a :class:`~lowprec.core.tensor.ScaledTensor`.
         """
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if t is None and amax is None:
+            raise TypeError("role_scale: give the tensor t or its amax=")
+        return _role_scale(
+            self._scalers.get(role),
+            self.recipe.cast(role),
+            t,
+            update=self.training or self._calibrating,
+            calibrating=self._calibrating,
+            amax=amax,
+        )
+
+    def gemm(
+        self, x: Tensor, w: Tensor, reduce: AmaxReducer | None = None, sharded: str = ""
+    ) -> Tensor:
+        """``Q(x) Q(w)ᵀ`` (no bias) of local tensors, shape ``(..., w.shape[0])``; ``w`` is
+        ``(out_features, in_features)``. Either operand may arrive quantized as a
+        :class:`~lowprec.core.tensor.ScaledTensor` (its scaler is then not run).
+
+        ``sharded``: the roles among ``"xwg"`` (input, weight, grad_output) whose local
+        tensors are shards of a larger tensor, and ``reduce`` the
+        :data:`~lowprec.core.scalers.AmaxReducer` over their ranks: their tensor-wise scales
+        (dynamic, delayed and static alike) use the ``amax`` of the whole tensor, so each
+        shard is quantized as one process quantizes the whole tensor.
+        """
+        if sharded and reduce is None:
+            raise ValueError("sharded: roles are sharded but no reduce is given")
+        if set(sharded) - set("xwg"):
+            raise ValueError(f"sharded must hold letters of 'xwg', got {sharded!r}")
         dev = x.device.type
         amp = dev != "meta" and torch.is_autocast_enabled(dev)  # meta: no autocast, shapes only
         out_dtype = torch.get_autocast_dtype(dev) if amp else x.dtype
@@ -398,28 +515,25 @@ class Float8Linear(nn.Linear):
         upd = self.training or self._calibrating
         r = self.recipe
         go_sc = self._scalers.get("grad_output")
-        spec = _Spec(r, upd, self._calibrating, go_sc, mesh if "g" in sharded else None)
-        # An FP8-gathered operand (lowprec.distributed) is quantized, its scaler updated.
+        spec = _Spec(r, upd, self._calibrating, go_sc, reduce if "g" in sharded else None)
+        kw: dict[str, Any] = {"update": upd, "calibrating": self._calibrating}
+        # An FP8-gathered operand (lowprec.distributed) arrives quantized, its scaler run.
         xs = ws = None
         if not isinstance(x2d, ScaledTensor):
-            xm = mesh if "x" in sharded else None
-            xs = _role_scale(self._scalers.get("input"), x2d, spec, None, xm)
-            if xs is None and xm is not None and cast_kind(r.input) == "tensor":
-                xs = r.input.scale_for(mesh_amax(x2d, mesh))
+            xr = reduce if "x" in sharded else None
+            xs = _role_scale(self._scalers.get("input"), r.input, x2d, reduce=xr, **kw)
         if not isinstance(w, ScaledTensor):
-            wm = mesh if "w" in sharded else None
-            ws = _role_scale(self._scalers.get("weight"), w, spec, None, wm)
-            if ws is None and wm is not None and cast_kind(r.weight) == "tensor":
-                ws = r.weight.scale_for(mesh_amax(w, mesh))
+            wr = reduce if "w" in sharded else None
+            ws = _role_scale(self._scalers.get("weight"), r.weight, w, reduce=wr, **kw)
         # A frozen static grad_output scale is known now; otherwise backward computes it
         # from the state threaded through the function (an input, for torch.compile).
         gs = go_sc.scale if isinstance(go_sc, StaticScaler) and go_sc.frozen else None
         go = self._state("grad_output")
-        gemm = _Float8MatmulFn.apply
+        fn = _Float8MatmulFn.apply
         if torch.compiler.is_compiling() and _block_scaled(r):
-            gemm = _eager_gemm  # outside the graph: inductor fails on MX/NVFP4 quantizes
+            fn = _eager_gemm  # outside the graph: inductor fails on MX/NVFP4 quantizes
         with autocast_off(dev):
-            y: Tensor = gemm(x2d, w, xs, ws, gs, go, spec, out_dtype)  # type: ignore[no-untyped-call]
+            y: Tensor = fn(x2d, w, xs, ws, gs, go, spec, out_dtype)  # type: ignore[no-untyped-call]
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -493,7 +607,29 @@ def _carry_extras(old: nn.Module, new: nn.Module, own: set[str]) -> None:
 def _after_load(module: nn.Module, incompatible: Any) -> None:
     """A loaded calibration (every static maximum > 0) freezes the static scalers at it."""
     assert isinstance(module, Float8Linear)
-    static = [s for s in module._scalers.values() if isinstance(s, StaticScaler) and not s.given]
+    static = module.calibrated_scalers()
     if static and all(s.calib_amax is not None and bool(s.calib_amax > 0) for s in static):
         for s in static:
             s.freeze()
+
+
+WeightForward = Callable[[Float8Linear, Tensor, Tensor], Tensor]
+"""``forward(layer, x, w)``: a ``Float8Linear``'s whole forward (bias included) for a weight
+of a tensor subclass that the local GEMM cannot take as is (a DTensor under tensor
+parallelism); it computes through the layer's public :meth:`Float8Linear.gemm`."""
+
+_WEIGHT_FORWARDS: list[tuple[type, WeightForward]] = []
+
+
+def register_weight_forward(cls: type, forward: WeightForward) -> None:
+    """Make every :class:`Float8Linear` whose GEMM weight is an instance of ``cls`` run
+    ``forward(layer, x, w)`` instead of its own forward (registering ``cls`` again
+    replaces its forward). This is how :mod:`lowprec.distributed` runs the layer on
+    DTensor weights; ``lowprec.float8`` itself knows no tensor subclass but
+    :class:`~lowprec.core.tensor.ScaledTensor`."""
+    if not isinstance(cls, type) or not issubclass(cls, Tensor):
+        raise TypeError(f"cls must be a subclass of torch.Tensor, got {cls!r}")
+    if not callable(forward):
+        raise TypeError(f"forward must be callable, got {type(forward).__name__}")
+    _WEIGHT_FORWARDS[:] = [(c, f) for c, f in _WEIGHT_FORWARDS if c is not cls]
+    _WEIGHT_FORWARDS.append((cls, forward))

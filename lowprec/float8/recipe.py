@@ -49,7 +49,7 @@ from torch import Tensor
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity, K
 from lowprec.core.registry import Registry
-from lowprec.core.scales import compute_scale, nonfinite_scale
+from lowprec.core.scales import group_scale
 
 __all__ = ["PRESETS", "CastConfig", "Float8Recipe", "recipe_names"]
 
@@ -150,11 +150,11 @@ class CastConfig:
         return g
 
     def scale_for(self, amax: Tensor) -> Tensor:
-        """``amax · 2^margin / fmt.max``, a power of two with ``power_of_two``
-        (:func:`lowprec.core.scales.compute_scale`); NaN for a non-finite ``amax`` where
-        ``fmt`` has no Inf and NaN codes (:func:`lowprec.core.scales.nonfinite_scale`)."""
-        s = compute_scale(amax, self.fmt, self.margin, self.power_of_two)
-        return nonfinite_scale(s, amax, self.fmt, "tensor")
+        """The tensor-wise scale of ``amax``: ``amax · 2^margin / fmt.max``, a power of two
+        with ``power_of_two``; NaN for a non-finite ``amax`` where ``fmt`` has no Inf and NaN
+        codes — :func:`lowprec.core.scales.group_scale` at tensor granularity, the scale
+        function the core scalers use too."""
+        return group_scale(amax, self.fmt, "tensor", self.margin, self.power_of_two)
 
     def describe(self) -> str:
         """Short text such as ``dyn:tensor:e4m3fn``."""

@@ -13,23 +13,19 @@ Unit + float8. A unit-scaled linear is ``y = s_out·(x' W'ᵀ)`` with ``x' = x``
 ``W' = W`` in forward whose backward multiplies ``∂x`` by ``s_x`` and ``∂W`` by ``s_W``
 (:func:`lowprec.unit.functional.linear`). Composed, the product ``x' W'ᵀ`` is the layer's
 float8 GEMM: the float8 recipe's scaled casts of input, weight and output gradient (with
-the layer's delayed/static state), inside unit scaling's fixed factors. Mechanism: the
-converted layers' ``forward`` calls ``F.linear``; the unit model's op mode turns it into
-the unit linear, whose inner product ``F.linear(x', W')`` reaches a second torch function
-mode entered *below* the unit mode (a forward pre-hook of the root), which runs the
-calling layer's float8 GEMM on ``(x', W')``. The readout and layers in ``float8_skip``
-stay unit-scaled in the model's dtype.
+the layer's delayed/static state), inside unit scaling's fixed factors. Mechanism: the GEMM
+is injected — each converted layer's :attr:`~lowprec.float8.Float8Linear.linear_fn` is the
+unit linear (:func:`lowprec.unit.functional.linear`), which it calls with its own GEMM as
+``matmul`` (as unit-scaling's simulated-format transform swaps a unit op's matmul). The
+readout and layers in ``float8_skip`` stay unit-scaled in the model's dtype.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch import nn
 
 import lowprec.float8
 import lowprec.unit
@@ -37,6 +33,7 @@ from lowprec.float8 import Float8Linear, Float8Recipe
 from lowprec.recipes.policy import Policy
 from lowprec.scalify import ScalifyConfig, scalify
 from lowprec.unit import UnitConfig
+from lowprec.unit.functional import linear as unit_linear
 
 __all__ = ["KINDS", "TechniqueConfig", "apply", "check", "kind_of", "normalize"]
 
@@ -149,64 +146,8 @@ def apply(
 # ---- unit + float8 ------------------------------------------------------------------------
 
 
-class _Layer(threading.local):
-    """The float8 linear whose unit ``F.linear`` is being computed, per thread (a
-    ``threading.local``, which ``torch.compile`` traces; a ``ContextVar`` broke the graph
-    at every linear)."""
-
-    current: _UnitFloat8Linear | None = None
-
-
-_LAYER = _Layer()
-
-
-class _UnitFloat8Linear(Float8Linear):
-    """A :class:`Float8Linear` inside a unit-scaled model (see the module docstring)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        prev, _LAYER.current = _LAYER.current, self
-        try:  # the unit mode makes this the unit linear; its product comes back to product()
-            return F.linear(x, self.weight, self.bias)
-        finally:
-            _LAYER.current = prev
-
-    def product(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-        """This layer's float8 GEMM ``x wᵀ (+ b)`` on the given operands (its state)."""
-        p = self._parameters
-        saved = p["weight"], p["bias"]
-        p["weight"], p["bias"] = w, b  # type: ignore[assignment]
-        try:
-            return Float8Linear.forward(self, x)
-        finally:
-            p["weight"], p["bias"] = saved
-
-
-class _Float8Products(TorchFunctionMode):
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        layer = _LAYER.current
-        if func is F.linear and layer is not None:
-            _LAYER.current = None
-            try:
-                return layer.product(*args, **(kwargs or {}))
-            finally:
-                _LAYER.current = layer
-        return func(*args, **(kwargs or {}))
-
-
 def _unit_float8(model: nn.Module) -> None:
+    """Every plain ``Float8Linear`` of ``model`` computes the unit linear around its GEMM."""
     for m in model.modules():
         if type(m) is Float8Linear:
-            m.__class__ = _UnitFloat8Linear
-    modes: list[_Float8Products] = []
-
-    def enter(mod: nn.Module, args: Any) -> None:
-        modes.append(_Float8Products())
-        modes[-1].__enter__()  # type: ignore[no-untyped-call]
-
-    def leave(mod: nn.Module, args: Any, out: Any) -> None:
-        modes.pop().__exit__(None, None, None)  # type: ignore[no-untyped-call]
-
-    model.register_forward_pre_hook(enter)
-    model.register_forward_hook(leave, always_call=True)
+            m.linear_fn = unit_linear

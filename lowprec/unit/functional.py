@@ -143,9 +143,14 @@ def probs_matmul(p: Tensor, v: Tensor, *, float8: bool = False) -> Tensor:
     return _product(torch.matmul, p, v * c, 1.0, 1.0, 1.0, float8)
 
 
+Matmul = Callable[[Tensor, Tensor], Tensor]
+"""A linear's product ``matmul(x, w) = x wᵀ`` for ``x (..., fan_in)``, ``w (fan_out, fan_in)``
+(``F.linear`` without bias), differentiable in both operands."""
+
+
 def _affine(
     x: Tensor, weight: Tensor, bias: Tensor | None, constraint: str | None, float8: bool,
-    fwd_mult: float,
+    fwd_mult: float, matmul: Matmul | None = None,
 ) -> Tensor:  # fmt: skip
     """:func:`linear`'s maths with a further forward-only factor ``fwd_mult`` on ``x Wᵀ``."""
     check_float("x", x)
@@ -154,13 +159,20 @@ def _affine(
     check_same_dtype(x=x, weight=weight, bias=bias)
     if weight.dim() != 2:
         raise ValueError(f"weight: need 2 dims (fan_out, fan_in), got shape {tuple(weight.shape)}")
+    if matmul is not None and not callable(matmul):
+        raise TypeError(f"matmul must be callable or None, got {type(matmul).__name__}")
+    if matmul is not None and float8:
+        raise ValueError(
+            "matmul: float8=True rounds the operands itself; give a matmul (e.g. a float8 "
+            "layer's scaled GEMM) or float8=True, not both"
+        )
     fan_out, fan_in = max(1, weight.shape[0]), max(1, weight.shape[1])
     batch = max(1, x.numel() // fan_in)
     s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
     s_w = batch**-0.5
-    if not float8 and gemm_kernels_apply(x, weight, bias):
+    if matmul is None and not float8 and gemm_kernels_apply(x, weight, bias):
         return cast(Tensor, ScaledLinear.apply(x, weight, bias, s_out * fwd_mult, s_x, s_w, s_w))  # type: ignore[no-untyped-call]
-    y = _product(F.linear, x, weight, s_out * fwd_mult, s_x, s_w, float8)
+    y = _product(matmul or F.linear, x, weight, s_out * fwd_mult, s_x, s_w, float8)
     return y if bias is None else y + scale_bwd(bias, s_w)
 
 
@@ -171,13 +183,21 @@ def _linear(
     *,
     constraint: str | None = "to_output_scale",
     float8: bool = False,
+    matmul: Matmul | None = None,
 ) -> Tensor:
     """``x Wᵀ + b`` for ``x (..., fan_in)``, ``W (fan_out, fan_in)``.
 
     Forward ``y = x Wᵀ/√fan_in + b``; backward ``∂x = (g W)/√fan_out`` (tied to the output
     scale by ``constraint``), ``∂W = (gᵀ x)/√B`` and ``∂b = Σ_B g/√B`` (cut edges, ideal).
+
+    ``matmul``: the product ``x Wᵀ`` to use instead of ``F.linear`` (:data:`Matmul`), e.g.
+    a :class:`~lowprec.float8.Float8Linear`'s scaled GEMM (``layer.gemm``), as unit
+    scaling's simulated-format transform swaps the matmul of a unit-scaled op. It receives
+    the operands the scales are folded into — ``x/√fan_in`` forward, and ``W`` whose
+    gradient is rescaled — so its output is the unit output ``x Wᵀ/√fan_in`` and its
+    backward sees the unit-scaled gradient. Not with ``float8=True`` (which casts itself).
     """
-    return _affine(x, weight, bias, constraint, float8, 1.0)
+    return _affine(x, weight, bias, constraint, float8, 1.0, matmul)
 
 
 linear = _unit_op(_linear)

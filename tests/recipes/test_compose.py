@@ -12,10 +12,11 @@ from torch import Tensor, nn
 
 from lowprec.float8 import CastConfig, Float8Linear, Float8Recipe
 from lowprec.jobs.model import CharData, CharGPT, ModelConfig
-from lowprec.recipes import Policy, Prepared, Recipe, compose, get_recipe, prepare, recipe_names
+from lowprec.recipes import Policy, Prepared, Recipe, get_recipe, prepare, recipe_names
 from lowprec.recipes.step import train_step
 from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
+from lowprec.unit.functional import linear as unit_linear
 
 OLD = [
     "fp32", "bf16", "fp16", "fp16-static-ls", "fp16-dynamic-ls", "amp-bf16", "fp8-tensorwise",
@@ -153,16 +154,18 @@ def test_unit_plus_float8_keeps_unit_scaling_in_both_passes() -> None:
     assert sum(isinstance(m, Float8Linear) for m in fp8.modules()) == 8  # 4 per block, no head
     idx = torch.randint(0, 65, (4, 64), generator=torch.Generator().manual_seed(1))
     calls: list[object] = []
-    product = compose._UnitFloat8Linear.product
+    gemm = Float8Linear.gemm
 
-    def counted(self: compose._UnitFloat8Linear, *a: Tensor) -> Tensor:
+    def counted(self: Float8Linear, *a: Tensor, **k: object) -> Tensor:
         calls.append(self)
-        return product(self, *a)
+        return gemm(self, *a, **k)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compose._UnitFloat8Linear, "product", counted)
+        mp.setattr(Float8Linear, "gemm", counted)
         l_ref, l_fp8 = ref(idx, idx)[1], fp8(idx, idx)[1]
-    assert len(calls) == 8  # every float8 linear ran its float8 product (not a plain GEMM)
+    # every float8 linear ran its float8 GEMM (not a plain one), injected into the unit linear
+    assert len(calls) == 8 and len({id(c) for c in calls}) == 8
+    assert all(m.linear_fn is unit_linear for m in calls if isinstance(m, Float8Linear))
     assert l_fp8.item() != l_ref.item()  # the casts change the loss, a little:
     assert abs(l_fp8.item() / l_ref.item() - 1) < 1e-3  # averaged over 256 tokens
     l_ref.backward()

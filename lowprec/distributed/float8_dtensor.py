@@ -1,5 +1,12 @@
 """``Float8Linear`` on DTensor parameters: tensor parallelism with local FP8 GEMMs.
 
+:func:`dtensor_forward` is registered (:func:`lowprec.float8.linear.register_weight_forward`)
+as the forward of every ``Float8Linear`` whose weight is a DTensor, when
+:mod:`lowprec.distributed` is imported (``import lowprec`` imports it). It is a function of
+the layer's public surface only — its GEMM (:meth:`~lowprec.float8.Float8Linear.gemm`, given
+the amax reducer of the mesh) and its scaling state — so ``lowprec.float8`` knows nothing
+of DTensor.
+
 ``ColwiseParallel`` / ``RowwiseParallel`` (``torch.distributed.tensor.parallel``) turn a
 linear's weight (and bias) into DTensors sharded over a device mesh and hand the layer
 DTensor inputs. The float8 GEMMs are not DTensor ops, so the layer computes on the local
@@ -24,20 +31,20 @@ mesh dimension. Every other local gradient is the shard of its tensor.
 The bias is added as a DTensor (sharded with the columns, or replicated after the
 partial sums), so DTensor adds it exactly once.
 
-**Scales of sharded tensors.** A dynamic tensor-wise scale needs the ``amax`` of the whole
-tensor, not of the local shard: :func:`mesh_amax` takes the shard's ``amax`` as a
-``Partial("max")`` DTensor and makes it whole (one ``all_reduce(MAX)`` of one number).
+**Scales of sharded tensors.** A tensor-wise scale needs the ``amax`` of the whole tensor,
+not of the local shard: the GEMM is given :class:`~lowprec.distributed.amax.MaxReducer`
+over the mesh, which reduces the shard's ``amax`` with ``MAX`` (one ``all_reduce`` of one
+number), and the role's scaler (dynamic, delayed or static) uses and records that ``amax``.
 Then every shard is quantized exactly as one process quantizes the whole tensor, and the
-output equals the one-process output up to the order of float32 summation. Delayed and
-static roles record the local ``amax``; :mod:`lowprec.distributed.scaling_sync` reduces
-the histories with ``MAX`` (which is the same global ``amax``). The module's buffers,
-which ``distribute_module`` replicates as DTensors, are kept as plain local tensors.
+output equals the one-process output up to the order of float32 summation. The module's
+buffers, which ``distribute_module`` replicates as DTensors, are kept as plain local
+tensors (:meth:`~lowprec.float8.Float8Linear.bind_scaling_state`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -46,19 +53,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from lowprec.core.tensor import ScaledTensor
+from lowprec.distributed.amax import MaxReducer
+from lowprec.float8.linear import Float8Linear, register_weight_forward
 
-if TYPE_CHECKING:
-    from lowprec.float8.linear import Float8Linear
-
-__all__ = ["dtensor_forward", "mesh_amax"]
-
-
-def mesh_amax(t: Tensor, mesh: DeviceMesh) -> Tensor:
-    """``max |t|`` over the whole tensor whose local shard on this rank is ``t``: the local
-    ``amax`` reduced with ``MAX`` over every dimension of ``mesh`` (float32, 0-dim)."""
-    local = t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
-    whole = DTensor.from_local(local, mesh, [Partial("max")] * mesh.ndim, run_check=False)
-    return whole.full_tensor()
+__all__ = ["dtensor_forward"]
 
 
 def _is_shard(p: Placement, dim: int, ndim: int) -> bool:
@@ -88,16 +86,18 @@ def _weight_grad_placements(
     ]
 
 
+@cache
+def _reducer(mesh: DeviceMesh) -> MaxReducer:
+    """One reducer per mesh (the GEMM's spec holds it: the same object on every call)."""
+    return MaxReducer(mesh)
+
+
 def _localize_buffers(layer: Float8Linear) -> None:
     """``distribute_module`` replicates buffers as DTensors: keep the scaling state plain
     (each rank's own record, reduced by the scaling sync) and rebind the scalers."""
-    changed = False
-    for name, b in list(layer._buffers.items()):
-        if isinstance(b, DTensor):
-            layer._buffers[name] = b.to_local()
-            changed = True
-    if changed:
-        layer._bind_state()
+    local = {n: b.to_local() for n, b in layer.scaling_state().items() if isinstance(b, DTensor)}
+    if local:
+        layer.bind_scaling_state(local)
 
 
 def dtensor_forward(layer: Float8Linear, x: Tensor, w: DTensor) -> Tensor:
@@ -152,7 +152,7 @@ def dtensor_forward(layer: Float8Linear, x: Tensor, w: DTensor) -> Tensor:
         if any(isinstance(p, Shard) for p in pls)
     )
     w_local = w.to_local(grad_placements=_weight_grad_placements(w.placements, x_pl, nd))
-    y_local = layer._gemm(x_local, w_local, mesh, sharded)
+    y_local = layer.gemm(x_local, w_local, _reducer(mesh), sharded)
     shape = torch.Size((*x_shape[:-1], w.shape[0]))
     y = DTensor.from_local(
         y_local, mesh, y_pl, run_check=False, shape=shape, stride=_contiguous(shape)
@@ -171,3 +171,6 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(int(n), 1)
     return tuple(reversed(strides))
+
+
+register_weight_forward(DTensor, dtensor_forward)
