@@ -100,10 +100,12 @@ def _localize_buffers(layer: Float8Linear) -> None:
         layer.bind_scaling_state(local)
 
 
-def dtensor_forward(layer: Float8Linear, x: Tensor, w: DTensor) -> Tensor:
+def dtensor_forward(layer: Float8Linear, x: Tensor, w: Tensor) -> Tensor:
     """The forward of ``layer`` whose GEMM weight ``w`` is a DTensor (see the module
     docstring). ``x``: a DTensor, or a local tensor that is the same on every rank (a
     :class:`~lowprec.core.tensor.ScaledTensor` gathered in FP8 included)."""
+    if not isinstance(w, DTensor):
+        raise TypeError(f"w must be a DTensor, got {type(w).__name__}")
     _localize_buffers(layer)
     mesh, nd = w.device_mesh, x.dim()
     for p in w.placements:

@@ -409,6 +409,33 @@ def case_sync() -> dict[str, Any]:
     return out
 
 
+def case_reducer() -> dict[str, Any]:
+    """A core DelayedScaler with ``reducer=MaxReducer()`` on different data per rank, and a
+    DynamicScaler given the reduced ``amax=``: every rank's history and scales, and the
+    history one process records on the concatenated data."""
+    from lowprec.core.scalers import DelayedScaler, DynamicScaler
+    from lowprec.distributed import MaxReducer
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(11 + rank)
+    xs = [torch.randn(6, 16, generator=g) * (1 + 5 * rank) * (i + 1) for i in range(STEPS)]
+    sc = DelayedScaler("e4m3fn", history_len=4, reducer=MaxReducer())
+    scales = [float(sc(x)) for x in xs]
+    one = DelayedScaler("e4m3fn", history_len=4)
+    whole = [torch.cat([torch.tensor(v) for v in all_ranks(x.tolist())]) for x in xs]
+    one_scales = [float(one(w)) for w in whole]
+    dyn = DynamicScaler("e4m3fn")
+    given = float(dyn(amax=MaxReducer()(xs[0].abs().amax())))
+    return {
+        "history": all_ranks(sc.amax_history.tolist()),  # type: ignore[union-attr]
+        "scales": all_ranks(scales),
+        "one_history": one.amax_history.tolist(),  # type: ignore[union-attr]
+        "one_scales": one_scales,
+        "dynamic_given": all_ranks(given),
+        "dynamic_whole": float(DynamicScaler("e4m3fn")(whole[0])),
+    }
+
+
 def main() -> None:
     case, path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -418,6 +445,7 @@ def main() -> None:
             "case_blocks": case_blocks,
             "case_tp": case_tp,
             "case_sync": case_sync,
+            "case_reducer": case_reducer,
         }
         if case == "all":  # one launch for the three test files: processes start once
             result = {name: fn() for name, fn in cases.items()}

@@ -181,3 +181,18 @@ def test_module_casts_keep_the_scaling_state_in_float32(name: str, cast: str) ->
     m(x).float().pow(2).mean().backward()
     if name == "delayed":
         assert not torch.equal(m[0].input_amax_history, before["0.input_amax_history"])
+
+
+def test_cast_scale_for_is_the_scalers_scale_function() -> None:
+    """One scale function: a CastConfig's tensor-wise scale of an amax is the core
+    scalers' (core.scales.group_scale), margins, power-of-two rounding and non-finite
+    amax included."""
+    from lowprec.core.scalers import DelayedScaler
+    from lowprec.float8 import CastConfig
+
+    a = torch.tensor([0.0, 3.0, 896.0, float("inf"), float("nan")])
+    for fmt in ("e4m3fn", "e5m2"):
+        for margin, p2 in ((0.0, False), (1.0, True), (-0.5, False)):
+            cast = CastConfig(fmt=fmt, scaling="delayed", margin=margin, power_of_two=p2)
+            sc = DelayedScaler(fmt, margin=margin, power_of_two=p2)
+            assert torch.allclose(cast.scale_for(a), sc.scale_of(a), rtol=0, atol=0, equal_nan=True)
