@@ -24,12 +24,14 @@ log = logging.getLogger(__name__)
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 
-def convert_to_float8(
+def apply(
     model: nn.Module,
-    recipe: str | Float8Recipe = "tensorwise",
+    config: str | Float8Recipe = "tensorwise",
     module_filter: ModuleFilter | None = None,
 ) -> nn.Module:
-    """Swap every linear-like layer ``y = x W + b`` of ``model`` (in place) for a float8 one.
+    """The float8 technique's entry point: swap every linear-like layer ``y = x W + b`` of
+    ``model`` (in place) for a float8 one, with ``config`` (a
+    :class:`~lowprec.float8.Float8Recipe` or a preset name, see :func:`recipe_names`).
 
     ``nn.Linear`` becomes :class:`Float8Linear`; HF transformers' ``Conv1D`` (GPT-2's
     layers, weight stored ``(in, out)``) becomes :class:`~lowprec.float8.conv1d.Float8Conv1D`,
@@ -50,16 +52,17 @@ def convert_to_float8(
         >>> import torch
         >>> nn = torch.nn
         >>> m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-        >>> m = convert_to_float8(m, "delayed", module_filter=lambda mod, fqn: fqn != "2")
+        >>> m = apply(m, "delayed", module_filter=lambda mod, fqn: fqn != "2")
         >>> [type(c).__name__ for c in m]
         ['Float8Linear', 'ReLU', 'Linear']
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if isinstance(recipe, str):
-        recipe = Float8Recipe.from_name(recipe)
+    recipe = Float8Recipe.from_name(config) if isinstance(config, str) else config
     if not isinstance(recipe, Float8Recipe):
-        raise TypeError(f"recipe must be a Float8Recipe or name, got {type(recipe).__name__}")
+        raise TypeError(
+            f"config must be a Float8Recipe or a preset name, got {type(recipe).__name__}"
+        )
     if module_filter is not None and not callable(module_filter):
         raise TypeError("module_filter must be a callable (module, fqn) -> bool")
 
@@ -110,28 +113,31 @@ def convert_to_float8(
         if part:
             log.log(
                 level,
-                "convert_to_float8: %d linear-like layer(s) left unconverted: %s",
+                "float8.apply: %d linear-like layer(s) left unconverted: %s",
                 len(part),
                 "; ".join(f"{k} ({v})" for k, v in part.items()),
             )
     return model
 
 
-def apply(
+def convert_to_float8(
     model: nn.Module,
-    config: str | Float8Recipe = "tensorwise",
+    recipe: str | Float8Recipe = "tensorwise",
     module_filter: ModuleFilter | None = None,
 ) -> nn.Module:
-    """The float8 technique's entry point: :func:`convert_to_float8` with ``config`` (a
-    :class:`~lowprec.float8.Float8Recipe` or a preset name, see :func:`recipe_names`).
+    """Alias of :func:`apply` (``recipe`` is its ``config``), kept for torchao-style code.
 
     Example:
         >>> import torch
-        >>> m = apply(torch.nn.Sequential(torch.nn.Linear(32, 32)), "rowwise")
+        >>> m = convert_to_float8(torch.nn.Sequential(torch.nn.Linear(32, 32)), "rowwise")
         >>> type(m[0]).__name__, m[0].recipe.name
         ('Float8Linear', 'rowwise')
     """
-    return convert_to_float8(model, config, module_filter)
+    if not isinstance(recipe, (str, Float8Recipe)):
+        raise TypeError(
+            f"recipe must be a Float8Recipe or a preset name, got {type(recipe).__name__}"
+        )
+    return apply(model, recipe, module_filter)
 
 
 def computes_linear(mod: nn.Module) -> bool:

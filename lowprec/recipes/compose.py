@@ -28,10 +28,11 @@ from typing import Any
 from torch import nn
 
 import lowprec.float8
+import lowprec.scalify
 import lowprec.unit
 from lowprec.float8 import Float8Linear, Float8Recipe
 from lowprec.recipes.policy import Policy
-from lowprec.scalify import ScalifyConfig, scalify
+from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
 from lowprec.unit.functional import linear as unit_linear
 
@@ -116,7 +117,7 @@ def apply(
 ) -> tuple[nn.Module, list[Any] | None]:
     """Apply ``technique`` to ``model`` through each technique's entry point
     (:func:`lowprec.unit.apply` with :func:`lowprec.unit.recipe_param_groups`,
-    :func:`lowprec.scalify.scalify`, :func:`lowprec.float8.apply`) and cast it to
+    :func:`lowprec.scalify.apply`, :func:`lowprec.float8.apply`) and cast it to
     ``dtype``; return the model (a new module for unit and scalify) and u-μP parameter
     groups (unit) or ``None``. Unit scaling re-initialises the model's weights to unit
     variance (``reinit=True``; a pretrained model's weights are not kept).
@@ -131,7 +132,7 @@ def apply(
         model = lowprec.unit.apply(model, by["unit"], reinit=True)
         groups = lowprec.unit.recipe_param_groups(model, lr)
     if "scalify" in by:
-        model = scalify(model, None, by["scalify"])
+        model = lowprec.scalify.apply(model, by["scalify"])
     model.to(dtype)
     if "float8" in by:
         keep = float8_skip

@@ -12,11 +12,10 @@ reported by :func:`coverage`.
 
 API:
 
-* :func:`apply` (the entry point: ``apply(model, config)`` with a :class:`ScalifyConfig` or a
-  preset name), :func:`scalify` (module or function, by data format and policy),
-  :class:`Scalified` (the module wrapper: the original is ``.module``; state_dict keys are
-  the original's), :func:`apply_scalify` (the recipes' hook: ``"fp16"`` or
-  ``"fp8"``).
+* :func:`apply` (the entry point: ``apply(model_or_function, config)`` with a
+  :class:`ScalifyConfig` or a preset name), :func:`scalify` (its documented alias by data
+  format and policy), :class:`Scalified` (the module wrapper: the original is ``.module``;
+  state_dict keys are the original's).
 * :class:`ScalifyConfig` (data format, power-of-two rounding ``none``/``down``/``up``,
   ``max``/``unit`` add rule, automatic rescale before each cast; presets by
   ``ScalifyConfig.from_name``), :func:`config` (a block, in the calling thread),
@@ -59,7 +58,7 @@ from lowprec.scalify.config import (
     set_config,
 )
 from lowprec.scalify.ops import as_scaled, dynamic_rescale, rebalance, scaled, unscale
-from lowprec.scalify.recipe import apply, apply_scalify
+from lowprec.scalify.recipe import apply
 from lowprec.scalify.transform import Scalified, resolve_config, scalify
 
 __all__ = [
@@ -67,7 +66,6 @@ __all__ = [
     "Scalified",
     "ScalifyConfig",
     "apply",
-    "apply_scalify",
     "as_scaled",
     "config",
     "coverage",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, TypeVar, overload
 
 import torch
@@ -45,9 +44,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 def resolve_config(data_format: str | None, policy: str | ScalifyConfig) -> ScalifyConfig:
     """The config of ``scalify(..., data_format, policy)``: ``policy`` is a
     :class:`ScalifyConfig` or ``"static"`` (scales only propagate), ``"dynamic"`` (each
-    op's output rescaled by its max, power-of-two up) or ``"dynamic-l2"`` (by its RMS)."""
+    op's output rescaled by its max, power-of-two up) or ``"dynamic-l2"`` (by its RMS);
+    ``data_format`` (``None``: ``"fp16"``, or the config's own) the data format. A config
+    is used as given: a ``data_format`` that differs from its own raises ``ValueError``
+    (it is never silently replaced)."""
     if isinstance(policy, ScalifyConfig):
-        return policy if data_format is None else replace(policy, data_format=data_format)
+        if data_format is not None and data_format != policy.data_format:
+            raise ValueError(
+                f"data_format={data_format!r} conflicts with the config's data_format="
+                f"{policy.data_format!r}; give one of them (the config alone, or a policy name)"
+            )
+        return policy
     return POLICIES.get(policy, data_format=data_format or "fp16")
 
 
@@ -217,31 +224,9 @@ class Scalified(nn.Module):
         return f"config={self.config}"
 
 
-@overload
-def scalify(
-    obj: nn.Module, data_format: str | None = ..., policy: str | ScalifyConfig = ...
-) -> Scalified: ...
-@overload
-def scalify(obj: F, data_format: str | None = ..., policy: str | ScalifyConfig = ...) -> F: ...
-def scalify(
-    obj: Any, data_format: str | None = "fp16", policy: str | ScalifyConfig = "static"
-) -> Any:
-    """Run ``obj`` (an ``nn.Module`` or a function of tensors) in scaled arithmetic.
-
-    Same signature and output structure as ``obj``; outputs are plain tensors equal to the
-    original's up to the rounding of the data format (``"fp16"``, ``"bf16"``, ``"fp32"``,
-    or ``"fp8"``: FP8 matmul inputs, FP16 elsewhere). A module is wrapped in
-    :class:`Scalified` (same state_dict keys as ``obj``), its parameters untouched.
-
-    Example:
-        >>> import torch
-        >>> lin = torch.nn.Linear(4, 2)
-        >>> x = torch.randn(3, 4) * 2.0**40  # far beyond FP16's range
-        >>> y = scalify(lin, "fp16")(x)
-        >>> bool(torch.allclose(y, lin(x), rtol=1e-2))
-        True
-    """
-    cfg = resolve_config(data_format, policy)
+def run_scalified(obj: Any, cfg: ScalifyConfig) -> Any:
+    """``obj`` (a module: :class:`Scalified`; a function of tensors: a wrapped function)
+    run in scaled arithmetic under ``cfg`` — the body of :func:`lowprec.scalify.apply`."""
     if isinstance(obj, nn.Module):
         return Scalified(obj, cfg)
     if not callable(obj):
@@ -254,3 +239,33 @@ def scalify(
         return _run(cfg, key, obj, args, kwargs)
 
     return wrapped
+
+
+@overload
+def scalify(
+    obj: nn.Module, data_format: str | None = ..., policy: str | ScalifyConfig = ...
+) -> Scalified: ...
+@overload
+def scalify(obj: F, data_format: str | None = ..., policy: str | ScalifyConfig = ...) -> F: ...
+def scalify(
+    obj: Any, data_format: str | None = None, policy: str | ScalifyConfig = "static"
+) -> Any:
+    """Alias of :func:`lowprec.scalify.apply` by data format and policy:
+    ``apply(obj, resolve_config(data_format, policy))`` (see :func:`resolve_config`;
+    ``data_format`` ``None`` is ``"fp16"``, or a config's own).
+
+    Runs ``obj`` (an ``nn.Module`` or a function of tensors) in scaled arithmetic: same
+    signature and output structure as ``obj``; outputs are plain tensors equal to the
+    original's up to the rounding of the data format (``"fp16"``, ``"bf16"``, ``"fp32"``,
+    or ``"fp8"``: FP8 matmul inputs, FP16 elsewhere). A module is wrapped in
+    :class:`Scalified` (same state_dict keys as ``obj``), its parameters untouched.
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(4, 2)
+        >>> x = torch.randn(3, 4) * 2.0**40  # far beyond FP16's range
+        >>> y = scalify(lin, "fp16")(x)
+        >>> bool(torch.allclose(y, lin(x), rtol=1e-2))
+        True
+    """
+    return run_scalified(obj, resolve_config(data_format, policy))

@@ -26,6 +26,7 @@ import pytest
 import torch
 from torch import nn
 
+import lowprec.float8
 import lowprec.float8.linear as f8lin
 import lowprec.float8.mm as f8mm
 import lowprec.float8.operands as f8ops
@@ -117,8 +118,10 @@ def test_unknown_recipe_names_the_valid_ones() -> None:
         Float8Recipe.from_name("fp8-fast")
     with pytest.raises(ValueError, match="unknown float8 recipe"):
         convert_to_float8(nn.Linear(4, 4), "fp8-fast")
-    with pytest.raises(TypeError, match="recipe"):
+    with pytest.raises(TypeError, match="recipe must be a Float8Recipe or a preset name"):
         convert_to_float8(nn.Linear(4, 4), 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config must be a Float8Recipe or a preset name"):
+        lowprec.float8.apply(nn.Linear(4, 4), 3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="emulation_dtype"):
         Float8Recipe(emulation_dtype="fp16")  # type: ignore[arg-type]
 

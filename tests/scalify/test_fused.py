@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from lowprec.core import kernels
 from lowprec.jobs.model import CharGPT, ModelConfig
-from lowprec.scalify import ScalifyConfig, apply_scalify, scaled
+from lowprec.scalify import ScalifyConfig, apply, scaled
 from lowprec.scalify.config import set_config
 from lowprec.scalify.fused import run_fp32
 
@@ -127,7 +127,7 @@ def test_scalified_model_uses_them_and_trains_like_the_eager_ops(
     far within FP16's model-level tolerance (5e-3); and the kernels did run."""
     cfg = ModelConfig(width=32, depth=1, heads=2, seq_len=16, vocab_size=20)
     torch.manual_seed(0)
-    model = apply_scalify(CharGPT(cfg), data_format="fp16")
+    model = apply(CharGPT(cfg), "fp16")
     x = torch.randint(0, 20, (4, 16), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 20, (4, 16), generator=torch.Generator().manual_seed(2))
     used: set[str] = set()

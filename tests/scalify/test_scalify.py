@@ -20,7 +20,7 @@ from lowprec.core.tensor import ScaledTensor
 from lowprec.jobs.model import CharGPT, ModelConfig
 from lowprec.scalify import (
     ScalifyConfig,
-    apply_scalify,
+    apply,
     config,
     coverage,
     dynamic_rescale,
@@ -330,18 +330,18 @@ def test_dynamic_policy_matches_static() -> None:
     )  # different roundings, same maths
 
 
-def test_apply_scalify_fp8_and_bad_format() -> None:
+def test_apply_fp8_and_bad_format() -> None:
     m = small_gpt()
     idx = torch.randint(0, 20, (4, 16), generator=torch.Generator().manual_seed(3))
     _, ref = m(idx, idx)
-    _, loss = apply_scalify(m, data_format="fp8")(idx, idx)
+    _, loss = apply(m, "fp8")(idx, idx)
     assert ref is not None
     # FP8 E4M3 has 3 mantissa bits (unit roundoff 2^-4): the loss moves by a few percent at most
     assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=0.05)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
-    with pytest.raises(ValueError, match="data_format must be one of"):
-        apply_scalify(m, data_format="fp4")
+    with pytest.raises(ValueError, match="unknown scalify preset 'fp4'"):
+        apply(m, "fp4")
 
 
 def test_fp8_matmul_rounds_operands_to_fp8_grids() -> None:
@@ -436,7 +436,6 @@ def test_config_validation_and_presets() -> None:
 def test_apply_entry_point_and_presets_round_trip() -> None:
     from dataclasses import asdict
 
-    from lowprec.scalify import apply
     from lowprec.scalify.config import PRESETS
 
     m = small_gpt()
@@ -453,7 +452,17 @@ def test_apply_entry_point_and_presets_round_trip() -> None:
         apply(m, "fp4")
     with pytest.raises(TypeError, match="config must be a ScalifyConfig or a preset name"):
         apply(m, 16)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
-        apply(lambda x: x, "fp16")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module or a callable"):
+        apply(3, "fp16")  # type: ignore[call-overload]
+    # A function of tensors: the same entry point (scalify's alias gives the same bits).
+    f = apply(lambda a, b: (a @ b).sum(), "fp16")
+    a1, b1 = torch.randn(3, 4) * 2.0**30, torch.randn(4, 2)
+    assert torch.equal(f(a1, b1), scalify(lambda a, b: (a @ b).sum(), "fp16")(a1, b1))
+    assert float(f(a1, b1)) == pytest.approx(float((a1 @ b1).sum()), rel=1e-2)
+    # A passed config is never silently overridden by another keyword.
+    cfg = ScalifyConfig(data_format="bf16")
+    assert scalify(m, policy=cfg).config is cfg and scalify(m, "bf16", cfg).config is cfg
+    with pytest.raises(ValueError, match="data_format='fp16' conflicts with the config's"):
+        scalify(m, "fp16", cfg)
     with pytest.raises(ValueError, match="unknown scalify policy 'loose'; valid: static, dyn"):
         scalify(m, policy="loose")
