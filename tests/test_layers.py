@@ -53,34 +53,10 @@ UPWARD_ALLOWED: dict[tuple[str, str], str] = {
 }
 
 # (importer, imported) edges inside one package that close an import cycle (a lazy import).
-CYCLE_ALLOWED: dict[tuple[str, str], str] = {
-    ("lowprec.recipes.recipe", "lowprec.recipes.presets"): (
-        "Recipe.from_name imports the presets lazily, and the presets build Recipes "
-        "(cycle recipes.recipe -> recipes.presets -> recipes.recipe). To be removed: "
-        "from_name looks the name up in a registry that presets.py fills, or moves to "
-        "presets.py."
-    ),
-}
+CYCLE_ALLOWED: dict[tuple[str, str], str] = {}
 
 # (importer, "module.name") uses of another unit's private names.
-PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
-    ("lowprec.scalify.fused", "lowprec.core.kernels._run"): (
-        "scalify's fused kernels run through the core kernels' compile cache; to be "
-        "removed: a public lowprec.core.kernels entry point for a caller's kernel."
-    ),
-    ("lowprec.float8.quant", "lowprec.core.rounding._to_format_bounded"): (
-        "float8 operands round with a known bound; to be removed (float8 private-name "
-        "clean-up in progress): a public core function."
-    ),
-    ("lowprec.scalify.rules_nn", "lowprec.core.tensor._LOGICAL"): (
-        "scalify's rules read the dtypes a ScaledTensor may present; to be removed: a "
-        "public name in lowprec.core.tensor."
-    ),
-    ("lowprec.distributed.parallel", "lowprec.recipes.prepared._factory_lr"): (
-        "distributed's prepare reads an optimizer factory's learning rate; to be removed "
-        "(distributed private-name clean-up in progress): a public recipes function."
-    ),
-}
+PRIVATE_ALLOWED: dict[tuple[str, str], str] = {}
 
 # ---------------------------------------------------------------------------------------
 # Parsing

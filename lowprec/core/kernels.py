@@ -73,6 +73,7 @@ __all__ = [
     "run_decode",
     "run_group_quantize",
     "run_group_round_trip",
+    "run_kernel",
     "run_quantize",
     "run_round_trip",
     "run_scaled_encode",
@@ -206,7 +207,7 @@ def _compile(fn: Callable[..., Tensor], device_type: str = "cpu") -> Callable[..
     return torch.compile(own, dynamic=True, fullgraph=True, options=dict(options))
 
 
-def _run(
+def run_kernel(
     key: tuple[object, ...], build: Callable[[], Callable[..., Tensor]], *args: Tensor
 ) -> Tensor | None:
     """The cached kernel ``key`` (made by ``build`` on first use) applied to ``args``
@@ -260,7 +261,7 @@ def run_quantize(x: Tensor, fmt: Format, saturate: bool) -> Tensor | None:
 
         return kernel
 
-    out = _run(("quantize", fmt.name, saturate, x.dtype), build, d.reshape(-1))
+    out = run_kernel(("quantize", fmt.name, saturate, x.dtype), build, d.reshape(-1))
     if out is None:
         return None
     out = out.view(d.shape)
@@ -315,7 +316,7 @@ def run_group_quantize(
 
         return kernel  # type: ignore[return-value]
 
-    out = _run(("group", fmt.name, key, x.dtype, view.dim(), red), build, view)
+    out = run_kernel(("group", fmt.name, key, x.dtype, view.dim(), red), build, view)
     if out is None:
         return None
     q, s = out  # type: ignore[misc]
@@ -358,7 +359,7 @@ def run_group_round_trip(
         return kernel  # type: ignore[return-value]
 
     k = ("group-round-trip", fmt.name, key, x.dtype, dtype, multiply, view.dim(), red)
-    out = _run(k, build, view)
+    out = run_kernel(k, build, view)
     if out is None:
         return None
     v, s = out  # type: ignore[misc]
@@ -386,7 +387,7 @@ def run_block_amax(x: Tensor, shape: tuple[int, ...]) -> Tensor | None:
 
         return kernel
 
-    out = _run(("amax", x.dtype, view.dim(), red), build, view)
+    out = run_kernel(("amax", x.dtype, view.dim(), red), build, view)
     return None if out is None else layout.in_scale_shape(out, x, shape)
 
 
@@ -409,7 +410,7 @@ def run_scaled_encode(
 
         return kernel
 
-    out = _run(("encode", fmt.name, saturate, x.dtype, layout.pattern(*pair)), build, *pair)
+    out = run_kernel(("encode", fmt.name, saturate, x.dtype, layout.pattern(*pair)), build, *pair)
     return None if out is None else layout.unview(after(out), x)
 
 
@@ -441,7 +442,7 @@ def run_round_trip(
         return kernel
 
     key = ("round-trip", fmt.name, x.dtype, multiply, dtype, layout.pattern(*pair))
-    out = _run(key, build, *pair)
+    out = run_kernel(key, build, *pair)
     return None if out is None else layout.unview(out, x)
 
 
@@ -479,5 +480,5 @@ def run_decode(
         dtype,
         layout.pattern(*pair) if scaled else None,
     )
-    out = _run(key, build, *pair)
+    out = run_kernel(key, build, *pair)
     return None if out is None else layout.unview(out, data)

@@ -43,7 +43,7 @@ from lowprec.core.layout import dense_view, fast_paths
 
 # (storage_dtype, the dtype to_format returns, lives with the bit arithmetic in
 # lowprec.core.bits and is named here too: it is part of to_format's contract)
-__all__ = ["quantize", "snr_db", "storage_dtype", "to_format"]
+__all__ = ["quantize", "snr_db", "storage_dtype", "to_format", "to_format_bounded"]
 
 # ---------------------------------------------------------------------------------------
 # Rounding
@@ -240,7 +240,7 @@ def _quantize_native(x: Tensor, fmt: Format, native: torch.dtype, saturate: bool
     return torch.where(torch.isnan(x), x, y)
 
 
-def _to_format_bounded(x: Tensor, fmt: Format, saturate: bool, absmax: float | None) -> Tensor:
+def to_format_bounded(x: Tensor, fmt: Format, saturate: bool, absmax: float | None) -> Tensor:
     """:func:`to_format` (nearest) for a caller that knows ``absmax`` >= every ``|x|`` (NaN
     when ``x`` may hold a NaN; ``None``: unknown). Same bits as ``to_format``."""
     native = _native_for(x, fmt, "nearest")

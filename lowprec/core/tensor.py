@@ -49,7 +49,13 @@ from lowprec.core.rounding import to_format
 from lowprec.core.scalers import Scaler, _check_scale_value
 from lowprec.core.scales import _check_margin, amax, group_scale
 
-__all__ = ["ScaledTensor", "quantize_scaled", "register_fallback", "register_rule"]
+__all__ = [
+    "LOGICAL_DTYPES",
+    "ScaledTensor",
+    "quantize_scaled",
+    "register_fallback",
+    "register_rule",
+]
 
 aten = torch.ops.aten
 Rule = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -57,7 +63,8 @@ _RULES: dict[Any, Rule] = {}
 _PLAIN_RULES: dict[Any, Rule] = {}  # for ScaledTensors of no domain only
 _DOMAIN_RULES: dict[str, dict[Any, Rule]] = {}
 _FALLBACKS: dict[str, Rule] = {}
-_LOGICAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+LOGICAL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes a ScaledTensor may present (its logical dtype)."""
 
 
 def register_rule(
@@ -122,9 +129,9 @@ def _validate(
     scale_t = _check_scale_value(scale, "scale").to(data.device)
     check_scale_shape(tuple(scale_t.shape), tuple(data.shape))
     if dtype is None:
-        dtype = data.dtype if data.dtype in _LOGICAL else torch.float32
-    elif dtype not in _LOGICAL:
-        raise ValueError(f"dtype must be one of {_LOGICAL}, got {dtype}")
+        dtype = data.dtype if data.dtype in LOGICAL_DTYPES else torch.float32
+    elif dtype not in LOGICAL_DTYPES:
+        raise ValueError(f"dtype must be one of {LOGICAL_DTYPES}, got {dtype}")
     return scale_t, dtype, None if fmt is None else get_format(fmt, arg="fmt").name
 
 
@@ -343,7 +350,7 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ScaledTen
     dst, src = args[0], args[1]
     if not isinstance(dst, ScaledTensor) and isinstance(src, ScaledTensor):
         # Into a plain tensor: the values, as torchao's float8 tensor copies them.
-        dst.copy_(src.dequantize(torch.float32 if dst.dtype not in _LOGICAL else dst.dtype))
+        dst.copy_(src.dequantize(torch.float32 if dst.dtype not in LOGICAL_DTYPES else dst.dtype))
         out: ScaledTensor = dst  # the plain destination, as copy_ returns it
         return out
     if not isinstance(dst, ScaledTensor) or not isinstance(src, ScaledTensor):
@@ -372,8 +379,8 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Scaled
     x: ScaledTensor = args[0]
     kw = dict(kwargs)
     dtype = kw.pop("dtype", None) or x.dtype
-    if dtype not in _LOGICAL:
-        raise ValueError(f"dtype: a ScaledTensor's logical dtype must be one of {_LOGICAL}")
+    if dtype not in LOGICAL_DTYPES:
+        raise ValueError(f"dtype: a ScaledTensor's logical dtype must be one of {LOGICAL_DTYPES}")
     kw.pop("layout", None)
     meta = (dtype, *x._meta()[1:])
     return ScaledTensor._wrap(func(x._data, **kw), func(x._scale, **kw), *meta)
@@ -465,7 +472,7 @@ def quantize_scaled(
         raise TypeError(f"x must be a plain torch.Tensor, got {type(x).__name__}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-    if x.dtype not in _LOGICAL:
+    if x.dtype not in LOGICAL_DTYPES:
         raise TypeError(f"x must be float16/bfloat16/float32/float64, got dtype {x.dtype}")
     fmt = get_format(fmt, arg="fmt")
     if scaler is not None:

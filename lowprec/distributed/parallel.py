@@ -62,7 +62,7 @@ from lowprec.amp import MasterWeights
 from lowprec.distributed.float8_fsdp import enable_fp8_all_gather
 from lowprec.distributed.scaling_sync import attach_scaling_sync
 from lowprec.recipes import compose
-from lowprec.recipes.prepared import OptimizerFactory, Prepared, _factory_lr
+from lowprec.recipes.prepared import OptimizerFactory, Prepared, factory_lr
 from lowprec.recipes.presets import get_recipe
 from lowprec.recipes.recipe import Recipe
 
@@ -232,7 +232,7 @@ def prepare(
     r = get_recipe(recipe)
     _check_recipe(r, mode)
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    lr = _factory_lr(factory) if r.unit is not None else 0.0
+    lr = factory_lr(factory) if r.unit is not None else 0.0
     # 1. the technique (as on one process)
     model, groups = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip)
     names = {id(p): n for n, p in model.named_parameters()}

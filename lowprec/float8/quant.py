@@ -22,7 +22,7 @@ from lowprec.core.bits import BYTE_FORMATS, round_bits
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
 from lowprec.core.layout import dense_view, from_dense_view
-from lowprec.core.rounding import _to_format_bounded, to_format
+from lowprec.core.rounding import to_format, to_format_bounded
 from lowprec.core.scales import amax, compute_scale, mx_scale, nonfinite_scale, nv_scale
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.recipe import CastConfig
@@ -53,7 +53,7 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
         s2 = s.reshape(1, 1)
         q = _encode(t, s2, fmt)
         if q is None:
-            q = _to_format_bounded(t / s2, fmt, True, _quotient_max(a, s2, t))
+            q = to_format_bounded(t / s2, fmt, True, _quotient_max(a, s2, t))
         return q, s, None
     if scale is not None:
         raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
@@ -86,7 +86,7 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
     q = _encode(xp, s, fmt)
     if q is None:
         bound = _quotient_max(a, s, xp)
-        q = _to_format_bounded(apply_scale(xp, s, op="div"), fmt, True, bound)
+        q = to_format_bounded(apply_scale(xp, s, op="div"), fmt, True, bound)
     return q, s, pad
 
 

@@ -19,7 +19,7 @@ from lowprec.recipes.policy import DTYPES
 from lowprec.recipes.presets import get_recipe
 from lowprec.recipes.recipe import Recipe
 
-__all__ = ["OptimizerFactory", "Prepared", "prepare"]
+__all__ = ["OptimizerFactory", "Prepared", "factory_lr", "prepare"]
 
 OptimizerFactory = Callable[[list[Any]], torch.optim.Optimizer]
 
@@ -185,7 +185,7 @@ class Prepared:
             raise
 
 
-def _factory_lr(factory: OptimizerFactory) -> float:
+def factory_lr(factory: OptimizerFactory) -> float:
     """The learning rate ``factory`` gives its optimizer (the base of u-μP's groups)."""
     probe = factory([nn.Parameter(torch.zeros(1))])
     return float(probe.param_groups[0]["lr"])
@@ -232,7 +232,7 @@ def prepare(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     r = get_recipe(recipe)
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    lr = _factory_lr(factory) if r.unit is not None else 0.0
+    lr = factory_lr(factory) if r.unit is not None else 0.0
     model, params = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip)
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]

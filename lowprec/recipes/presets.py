@@ -1,4 +1,5 @@
-"""The named recipes: one :class:`~lowprec.core.registry.Registry` of keyword arguments.
+"""The named recipes, registered in the one :class:`~lowprec.core.registry.Registry` of
+:mod:`lowprec.recipes.recipe` (which :meth:`~lowprec.recipes.Recipe.from_name` reads).
 
 A preset's keyword arguments are :class:`~lowprec.recipes.Policy` fields plus the
 :class:`~lowprec.recipes.Recipe` fields ``technique``, ``float8_skip`` and
@@ -13,66 +14,18 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
-from lowprec.core.registry import Registry
 from lowprec.float8 import CastConfig, Float8Recipe
-from lowprec.recipes.policy import Policy
-from lowprec.recipes.recipe import Recipe
+from lowprec.recipes.recipe import build_recipe, get_recipe, recipe_names, register
 from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
 
 __all__ = ["get_recipe", "recipe_names", "register"]
 
-_POLICY_KEYS = {f.name for f in fields(Policy)}
-
-
-def _build(name: str, description: str, **kwargs: Any) -> Recipe:
-    policy = Policy(**{k: v for k, v in kwargs.items() if k in _POLICY_KEYS})
-    rest = {k: v for k, v in kwargs.items() if k not in _POLICY_KEYS}
-    return Recipe(name, description, policy, **rest)
-
-
-_PRESETS: Registry[Recipe] = Registry("recipe", _build)
-
-
-def register(recipe: Recipe) -> Recipe:
-    """Add ``recipe`` to the named recipes (``ValueError`` if the name is taken)."""
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
-    kwargs = {f.name: getattr(recipe.policy, f.name) for f in fields(Policy)}
-    kwargs.update(
-        technique=recipe.technique,
-        float8_skip=recipe.float8_skip,
-        calibration_batches=recipe.calibration_batches,
-    )
-    _PRESETS.add(recipe.name, description=recipe.description, **kwargs)
-    return recipe
-
 
 def _add(name: str, description: str, **kwargs: Any) -> None:
-    register(_build(name, description, **kwargs))  # validated now, not at first use
-
-
-def recipe_names() -> list[str]:
-    """The registered names, in registration order."""
-    return _PRESETS.names()
-
-
-def get_recipe(name: str | Recipe, **overrides: Any) -> Recipe:
-    """The recipe called ``name`` (a :class:`Recipe` is returned as it is), its keyword
-    arguments replaced by ``overrides``; an unknown name raises ``ValueError`` listing the
-    valid ones."""
-    if isinstance(name, Recipe):
-        if overrides:
-            raise TypeError("get_recipe: overrides apply to a preset name, not to a Recipe")
-        return name
-    if not isinstance(name, str):
-        raise TypeError(f"recipe name must be a str or Recipe, got {type(name).__name__}")
-    if name not in _PRESETS:
-        raise ValueError(f"recipe: unknown name {name!r}; valid: {', '.join(_PRESETS.names())}")
-    return _build(name, _PRESETS.description(name), **{**_PRESETS.kwargs(name), **overrides})
+    register(build_recipe(name, description, **kwargs))  # validated now, not at first use
 
 
 _MIXED = {"param_dtype": "bf16", "master_weights": True}  # BF16 params, FP32 master weights

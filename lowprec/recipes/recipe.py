@@ -1,7 +1,8 @@
 """``Recipe``: a precision policy plus optional technique configs, serialisable to JSON.
 
 Example:
-    >>> from lowprec.float8 import Float8Recipe
+    >>> from lowprec.core.registry import Registry
+from lowprec.float8 import Float8Recipe
     >>> from lowprec.unit import UnitConfig
     >>> r = Recipe("bf16-unit-rowwise", "unit-scaled, float8 rowwise linears",
     ...            Policy("bf16", master_weights=True),
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lowprec.core.registry import Registry
 from lowprec.float8 import Float8Recipe
 from lowprec.recipes import compose
 from lowprec.recipes.compose import KINDS, TechniqueConfig
@@ -27,7 +29,7 @@ from lowprec.recipes.serial import decode, encode
 from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
 
-__all__ = ["Recipe"]
+__all__ = ["Recipe", "build_recipe", "get_recipe", "recipe_names", "register"]
 
 _POLICY_KEYS = tuple(f.name for f in fields(Policy))
 # Keys of the flat Recipe (lowprec 0.1, before composable recipes) not in today's dict.
@@ -196,8 +198,6 @@ class Recipe:
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> Recipe:
         """A preset (:func:`~lowprec.recipes.get_recipe`), with keyword ``overrides``."""
-        from lowprec.recipes.presets import get_recipe
-
         return get_recipe(name, **overrides)
 
 
@@ -231,3 +231,51 @@ def _from_flat(d: dict[str, Any]) -> Recipe:
     policy = Policy(**{k: d[k] for k in _POLICY_KEYS if k in d})
     skip = tuple(d.get("float8_skip", ("head", "lm_head")))
     return Recipe(d["name"], d.get("description", ""), policy, technique, skip)
+
+
+# ---- the named recipes (filled by lowprec.recipes.presets) ----------------------------
+
+
+def build_recipe(name: str, description: str, **kwargs: Any) -> Recipe:
+    """A :class:`Recipe` from a preset's keyword arguments (:class:`Policy` fields plus
+    ``technique``, ``float8_skip``, ``calibration_batches``)."""
+    policy = Policy(**{k: v for k, v in kwargs.items() if k in _POLICY_KEYS})
+    rest = {k: v for k, v in kwargs.items() if k not in _POLICY_KEYS}
+    return Recipe(name, description, policy, **rest)
+
+
+_PRESETS: Registry[Recipe] = Registry("recipe", build_recipe)
+
+
+def register(recipe: Recipe) -> Recipe:
+    """Add ``recipe`` to the named recipes (``ValueError`` if the name is taken)."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
+    kwargs = {f.name: getattr(recipe.policy, f.name) for f in fields(Policy)}
+    kwargs.update(
+        technique=recipe.technique,
+        float8_skip=recipe.float8_skip,
+        calibration_batches=recipe.calibration_batches,
+    )
+    _PRESETS.add(recipe.name, description=recipe.description, **kwargs)
+    return recipe
+
+
+def recipe_names() -> list[str]:
+    """The registered names, in registration order."""
+    return _PRESETS.names()
+
+
+def get_recipe(name: str | Recipe, **overrides: Any) -> Recipe:
+    """The recipe called ``name`` (a :class:`Recipe` is returned as it is), its keyword
+    arguments replaced by ``overrides``; an unknown name raises ``ValueError`` listing the
+    valid ones."""
+    if isinstance(name, Recipe):
+        if overrides:
+            raise TypeError("get_recipe: overrides apply to a preset name, not to a Recipe")
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"recipe name must be a str or Recipe, got {type(name).__name__}")
+    if name not in _PRESETS:
+        raise ValueError(f"recipe: unknown name {name!r}; valid: {', '.join(_PRESETS.names())}")
+    return build_recipe(name, _PRESETS.description(name), **{**_PRESETS.kwargs(name), **overrides})

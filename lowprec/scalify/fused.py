@@ -108,7 +108,7 @@ def run_fp32(
     )
     extra = [s for _, s in operands if s is not None]
     args = [d for d, _ in operands] + extra + ([post] if post is not None else [])
-    return kernels._run(key, build, *args)
+    return kernels.run_kernel(key, build, *args)
 
 
 def stored(x: object) -> tuple[Tensor, Tensor | None] | None:

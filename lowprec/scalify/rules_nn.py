@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lowprec.core.granularity import apply_scale
-from lowprec.core.tensor import _LOGICAL, ScaledTensor
+from lowprec.core.tensor import LOGICAL_DTYPES, ScaledTensor
 from lowprec.scalify.config import current_config
 from lowprec.scalify.core import (
     check_compatible,
@@ -376,7 +376,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     kw = dict(kwargs)
     dtype = kw.pop("dtype", None) or x.dtype
     kw.pop("layout", None)
-    if dtype not in _LOGICAL:
+    if dtype not in LOGICAL_DTYPES:
         return deq(x, work_dtype(x)).to(dtype)
     return ScaledTensor._wrap(func(x.qdata, **kw), func(x.scale, **kw), dtype, x._fmt, x.domain)
 

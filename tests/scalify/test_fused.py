@@ -131,14 +131,14 @@ def test_scalified_model_uses_them_and_trains_like_the_eager_ops(
     x = torch.randint(0, 20, (4, 16), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 20, (4, 16), generator=torch.Generator().manual_seed(2))
     used: set[str] = set()
-    run = kernels._run
+    run = kernels.run_kernel
 
     def spy(key: tuple[object, ...], *args: Any) -> Any:
         if key[0] == "scalify":
             used.add(str(key[1]))
         return run(key, *args)
 
-    monkeypatch.setattr(kernels, "_run", spy)
+    monkeypatch.setattr(kernels, "run_kernel", spy)
     fused = _train_grads(model, x, y)
     assert {"aten._softmax.default", "aten.gelu.default", "aten.add.Tensor"} <= used, used
     monkeypatch.setenv("LOWPREC_EAGER_KERNELS", "0")
@@ -168,13 +168,13 @@ def test_rules_leave_the_kernels_off_by_default(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("LOWPREC_SCALIFY_FUSED")
     x = scaled(torch.randn(64, 100).half(), 0.5)
     calls: list[object] = []
-    run = kernels._run
+    run = kernels.run_kernel
 
     def spy(key: tuple[object, ...], *args: Any) -> Any:
         calls.append(key[0])
         return run(key, *args)
 
-    monkeypatch.setattr(kernels, "_run", spy)
+    monkeypatch.setattr(kernels, "run_kernel", spy)
     y = F.gelu(x).softmax(-1)
     assert "scalify" not in calls and isinstance(y.qdata, torch.Tensor)
     monkeypatch.setenv("LOWPREC_SCALIFY_FUSED", "maybe")
