@@ -341,3 +341,13 @@ def test_report_into_a_missing_folder_creates_it_and_says_so(
     line = cli_error(["report", str(straight), "-o", str(tmp_path / "file" / "r.html")], capsys)
     assert f"{tmp_path / 'file'} is not a directory" in line
     assert (tmp_path / "file").read_text() == "x"
+
+
+def test_docs_cli_lists_every_train_flag() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    flags = {s for a in _train_parser()._actions for s in a.option_strings if s.startswith("--")}
+    missing = sorted(f for f in flags - {"--help"} if f"`{f}" not in text)
+    assert not missing, f"docs/cli.md does not document {missing}"
+    for f in fields(TrainConfig):
+        row = f"| `--{f.name.replace('_', '-')}` | {f.default} |"
+        assert row in text, f"docs/cli.md: no row {row!r} (the flag and its default)"
