@@ -35,7 +35,6 @@ Steps not sampled cost one integer test per hook. Records are dicts (JSON-ready)
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -47,6 +46,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from lowprec._json import dumps
 from lowprec.analysis.stats import count_values
 from lowprec.core.formats import Format, get_format
 from lowprec.core.tensor import ScaledTensor
@@ -221,11 +221,13 @@ class Tracker:
         self._handles.clear()
 
     def save(self, path: str | Path) -> Path:
-        """Append the records to the JSON-lines file ``path``."""
+        """Append the records to the JSON-lines file ``path`` (strict JSON: a non-finite
+        number as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``,
+        :mod:`lowprec._json`)."""
         path = Path(path)
         with open(path, "a") as f:
             for r in self.records:
-                f.write(json.dumps(r) + "\n")
+                f.write(dumps(r) + "\n")
         return path
 
 

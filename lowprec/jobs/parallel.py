@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lowprec._json import dumps, loads
 from lowprec.distributed import checkpoint as dcp_state
 from lowprec.distributed import env
 from lowprec.jobs.interrupts import StopSignals
@@ -65,7 +65,7 @@ def has_checkpoint(out: Path) -> bool:
 
 def _pointer(out: Path) -> dict[str, Any]:
     try:
-        ptr = json.loads((out / POINTER).read_text(encoding="utf-8"))
+        ptr = loads((out / POINTER).read_text(encoding="utf-8"))
         if not isinstance(ptr, dict) or not isinstance(ptr.get("step"), int):
             raise ValueError("no step")
         if not isinstance(ptr.get("dir"), str) or not re.fullmatch(
@@ -95,7 +95,7 @@ def save_checkpoint(out: Path, prepared: Prepared, step: int, parallel: str) -> 
 
     def publish() -> None:
         ptr = {"step": step, "dir": name, "world_size": env.world_size(), "parallel": parallel}
-        write_atomic(out / POINTER, json.dumps(ptr))
+        write_atomic(out / POINTER, dumps(ptr))  # strict JSON (lowprec._json)
         for old in (out / CHECKPOINTS).iterdir():
             if old.name != target.name and re.fullmatch(r"step-\d+", old.name):
                 shutil.rmtree(old, ignore_errors=True)

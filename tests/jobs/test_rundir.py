@@ -248,3 +248,21 @@ def test_strict_json_encoding_of_nonfinite_numbers(tmp_path: Path) -> None:
     path.write_text('{"step": 1, "loss": NaN}\n{"step": 2, "loss": -Infinity}\n')  # before
     recs = read_jsonl(path)
     assert math.isnan(recs[0]["loss"]) and recs[1]["loss"] == -inf
+
+
+def test_tracker_save_is_strict_json(tmp_path: Path) -> None:
+    """Tracker.save (lowprec.analysis.tracking), the other JSON-lines writer, writes a
+    non-finite number as a string (its statistics are finite for any tensor, so the
+    record here is set by hand), and the readers give the float back."""
+    from lowprec.analysis.tracking import Tracker
+
+    m = torch.nn.Linear(3, 2)
+    tracker = Tracker(m, ("fp16",), auto_step=False)
+    tracker.enabled = True
+    m(torch.ones(1, 3))
+    tracker.remove()
+    tracker.records[0]["rms"] = float("inf")
+    path = tracker.save(tmp_path / "n.jsonl")
+    lines = [json.loads(ln, parse_constant=_refuse) for ln in path.read_text().splitlines()]
+    assert lines[0]["rms"] == "Infinity" and len(lines) == len(tracker.records) >= 3
+    assert read_jsonl(path, ("step", "name"))[0]["rms"] == float("inf")
