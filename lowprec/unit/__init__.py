@@ -35,12 +35,13 @@ Example:
 
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import CONSTRAINTS, Constraint, apply_constraint, scale_bwd, scale_fwd
-from lowprec.unit.recipe import apply, recipe_param_groups
+from lowprec.unit.recipe import PRESETS, apply, recipe_param_groups
 from lowprec.unit.transform import unit_scale
 from lowprec.unit.umup import tag_params, umup_param_groups, umup_taus
 
 __all__ = [
     "CONSTRAINTS",
+    "PRESETS",
     "Constraint",
     "UnitConfig",
     "apply",

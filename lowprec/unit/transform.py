@@ -99,15 +99,74 @@ def _unit_forward_class(cls: type[nn.Module]) -> type[nn.Module]:
         # every input, positional or keyword, goes to the model's own forward unchanged
         d = self.__dict__
         if d.get("_unit_analysing"):  # the analysis run: its own mode converts the ops
-            return super(new_cls, self).forward(*args, **kwargs)  # type: ignore[arg-type]
+            return _own_forward(self, args, kwargs)
         if d.get("_unit_pending") is not None:
             return _first_call(self, args, kwargs)
         with UnitMode(cast(UnitConfig, self._unit_config), d.get("_unit_runtime")):
-            return super(new_cls, self).forward(*args, **kwargs)  # type: ignore[arg-type]
+            return _own_forward(self, args, kwargs)
 
-    attrs = {"forward": forward, "__module__": cls.__module__}
+    attrs = {"forward": forward, "__module__": cls.__module__, "_unit_wrapper": True}
     new_cls = type(f"Unit{cls.__name__}", (cls,), attrs)
     return new_cls
+
+
+def _own_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The forward of the unit model's original class (an fx-rewritten root: its graph's,
+    called with the original signature), on the call's inputs."""
+    if isinstance(model, fx.GraphModule):
+        return _graph_forward(model, *args, **kwargs)
+    base = next(c for c in type(model).__mro__ if not c.__dict__.get("_unit_wrapper"))
+    return cast(Any, base).forward(model, *args, **kwargs)
+
+
+def _generated_forward(gm: fx.GraphModule) -> Callable[..., Any]:
+    """The forward fx generated for ``gm``'s graph (its class's; recompiling replaces it)."""
+    for c in type(gm).__mro__:
+        if not c.__dict__.get("_unit_wrapper") and "forward" in c.__dict__:
+            return cast(Callable[..., Any], c.__dict__["forward"])
+    raise AssertionError("unreachable: a GraphModule class has a generated forward")
+
+
+def _graph_forward(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """Call ``gm``'s generated forward with the signature of the module it was traced from.
+
+    fx's generated ``forward`` lists the parameters in the traced code's order, keyword-only
+    ones moved before ``*args`` and none positional-only (``(a, /, b, *args, c, **kw)``
+    becomes ``(a, b, c, *args, **kw)``): a call in the original form would bind its inputs
+    to other parameters. The inputs are bound to the original signature and passed on in
+    the generated one's order."""
+    fwd = _generated_forward(gm)
+    sig = gm.__dict__.get("_unit_signature")
+    if sig is None:
+        return fwd(gm, *args, **kwargs)
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    pos, var, varkw = [], (), {}
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            var = a.get(p.name, ())
+        elif p.kind is p.VAR_KEYWORD:
+            varkw = a.get(p.name, {})
+        else:
+            pos.append(a[p.name])
+    return fwd(gm, *pos, *var, **varkw)
+
+
+def _keep_signature(gm: fx.GraphModule, original: Callable[..., Any], root: bool) -> None:
+    """Make ``gm`` (traced from a module whose bound forward is ``original``) take its
+    inputs as ``original`` does (:func:`_graph_forward`), where fx's generated signature
+    differs: positional-only, keyword-only, ``*args`` or ``**kwargs`` parameters. A root
+    is called through the unit model's forward; a child gets an instance ``forward``."""
+    try:
+        sig = inspect.signature(original)
+    except (TypeError, ValueError):
+        return
+    if all(p.kind is p.POSITIONAL_OR_KEYWORD for p in sig.parameters.values()):
+        return
+    gm.__dict__["_unit_signature"] = sig
+    if not root:
+        gm.forward = types.MethodType(_graph_forward, gm)  # type: ignore[method-assign]
 
 
 class _TracedCrossEntropyLoss(nn.CrossEntropyLoss):
@@ -292,7 +351,7 @@ def _first_call_eager(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     rt.enter("<root>", model, args, kwargs)
     try:
         with UnitMode(cast(UnitConfig, model._unit_config), rt):
-            return cast(Any, super(type(model), model)).forward(*args, **kwargs)
+            return _own_forward(model, args, kwargs)
     finally:
         rt.reset()
 
@@ -415,6 +474,7 @@ def _apply_fx(
             adds.append((f"{name or '<root>'}.{add.name}", name, split.name, add.name))
     for name, m, graph, _ in reversed(found):  # deepest first: parents copy rewritten children
         gm = fx.GraphModule(m, graph, class_name=type(m).__name__)
+        _keep_signature(gm, m.forward, root=not name)
         if not name:
             model = gm
         else:
@@ -438,7 +498,15 @@ def _set_fx_taus(
             dirty[id(gm)] = gm
         names.append(f"{label} (tau={t:.4g})")
     for gm in dirty.values():
-        gm.recompile()
+        cls = type(gm)
+        if cls.__dict__.get("_unit_wrapper"):  # the unit root: recompile into its fx class
+            gm.__class__ = cls.__bases__[0]
+            try:
+                gm.recompile()
+            finally:
+                gm.__class__ = cls
+        else:
+            gm.recompile()
     return names
 
 
