@@ -4,52 +4,83 @@ Every benchmark prints a table and writes one JSON record to ``benchmarks/result
 the machine, the torch version and the git revision (see ``run_record``), so results from
 different machines and commits can be compared later.
 
-Timing (``time_many``, ``time_fn``): warm-up calls first (the first call of a
-``torch.compile``d function compiles, and its time is returned separately), then
-``repeats`` timed repeats of ``number`` back-to-back calls each, the functions interleaved
-round by round; the median per-call time is the result. On CUDA the device is synchronised
-around each repeat. Shared, noisy machines: compare rows of one run (ratios), not absolute
-times across runs.
+Timing: ``time_many`` (and ``time_fn`` for one function) is the one harness every
+benchmark times with. Warm-up calls first (the first call of a ``torch.compile``d
+function compiles, and its time is returned separately), then ``repeats`` timed repeats
+of ``number`` back-to-back calls each, the functions interleaved round by round; the
+median per-call time (``statistics.median``: the mean of the two middle values for an
+even count) is the result. On CUDA the device is synchronised around each repeat. A
+training loop whose steps differ (learning-rate schedule, batches) is timed with
+``min_repeat_s=0``: one step per repeat, in order. Shared, noisy machines: compare rows of
+one run (ratios), not absolute times across runs.
+
+Command line: ``arg_parser`` adds the options the benchmarks share (``--threads``,
+``--repeats``, ``--modes``, ``--device``, ``--clock``, ``--cold-compile``, ``--profile``,
+``--out``, ``--quick``) and ``parse_args`` checks them and fills in ``--out``. A benchmark
+on several processes restarts itself under torch's launcher with ``torchrun_self``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import copy
+import importlib
 import json
 import math
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 REPO_ROOT = BENCH_DIR.parent
 
 __all__ = [
+    "CLOCKS",
+    "MODES",
     "RESULTS_DIR",
     "StepProfile",
     "Timing",
+    "arg_parser",
+    "default_out",
+    "dynamo_counts",
     "env",
+    "fp64_reference",
+    "fwd_bwd_step",
     "git_revision",
+    "launched",
+    "lm_step_fn",
     "machine_info",
+    "mlp",
+    "optional_import",
+    "package_version",
+    "parse_args",
+    "print_mode_ratio_table",
     "print_profiles",
     "print_table",
     "profile_many",
     "ran_compiled",
+    "reference_lm_setup",
     "run_record",
+    "setup_torch",
     "sqnr_db",
     "synchronize",
     "time_fn",
     "time_many",
+    "torchrun_self",
     "write_json",
 ]
 
@@ -69,12 +100,17 @@ def _cpu_model() -> str:
 
 
 def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Platform, CPU model, core count, torch threads and (on CUDA) the GPU name."""
+    """Platform, CPU model, core count, torch threads, whether the CPU has BF16 matrix
+    instructions (lowprec's own test, ``lowprec.amp.native_bf16_matmul``: without them
+    the recipes run BF16 products in FP32) and (on CUDA) the GPU name."""
+    from lowprec.amp import native_bf16_matmul
+
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_model": _cpu_model(),
         "cpu_cores": os.cpu_count(),
+        "cpu_native_bf16_matmul": native_bf16_matmul(),
         "torch_num_threads": torch.get_num_threads(),
     }
     try:
@@ -135,7 +171,10 @@ def write_json(record: dict[str, Any], path: str | Path) -> Path:
     return p
 
 
-# ---- timing -------------------------------------------------------------------------------
+# ---- command line -------------------------------------------------------------------------
+
+MODES = ("eager", "compiled")
+CLOCKS = ("wall", "thread")
 
 
 def default_out(stem: str, quick: bool) -> str:
@@ -148,7 +187,108 @@ def default_out(stem: str, quick: bool) -> str:
     return str(RESULTS_DIR / f"{stem}.json")
 
 
-def setup_torch(threads: int, cold_compile: bool) -> None:
+def arg_parser(
+    doc: str | None,
+    *,
+    threads: int | None = None,
+    repeats: int | None = None,
+    modes: bool = False,
+    devices: Sequence[str] | None = None,
+    clock: bool = False,
+    cold_compile: bool = False,
+    profile: bool = False,
+    quick: str | None = None,
+) -> argparse.ArgumentParser:
+    """A parser with the options the benchmarks share, each only where asked for:
+    ``--threads`` (default ``threads``), ``--repeats`` (default ``repeats``), ``--modes``
+    (comma list of eager, compiled), ``--device`` (the first of ``devices``), ``--clock``,
+    ``--cold-compile``, ``--profile N``; always ``--out``; ``--quick`` with the help
+    ``quick``. The description is the first paragraph of ``doc``. Finish with
+    :func:`parse_args`."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0] if doc else None)
+    if threads is not None:
+        p.add_argument(
+            "--threads",
+            type=int,
+            default=threads,
+            help="torch.set_num_threads (default %(default)s; on a shared 2-core "
+            "machine two OpenMP threads stall whenever another process holds a "
+            "core)",
+        )
+    if repeats is not None:
+        p.add_argument(
+            "--repeats",
+            type=int,
+            default=repeats,
+            help="timed repeats per variant (default %(default)s)",
+        )
+    if modes:
+        p.add_argument("--modes", default=",".join(MODES), help="comma list of eager, compiled")
+    if devices:
+        p.add_argument("--device", default=devices[0], choices=list(devices))
+    if clock:
+        p.add_argument(
+            "--clock",
+            default="wall",
+            choices=CLOCKS,
+            help="wall time, or the (one) compute thread's CPU time: leaves out "
+            "the time a shared virtual machine's host takes the core away "
+            "(needs --threads 1)",
+        )
+    if cold_compile:
+        p.add_argument(
+            "--cold-compile",
+            action="store_true",
+            help="disable inductor's caches so compile times are cold",
+        )
+    if profile:
+        p.add_argument(
+            "--profile",
+            type=int,
+            default=0,
+            metavar="N",
+            help="after timing, profile N steps of each variant: where the time "
+            "goes (_common.profile_many)",
+        )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default benchmarks/results/<name>.json; with --quick, a "
+        "file in the temp dir, so a smoke run never overwrites the results)",
+    )
+    if quick is not None:
+        p.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
+    return p
+
+
+def parse_args(
+    p: argparse.ArgumentParser, argv: Sequence[str] | None, stem: str
+) -> argparse.Namespace:
+    """Parse and check the shared options of :func:`arg_parser`: ``--modes`` becomes a
+    list; ``--threads`` and ``--repeats`` must be >= 1; ``--clock thread`` needs
+    ``--threads 1``; ``--device cuda`` needs CUDA. ``--out`` defaults to
+    ``default_out(stem, quick)``, ``stem`` formatted with the arguments (``"float8_{device}"``)."""
+    a = p.parse_args(argv)
+    if getattr(a, "modes", None) is not None:
+        modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+        if not modes or any(m not in MODES for m in modes):
+            p.error(f"--modes must be a comma list of {', '.join(MODES)}; got {a.modes!r}")
+        a.modes = modes
+    for name in ("threads", "repeats"):
+        if getattr(a, name, 1) < 1:
+            p.error(f"--{name} must be >= 1")
+    if getattr(a, "clock", "wall") == "thread" and getattr(a, "threads", None) != 1:
+        p.error("--clock thread needs --threads 1")
+    if getattr(a, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available")
+    if getattr(a, "profile", 0) < 0:
+        p.error("--profile must be >= 0")
+    if a.out is None:
+        a.out = default_out(stem.format(**vars(a)), getattr(a, "quick", False))
+    return a
+
+
+def setup_torch(threads: int, cold_compile: bool = False) -> None:
     """Set the CPU thread count; with ``cold_compile`` disable inductor's caches so compile
     times are cold."""
     torch.set_num_threads(threads)
@@ -156,6 +296,29 @@ def setup_torch(threads: int, cold_compile: bool) -> None:
         import torch._inductor.config as inductor_config
 
         inductor_config.force_disable_caches = True
+
+
+def launched() -> bool:
+    """Whether this process is a worker of torch's launcher (``lowprec.distributed``'s
+    own test)."""
+    from lowprec.distributed.env import launched as _launched
+
+    return _launched()
+
+
+def torchrun_self(script: str | Path, argv: Sequence[str], nproc: int = 2) -> None:
+    """Run ``script argv`` again on ``nproc`` processes with torch's launcher
+    (``torch.distributed.run --standalone``, one thread each: ``OMP_NUM_THREADS=1``);
+    ``SystemExit`` with the launcher's exit code if it fails. The script tells its
+    workers apart with :func:`launched`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(nproc), str(script), *argv]
+    rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if rc != 0:
+        raise SystemExit(rc)
+
+
+# ---- timing -------------------------------------------------------------------------------
 
 
 def synchronize(device: str | torch.device) -> None:
@@ -179,9 +342,6 @@ class Timing:
         d = asdict(self)
         d["repeats_ms"] = list(self.repeats_ms)
         return d
-
-
-CLOCKS = ("wall", "thread")
 
 
 def _timed(
@@ -256,9 +416,11 @@ def time_fn(
     repeats: int = 7,
     warmup: int = 2,
     min_repeat_s: float = 0.1,
+    clock: str = "wall",
 ) -> Timing:
-    """Time one function (see :func:`time_many`)."""
-    return time_many({"fn": fn}, device, repeats, warmup, min_repeat_s)["fn"]
+    """Time one function (see :func:`time_many`). With ``min_repeat_s=0`` it is called
+    exactly ``warmup + repeats`` times, in order: the steps of a training loop."""
+    return time_many({"fn": fn}, device, repeats, warmup, min_repeat_s, clock)["fn"]
 
 
 # ---- where the time goes ------------------------------------------------------------------
@@ -370,6 +532,19 @@ def env(var: str, value: str) -> Iterator[None]:
 # ---- accuracy -----------------------------------------------------------------------------
 
 
+def fp64_reference(model: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, dx, dW)`` of an FP64 copy of ``model`` (on ``x``'s device) on ``x`` with the
+    output gradient ``g`` (the loss ``(y * g).sum()``): the output, the input gradient and
+    the first weight's gradient, what :func:`fwd_bwd_step`'s results are measured against."""
+    ref = copy.deepcopy(model).to(device=x.device, dtype=torch.float64)
+    x64 = x.detach().to(torch.float64).requires_grad_(True)
+    y = ref(x64)
+    (y * g.to(torch.float64)).sum().backward()
+    w = next(p for n, p in ref.named_parameters() if n.endswith("weight"))
+    assert x64.grad is not None and w.grad is not None
+    return y.detach(), x64.grad, w.grad
+
+
 def sqnr_db(v: torch.Tensor, ref: torch.Tensor) -> float | None:
     """``10 log10(Σ ref² / Σ (v − ref)²)`` in float64 (``None`` when ``v == ref`` exactly)."""
     r = ref.detach().double()
@@ -437,6 +612,69 @@ def ran_compiled(out: torch.Tensor | None) -> bool:
     return False
 
 
+def dynamo_counts() -> dict[str, int]:
+    """Dynamo's running counts: graphs compiled, graph breaks, inductor FX-graph cache hits
+    and misses (differences around a call show what it compiled)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": counters["graph_break"].total(),
+        "fx_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fx_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+    }
+
+
+def optional_import(name: str) -> ModuleType | str:
+    """The module ``name`` (a peer package such as ``torchao.float8``), or why it does not
+    import (``"<error type>: <message>"``; any exception, a broken install included), so
+    that its rows are skipped with the reason."""
+    try:
+        return importlib.import_module(name)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def package_version(pkg: str) -> str | None:
+    """The installed version of the distribution ``pkg``, or ``None``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
+
+
+# ---- models and steps ---------------------------------------------------------------------
+
+
+def mlp(d: int) -> nn.Sequential:
+    """``Linear(d, 4d) -> GELU -> Linear(4d, d)``, the float8 benchmarks' model."""
+    return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+
+def fwd_bwd_step(
+    fn: Callable[[Tensor], Tensor],
+    model: nn.Module,
+    x: Tensor,
+    g: Tensor,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Callable[[], Tensor]:
+    """One forward and backward per call: ``zero_grad``; ``y = fn(x)``;
+    ``(y * g).sum().backward()`` inside ``context()``; returns ``y`` (``x`` must require
+    gradients; ``fn`` is ``model`` or its compiled form)."""
+
+    def step() -> Tensor:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with context():
+            y = fn(x)
+            (y * g).sum().backward()
+        return y
+
+    return step
+
+
 def lm_step_fn(
     model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[Any]
 ) -> Callable[[], None]:
@@ -464,7 +702,8 @@ def reference_lm_setup(quick: bool) -> tuple[dict[str, int], Any, list[Any]]:
     shape = dict(batch=32, seq=128, width=64, depth=2, heads=4)
     if quick:
         shape = dict(batch=4, seq=16, width=32, depth=1, heads=2)
-    cfg = ModelConfig(width=shape["width"], depth=shape["depth"], heads=shape["heads"],
-                      seq_len=shape["seq"])  # fmt: skip
+    cfg = ModelConfig(
+        width=shape["width"], depth=shape["depth"], heads=shape["heads"], seq_len=shape["seq"]
+    )
     data = CharData(shape["seq"], shape["batch"])
     return shape, cfg, [data.batch("train", i) for i in range(4)]

@@ -10,7 +10,8 @@ Bytes: FSDP2's all-gathers and reduce-scatters are counted in Python (each rank'
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, as FSDP2 calls them), per step and
 rank, with the FP8 all-gather of float8 weights where the layout allows. DDP all-reduces its
 gradient buckets in C++: its bytes are the gradients' (every parameter's size in its dtype),
-per step and rank. Step time: the median over the timed steps after one warm-up step.
+per step and rank. Step time: ``_common.time_fn``, one step per repeat in order, the median
+over ``--steps`` timed steps after one warm-up step.
 
 Usage::
 
@@ -24,17 +25,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from _common import print_table, run_record, write_json
+from _common import (
+    arg_parser,
+    launched,
+    parse_args,
+    print_table,
+    run_record,
+    time_fn,
+    torchrun_self,
+    write_json,
+)
 
 from lowprec.distributed import shutdown
 
@@ -100,22 +107,24 @@ def _train(args: argparse.Namespace, recipe: str, parallel: str | None) -> dict[
 
         run = dist_prepare(model, recipe, parallel, factory)  # type: ignore[arg-type]
         rank, world = dist.get_rank(), dist.get_world_size()
-    times, ag, rs = [], [], []
-    for s in range(args.steps + 1):
-        x, y = data.batch("train", s)
+    ag: list[int] = []
+    rs: list[int] = []
+
+    def step() -> None:
+        x, y = data.batch("train", len(ag))
         k = x.shape[0] // world
         _Bytes.all_gather = _Bytes.reduce_scatter = 0
-        t0 = time.perf_counter()
         train_step(run, x[rank * k : (rank + 1) * k], y[rank * k : (rank + 1) * k], 1e-3)
-        if s:  # the first step is warm-up
-            times.append(time.perf_counter() - t0)
-            ag.append(_Bytes.all_gather)
-            rs.append(_Bytes.reduce_scatter)
+        ag.append(_Bytes.all_gather)
+        rs.append(_Bytes.reduce_scatter)
+
+    # every rank runs the same steps: with min_repeat_s=0, one step per repeat
+    t = time_fn(step, repeats=args.steps, warmup=1, min_repeat_s=0.0)
     grads = sum(p.numel() * p.element_size() for p in run.model.parameters())
     return {
-        "step_s": statistics.median(times),
-        "all_gather_MB": statistics.mean(ag) / 1e6,
-        "reduce_scatter_MB": statistics.mean(rs) / 1e6,
+        "step_s": t.median_ms / 1e3,
+        "all_gather_MB": statistics.mean(ag[1:]) / 1e6,  # the first step is warm-up
+        "reduce_scatter_MB": statistics.mean(rs[1:]) / 1e6,
         "grad_MB": grads / 1e6,
     }
 
@@ -135,25 +144,24 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = arg_parser(__doc__)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--out", default="benchmarks/results/distributed_cpu.json")
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if "RANK" in os.environ:
+    args = parse_args(p, None, "distributed_cpu")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    if launched():
         worker(args)
         return
     torch.set_num_threads(1)  # as each of the 2 workers (torchrun's OMP_NUM_THREADS=1)
     one = {r: _train(args, r, None) for r in RECIPES}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "two.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", "2", __file__, *sys.argv[1:], "--worker-out", str(path)]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        torchrun_self(__file__, [*sys.argv[1:], "--worker-out", str(path)])
         two = json.loads(path.read_text())
     rows = []
     for r in RECIPES:

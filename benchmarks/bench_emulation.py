@@ -43,7 +43,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import sys
@@ -54,8 +53,11 @@ from typing import Any
 
 import torch
 from _common import (
-    CLOCKS,
-    default_out,
+    arg_parser,
+    fp64_reference,
+    fwd_bwd_step,
+    mlp,
+    parse_args,
     print_profiles,
     print_table,
     profile_many,
@@ -192,12 +194,10 @@ def build_lowprec(preset: str, m: nn.Sequential, x: Tensor, g: Tensor) -> nn.Mod
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = arg_parser(__doc__, threads=1, repeats=10, modes=True, clock=True, profile=True,
+                   quick="d=64, batch 32, 2 repeats, eager")  # fmt: skip
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--presets", default=",".join(PRESETS))
     p.add_argument("--no-peers", action="store_true")
     p.add_argument(
@@ -212,42 +212,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="comma list of variants to run compiled (default: all)",
     )
-    p.add_argument(
-        "--clock",
-        default="wall",
-        choices=CLOCKS,
-        help="wall time, or the (one) compute thread's CPU time: leaves out the time a "
-        "shared virtual machine's host takes the core away (needs --threads 1)",
-    )
-    p.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        metavar="N",
-        help="after timing, profile N steps of each variant: where the time goes",
-    )
-    p.add_argument("--out", default=None)
-    p.add_argument("--quick", action="store_true", help="d=64, batch 32, 2 repeats, eager")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, "emulation_cpu")
     if args.quick:
-        args.dim, args.batch, args.repeats, args.modes = 64, 32, 2, "eager"
-    modes = [s for s in args.modes.split(",") if s]
+        args.dim, args.batch, args.repeats, args.modes = 64, 32, 2, ["eager"]
+    modes = args.modes
     presets = [s for s in args.presets.split(",") if s]
-    setup_torch(args.threads, False)
-    out = args.out or default_out("emulation_cpu", args.quick)
+    setup_torch(args.threads)
+    out = args.out
     t_start = time.perf_counter()
 
     torch.manual_seed(0)
     d = args.dim
-    base = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+    base = mlp(d)
     x0 = torch.randn(args.batch, d)
     g0 = torch.randn(args.batch, d)
-    ref = copy.deepcopy(base).double()
-    xr = x0.double().requires_grad_(True)
-    yr = ref(xr)
-    (yr * g0.double()).sum().backward()
-    assert xr.grad is not None and ref[0].weight.grad is not None
-    y_ref, dx_ref, dw_ref = yr.detach(), xr.grad, ref[0].weight.grad
+    y_ref, dx_ref, dw_ref = fp64_reference(base, x0, g0)
 
     builders: dict[str, Callable[[nn.Sequential], nn.Module]] = {"fp32": lambda m: m}
     for pr in presets:
@@ -277,16 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                 fn = torch.compile(model) if mode == "compiled" else model
                 x = x0.clone().requires_grad_(True)
                 w1 = next(p for n, p in model.named_parameters() if n.endswith("weight"))
-
-                def step(
-                    fn: Any = fn, model: nn.Module = model, x: Tensor = x, ref: bool = reference
-                ) -> Tensor:
-                    model.zero_grad(set_to_none=True)
-                    x.grad = None
-                    with _reference_paths() if ref else contextlib.nullcontext():
-                        y: Tensor = fn(x)
-                        (y * g0).sum().backward()
-                    return y
+                context = _reference_paths if reference else contextlib.nullcontext
+                step = fwd_bwd_step(fn, model, x, g0, context)
 
                 t0 = time.perf_counter()
                 y = step()

@@ -83,7 +83,14 @@ from typing import Any
 import torch
 import torch._dynamo
 from _common import (
-    default_out,
+    arg_parser,
+    dynamo_counts,
+    fp64_reference,
+    fwd_bwd_step,
+    mlp,
+    optional_import,
+    package_version,
+    parse_args,
     print_table,
     ran_compiled,
     run_record,
@@ -94,12 +101,10 @@ from _common import (
     write_json,
 )
 from torch import Tensor, nn
-from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowprec.float8 import Float8Recipe, convert_to_float8
 
-MODES = ("eager", "compiled")
 STACK_DEPTH = 4
 QUICK = {"dims": [64], "batch": 32, "repeats": 2, "shapes": [(32, 64, 128)]}
 QUICK_COMPILED = ("fp32", "lowprec tensorwise", "torchao tensorwise emulate", "torchao tensorwise")
@@ -109,14 +114,8 @@ MIB = 2**20
 
 def _torchao() -> tuple[Any, Any] | str:
     """``(convert_to_float8_training, Float8LinearConfig)`` or why torchao is unusable."""
-    try:
-        from torchao.float8 import (  # type: ignore[import-untyped]
-            Float8LinearConfig,
-            convert_to_float8_training,
-        )
-    except Exception as e:  # ImportError, or a broken install raising anything else
-        return f"{type(e).__name__}: {e}"
-    return convert_to_float8_training, Float8LinearConfig
+    ao = optional_import("torchao.float8")
+    return ao if isinstance(ao, str) else (ao.convert_to_float8_training, ao.Float8LinearConfig)
 
 
 # ---- variants ---------------------------------------------------------------------------
@@ -214,7 +213,8 @@ def saved_activations(
 
 
 def _dynamo_counts() -> tuple[int, int]:
-    return counters["stats"]["unique_graphs"], counters["graph_break"].total()
+    c = dynamo_counts()
+    return c["graphs"], c["graph_breaks"]
 
 
 @dataclass
@@ -243,15 +243,7 @@ def run_case(
     ``compile_only``: the variants run in compiled mode (default all)."""
     cuda = device.type == "cuda"
     modes = case.modes or modes
-    ref_model = copy.deepcopy(case.base).to(device=device, dtype=torch.float64)
-    x_ref = case.x.detach().double().clone().requires_grad_(True)
-    y_ref = ref_model(x_ref)
-    (y_ref * case.g.double()).sum().backward()
-    assert x_ref.grad is not None
-    w_ref = next(p for n, p in ref_model.named_parameters() if n.endswith("weight"))
-    dx_ref, dw_ref, y_ref = x_ref.grad, w_ref.grad, y_ref.detach()
-    assert dw_ref is not None
-    del ref_model
+    y_ref, dx_ref, dw_ref = fp64_reference(case.base, case.x, case.g)
 
     rows: list[dict[str, Any]] = []
     calls: dict[str, Callable[[], Any]] = {}
@@ -278,19 +270,7 @@ def run_case(
             if mode == "compiled" and compile_only is not None and spec.name not in compile_only:
                 continue
             fn: Callable[[Tensor], Tensor] = torch.compile(model) if mode == "compiled" else model
-
-            def step(
-                fn: Callable[[Tensor], Tensor] = fn,
-                model: nn.Module = model,
-                x: Tensor = x,
-                g: Tensor = g,
-            ) -> Tensor:
-                model.zero_grad(set_to_none=True)
-                x.grad = None
-                y = fn(x)
-                (y * g).sum().backward()  # type: ignore[no-untyped-call]
-                return y
-
+            step = fwd_bwd_step(fn, model, x, g)
             row: dict[str, Any] = {
                 "case": case.name,
                 "dim": case.dim,
@@ -381,10 +361,6 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
 # ---- driver -----------------------------------------------------------------------------
 
 
-def _mlp(d: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-
 def _stack(d: int) -> nn.Module:
     return nn.Sequential(*(nn.Linear(d, d) for _ in range(STACK_DEPTH)))
 
@@ -410,7 +386,7 @@ def cases(
         torch.manual_seed(d)
         x, g = data(batch, d, d, d + 1)
         out.append(
-            Case(f"mlp d={d}", d, _mlp(d), x, g, timed=True, flops=6.0 * batch * d * 4 * d * 2)
+            Case(f"mlp d={d}", d, mlp(d), x, g, timed=True, flops=6.0 * batch * d * 4 * d * 2)
         )
         torch.manual_seed(d + 2)
         out.append(
@@ -452,12 +428,12 @@ def _ints(s: str, flag: str, p: argparse.ArgumentParser) -> list[int]:
     return v
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    quick = "d=64, batch 32, one 32x64x128 shape, 2 repeats"
+    p = arg_parser(__doc__, threads=1, repeats=7, modes=True, devices=("cpu", "cuda"),
+                   cold_compile=True, quick=quick)  # fmt: skip
     p.add_argument("--dims", default="1024", help="comma list of model widths d (MLP d->4d->d)")
     p.add_argument("--batch", type=int, default=512, help="tokens per step (default 512)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats, median taken")
-    p.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
     p.add_argument(
         "--shapes",
         default=None,
@@ -465,35 +441,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         + ",".join("x".join(map(str, s)) for s in CUDA_SHAPES)
         + " on CUDA)",
     )
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch.set_num_threads (default 1: see the module docstring)",
-    )
-    p.add_argument(
-        "--cold-compile",
-        action="store_true",
-        help="disable inductor's caches so compile times are cold",
-    )
-    p.add_argument(
-        "--out",
-        default=None,
-        help="JSON path (default benchmarks/results/"
-        "float8_<device>.json; with --quick a file in the temp dir)",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke test: d=64, batch 32, one 32x64x128 shape, 2 repeats",
-    )
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, "float8_{device}")
     args.dims = _ints(args.dims, "dims", p)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
-        p.error(f"--modes must be a comma list of {', '.join(MODES)}; got {args.modes!r}")
-    args.modes = modes
     shapes: list[tuple[int, int, int]] = []
     if args.shapes is not None:
         for s in args.shapes.split(","):
@@ -508,18 +457,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.dims, args.batch, args.repeats = QUICK["dims"], QUICK["batch"], QUICK["repeats"]
         args.shapes = QUICK["shapes"]
-    if min(args.batch, args.repeats, args.threads) < 1:
-        p.error("--batch, --repeats and --threads must be >= 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available")
-    if args.out is None:
-        args.out = default_out(f"float8_{args.device}", args.quick)
+    if args.batch < 1:
+        p.error("--batch must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     global TORCHAO
-    args = parse_args(argv)
+    args = _parse_args(argv)
     setup_torch(args.threads, args.cold_compile)
     # Sequential.forward is one code object, compiled once per variant (module, dtype).
     torch._dynamo.config.recompile_limit = 64
@@ -554,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=torch.get_num_threads(),
         cold_compile=args.cold_compile,
         variants=[s.name for s in specs],
-        torchao=_version("torchao"),
+        torchao=package_version("torchao"),
         step="zero_grad; y = model(x); (y * g).sum().backward()",
         notes=notes,
         total_s=total_s,
@@ -580,15 +525,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {failed}; not compiled: {silent}", file=sys.stderr)
         return 1
     return 0
-
-
-def _version(pkg: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(pkg)
-    except PackageNotFoundError:
-        return None
 
 
 def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

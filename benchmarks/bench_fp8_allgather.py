@@ -20,13 +20,19 @@ Run without ``torchrun``: it starts ``torch.distributed.run --nproc-per-node 2``
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from typing import Any
 
 import torch
-from _common import print_table, run_record, write_json
+from _common import (
+    arg_parser,
+    launched,
+    parse_args,
+    print_table,
+    run_record,
+    torchrun_self,
+    write_json,
+)
 
 from lowprec.distributed import shutdown
 
@@ -144,28 +150,17 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = arg_parser(__doc__)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/results/fp8_allgather_cpu.json")
-    args = p.parse_args()
+    args = parse_args(p, None, "fp8_allgather_cpu")
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is warm-up)")
-    if "RANK" in os.environ:
+    if launched():
         worker(args)
-        return
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        __file__,
-        *sys.argv[1:],
-    ]
-    sys.exit(subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    else:
+        torchrun_self(__file__, sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ Written for a lent CUDA machine (Hopper: H100/H200); ``--device cpu`` with a sma
 order, each written to the JSON as it finishes (a later failure keeps the earlier ones):
 
 1. **ceilings**: a device-to-device copy of ``--copy-mib`` MiB (bandwidth counts bytes read
-   plus bytes written) and an 8192³ bf16 ``mm`` on random data (TFLOP/s), the two rates the
-   GEMM times below are read against.
+   plus bytes written) and an ``--mm-size``³ (8192³) bf16 ``mm`` on random data (TFLOP/s),
+   the two rates the GEMM times below are read against.
 2. **gemm** at ``--shape M×K×N`` (default 4096×8192×16384, 2MKN flops): ``A (M×K)``
    row-major and ``B (K×N)`` column-major (a linear layer's ``x · Wᵀ``), both N(0, 1) bf16,
    out bf16. Rows: ``bf16 mm``; raw ``torch._scaled_mm`` on operands quantized beforehand
@@ -37,8 +37,10 @@ order, each written to the JSON as it finishes (a later failure keeps the earlie
    equal, and ``values`` equal (a NaN's sign aside); plus torch's own casts of overflowing
    values to E4M3/E5M2 on both devices.
 
-Timing: CUDA events around each call, ``--warmup`` untimed calls, then ``--repeats`` rounds
-with every row once per round (interleaved), median per row. Inputs are fresh random
+Timing: ``_common.time_many``, the harness of every benchmark: untimed warm-up calls, then
+``--repeats`` rounds with every row once per round (interleaved), a round being as many
+back-to-back calls as fill ``MIN_REPEAT_S`` with the device synchronised around them; the
+median per call. Inputs are fresh random
 normals, never zeros. ``--budget-s`` stops before a section or compiled variant would
 start past that many seconds (the lease is short); skipped rows are listed.
 
@@ -46,16 +48,15 @@ Usage::
 
     python benchmarks/bench_fp8_gpu.py [--shape 4096x8192x16384] [--repeats 30]
         [--modes eager,compiled] [--budget-s 330] [--out benchmarks/results/fp8_gpu.json]
-    python benchmarks/bench_fp8_gpu.py --device cpu --shape 64x128x256 --repeats 2  # dry run
+    python benchmarks/bench_fp8_gpu.py --device cpu --quick  # dry run
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
+import importlib
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -64,7 +65,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import env, print_table, run_record, sqnr_db, synchronize, write_json
+from _common import (
+    arg_parser,
+    env,
+    optional_import,
+    parse_args,
+    print_table,
+    run_record,
+    sqnr_db,
+    synchronize,
+    time_many,
+    write_json,
+)
 from torch import Tensor, nn
 
 from lowprec.core import kernels
@@ -76,6 +88,8 @@ from lowprec.float8.recipe import CastConfig
 
 E4M3 = torch.float8_e4m3fn
 T0 = time.monotonic()
+QUICK_HELP = "dry run of every section: shape 64x128x256, 2 repeats, 4 MiB copy, 256³ mm"
+MIN_REPEAT_S = 0.05  # per timed repeat of a row (the lease is short)
 
 
 def elapsed() -> float:
@@ -84,40 +98,12 @@ def elapsed() -> float:
 
 def time_calls(
     calls: dict[str, Callable[[], object]], device: torch.device, repeats: int, warmup: int
-) -> dict[str, dict[str, float]]:
-    """Median/min ms per call of each function, interleaved round by round (CUDA events
-    on a GPU, the host clock after a synchronize elsewhere)."""
-    first: dict[str, float] = {}
-    for name, fn in calls.items():
-        for i in range(warmup):
-            synchronize(device)
-            t = time.perf_counter()
-            fn()
-            synchronize(device)
-            if i == 0:
-                first[name] = (time.perf_counter() - t) * 1e3
-    times: dict[str, list[float]] = {n: [] for n in calls}
-    cuda = device.type == "cuda"
-    for _ in range(repeats):
-        if cuda:
-            marks = []
-            for name, fn in calls.items():
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                marks.append((name, s, e))
-            torch.cuda.synchronize(device)
-            for name, s, e in marks:
-                times[name].append(s.elapsed_time(e))
-        else:
-            for name, fn in calls.items():
-                t = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t) * 1e3)
+) -> dict[str, dict[str, Any]]:
+    """``_common.time_many`` (interleaved rounds, the device synchronised around each
+    repeat, median), each row as a dict."""
     return {
-        n: {"median_ms": statistics.median(ts), "min_ms": min(ts), "first_ms": first[n]}
-        for n, ts in times.items()
+        name: t.as_dict()
+        for name, t in time_many(calls, device, repeats, warmup, MIN_REPEAT_S).items()
     }
 
 
@@ -231,12 +217,12 @@ def bits_section(device: torch.device) -> dict[str, Any]:
     return out
 
 
-def ceilings(device: torch.device, copy_mib: int, repeats: int) -> dict[str, Any]:
+def ceilings(device: torch.device, copy_mib: int, size: int, repeats: int) -> dict[str, Any]:
     n = copy_mib * 2**20 // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     t = time_calls(
         {"copy": lambda: dst.copy_(src), "mm": lambda: torch.mm(a, b)}, device, repeats, 3
     )
@@ -247,26 +233,29 @@ def ceilings(device: torch.device, copy_mib: int, repeats: int) -> dict[str, Any
         "copy_mib": copy_mib,
         "copy_ms": copy_ms,
         "copy_tb_s": 2 * n * 4 / (copy_ms * 1e-3) / 1e12,
-        "bf16_mm_8192_ms": mm_ms,
-        "bf16_mm_8192_tflops": 2 * 8192**3 / (mm_ms * 1e-3) / 1e12,
+        "bf16_mm_size": size,
+        f"bf16_mm_{size}_ms": mm_ms,
+        f"bf16_mm_{size}_tflops": 2 * size**3 / (mm_ms * 1e-3) / 1e12,
     }
 
 
 def _torchao() -> Any:
-    try:
-        import torchao
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-        from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
-    except Exception as e:  # any import failure: the peer rows are skipped, with the reason
-        return f"{type(e).__name__}: {e}"
+    """torchao's float8 training API, or why it does not import (its rows are skipped)."""
+    mods = [optional_import(f"torchao.float8{m}")
+            for m in ("", ".float8_scaling_utils", ".float8_training_tensor")]  # fmt: skip
+    bad = next((m for m in mods if isinstance(m, str)), None)
+    if bad is not None:
+        return bad
+    ao, scaling, training = mods
+    assert not isinstance(ao, str) and not isinstance(scaling, str)
+    assert not isinstance(training, str)
     return {
-        "version": torchao.__version__,
-        "config": Float8LinearConfig,
-        "convert": convert_to_float8_training,
-        "dynamic": hp_tensor_to_float8_dynamic,
-        "role": GemmInputRole,
-        "mm_config": LinearMMConfig,
+        "version": importlib.import_module("torchao").__version__,
+        "config": ao.Float8LinearConfig,
+        "convert": ao.convert_to_float8_training,
+        "dynamic": scaling.hp_tensor_to_float8_dynamic,
+        "role": training.GemmInputRole,
+        "mm_config": training.LinearMMConfig,
     }
 
 
@@ -436,27 +425,23 @@ def linear_section(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p = arg_parser(__doc__, repeats=30, modes=True, devices=("cuda", "cpu"),
+                   quick=QUICK_HELP)  # fmt: skip
     p.add_argument("--shape", default="4096x8192x16384", help="M x K x N")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--copy-mib", type=int, default=1024)
+    p.add_argument("--mm-size", type=int, default=8192, help="N of the N³ bf16 mm ceiling")
     p.add_argument("--budget-s", type=float, default=330.0)
     p.add_argument("--revision", default=None, help="the git commit, where .git is absent")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available")
+    args = parse_args(p, None, "fp8_gpu_{device}")
+    if args.quick:
+        args.shape, args.repeats, args.copy_mib, args.mm_size = "64x128x256", 2, 4, 256
     try:
         m, k, n = (int(v) for v in args.shape.lower().split("x"))
     except ValueError:
         p.error(f"--shape must be MxKxN, got {args.shape!r}")
-    modes = [s for s in args.modes.split(",") if s]
-    if any(s not in ("eager", "compiled") for s in modes):
-        p.error(f"--modes takes eager and/or compiled, got {args.modes!r}")
+    modes = args.modes
     device = torch.device(args.device)
-    out = Path(args.out or Path(__file__).parent / "results" / f"fp8_gpu_{args.device}.json")
+    out = Path(args.out)
     torch.manual_seed(0)
     ao = _torchao()
     record = run_record(
@@ -471,7 +456,7 @@ def main() -> None:
     if device.type == "cuda":
         record["capability"] = list(torch.cuda.get_device_capability(device))
     sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("ceilings", lambda: ceilings(device, args.copy_mib, args.repeats)),
+        ("ceilings", lambda: ceilings(device, args.copy_mib, args.mm_size, args.repeats)),
         ("gemm", lambda: gemm_section(m, k, n, device, args.repeats, ao)),
         ("linear", lambda: linear_section(m, k, n, device, args.repeats, modes, args.budget_s, ao)),
         ("bits", lambda: bits_section(device)),
@@ -517,9 +502,10 @@ def report(record: dict[str, Any]) -> None:
             print(f"  cast {dt}: {c}")
     c = record.get("ceilings", {})
     if "copy_tb_s" in c:
+        size = c["bf16_mm_size"]
         print(
             f"ceilings: copy {c['copy_tb_s']:.2f} TB/s (read+write), "
-            f"bf16 mm 8192^3 {c['bf16_mm_8192_tflops']:.0f} TFLOP/s"
+            f"bf16 mm {size}^3 {c[f'bf16_mm_{size}_tflops']:.0f} TFLOP/s"
         )
     g = record.get("gemm", {})
     if "rows" in g:

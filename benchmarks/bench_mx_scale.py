@@ -25,14 +25,14 @@ Variants: ``tensorwise`` (for scale), ``mxfp8`` and ``mxfp4`` presets with each 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
+import statistics
 from dataclasses import replace
 from typing import Any
 
 import torch
-from _common import default_out, print_table, run_record, sqnr_db, write_json
+from _common import arg_parser, parse_args, print_table, run_record, sqnr_db, write_json
 from torch import Tensor, nn
 
 from lowprec.float8 import Float8Recipe, convert_to_float8
@@ -125,12 +125,10 @@ def measure(model: nn.Module, fns: Any, variant: str) -> dict[str, float | None]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = arg_parser(__doc__, quick="ffn and reference only, 5 steps")
     ap.add_argument("--models", nargs="+", default=None, help="default: ffn, reference, HF")
     ap.add_argument("--trained-steps", type=int, default=60)
-    ap.add_argument("--quick", action="store_true", help="ffn and reference only, 5 steps")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = parse_args(ap, None, "mx_scale_cpu")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from lowprec.jobs.hf_models import HF_MODELS
 
@@ -157,15 +155,14 @@ def main() -> None:
         for fmt in ("mxfp8", "mxfp4")
     }  # fmt: skip
     summary = {
-        f: {"min": min(g), "median": sorted(g)[len(g) // 2], "max": max(g)}
-        for f, g in gains.items()
+        f: {"min": min(g), "median": statistics.median(g), "max": max(g)} for f, g in gains.items()
     }
     for f, s in summary.items():
         print(f"{f}: ceil - floor, dB over models x (out, dW): min {s['min']:.2f}, "
               f"median {s['median']:.2f}, max {s['max']:.2f}")  # fmt: skip
     record = run_record("mx_scale", "cpu", models=models, trained_steps=steps)
     record.update(results=results, ceil_minus_floor_db=summary)
-    path = write_json(record, a.out or default_out("mx_scale_cpu", a.quick))
+    path = write_json(record, a.out)
     print(f"wrote {path}")
     assert all(math.isfinite(v) for g in gains.values() for v in g)
 

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 from _common import (
-    default_out,
+    arg_parser,
+    parse_args,
     print_table,
     run_record,
     setup_torch,
@@ -195,43 +196,20 @@ def _caller(
 # ---- driver -----------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = arg_parser(__doc__, threads=2, repeats=7, modes=True, devices=("cpu", "cuda"),
+                   cold_compile=True, quick="65536 elements, 2 repeats")  # fmt: skip
     p.add_argument("--numel", type=int, default=16 * 2**20, help="elements (default 16M)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats, median taken")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
-    p.add_argument("--modes", default="eager,compiled", help="comma list: eager,compiled")
-    p.add_argument(
-        "--cold-compile",
-        action="store_true",
-        help="disable inductor's caches so compile times are cold",
-    )
-    p.add_argument(
-        "--out",
-        default=None,
-        help="JSON path (default benchmarks/results/quantize_<device>.json; with --quick, "
-        "a file in the temp dir so a smoke test never overwrites the real results)",
-    )
-    p.add_argument("--quick", action="store_true", help="smoke test: 65536 elements, 2 repeats")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv, "quantize_{device}")
     if args.quick:
         args.numel, args.repeats = 1 << 16, 2
-    if args.numel < 1 or args.repeats < 1:
-        p.error("--numel and --repeats must be >= 1")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("eager", "compiled") for m in modes):
-        p.error(f"--modes must be a comma list of eager, compiled; got {args.modes!r}")
-    args.modes = modes
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available")
-    if args.out is None:
-        args.out = default_out(f"quantize_{args.device}", args.quick)
+    if args.numel < 1:
+        p.error("--numel must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = _parse_args(argv)
     setup_torch(args.threads, args.cold_compile)
     dev = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)

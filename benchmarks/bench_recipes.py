@@ -39,7 +39,9 @@ from typing import Any
 import torch
 import torch._dynamo
 from _common import (
-    default_out,
+    arg_parser,
+    dynamo_counts,
+    parse_args,
     print_table,
     ran_compiled,
     run_record,
@@ -48,14 +50,12 @@ from _common import (
     write_json,
 )
 from torch import Tensor
-from torch._dynamo.utils import counters
 
 from lowprec.jobs.demo import DEMO_CONFIG
 from lowprec.jobs.train import TrainConfig, build
 from lowprec.recipes import get_recipe, recipe_names
 from lowprec.recipes.step import train_step
 
-MODES = ("eager", "compiled")
 QUICK_SHAPE: dict[str, Any] = {"batch_size": 4, "seq_len": 16, "width": 32, "depth": 1, "heads": 2}
 N_BATCHES = 4  # distinct batches cycled through by the timed steps
 # Allowed relative first-step loss difference against the recipe's eager step (loss ~4.2):
@@ -99,25 +99,16 @@ def _make_step(v: Variant, cfg: TrainConfig, batches: list[tuple[Tensor, Tensor]
     v.step = step
 
 
-def _dynamo_counts() -> dict[str, int]:
-    return {
-        "graphs": counters["stats"]["unique_graphs"],
-        "graph_breaks": counters["graph_break"].total(),
-        "fx_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fx_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
-    }
-
-
 def _first_step(v: Variant) -> None:
     """Run (for compiled variants: compile) the first step, recording time and counters."""
     assert v.step is not None
-    before, t0 = _dynamo_counts(), time.perf_counter()
+    before, t0 = dynamo_counts(), time.perf_counter()
     v.step()
     assert v.loss is not None
     v.info = {
         "first_step_s": time.perf_counter() - t0,
         "loss_first": float(v.loss.detach()),
-        "dynamo": {k: n - before[k] for k, n in _dynamo_counts().items()},
+        "dynamo": {k: n - before[k] for k, n in dynamo_counts().items()},
         "compiled_first": v.ran_compiled(),
     }
     print(
@@ -142,48 +133,32 @@ def _check_loss(v: Variant, eager: Variant | None, last: float) -> float | None:
     return rel
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = arg_parser(__doc__, threads=1, modes=True, cold_compile=True,
+                   quick=f"3 steps, shape {QUICK_SHAPE}")  # fmt: skip
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
-    p.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
     p.add_argument("--recipes", default=",".join(recipe_names()), help="comma list")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument(
         "--native-fp16",
         action="store_true",
         help="also time FP16 recipes outside MatmulInFp32 (slow CPU FP16 GEMM)",
     )
-    p.add_argument(
-        "--cold-compile",
-        action="store_true",
-        help="disable inductor's caches so compile times are cold",
-    )
-    p.add_argument(
-        "--out",
-        default=None,
-        help="JSON path (default benchmarks/results/"
-        "recipes_cpu.json; with --quick a file in the temp dir)",
-    )
-    p.add_argument("--quick", action="store_true", help=f"smoke test: 3 steps, shape {QUICK_SHAPE}")
-    args = p.parse_args(argv)
-    for flag, valid in (("modes", MODES), ("recipes", recipe_names())):
-        items = [s.strip() for s in getattr(args, flag).split(",") if s.strip()]
-        if not items or any(s not in valid for s in items):
-            p.error(f"--{flag} must be a comma list of {', '.join(valid)}")
-        setattr(args, flag, items)
+    args = parse_args(p, argv, "recipes_cpu")
+    recipes = [s.strip() for s in args.recipes.split(",") if s.strip()]
+    if not recipes or any(s not in recipe_names() for s in recipes):
+        p.error(f"--recipes must be a comma list of {', '.join(recipe_names())}")
+    args.recipes = recipes
     if args.quick:
         args.steps, args.warmup = 3, 1
-    if min(args.steps, args.warmup, args.threads) < 1:
-        p.error("--steps, --warmup and --threads must be >= 1")
+    if min(args.steps, args.warmup) < 1:
+        p.error("--steps and --warmup must be >= 1")
     args.config = replace(DEMO_CONFIG, **QUICK_SHAPE) if args.quick else DEMO_CONFIG
-    if args.out is None:
-        args.out = default_out("recipes_cpu", args.quick)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = _parse_args(argv)
     setup_torch(args.threads, args.cold_compile)
     # CharGPT.forward is one code object compiled once per dtype / autocast / mode state.
     torch._dynamo.config.recompile_limit = 64
@@ -201,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         _make_step(v, cfg, batches)
         _first_step(v)
-    before = _dynamo_counts()["graphs"]
+    before = dynamo_counts()["graphs"]
     timings = time_many(
         {v.key: v.step for v in variants if v.step is not None},
         "cpu",
@@ -209,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         min_repeat_s=0.0,
     )
-    graphs_while_timing = _dynamo_counts()["graphs"] - before
+    graphs_while_timing = dynamo_counts()["graphs"] - before
     total_s = time.perf_counter() - t_start
 
     ms = {k: t.median_ms for k, t in timings.items()}

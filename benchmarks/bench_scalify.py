@@ -20,17 +20,17 @@ column excludes compilation, recorded as ``compile_s``.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from _common import (
-    CLOCKS,
-    default_out,
+    arg_parser,
     env,
     lm_step_fn,
+    parse_args,
     print_mode_ratio_table,
     print_profiles,
     print_table,
@@ -39,38 +39,40 @@ from _common import (
     reference_lm_setup,
     run_record,
     setup_torch,
+    time_fn,
     time_many,
     write_json,
 )
 
-from lowprec.jobs.data import CharData
 from lowprec.jobs.model import CharGPT
-from lowprec.recipes.step import Plain, train_step
-from lowprec.scalify import apply_scalify, coverage, reset_coverage
+from lowprec.jobs.train import build, evaluate
+from lowprec.recipes.step import train_step
+from lowprec.scalify import apply, coverage, reset_coverage
 
 
-def train_val_loss(fmt: str, steps: int) -> dict[str, Any]:
-    """Train CharGPT at the demo config (lowprec.jobs.demo.DEMO_CONFIG: width 64, depth 2,
-    heads 4, seq 128, batch 32, AdamW lr 3e-3, warm-up 20 + cosine; ``steps`` steps) with
-    lowprec.jobs.train's data, seed and schedule; FP32 (``fmt="fp32"``) or ``apply_scalify``."""
-    from lowprec.jobs.demo import DEMO_CONFIG as cfg
+def train_val_loss(recipe: str, steps: int) -> dict[str, Any]:
+    """Train CharGPT with ``recipe`` (``fp32``, ``fp16-scalify``, ``fp8-scalify``) at the demo
+    config (lowprec.jobs.demo.DEMO_CONFIG: width 64, depth 2, heads 4, seq 128, batch 32,
+    AdamW lr 3e-3, warm-up 20 + cosine; ``steps`` steps): the training job's model, data,
+    seed (``lowprec.jobs.train.build``), step and validation loss (``evaluate``); each
+    step timed by ``_common.time_fn`` (one step per repeat, in order)."""
+    from lowprec.jobs.demo import DEMO_CONFIG
 
-    data = CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
-    torch.manual_seed(cfg.seed)
-    model = CharGPT(cfg.model_config(data.vocab_size))
-    run = model if fmt == "fp32" else apply_scalify(model, data_format=fmt)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    times = []
-    plain = Plain(run, opt)
-    for step in range(steps):
-        x, y = data.batch("train", step)
-        t0 = time.perf_counter()
-        loss = train_step(plain, x, y, cfg.lr_at(step) if steps == cfg.steps else cfg.lr).loss
-        times.append(time.perf_counter() - t0)
-    with torch.no_grad():
-        val = [float(run(*data.batch("val", i))[1]) for i in range(cfg.eval_batches)]
-    return {"val_loss": sum(val) / len(val), "train_loss": float(loss.detach()),
-            "median_ms_per_step": 1e3 * sorted(times)[len(times) // 2]}  # fmt: skip
+    cfg = replace(DEMO_CONFIG, recipe=recipe)
+    prepared, data = build(cfg)
+    state: dict[str, Any] = {"step": 0, "loss": None}
+
+    def step() -> None:
+        i = state["step"]
+        x, y = data.batch("train", i)
+        lr = cfg.lr_at(i) if steps == cfg.steps else cfg.lr
+        state["loss"] = train_step(prepared, x, y, lr).loss
+        state["step"] = i + 1
+
+    t = time_fn(step, repeats=steps - 1, warmup=1, min_repeat_s=0.0)
+    return {"val_loss": evaluate(prepared, data, cfg.eval_batches),
+            "train_loss": float(state["loss"].detach()),
+            "median_ms_per_step": t.median_ms}  # fmt: skip
 
 
 def _with_env(step: Callable[[], None], var: str, value: str) -> Callable[[], None]:
@@ -84,27 +86,20 @@ def _with_env(step: Callable[[], None], var: str, value: str) -> Callable[[], No
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true")
+    ap = arg_parser(__doc__, threads=1, repeats=5, clock=True, profile=True,
+                    quick="tiny shape")  # fmt: skip
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--fused", action="store_true",
                     help="also time fp16/fp8 eager with LOWPREC_SCALIFY_FUSED=1 during "
                     "their steps (scalify's fused rule kernels on): an in-process A/B")  # fmt: skip
     ap.add_argument("--kernels-off", action="store_true",
                     help="also time fp16/fp8 eager with LOWPREC_EAGER_KERNELS=0 during "
                     "their steps (no compiled eager kernels): an in-process A/B")  # fmt: skip
-    ap.add_argument("--clock", default="wall", choices=CLOCKS,
-                    help="wall time, or the (one) compute thread's CPU time: leaves out "
-                    "the time a shared virtual machine's host takes the core away "
-                    "(needs --threads 1)")  # fmt: skip
     ap.add_argument("--train-steps", type=int, default=0,
                     help="also train fp32/fp16/fp8 at the demo config (300: the demo)")  # fmt: skip
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="after timing, profile N steps of each row")  # fmt: skip
-    a = ap.parse_args()
+    a = parse_args(ap, None, "scalify_cpu")
+    if a.train_steps == 1:
+        ap.error("--train-steps must be 0 or >= 2 (the first step is not timed)")
     setup_torch(a.threads, cold_compile=False)
     import torch._inductor.config as inductor_config
 
@@ -118,7 +113,7 @@ def main() -> None:
         for mode in modes:
             torch.manual_seed(0)
             base = CharGPT(cfg)
-            m = base if name == "plain" else apply_scalify(base, data_format=name.split("-")[0])
+            m = base if name == "plain" else apply(base, name.split("-")[0])
             opt = torch.optim.AdamW(base.parameters(), lr=3e-3)
             run = torch.compile(m) if mode == "compiled" else m
             calls[f"{name}/{mode}"] = lm_step_fn(run, opt, batches)
@@ -133,7 +128,7 @@ def main() -> None:
         for name in ("fp16-scalify", "fp8-scalify"):
             torch.manual_seed(0)
             base = CharGPT(cfg)
-            m = apply_scalify(base, data_format=name.split("-")[0])
+            m = apply(base, name.split("-")[0])
             opt = torch.optim.AdamW(base.parameters(), lr=3e-3)
             step = _with_env(lm_step_fn(m, opt, batches), var, value)
             calls[f"{name} {label}/eager"] = step
@@ -164,7 +159,8 @@ def main() -> None:
         rec["profiles"] = {k: v.as_dict() for k, v in profiles.items()}
     print({k: round(v, 3) for k, v in rec.items() if k.startswith("ratio_")})
     if a.train_steps:
-        runs = {f: train_val_loss(f, a.train_steps) for f in ("fp32", "fp16", "fp8")}
+        recipes = {"fp32": "fp32", "fp16": "fp16-scalify", "fp8": "fp8-scalify"}
+        runs = {f: train_val_loss(r, a.train_steps) for f, r in recipes.items()}
         ref = runs["fp32"]["val_loss"]
         for r in runs.values():
             r["val_gap_vs_fp32"] = r["val_loss"] / ref - 1.0
@@ -173,7 +169,7 @@ def main() -> None:
                     ["run", "val loss", "gap vs fp32", "ms/step"],
                     [[f, r["val_loss"], r["val_gap_vs_fp32"], r["median_ms_per_step"]]
                      for f, r in runs.items()])  # fmt: skip
-    write_json(rec, a.out or default_out("scalify_cpu", a.quick))
+    write_json(rec, a.out)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,21 @@ no tracking. ``--quick``: 2 blocks of 2 steps at a tiny shape, JSON in the temp 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from dataclasses import replace
 from typing import Any
 
-from _common import default_out, print_table, run_record, setup_torch, time_many, write_json
+from _common import (
+    arg_parser,
+    parse_args,
+    print_table,
+    run_record,
+    setup_torch,
+    time_many,
+    write_json,
+)
 
 from lowprec.analysis import Tracker
 from lowprec.jobs.demo import DEMO_CONFIG, QUICK_CONFIG
@@ -47,18 +54,14 @@ def _stepper(cfg: TrainConfig, every: int | None) -> tuple[Any, Tracker | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = arg_parser(__doc__, threads=1, repeats=10, quick="tiny, 2 blocks of 2")
     p.add_argument("--recipe", default="fp32")
     p.add_argument("--every", type=int, nargs="+", default=[100, 10, 1])
     p.add_argument("--block", type=int, default=10, help="training steps per timed call")
-    p.add_argument("--repeats", type=int, default=10, help="timed blocks per variant")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    p.add_argument("--out", default=None, help="JSON path (default results/track_cpu.json)")
-    p.add_argument("--quick", action="store_true", help="smoke test: tiny, 2 blocks of 2")
-    a = p.parse_args(argv)
-    if any(k < 1 for k in a.every) or a.block < 1 or a.repeats < 1:
-        p.error("--every, --block and --repeats must be positive")
-    setup_torch(a.threads, cold_compile=False)
+    a = parse_args(p, argv, "track_cpu")
+    if any(k < 1 for k in a.every) or a.block < 1:
+        p.error("--every and --block must be positive")
+    setup_torch(a.threads)
     cfg = replace(QUICK_CONFIG if a.quick else DEMO_CONFIG, recipe=a.recipe)
     block, repeats = (2, 2) if a.quick else (a.block, a.repeats)
     variants: dict[str, tuple[Any, Tracker | None]] = {"no tracking": _stepper(cfg, None)}
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=1,
         min_repeat_s=0.0,
     )
+    # the mean, not the median: one block in 100/block holds the every-100 tracking step
     base = statistics.fmean(timings["no tracking"].repeats_ms) / block
     rows, out_rows = [], []
     for name, (_, tracker) in variants.items():
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ms_per_step_mean": ms,
                 "x_no_tracking": ms / base,
                 "records": n_rec,
-                "timing": timings[name].__dict__,
+                "timing": timings[name].as_dict(),
             }
         )
     caption = (
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         config=cfg.to_dict(),
         rows=out_rows,
     )
-    path = write_json(record, a.out or default_out("track_cpu", a.quick))
+    path = write_json(record, a.out)
     print(f"JSON: {path}")
     return 0
 

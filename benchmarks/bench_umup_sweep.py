@@ -11,7 +11,6 @@ temp JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
@@ -20,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from _common import default_out, print_table, run_record, write_json
+from _common import arg_parser, parse_args, print_table, run_record, write_json
 
 from lowprec.jobs.train import TrainConfig
 from lowprec.unit.recipe import UMUP_LR_PER_LR
@@ -46,13 +45,11 @@ def _run(cfg: TrainConfig) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = arg_parser(__doc__, quick="2 widths x 3 η, 30 steps")
     ap.add_argument("--widths", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--etas", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0, 4.0])
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = parse_args(ap, None, "umup_sweep_cpu")
     cfg, etas = CFG, a.etas
     if a.quick:
         cfg, etas = replace(CFG, steps=30, warmup=5, eval_every=30, eval_batches=2), [0.25, 1, 4]
@@ -77,7 +74,7 @@ def main() -> None:
     rec["best_eta"] = {str(w): best[w] for w in a.widths}
     rec["best_eta_steps_apart"] = steps
     rec["holds"] = steps <= 1
-    write_json(rec, a.out or default_out("umup_sweep_cpu", a.quick))
+    write_json(rec, a.out)
 
 
 if __name__ == "__main__":

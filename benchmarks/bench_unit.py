@@ -11,13 +11,13 @@ Goal (issue 18): unit-scaled compiled step <= 1.03x the standard compiled step (
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 from _common import (
-    default_out,
+    arg_parser,
     lm_step_fn,
+    parse_args,
     print_mode_ratio_table,
     reference_lm_setup,
     run_record,
@@ -77,13 +77,9 @@ def _peer_transform_status(cfg: ModelConfig, batches: list[Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    setup_torch(a.threads, cold_compile=False)
+    ap = arg_parser(__doc__, threads=1, repeats=5, quick="tiny shape")
+    a = parse_args(ap, None, "unit_cpu")
+    setup_torch(a.threads)
     shape, cfg, batches = reference_lm_setup(a.quick)
     calls = {}
     for name in ("standard", "unit"):
@@ -123,7 +119,7 @@ def main() -> None:
             "fused causal attention), so ratios compare implementations, not identical maths"
         )
     print("unit-scaling package:", peer, rec.get("peer_transform_on_chargpt", ""))
-    write_json(rec, a.out or default_out("unit_cpu", a.quick))
+    write_json(rec, a.out)
 
 
 if __name__ == "__main__":
