@@ -115,7 +115,11 @@ def _own_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     called with the original signature), on the call's inputs."""
     if isinstance(model, fx.GraphModule):
         return _graph_forward(model, *args, **kwargs)
-    base = next(c for c in type(model).__mro__ if not c.__dict__.get("_unit_wrapper"))
+    # The class after the unit wrapper in the MRO: classes made *around* it later (FSDP2's
+    # fully_shard makes FSDP<UnitX>) must not be taken for the original (a recursion).
+    mro = type(model).__mro__
+    wrappers = [i for i, c in enumerate(mro) if c.__dict__.get("_unit_wrapper")]
+    base = mro[wrappers[-1] + 1] if wrappers else type(model)
     return cast(Any, base).forward(model, *args, **kwargs)
 
 
