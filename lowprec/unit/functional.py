@@ -172,7 +172,11 @@ def _affine(
     s_w = batch**-0.5
     if matmul is None and not float8 and gemm_kernels_apply(x, weight, bias):
         return cast(Tensor, ScaledLinear.apply(x, weight, bias, s_out * fwd_mult, s_x, s_w, s_w))  # type: ignore[no-untyped-call]
-    y = _product(matmul or F.linear, x, weight, s_out * fwd_mult, s_x, s_w, float8)
+    if matmul is None:
+        y = _product(F.linear, x, weight, s_out * fwd_mult, s_x, s_w, float8)
+    else:  # the injected product runs as given: no torch function mode converts its ops
+        with torch._C.DisableTorchFunction():  # (eager: the unit mode is already off here)
+            y = _product(matmul, x, weight, s_out * fwd_mult, s_x, s_w, float8)
     return y if bias is None else y + scale_bwd(bias, s_w)
 
 

@@ -246,8 +246,8 @@ def test_fp8_static_calibrates_on_the_first_batches() -> None:
 
 @pytest.mark.slow
 def test_unit_plus_float8_compiles_as_one_graph() -> None:
-    """``torch.compile(fullgraph=True)`` of the composed model (no graph break: the float8
-    layer is passed to the product mode through a ``threading.local``) gives eager's loss
+    """``torch.compile(fullgraph=True)`` of the composed model (no graph break: each float8
+    layer's GEMM is injected into the unit linear, which Dynamo traces) gives eager's loss
     and gradients. Compiled FP32 kernels sum in another order, so a value lying next to an
     E4M3/E5M2 rounding midpoint can round the other way (one step: 6%/12% of that value):
     gradients are compared by the norm of their difference (measured: at most 4.4%, the
