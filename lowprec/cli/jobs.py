@@ -40,11 +40,11 @@ def _recipe_arg(name: str) -> str:
 
 
 def _recipe_or_file(text: str) -> str | Recipe:
-    """argparse ``type`` of ``train --recipe``: a preset name, or a JSON file holding a
-    recipe in ``Recipe.to_dict``'s format (a name ending in ``.json``, or any existing
-    file), read strictly (no code runs: :mod:`lowprec.recipes.serial`)."""
+    """argparse ``type`` of ``train --recipe``: a preset name, or else a JSON file holding
+    a recipe in ``Recipe.to_dict``'s format (a name ending in ``.json``, or any other
+    existing file), read strictly (no code runs: :mod:`lowprec.recipes.serial`)."""
     path = Path(text)
-    if not (text.lower().endswith(".json") or path.is_file()):
+    if text in recipe_names() or not (text.lower().endswith(".json") or path.is_file()):
         return _recipe_arg(text)
     try:
         d = json.loads(path.read_text(encoding="utf-8"))

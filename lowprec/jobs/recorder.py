@@ -195,7 +195,7 @@ class RunRecorder:
             if resume_from < 0:
                 raise ValueError(f"resume_from must be >= 0, got {resume_from}")
         if not writer:
-            self._last = resume_from or 0 if resume else 0
+            self._last = (resume_from or 0) if resume else 0
         elif resume:
             read_config(self.out, "resume")
             if resume_from is not None:

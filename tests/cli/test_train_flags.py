@@ -351,3 +351,15 @@ def test_docs_cli_lists_every_train_flag() -> None:
     for f in fields(TrainConfig):
         row = f"| `--{f.name.replace('_', '-')}` | {f.default} |"
         assert row in text, f"docs/cli.md: no row {row!r} (the flag and its default)"
+
+
+def test_a_preset_name_is_never_read_as_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bf16").write_text("not a recipe")
+    d = get_recipe("fp16").to_dict()
+    (tmp_path / "mine").write_text(json.dumps(d))  # an existing file without .json
+    p = _train_parser()
+    assert p.parse_args(["--recipe", "bf16"]).recipe == "bf16"
+    assert p.parse_args(["--recipe", "mine"]).recipe == Recipe.from_dict(d)
