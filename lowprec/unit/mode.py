@@ -251,12 +251,8 @@ class UnitMode(TorchFunctionMode):
                     self._probs = [*self._probs[-(_KEEP - 1) :], out]
                 return out
         if func in _SCALINGS and len(args) == 2 and not kw and self._products:
-            k = next((k for t, k in self._products if t is args[0]), 0)
-            f = _number(args[1]) if k else None
-            if f is not None and f > 0.0:
-                f = 1.0 / f if func in _DIVS else f
-                if abs(f * math.sqrt(k) - 1.0) < 1e-6:
-                    return args[0]  # the model's 1/√K, which the unit matmul applied
+            if self._drops_scaling(func, args[0], args[1]):
+                return args[0]  # the model's 1/√K, which the unit matmul applied
         out = self._convert(func, args, kw)
         if isinstance(out, Tensor):
             if func in _SOFTMAX:
@@ -265,6 +261,34 @@ class UnitMode(TorchFunctionMode):
                 k = max(1, args[1].shape[-2]) if args[1].dim() >= 2 else 1
                 self._products = [*self._products[-(_KEEP - 1) :], (out, k)]
         return out
+
+    def _drops_scaling(self, func: Any, x: Any, c: Any) -> bool:
+        """Whether ``func(x, c)`` multiplies a unit matmul's output ``x`` by ``1/√K`` (or
+        divides it by ``√K``), which that matmul already applied.
+
+        A Python number is matched by value first, so tensors are compared by identity
+        only for a candidate factor: a division by a constant in code the mode sees under
+        ``torch.compile`` (e.g. inside a traced autograd Function's backward) then never
+        compares tensors of another subgraph, which Dynamo refuses; a tensor ``c`` that is
+        not one CPU number is no candidate either. A one-element tensor ``c`` is read
+        (``.item()``) only for a product of a unit matmul."""
+
+        def factor(v: float | None) -> float | None:
+            if v is None or v <= 0.0:
+                return None
+            return 1.0 / v if func in _DIVS else v
+
+        if isinstance(c, Tensor):
+            if c.numel() != 1 or c.device.type != "cpu":
+                return False  # not a number (e.g. float8's row-wise scales)
+            k = next((k for t, k in self._products if t is x), 0)
+            f = factor(_number(c)) if k else None
+            return f is not None and abs(f * math.sqrt(k) - 1.0) < 1e-6
+        f = factor(_number(c))
+        if f is None:
+            return False
+        ks = {k for _, k in self._products if abs(f * math.sqrt(k) - 1.0) < 1e-6}
+        return bool(ks) and any(t is x for t, k in self._products if k in ks)
 
     def _convert(self, func: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         """``func`` by its unit rule, or unchanged (reported) where it has none."""
