@@ -267,8 +267,9 @@ def reinit(model: nn.Module) -> list[str]:
     """Unit-variance init in place: linear-like weights (torch's and converted) and
     embeddings ``N(0, 1)`` (an embedding's ``padding_idx`` row zero, as torch's init),
     biases 0, norm gains 1; a weight tied to an earlier module's (an output layer sharing
-    the input embedding) keeps that module's init. Returns the names of modules whose own
-    parameters it left."""
+    the input embedding) keeps that module's init. Returns ``"name (Class): parameters
+    [...]"`` for each module whose own parameters (biases aside) it left at their init
+    (e.g. ViT's class token and position embeddings, parameters of a non-leaf module)."""
     left: list[str] = []
     seen: set[int] = set()  # a tied weight is initialised once, by its first module
     with torch.no_grad():
@@ -290,6 +291,8 @@ def reinit(model: nn.Module) -> list[str]:
                     (nn.init.zeros_ if "1 + w" in form else nn.init.ones_)(m.weight)
                 if isinstance(getattr(m, "bias", None), Tensor):
                     nn.init.zeros_(m.bias)
-            elif any(True for _ in m.parameters(recurse=False)):
-                left.append(f"{name or '<root>'} ({type(m).__name__})")
+            else:
+                own = sorted(k for k, _ in m.named_parameters(recurse=False) if k != "bias")
+                if own:
+                    left.append(f"{name or '<root>'} ({type(m).__name__}): parameters {own}")
     return left

@@ -435,7 +435,9 @@ def unit_scale(
         raise NotImplementedError(f"unit_scale: no unit-scaling rule for modules {bad}")
     converted, left = convert_modules(model)
     if reinit:
-        _reinit(model)
+        named = {entry.split(" (")[0] for entry in left}
+        left += [f"{entry} keep their init: no unit-variance init rule for them"
+                 for entry in _reinit(model) if entry.split(" (")[0] not in named]  # fmt: skip
     if left and cfg.strict:
         raise NotImplementedError(f"unit_scale: {left[0]}")
     found, untraced = find_residual_modules(model)

@@ -330,7 +330,8 @@ def test_vit_forward_and_gradients(caplog: pytest.LogCaptureFixture) -> None:
     finite loss near ln(5) (near-uniform logits at init: the readout's forward 1/fan_in;
     HF's init gives 1.6 too, an unscaled unit head ~5), a gradient on every parameter, and
     the same logits called positionally; both residual adds of each layer are found, and
-    the WARNING names only the patch embedding's Conv2d (no unit rule)."""
+    the WARNING names only the patch embedding's Conv2d (no unit rule) and the embeddings'
+    own parameters (class token, position embeddings: no unit init rule)."""
     torch.manual_seed(0)
     m = _vit()
     x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
@@ -353,4 +354,7 @@ def test_vit_forward_and_gradients(caplog: pytest.LogCaptureFixture) -> None:
         "vit.layers.1: add #1"]  # fmt: skip
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     names = {ln.strip().split(" ")[0].rstrip(":") for w in warned for ln in w.splitlines()[1:]}
-    assert names == {"Conv2d", "vit.embeddings.patch_embeddings.projection"}, warned
+    assert names == {"Conv2d", "vit.embeddings.patch_embeddings.projection",
+                     "vit.embeddings"}, warned  # fmt: skip
+    assert any("['cls_token', 'position_embeddings'] keep their init" in u
+               for u in rep["unsupported"]), rep["unsupported"]  # fmt: skip
