@@ -21,7 +21,6 @@ else with them but the run directory's layout (:mod:`lowprec.jobs.rundir`).
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import statistics
@@ -35,6 +34,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from lowprec._json import dumps, loads
 from lowprec.analysis.diagnosis import gap_spread, reference_of, verdict
 from lowprec.analysis.plots import plot_verdicts
 from lowprec.jobs.interrupts import Interrupted
@@ -322,7 +322,7 @@ def run_demo(
     if not resume:
         make_new_dir(out, "choose another --out, or finish that demo with --resume")
         manifest = {"recipes": recipes, "seeds": seeds, "config": base.to_dict(), "quick": quick}
-        write_atomic(out / MANIFEST, json.dumps(manifest, indent=2))
+        write_atomic(out / MANIFEST, dumps(manifest, indent=2))
     console = console or Console()
     current: str | None = None
     try:
@@ -347,7 +347,7 @@ def run_demo(
 
 def _read_manifest(out: Path) -> tuple[list[str], TrainConfig, list[int], bool]:
     try:
-        saved = json.loads((out / MANIFEST).read_text())
+        saved = loads((out / MANIFEST).read_text())
         return (
             list(saved["recipes"]),
             TrainConfig(**saved["config"]),
@@ -386,7 +386,7 @@ def _conclude(
     saved: dict[str, Any] = {"config": replace(base, seed=seeds[0]).to_dict(), "results": results}
     if len(seeds) > 1:
         saved["seeds"], saved["val_loss"] = seeds, val
-    write_atomic(out / "results.json", json.dumps(saved, indent=2))
+    write_atomic(out / "results.json", dumps(saved, indent=2))
     report = write_report(
         [first / r for r in recipes],
         out / "report.html",
