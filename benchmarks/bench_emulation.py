@@ -7,7 +7,7 @@ step (``zero_grad``, ``y = model(x)``, ``(y * g).sum().backward()``) of
 ``torch.compile``d, every variant side by side in one run (interleaved repeats, median):
 
 * ``fp32``: the plain model (the floor; ``x fp32`` divides by its row of the same mode);
-* ``lowprec <preset>``: ``convert_to_float8(model, Float8Recipe.from_name(preset,
+* ``lowprec <preset>``: ``convert_to_float8(model, Float8Config.from_name(preset,
   emulate=True))`` for each ``--presets`` (``static`` is calibrated on one batch first);
 * ``torchao tensorwise`` / ``torchao rowwise``: ``convert_to_float8_training`` with
   ``Float8LinearConfig(emulate=True)`` / ``Float8LinearConfig.from_recipe_name("rowwise")``
@@ -71,7 +71,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lowprec.core.layout import reference_paths as _reference_paths
-from lowprec.float8 import Float8Recipe, calibrate, convert_to_float8
+from lowprec.float8 import Float8Config, calibrate, convert_to_float8
 
 PRESETS = ("tensorwise", "delayed", "static", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")
 
@@ -185,7 +185,7 @@ def peer_builders() -> tuple[dict[str, Callable[[nn.Sequential], nn.Module]], li
 
 
 def build_lowprec(preset: str, m: nn.Sequential, x: Tensor, g: Tensor) -> nn.Module:
-    model = convert_to_float8(m, Float8Recipe.from_name(preset, emulate=True))
+    model = convert_to_float8(m, Float8Config.from_name(preset, emulate=True))
     if preset == "static":  # calibrate the activation and gradient scales on one batch
         with calibrate(model):
             (model(x) * g).sum().backward()

@@ -7,7 +7,7 @@ full, eager and ``torch.compile(model)``, every variant side by side in one run:
 
 * ``fp32``: the plain model; ``bf16``: the plain model with bf16 parameters and input;
 * ``lowprec <preset>``: fp32 parameters (the master weights) and input,
-  ``lowprec.float8.convert_to_float8(model, Float8Recipe.from_name(preset, ...))``:
+  ``lowprec.float8.convert_to_float8(model, Float8Config.from_name(preset, ...))``:
   ``tensorwise`` (fp32 emulation, the default), ``tensorwise bf16-emu``
   (``emulation_dtype="bf16"``), ``rowwise``, ``rowwise fp8-saved``
   (``fp8_saved_activations=True``; the preset saves the high-precision input) and
@@ -103,7 +103,7 @@ from _common import (
 from torch import Tensor, nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from lowprec.float8 import Float8Recipe, convert_to_float8
+from lowprec.float8 import Float8Config, convert_to_float8
 
 STACK_DEPTH = 4
 QUICK = {"dims": [64], "batch": 32, "repeats": 2, "shapes": [(32, 64, 128)]}
@@ -128,7 +128,7 @@ class Spec:
     name: str
     kind: str
     dtype: torch.dtype
-    recipe: Float8Recipe | None = None
+    recipe: Float8Config | None = None
 
 
 def variant_specs(device: torch.device, torchao_ok: bool) -> list[Spec]:
@@ -136,11 +136,11 @@ def variant_specs(device: torch.device, torchao_ok: bool) -> list[Spec]:
     master = torch.bfloat16 if cuda else torch.float32  # the float8 variants' parameters
     specs = [Spec("fp32", "plain", torch.float32), Spec("bf16", "plain", torch.bfloat16)]
     lp = [
-        ("tensorwise", Float8Recipe.from_name("tensorwise")),
-        ("tensorwise bf16-emu", Float8Recipe.from_name("tensorwise", emulation_dtype="bf16")),
-        ("rowwise", Float8Recipe.from_name("rowwise")),
-        ("rowwise fp8-saved", Float8Recipe.from_name("rowwise", fp8_saved_activations=True)),
-        ("mxfp8", Float8Recipe.from_name("mxfp8")),
+        ("tensorwise", Float8Config.from_name("tensorwise")),
+        ("tensorwise bf16-emu", Float8Config.from_name("tensorwise", emulation_dtype="bf16")),
+        ("rowwise", Float8Config.from_name("rowwise")),
+        ("rowwise fp8-saved", Float8Config.from_name("rowwise", fp8_saved_activations=True)),
+        ("mxfp8", Float8Config.from_name("mxfp8")),
     ]
     specs += [
         Spec(f"lowprec {n}", "lowprec", master, r)
@@ -153,7 +153,7 @@ def variant_specs(device: torch.device, torchao_ok: bool) -> list[Spec]:
                 "lowprec tensorwise bf16",
                 "lowprec",
                 torch.bfloat16,
-                Float8Recipe.from_name("tensorwise"),
+                Float8Config.from_name("tensorwise"),
             )
         )
     if torchao_ok:

@@ -81,10 +81,10 @@ from torch import Tensor, nn
 
 from lowprec.core import kernels
 from lowprec.core.rounding import _cast_saturates
-from lowprec.float8 import Float8Recipe, convert_to_float8
+from lowprec.float8 import Float8Config, convert_to_float8
+from lowprec.float8.config import CastConfig
 from lowprec.float8.mm import scaled_mm
 from lowprec.float8.quant import Parts, quantize_operand, quantize_parts
-from lowprec.float8.recipe import CastConfig
 
 E4M3 = torch.float8_e4m3fn
 T0 = time.monotonic()
@@ -329,7 +329,7 @@ def gemm_section(
 def _linear_variants(ao: Any) -> dict[str, Callable[[nn.Module], nn.Module]]:
     v: dict[str, Callable[[nn.Module], nn.Module]] = {"bf16": lambda mod: mod}
     for name in ("tensorwise", "rowwise"):
-        v[f"lowprec {name}"] = lambda mod, r=name: convert_to_float8(mod, Float8Recipe.from_name(r))
+        v[f"lowprec {name}"] = lambda mod, r=name: convert_to_float8(mod, Float8Config.from_name(r))
         v[f"lowprec {name} kernels-off"] = v[f"lowprec {name}"]
     if isinstance(ao, dict):
         v["torchao tensorwise"] = lambda mod: ao["convert"](mod, config=ao["config"]())
@@ -372,7 +372,7 @@ def linear_section(
     emu_out: dict[str, dict[str, Tensor]] = {}
     if hw:  # lowprec's own emulation on the GPU: the cross-check of its hardware path
         for r in ("tensorwise", "rowwise"):
-            emu = convert_to_float8(copy.deepcopy(base), Float8Recipe.from_name(r, emulate=True))
+            emu = convert_to_float8(copy.deepcopy(base), Float8Config.from_name(r, emulate=True))
             emu_out[f"lowprec {r}"] = run(emu)
         del emu
     for mode in modes:

@@ -35,14 +35,14 @@ import torch
 from _common import arg_parser, parse_args, print_table, run_record, sqnr_db, write_json
 from torch import Tensor, nn
 
-from lowprec.float8 import Float8Recipe, convert_to_float8
+from lowprec.float8 import Float8Config, convert_to_float8
 
 VARIANTS = ("tensorwise", "mxfp8 floor", "mxfp8 ceil", "mxfp4 floor", "mxfp4 ceil")
 
 
-def recipe(variant: str) -> Float8Recipe:
+def recipe(variant: str) -> Float8Config:
     name, _, how = variant.partition(" ")
-    r = Float8Recipe.from_name(name)
+    r = Float8Config.from_name(name)
     if not how:
         return r
     return r.replace(

@@ -6,23 +6,25 @@ Quick start::
     model = lowprec.float8.apply(model, "delayed")   # every nn.Linear -> Float8Linear
 
 ``apply(model, config)`` is the technique's one entry point (``config``: a
-:class:`Float8Recipe` or a preset name); :func:`convert_to_float8` is the same call.
+:class:`Float8Config` or a preset name); :func:`convert_to_float8` is its documented alias
+(and ``Float8Recipe`` of :class:`Float8Config`).
 
 Recipes (:func:`recipe_names`): ``tensorwise``, ``delayed``, ``static``, ``rowwise``,
-``blockwise``, ``mxfp8``, ``mxfp4``, ``nvfp4``; or build a :class:`Float8Recipe` from one
+``blockwise``, ``mxfp8``, ``mxfp4``, ``nvfp4``; or build a :class:`Float8Config` from one
 :class:`CastConfig` per role.
 """
 
 from lowprec.float8.calibration import calibrate
+from lowprec.float8.config import PRESETS, CastConfig, Float8Config, Float8Recipe, recipe_names
 from lowprec.float8.convert import apply, convert_back, convert_to_float8
 from lowprec.float8.linear import Float8Linear
 from lowprec.float8.mm import hardware_fp8_available, scaled_mm
 from lowprec.float8.quant import dequantize, quantize_operand
-from lowprec.float8.recipe import PRESETS, CastConfig, Float8Recipe, recipe_names
 
 __all__ = [
     "PRESETS",
     "CastConfig",
+    "Float8Config",
     "Float8Linear",
     "Float8Recipe",
     "apply",

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from torch import nn
 
 from lowprec.core.scalers import StaticScaler
+from lowprec.float8.config import ROLES
 from lowprec.float8.linear import Float8Linear
-from lowprec.float8.recipe import ROLES
 
 __all__ = ["calibrate", "calibrated_scalers"]
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lowprec.float8.config import Float8Config
 from lowprec.float8.linear import Float8Linear, _carry_extras, _carry_hooks
-from lowprec.float8.recipe import Float8Recipe
 
 __all__ = ["Float8Conv1D", "is_conv1d"]
 
@@ -59,7 +59,7 @@ class Float8Conv1D(Float8Linear):
     _conv1d_cls: type[nn.Module] | None = None
 
     @classmethod
-    def from_conv1d(cls, mod: nn.Module, recipe: str | Float8Recipe = "tensorwise") -> Float8Conv1D:
+    def from_conv1d(cls, mod: nn.Module, recipe: str | Float8Config = "tensorwise") -> Float8Conv1D:
         """A ``Float8Conv1D`` sharing ``mod``'s parameters (no copy); ``mod`` is an HF
         ``Conv1D`` (:func:`is_conv1d`)."""
         if not is_conv1d(mod):

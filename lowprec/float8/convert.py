@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from lowprec.float8.config import Float8Config
 from lowprec.float8.conv1d import Float8Conv1D, is_conv1d
 from lowprec.float8.linear import Float8Linear, _carry_extras, _carry_hooks
-from lowprec.float8.recipe import Float8Recipe
 
 __all__ = ["ModuleFilter", "apply", "computes_linear", "convert_back", "convert_to_float8"]
 
@@ -26,12 +26,12 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 
 def apply(
     model: nn.Module,
-    config: str | Float8Recipe = "tensorwise",
+    config: str | Float8Config = "tensorwise",
     module_filter: ModuleFilter | None = None,
 ) -> nn.Module:
     """The float8 technique's entry point: swap every linear-like layer ``y = x W + b`` of
     ``model`` (in place) for a float8 one, with ``config`` (a
-    :class:`~lowprec.float8.Float8Recipe` or a preset name, see :func:`recipe_names`).
+    :class:`~lowprec.float8.Float8Config` or a preset name, see :func:`recipe_names`).
 
     ``nn.Linear`` becomes :class:`Float8Linear`; HF transformers' ``Conv1D`` (GPT-2's
     layers, weight stored ``(in, out)``) becomes :class:`~lowprec.float8.conv1d.Float8Conv1D`,
@@ -58,10 +58,10 @@ def apply(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    recipe = Float8Recipe.from_name(config) if isinstance(config, str) else config
-    if not isinstance(recipe, Float8Recipe):
+    recipe = Float8Config.from_name(config) if isinstance(config, str) else config
+    if not isinstance(recipe, Float8Config):
         raise TypeError(
-            f"config must be a Float8Recipe or a preset name, got {type(recipe).__name__}"
+            f"config must be a Float8Config or a preset name, got {type(recipe).__name__}"
         )
     if module_filter is not None and not callable(module_filter):
         raise TypeError("module_filter must be a callable (module, fqn) -> bool")
@@ -122,7 +122,7 @@ def apply(
 
 def convert_to_float8(
     model: nn.Module,
-    recipe: str | Float8Recipe = "tensorwise",
+    recipe: str | Float8Config = "tensorwise",
     module_filter: ModuleFilter | None = None,
 ) -> nn.Module:
     """Alias of :func:`apply` (``recipe`` is its ``config``), kept for torchao-style code.
@@ -133,9 +133,9 @@ def convert_to_float8(
         >>> type(m[0]).__name__, m[0].recipe.name
         ('Float8Linear', 'rowwise')
     """
-    if not isinstance(recipe, (str, Float8Recipe)):
+    if not isinstance(recipe, (str, Float8Config)):
         raise TypeError(
-            f"recipe must be a Float8Recipe or a preset name, got {type(recipe).__name__}"
+            f"recipe must be a Float8Config or a preset name, got {type(recipe).__name__}"
         )
     return apply(model, recipe, module_filter)
 

@@ -27,10 +27,10 @@ from torch import Tensor, nn
 from lowprec.core.scalers import AmaxReducer, DelayedScaler, StaticScaler
 from lowprec.core.scales import amax as tensor_amax
 from lowprec.core.tensor import ScaledTensor
+from lowprec.float8.config import ROLES, CastConfig, Float8Config
 from lowprec.float8.mm import autocast_off
 from lowprec.float8.operands import Operand, cast_kind, from_parts, gemm, operand, transposed
 from lowprec.float8.quant import Parts, dequantize_parts, quantize_parts
-from lowprec.float8.recipe import ROLES, CastConfig, Float8Recipe
 
 __all__ = ["Float8Linear", "LinearFn", "WeightForward", "register_weight_forward"]
 
@@ -43,7 +43,7 @@ _ROLE_LETTER = {"input": "x", "weight": "w", "grad_output": "g"}
 class _Spec:
     """Everything the autograd function needs besides tensors (hashable, for compile)."""
 
-    recipe: Float8Recipe
+    recipe: Float8Config
     update: bool  # record the grad_output amax in a delayed history
     calibrating: bool  # record the grad_output amax for static calibration
     go_scaler: HistoryScaler | None  # the grad_output's delayed/static scaler
@@ -112,7 +112,7 @@ def _(t: Tensor) -> Tensor:
     return torch.empty_like(t)
 
 
-def _block_scaled(r: Float8Recipe) -> bool:
+def _block_scaled(r: Float8Config) -> bool:
     """Whether a role of ``r`` has MX or NVFP4 (block-scaled, E8M0/E4M3 scale) casts."""
     return any(cast_kind(c) in ("mx", "nv") for c in (r.input, r.weight, r.grad_output))
 
@@ -295,19 +295,19 @@ class Float8Linear(nn.Linear):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        recipe: str | Float8Recipe = "tensorwise",
+        recipe: str | Float8Config = "tensorwise",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._setup(recipe)
 
-    def _setup(self, recipe: str | Float8Recipe) -> None:
+    def _setup(self, recipe: str | Float8Config) -> None:
         if isinstance(recipe, str):
-            recipe = Float8Recipe.from_name(recipe)
-        if not isinstance(recipe, Float8Recipe):
+            recipe = Float8Config.from_name(recipe)
+        if not isinstance(recipe, Float8Config):
             raise TypeError(
-                f"recipe must be a Float8Recipe or a preset name, got {type(recipe).__name__}"
+                f"recipe must be a Float8Config or a preset name, got {type(recipe).__name__}"
             )
         if not self.weight.dtype.is_floating_point:
             raise TypeError(f"weight must be floating point, got dtype {self.weight.dtype}")
@@ -393,7 +393,7 @@ class Float8Linear(nn.Linear):
         return self
 
     @classmethod
-    def from_linear(cls, mod: nn.Linear, recipe: str | Float8Recipe = "tensorwise") -> Float8Linear:
+    def from_linear(cls, mod: nn.Linear, recipe: str | Float8Config = "tensorwise") -> Float8Linear:
         """A ``Float8Linear`` sharing ``mod``'s parameters (no copy). Whatever else ``mod``
         holds (child modules such as a LoRA-style adapter, other parameters and buffers)
         is kept under the same names, and its hooks carry over."""

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lowprec.core.tensor import ScaledTensor
+from lowprec.float8.config import CastConfig, Float8Config
 from lowprec.float8.mm import emulated_mm, hardware_fp8_available, matmul, operand_kind, payload_mm
 from lowprec.float8.quant import (
     Parts,
@@ -27,7 +28,6 @@ from lowprec.float8.quant import (
     quantize_values,
     upcast,
 )
-from lowprec.float8.recipe import CastConfig, Float8Recipe
 
 __all__ = [
     "EMULATION_DTYPES",
@@ -61,12 +61,12 @@ class Payload(NamedTuple):
 Operand = Tensor | Payload  # a ScaledTensor, dequantized values, or a Payload
 
 
-def payload_roles(r: Float8Recipe) -> bool:
+def payload_roles(r: Float8Config) -> bool:
     """Every GEMM of ``r`` multiplies payloads (tensor or axis casts for all three roles)."""
     return all(cast_kind(c) in ("tensor", "axis") for c in (r.input, r.weight, r.grad_output))
 
 
-def surely_emulated(t: Tensor, r: Float8Recipe) -> bool:
+def surely_emulated(t: Tensor, r: Float8Config) -> bool:
     """Every GEMM of ``r`` on ``t``'s device is emulated by the hardware formula on payloads
     (:func:`~lowprec.float8.mm.payload_mm`), whatever its operands: every role is
     tensor- or axis-scaled, and ``emulate=True`` or the device has no hardware FP8 GEMM."""
@@ -76,7 +76,7 @@ def surely_emulated(t: Tensor, r: Float8Recipe) -> bool:
 
 
 def from_parts(
-    parts: Parts, cast: CastConfig, cd: int, dtype: torch.dtype, r: Float8Recipe
+    parts: Parts, cast: CastConfig, cd: int, dtype: torch.dtype, r: Float8Config
 ) -> Operand:
     """The GEMM operand of :func:`~lowprec.float8.quant.quantize_parts`' result ``parts``
     (of a tensor of logical dtype ``dtype``): where :func:`surely_emulated`, a
@@ -90,7 +90,7 @@ def from_parts(
 
 
 def operand(
-    t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None, r: Float8Recipe
+    t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None, r: Float8Config
 ) -> tuple[Operand, Tensor | None, Parts | None]:
     """``(operand, scale, parts)``: the GEMM operand of ``t`` contracted over ``cd``, its
     scale and the :func:`quantize_parts` it was built from (a ScaledTensor, whose own
@@ -116,7 +116,7 @@ def operand(
     return from_parts(parts, cast, cd, t.dtype, r), parts[1], parts
 
 
-def gemm(a: Operand, b: Operand, out_dtype: torch.dtype, r: Float8Recipe) -> Tensor:
+def gemm(a: Operand, b: Operand, out_dtype: torch.dtype, r: Float8Config) -> Tensor:
     """``a · b`` (``a`` contracted over dim 1, ``b`` over 0) of two :func:`operand`
     results: :func:`~lowprec.float8.mm.matmul` of two ScaledTensors, else the same
     emulation the ``lowprec::float8_mm`` rule runs: the hardware formula on payloads

@@ -25,7 +25,7 @@ from lowprec.core.layout import dense_view, from_dense_view
 from lowprec.core.rounding import to_format, to_format_bounded
 from lowprec.core.scales import amax, compute_scale, mx_scale, nonfinite_scale, nv_scale
 from lowprec.core.tensor import ScaledTensor
-from lowprec.float8.recipe import CastConfig
+from lowprec.float8.config import CastConfig
 
 __all__ = [
     "dequantize",

@@ -2,7 +2,7 @@
 
 A :class:`Recipe` is a precision :class:`Policy` (parameter dtype, compute dtype through
 autocast, FP32 master weights, loss scaling, stochastic rounding of the write-back) plus
-optional technique configs: :class:`~lowprec.float8.Float8Recipe`,
+optional technique configs: :class:`~lowprec.float8.Float8Config`,
 :class:`~lowprec.unit.UnitConfig`, :class:`~lowprec.scalify.ScalifyConfig`, or unit +
 float8 together (:mod:`~lowprec.recipes.compose` says which combinations are accepted and
 why the others are refused). :func:`prepare` applies a recipe to any ``nn.Module`` and

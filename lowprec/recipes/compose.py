@@ -2,7 +2,7 @@
 
 A recipe's ``technique`` is a tuple of at most one config per technique, kept in the
 order they are applied: unit scaling (:class:`~lowprec.unit.UnitConfig`), then float8
-(:class:`~lowprec.float8.Float8Recipe`), then scalify
+(:class:`~lowprec.float8.Float8Config`), then scalify
 (:class:`~lowprec.scalify.ScalifyConfig`). Accepted: none, any one, or unit + float8 (a
 unit-scaled model whose linears cast their GEMM operands with a float8 scaling recipe).
 Refused, with the reason (:func:`check`): scalify with anything else, unit's own
@@ -30,7 +30,7 @@ from torch import nn
 import lowprec.float8
 import lowprec.scalify
 import lowprec.unit
-from lowprec.float8 import Float8Linear, Float8Recipe
+from lowprec.float8 import Float8Config, Float8Linear
 from lowprec.recipes.policy import Policy
 from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
@@ -38,9 +38,9 @@ from lowprec.unit.functional import linear as unit_linear
 
 __all__ = ["KINDS", "TechniqueConfig", "apply", "check", "kind_of", "normalize"]
 
-TechniqueConfig = UnitConfig | Float8Recipe | ScalifyConfig
+TechniqueConfig = UnitConfig | Float8Config | ScalifyConfig
 # Technique name -> config class, in the order prepare() applies them.
-KINDS: dict[str, type] = {"unit": UnitConfig, "float8": Float8Recipe, "scalify": ScalifyConfig}
+KINDS: dict[str, type] = {"unit": UnitConfig, "float8": Float8Config, "scalify": ScalifyConfig}
 _ORDER = list(KINDS)
 
 
@@ -50,7 +50,7 @@ def kind_of(config: object) -> str:
         if isinstance(config, cls):
             return name
     raise TypeError(
-        "technique must be one of Float8Recipe, UnitConfig, ScalifyConfig (or a tuple of "
+        "technique must be one of Float8Config, UnitConfig, ScalifyConfig (or a tuple of "
         f"them), got {type(config).__name__} ({config!r})"
     )
 
@@ -100,8 +100,8 @@ def check(policy: Policy, technique: tuple[TechniqueConfig, ...]) -> None:
     if unit is not None and "float8" in by and getattr(unit, "float8", False):
         raise ValueError(
             "technique: UnitConfig(float8=True) rounds matmul operands to FP8 unscaled; with a "
-            "Float8Recipe the linears would be cast twice. Use UnitConfig(float8=False) with "
-            "the Float8Recipe (scaled casts), or UnitConfig(float8=True) alone"
+            "Float8Config the linears would be cast twice. Use UnitConfig(float8=False) with "
+            "the Float8Config (scaled casts), or UnitConfig(float8=True) alone"
         )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowprec.float8 import CastConfig, Float8Recipe
+from lowprec.float8 import CastConfig, Float8Config
 from lowprec.recipes.recipe import build_recipe, get_recipe, recipe_names, register
 from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
@@ -64,14 +64,14 @@ for _name, _what in (
     _add(
         f"fp8-{_name}",
         f"BF16 params (FP32 master weights), float8 linears with {_what}; {_F8}",
-        technique=Float8Recipe.from_name(_name),
+        technique=Float8Config.from_name(_name),
         **_MIXED,
     )
 _add(
     "mxfp8",
     "BF16 params (FP32 master weights), float8 linears with OCP MX scales (blocks of 32, "
     f"E8M0); {_F8}",
-    technique=Float8Recipe.from_name("mxfp8"),
+    technique=Float8Config.from_name("mxfp8"),
     **_MIXED,
 )
 for _dt, _what in (
@@ -111,7 +111,7 @@ _add(
     "fp8-blockwise",
     "BF16 params (FP32 master weights), float8 linears with dynamic block scales (inputs "
     f"and gradients 1x128, weights 128x128); {_F8}",
-    technique=Float8Recipe.from_name("blockwise"),
+    technique=Float8Config.from_name("blockwise"),
     **_MIXED,
 )
 _add(
@@ -119,7 +119,7 @@ _add(
     "BF16 params (FP32 master weights), float8 linears with static per-tensor scales for "
     "inputs and gradients, calibrated on the first 4 training batches (running max of "
     f"amax), dynamic weight scales; {_F8}",
-    technique=Float8Recipe.from_name("static"),
+    technique=Float8Config.from_name("static"),
     calibration_batches=4,
     **_MIXED,
 )
@@ -127,14 +127,14 @@ _add(
     "mxfp4",
     "BF16 params (FP32 master weights), linears with MXFP4 operands (E2M1, blocks of 32, "
     "E8M0 scales) for inputs, weights and gradients; output head in BF16",
-    technique=Float8Recipe.from_name("mxfp4"),
+    technique=Float8Config.from_name("mxfp4"),
     **_MIXED,
 )
 _add(
     "nvfp4",
     "BF16 params (FP32 master weights), linears with NVFP4 operands (E2M1, blocks of 16, "
     "E4M3 scales) for inputs, weights and gradients; output head in BF16",
-    technique=Float8Recipe.from_name("nvfp4"),
+    technique=Float8Config.from_name("nvfp4"),
     **_MIXED,
 )
 _add(
@@ -142,11 +142,11 @@ _add(
     "Unit-scaled model with u-muP learning rates whose hidden linears cast their operands "
     "with float8 rowwise scales (E4M3 forward, E5M2 gradients); readout in BF16 (BF16 "
     "params, FP32 master weights)",
-    technique=(UnitConfig(), Float8Recipe.from_name("rowwise")),
+    technique=(UnitConfig(), Float8Config.from_name("rowwise")),
     **_MIXED,
 )
 # The failures the techniques cure, for the demo.
-_NAIVE = Float8Recipe(
+_NAIVE = Float8Config(
     name="naive",
     # A static scale of exactly 1: the values are rounded to E4M3 / E5M2 as they are.
     input=CastConfig("e4m3fn", scaling="static", static_scale=1.0),

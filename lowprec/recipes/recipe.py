@@ -2,11 +2,11 @@
 
 Example:
     >>> from lowprec.core.registry import Registry
-from lowprec.float8 import Float8Recipe
+from lowprec.float8 import Float8Config
     >>> from lowprec.unit import UnitConfig
     >>> r = Recipe("bf16-unit-rowwise", "unit-scaled, float8 rowwise linears",
     ...            Policy("bf16", master_weights=True),
-    ...            (Float8Recipe.from_name("rowwise"), UnitConfig()))
+    ...            (Float8Config.from_name("rowwise"), UnitConfig()))
     >>> r.kind, r.float8.name, r.compute_dtype
     ('unit+float8', 'rowwise', 'bf16')
     >>> Recipe.from_dict(r.to_dict()) == r
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lowprec.core.registry import Registry
-from lowprec.float8 import Float8Recipe
+from lowprec.float8 import Float8Config
 from lowprec.recipes import compose
 from lowprec.recipes.compose import KINDS, TechniqueConfig
 from lowprec.recipes.policy import DType, LossScaling, Policy
@@ -45,7 +45,7 @@ class Recipe:
         name, description: how the recipe is listed.
         policy: dtypes, master weights, loss scaling (:class:`Policy`).
         technique: ``None``, one of :class:`~lowprec.unit.UnitConfig`,
-            :class:`~lowprec.float8.Float8Recipe`, :class:`~lowprec.scalify.ScalifyConfig`,
+            :class:`~lowprec.float8.Float8Config`, :class:`~lowprec.scalify.ScalifyConfig`,
             or a tuple of them; stored as a tuple in application order. Which combinations
             are accepted, and why the others are refused: :mod:`lowprec.recipes.compose`.
         float8_skip: with a float8 config, linears whose last name component is listed
@@ -91,7 +91,7 @@ class Recipe:
         return next((c for c in self.technique if compose.kind_of(c) == kind), None)
 
     @property
-    def float8(self) -> Float8Recipe | None:
+    def float8(self) -> Float8Config | None:
         return self._get("float8")  # type: ignore[no-any-return]
 
     @property
@@ -223,7 +223,7 @@ def _from_flat(d: dict[str, Any]) -> Recipe:
         raise ValueError("scalify_format needs technique='scalify'")
     technique: tuple[TechniqueConfig, ...] = ()
     if tech == "float8":
-        technique = (Float8Recipe.from_name(str(f8)),)
+        technique = (Float8Config.from_name(str(f8)),)
     elif tech == "unit":
         technique = (UnitConfig(float8=bool(unit_fp8)),)
     elif tech == "scalify":

@@ -10,12 +10,12 @@ no other module and calls no other class, so a recipe file never runs code. A co
 fields change keeps round-tripping without a change here.
 
 Example:
-    >>> from lowprec.float8 import Float8Recipe
-    >>> r = Float8Recipe.from_name("rowwise")
+    >>> from lowprec.float8 import Float8Config
+    >>> r = Float8Config.from_name("rowwise")
     >>> d = encode(r)
     >>> d["input"]["granularity"], d["input"]["__class__"].split(":")[1]
     ('axis', 'CastConfig')
-    >>> decode(Float8Recipe, d) == r
+    >>> decode(Float8Config, d) == r
     True
 """
 
@@ -64,6 +64,10 @@ def encode(config: Any) -> dict[str, Any]:
     return _fields(config, type(config).__name__)
 
 
+# Modules that moved: a recipe saved before names the old path (config.json, checkpoints).
+_MOVED = {"lowprec.float8.recipe": "lowprec.float8.config"}
+
+
 def _class(tag: str) -> type:
     module, _, qualname = tag.partition(":")
     dotted = f"{module}.{qualname}".split(".")
@@ -73,6 +77,7 @@ def _class(tag: str) -> type:
         or not all(p.isidentifier() for p in dotted)
     ):
         raise ValueError(f"{_CLASS}: only lowprec dataclasses are rebuilt, got {tag!r}")
+    module = _MOVED.get(module, module)  # saved before a module moved: its new home
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part, None)

@@ -180,12 +180,12 @@ BLOCK_CASES: dict[str, tuple[str, tuple[int, ...]]] = {
 
 def block_recipe(name: str) -> Any:
     """A preset, or ``w1x128``: row-wise with the weight in 1x128 blocks (no preset has it)."""
-    from lowprec.float8.recipe import CastConfig, Float8Recipe
+    from lowprec.float8.config import CastConfig, Float8Config
 
     if name != "w1x128":
         return name
     w = CastConfig("e4m3fn", granularity="block:1x128")
-    return Float8Recipe.from_name("rowwise").replace(weight=w, name="w1x128")
+    return Float8Config.from_name("rowwise").replace(weight=w, name="w1x128")
 
 
 def blocks_run(case: str, blocks: bool) -> dict[str, Any]:

@@ -27,18 +27,18 @@ import torch
 from torch import nn
 
 import lowprec.float8
+import lowprec.float8.config as f8rec
 import lowprec.float8.linear as f8lin
 import lowprec.float8.mm as f8mm
 import lowprec.float8.operands as f8ops
 import lowprec.float8.quant as f8q
-import lowprec.float8.recipe as f8rec
 from lowprec import quantize_scaled
 from lowprec.core.tensor import ScaledTensor
 from lowprec.core.warn import reset_warnings
 from lowprec.float8 import (
     CastConfig,
+    Float8Config,
     Float8Linear,
-    Float8Recipe,
     calibrate,
     convert_back,
     convert_to_float8,
@@ -77,20 +77,20 @@ def test_presets_and_roles() -> None:
         "nvfp4",
         "rowwise-gw-hp",
     ]
-    assert {Float8Recipe.from_name("mxfp8").cast(k).mx_scale for k in ("input", "weight")} == {
+    assert {Float8Config.from_name("mxfp8").cast(k).mx_scale for k in ("input", "weight")} == {
         "ceil"
     }  # chosen by benchmarks/bench_mx_scale.py (docs/float8.md)
-    assert Float8Recipe.from_name("mxfp4").grad_output.mx_scale == "floor"
-    r = Float8Recipe.from_name("tensorwise")
+    assert Float8Config.from_name("mxfp4").grad_output.mx_scale == "floor"
+    r = Float8Config.from_name("tensorwise")
     assert (r.input.fmt, r.weight.fmt, r.grad_output.fmt) == ("e4m3fn", "e4m3fn", "e5m2")
-    b = Float8Recipe.from_name("blockwise")
+    b = Float8Config.from_name("blockwise")
     assert (b.input.granularity, b.weight.granularity) == ("block:1x128", "block:128x128")
-    assert Float8Recipe.from_name("mxfp8").weight.gemm_granularity.block == (1, 32)
-    assert Float8Recipe.from_name("nvfp4").input.gemm_granularity.kind == "nv"
-    r2 = Float8Recipe.from_name("delayed", emulation_dtype="bf16")
-    assert r2.emulation_dtype == "bf16" and Float8Recipe.from_dict(r2.to_dict()) == r2
+    assert Float8Config.from_name("mxfp8").weight.gemm_granularity.block == (1, 32)
+    assert Float8Config.from_name("nvfp4").input.gemm_granularity.kind == "nv"
+    r2 = Float8Config.from_name("delayed", emulation_dtype="bf16")
+    assert r2.emulation_dtype == "bf16" and Float8Config.from_dict(r2.to_dict()) == r2
     p2 = CastConfig("e4m3fn", power_of_two=True)
-    assert Float8Recipe(input=p2).input.power_of_two
+    assert Float8Config(input=p2).input.power_of_two
 
 
 @pytest.mark.parametrize(
@@ -115,15 +115,15 @@ def test_cast_config_rejects(kwargs: dict[str, object], match: str) -> None:
 
 def test_unknown_recipe_names_the_valid_ones() -> None:
     with pytest.raises(ValueError, match=r"tensorwise.*delayed"):
-        Float8Recipe.from_name("fp8-fast")
+        Float8Config.from_name("fp8-fast")
     with pytest.raises(ValueError, match="unknown float8 recipe"):
         convert_to_float8(nn.Linear(4, 4), "fp8-fast")
-    with pytest.raises(TypeError, match="recipe must be a Float8Recipe or a preset name"):
+    with pytest.raises(TypeError, match="recipe must be a Float8Config or a preset name"):
         convert_to_float8(nn.Linear(4, 4), 3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="config must be a Float8Recipe or a preset name"):
+    with pytest.raises(TypeError, match="config must be a Float8Config or a preset name"):
         lowprec.float8.apply(nn.Linear(4, 4), 3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="emulation_dtype"):
-        Float8Recipe(emulation_dtype="fp16")  # type: ignore[arg-type]
+        Float8Config(emulation_dtype="fp16")  # type: ignore[arg-type]
 
 
 # ---- operand quantization against ml_dtypes ---------------------------------------------
@@ -271,7 +271,7 @@ def test_cpu_never_calls_scaled_mm(
 
     monkeypatch.setattr(torch, "_scaled_mm", boom)
     assert not hardware_fp8_available(torch.device("cpu"))
-    m = convert_to_float8(nn.Linear(32, 32), Float8Recipe.from_name("tensorwise", emulate=False))
+    m = convert_to_float8(nn.Linear(32, 32), Float8Config.from_name("tensorwise", emulate=False))
     reset_warnings("float8:hw-missing")
     with caplog.at_level("WARNING", logger="lowprec.float8.mm"):
         m(torch.randn(16, 32)).sum().backward()
@@ -444,7 +444,7 @@ def test_outlier_recovers_within_history() -> None:
     """One huge activation: that step saturates (finite, no NaN); the next ``L`` steps use
     the outlier's scale; from step ``L + 1`` on the output is bit-identical to before."""
     hist_len = 4
-    r = Float8Recipe.from_name("delayed").replace(
+    r = Float8Config.from_name("delayed").replace(
         input=CastConfig("e4m3fn", scaling="delayed", history_len=hist_len)
     )
     torch.manual_seed(9)
@@ -482,7 +482,7 @@ def test_static_calibration() -> None:
     m2 = convert_to_float8(_mlp(), "static")
     m2.load_state_dict(m.state_dict())
     torch.testing.assert_close(m2(x), m(x), rtol=0, atol=0)  # calibrated by its checkpoint
-    given = Float8Recipe.from_name("static").replace(
+    given = Float8Config.from_name("static").replace(
         input=CastConfig("e4m3fn", scaling="static", static_scale=0.01),
         grad_output=CastConfig("e5m2", scaling="static", static_scale=1e-4),
     )
@@ -496,7 +496,7 @@ def test_fp8_saved_activations_same_numerics_for_tensorwise() -> None:
     outs = []
     for saved in (True, False):
         m = convert_to_float8(
-            copy.deepcopy(base), Float8Recipe.from_name("tensorwise", fp8_saved_activations=saved)
+            copy.deepcopy(base), Float8Config.from_name("tensorwise", fp8_saved_activations=saved)
         )
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
         m(x).pow(2).sum().backward()
@@ -650,7 +650,7 @@ def test_wgrad_uses_the_forward_scale_without_fp8_saving(name: str) -> None:
     for saved in (True, False):
         torch.manual_seed(0)
         m = convert_to_float8(
-            nn.Linear(16, 16), Float8Recipe.from_name(name, fp8_saved_activations=saved)
+            nn.Linear(16, 16), Float8Config.from_name(name, fp8_saved_activations=saved)
         )
         x = torch.randn(8, 16)
         if name == "static":
@@ -723,7 +723,7 @@ def test_apply_is_convert_to_float8() -> None:
 
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
     a = lowprec.float8.apply(_mlp(), "rowwise", module_filter=lambda mod, fqn: fqn != "3")
-    b = convert_to_float8(_mlp(), Float8Recipe.from_name("rowwise"), lambda mod, fqn: fqn != "3")
+    b = convert_to_float8(_mlp(), Float8Config.from_name("rowwise"), lambda mod, fqn: fqn != "3")
     assert [type(c) for c in a] == [type(c) for c in b]
     torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
     assert lowprec.float8.PRESETS.names() == recipe_names()
@@ -769,7 +769,7 @@ def test_fused_operands_match_the_two_step_path(
         monkeypatch.setattr(f8ops, "quantize_values", counted(qv) if on else off)
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(200, 96), nn.GELU(), nn.Linear(96, 72))
-        m = convert_to_float8(m, replace(Float8Recipe.from_name(preset), emulation_dtype=ed))
+        m = convert_to_float8(m, replace(Float8Config.from_name(preset), emulation_dtype=ed))
         out: list[torch.Tensor] = []
         for _ in range(2):
             x = torch.randn(40, 200, requires_grad=True)
@@ -793,13 +793,13 @@ def test_a_high_precision_gemm_is_exact_and_the_others_unchanged(preset: str, ge
     # bit for bit (the same quantized operands).
     import torch.nn.functional as F
 
-    from lowprec.float8 import Float8Recipe
+    from lowprec.float8 import Float8Config
 
     g = torch.Generator().manual_seed(0)
     lin = nn.Linear(64, 32, bias=False)
     x0, go = torch.randn(16, 64, generator=g), torch.randn(16, 32, generator=g)
 
-    def run(r: Float8Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(r: Float8Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         m = Float8Linear.from_linear(copy.deepcopy(lin), r)
         x = x0.clone().requires_grad_(True)
         y = m(x)
@@ -807,7 +807,7 @@ def test_a_high_precision_gemm_is_exact_and_the_others_unchanged(preset: str, ge
         assert x.grad is not None and m.weight.grad is not None
         return y.detach(), x.grad, m.weight.grad
 
-    base = Float8Recipe.from_name(preset)
+    base = Float8Config.from_name(preset)
     want = run(base)
     got = run(base.replace(high_precision_gemms=(gemm,)))
     w = lin.weight.detach().double()
@@ -825,11 +825,11 @@ def test_a_high_precision_gemm_is_exact_and_the_others_unchanged(preset: str, ge
 
 
 def test_rowwise_gw_hp_preset() -> None:
-    from lowprec.float8 import Float8Recipe
+    from lowprec.float8 import Float8Config
 
-    r = Float8Recipe.from_name("rowwise-gw-hp")
+    r = Float8Config.from_name("rowwise-gw-hp")
     assert r.high_precision_gemms == ("weight_grad",)
     assert {r.cast(k).granularity for k in ("input", "weight", "grad_output")} == {"axis"}
     assert r.grad_output.fmt == "e4m3fn"
     with pytest.raises(ValueError, match="high_precision_gemms must be distinct names"):
-        Float8Recipe(high_precision_gemms=("wgrad",))
+        Float8Config(high_precision_gemms=("wgrad",))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lowprec.float8.recipe as f8rec
+import lowprec.float8.config as f8rec
 from lowprec.core.granularity import Granularity
-from lowprec.float8 import CastConfig, Float8Recipe, dequantize, quantize_operand
+from lowprec.float8 import CastConfig, Float8Config, dequantize, quantize_operand
 
 
 def test_no_float8_granularity_parser() -> None:
@@ -44,8 +44,8 @@ def test_absolute_axes_are_refused(name: str) -> None:
 
 
 def test_bound_granularity_fixes_k_per_gemm() -> None:
-    w = Float8Recipe.from_name("blockwise").weight  # 128x128 blocks: K is either dim
-    inp = Float8Recipe.from_name("blockwise").input
+    w = Float8Config.from_name("blockwise").weight  # 128x128 blocks: K is either dim
+    inp = Float8Config.from_name("blockwise").input
     assert inp.bound_granularity(1) == Granularity.blocks(1, 128, axis=1)
     assert inp.bound_granularity(0) == Granularity.blocks(1, 128, axis=0)
     assert inp.bound_granularity(0).scale_shape((256, 8)) == (2, 8)

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from lowprec.core import kernels, layout
-from lowprec.float8 import Float8Recipe, convert_to_float8
+from lowprec.float8 import Float8Config, convert_to_float8
+from lowprec.float8.config import PRESETS
 from lowprec.float8.quant import (
     dequantize_parts,
     quantize_dequantize,
@@ -23,14 +24,13 @@ from lowprec.float8.quant import (
     quantize_values,
     upcast,
 )
-from lowprec.float8.recipe import PRESETS
 from tests._bits import both, cases, same, same_values
 
 
 # (delayed and static quantize like tensorwise when no scale is given)
 @pytest.mark.parametrize("preset", [p for p in PRESETS.names() if p not in ("delayed", "static")])
 def test_operand_bits(preset: str) -> None:
-    r = Float8Recipe.from_name(preset)
+    r = Float8Config.from_name(preset)
     for name, x in cases():
         for role in ("input", "weight", "grad_output"):
             for cd in (0, 1):
@@ -58,7 +58,7 @@ def test_training_step_bits(preset: str) -> None:
     def run() -> tuple[Tensor, ...]:
         torch.manual_seed(0)
         lin = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 128))
-        m = convert_to_float8(lin, Float8Recipe.from_name(preset))
+        m = convert_to_float8(lin, Float8Config.from_name(preset))
         x = torch.randn(64, 128, requires_grad=True)
         y = m(x)
         (y * torch.linspace(-1, 1, 128)).sum().backward()
@@ -79,7 +79,7 @@ def test_kernel_operands_match_the_eager_ops(preset: str, monkeypatch: pytest.Mo
     these small tensors) against the eager ops: payload bits, scales, strides, values."""
     monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
     monkeypatch.setenv("LOWPREC_EAGER_KERNELS", "1")
-    r = Float8Recipe.from_name(preset)
+    r = Float8Config.from_name(preset)
     for name, x in cases():
         for role in ("input", "grad_output"):
             for cd in (0, 1):

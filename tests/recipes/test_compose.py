@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from lowprec.core.formats import get_format
-from lowprec.float8 import CastConfig, Float8Linear, Float8Recipe
+from lowprec.float8 import CastConfig, Float8Config, Float8Linear
 from lowprec.jobs.model import CharData, CharGPT, ModelConfig
 from lowprec.recipes import Policy, Prepared, Recipe, get_recipe, prepare, recipe_names
 from lowprec.recipes.step import train_step
@@ -70,7 +70,7 @@ def test_old_flat_dicts_still_load(name: str, flat: dict[str, object]) -> None:
 
 def test_serialisation_is_generic_over_config_fields() -> None:
     """A custom float8 config (nested CastConfigs, non-default fields) round-trips."""
-    f8 = Float8Recipe(
+    f8 = Float8Config(
         "custom",
         CastConfig("e4m3fn", scaling="delayed", history_len=4, algo="most_recent"),
         CastConfig("e4m3fn", granularity="axis", margin=1.0),
@@ -89,7 +89,7 @@ def test_serialisation_is_generic_over_config_fields() -> None:
 
 
 def test_technique_is_normalised_to_application_order() -> None:
-    f8, unit = Float8Recipe.from_name("rowwise"), UnitConfig()
+    f8, unit = Float8Config.from_name("rowwise"), UnitConfig()
     a = Recipe("a", "", Policy("bf16", True), (f8, unit))
     b = Recipe("a", "", Policy("bf16", True), [unit, f8])  # type: ignore[arg-type]
     assert a == b and a.technique == (unit, f8) and a.kind == "unit+float8"
@@ -100,13 +100,13 @@ def test_technique_is_normalised_to_application_order() -> None:
 @pytest.mark.parametrize(
     ("policy", "technique", "match"),
     [
-        (Policy(), (ScalifyConfig(), Float8Recipe()), r"scalify does not compose with \['float8"),
+        (Policy(), (ScalifyConfig(), Float8Config()), r"scalify does not compose with \['float8"),
         (Policy(), (ScalifyConfig(), UnitConfig()), r"scalify does not compose with \['unit'\]"),
         (Policy("fp16", True, "dynamic"), ScalifyConfig(), "scalify keeps fp32 parameters"),
         (Policy(loss_scaling="static"), ScalifyConfig(), "needs no loss scaling"),
         (Policy(autocast="bf16"), ScalifyConfig(), "scalify picks its data format"),
-        (Policy(), (UnitConfig(float8=True), Float8Recipe()), "cast twice"),
-        (Policy(), (Float8Recipe(), Float8Recipe.from_name("rowwise")), "more than once"),
+        (Policy(), (UnitConfig(float8=True), Float8Config()), "cast twice"),
+        (Policy(), (Float8Config(), Float8Config.from_name("rowwise")), "more than once"),
     ],
 )  # fmt: skip
 def test_senseless_combinations_are_refused(policy: Policy, technique: object, match: str) -> None:
@@ -115,7 +115,7 @@ def test_senseless_combinations_are_refused(policy: Policy, technique: object, m
 
 
 def test_bad_arguments_name_themselves() -> None:
-    with pytest.raises(TypeError, match=r"technique must be one of Float8Recipe.*got str"):
+    with pytest.raises(TypeError, match=r"technique must be one of Float8Config.*got str"):
         Recipe("x", "d", technique="float8")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="policy must be a Policy"):
         Recipe("x", "d", "fp16")  # type: ignore[arg-type]
@@ -141,7 +141,7 @@ def _unit_pair() -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     m = CharGPT(ModelConfig(vocab_size=65, width=64, depth=2, heads=4))
     ref = prepare(copy.deepcopy(m), "fp32-unit").model
-    fp8 = prepare(m, Recipe("u8", "", technique=(UnitConfig(), Float8Recipe(emulate=True)))).model
+    fp8 = prepare(m, Recipe("u8", "", technique=(UnitConfig(), Float8Config(emulate=True)))).model
     fp8.load_state_dict(ref.state_dict(), strict=False)  # same unit-variance init
     return ref, fp8
 

@@ -150,3 +150,19 @@ def test_prepared_load_state_dict_is_all_or_nothing() -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not torch.equal(before["0.weight"], src.model.state_dict()["0.weight"])
     assert dst.scaler.state_dict() == scale_before
+
+
+def test_a_recipe_saved_before_the_float8_config_moved_loads() -> None:
+    """Recipes saved by lowprec 0.1 (config.json, checkpoints) name their nested float8
+    dataclasses by the old module path ``lowprec.float8.recipe``; they load as the same
+    recipe. ``Float8Recipe`` is the documented alias of ``Float8Config``."""
+    import json
+
+    from lowprec.float8 import Float8Config, Float8Recipe
+
+    r = get_recipe("fp8-rowwise")
+    text = json.dumps(r.to_dict())
+    assert "lowprec.float8.config:CastConfig" in text
+    old = json.loads(text.replace("lowprec.float8.config:", "lowprec.float8.recipe:"))
+    assert Recipe.from_dict(old) == r
+    assert Float8Recipe is Float8Config

@@ -33,7 +33,7 @@ the padding again. Zeros change neither a block's ``amax`` nor a dot product, so
 equals that of the unpadded tensor quantized with partial blocks.
 
 Example:
-    >>> r = Float8Recipe.from_name("delayed")
+    >>> r = Float8Config.from_name("delayed")
     >>> r.input.scaling, r.input.history_len, r.grad_output.fmt
     ('delayed', 16, 'e5m2')
 """
@@ -51,7 +51,7 @@ from lowprec.core.granularity import Granularity, K
 from lowprec.core.registry import Registry
 from lowprec.core.scales import group_scale
 
-__all__ = ["PRESETS", "CastConfig", "Float8Recipe", "recipe_names"]
+__all__ = ["PRESETS", "CastConfig", "Float8Config", "Float8Recipe", "recipe_names"]
 
 Scaling = Literal["dynamic", "delayed", "static"]
 ROLES = ("input", "weight", "grad_output")
@@ -184,7 +184,7 @@ def _e5(**kw: Any) -> CastConfig:
 
 
 @dataclass(frozen=True)
-class Float8Recipe:
+class Float8Config:
     """A float8 training recipe: one :class:`CastConfig` per role plus matmul options.
 
     * ``emulate``: ``None`` (default) uses the hardware FP8 kernel (``torch._scaled_mm``)
@@ -248,7 +248,7 @@ class Float8Recipe:
         c: CastConfig = getattr(self, role)
         return c
 
-    def replace(self, **changes: Any) -> Float8Recipe:
+    def replace(self, **changes: Any) -> Float8Config:
         """A copy with fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
@@ -256,7 +256,7 @@ class Float8Recipe:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Float8Recipe:
+    def from_dict(cls, d: dict[str, Any]) -> Float8Config:
         d = dict(d)
         for role in ROLES:
             if isinstance(d.get(role), dict):
@@ -264,11 +264,11 @@ class Float8Recipe:
         return cls(**d)
 
     @classmethod
-    def from_name(cls, name: str, **changes: Any) -> Float8Recipe:
+    def from_name(cls, name: str, **changes: Any) -> Float8Config:
         """A preset by name, optionally with fields changed. Unknown names list the valid ones.
 
         Example:
-            >>> Float8Recipe.from_name("rowwise").weight.granularity
+            >>> Float8Config.from_name("rowwise").weight.granularity
             'axis'
         """
         if not isinstance(name, str):
@@ -277,9 +277,9 @@ class Float8Recipe:
         return PRESETS.get(key, **changes).replace(name=key)
 
 
-PRESETS: Registry[Float8Recipe] = Registry("float8 recipe", Float8Recipe)
-"""The float8 presets: keyword arguments of :class:`Float8Recipe` by name (the preset's
-``name`` field is its key, filled in by :meth:`Float8Recipe.from_name`)."""
+PRESETS: Registry[Float8Config] = Registry("float8 recipe", Float8Config)
+"""The float8 presets: keyword arguments of :class:`Float8Config` by name (the preset's
+``name`` field is its key, filled in by :meth:`Float8Config.from_name`)."""
 
 
 def _preset(name: str, inp: CastConfig, w: CastConfig, go: CastConfig, **kw: Any) -> None:
@@ -338,5 +338,10 @@ _preset(
 
 
 def recipe_names() -> list[str]:
-    """Names accepted by :meth:`Float8Recipe.from_name`."""
+    """Names accepted by :meth:`Float8Config.from_name`."""
     return PRESETS.names()
+
+
+Float8Recipe = Float8Config
+"""Alias of :class:`Float8Config` (its name before 0.2: a float8 *recipe* is a
+:class:`Float8Config`; a :class:`~lowprec.recipes.Recipe` is a whole training set-up)."""
