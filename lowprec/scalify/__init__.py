@@ -58,7 +58,7 @@ from lowprec.scalify.config import (
     set_config,
 )
 from lowprec.scalify.ops import as_scaled, dynamic_rescale, rebalance, scaled, unscale
-from lowprec.scalify.recipe import apply
+from lowprec.scalify.entry import apply
 from lowprec.scalify.transform import Scalified, resolve_config, scalify
 
 __all__ = [
