@@ -13,8 +13,9 @@ Four mechanisms, each doing what it is good at:
 2. **Residual adds**, module by module: with ``torch.fx`` where a module traces
    (:mod:`lowprec.unit.residual_fx`), else by running the model once on example inputs
    (``example_inputs``, or an HF model's own ``dummy_inputs``) and following the data
-   (:mod:`lowprec.unit.residual_run`: pre-norm residuals, parallel branches, embedding
-   sums). Each residual add gets its ``τ`` (``residual_split`` + ``residual_add``).
+   (:mod:`lowprec.unit.residual_run`: pre-norm residuals, parallel branches). Each
+   residual add gets its ``τ`` (``residual_split`` + ``residual_add``); a sum of embedding
+   lookups (token + position) becomes a unit ``add``, either way.
 3. **Ops** are converted at run time by a ``TorchFunctionMode`` (:mod:`lowprec.unit.mode`)
    entered in the model's ``forward`` (the root's class is swapped for a subclass doing
    that, so the signature, outputs and ``state_dict`` keys are unchanged): ``F.linear``,
@@ -78,7 +79,11 @@ from lowprec.unit.convert import convert_modules
 from lowprec.unit.convert import reinit as _reinit
 from lowprec.unit.core import scale_fwd
 from lowprec.unit.mode import UnitMode
-from lowprec.unit.residual_fx import find_residual_modules, rewrite_residual
+from lowprec.unit.residual_fx import (
+    find_residual_modules,
+    rewrite_embedding_sums,
+    rewrite_residual,
+)
 from lowprec.unit.residual_run import Runtime, analyse
 
 __all__ = ["UnitConfig", "unit_scale"]
@@ -280,6 +285,7 @@ class _Plan:
     tau: float
     # (label, module name, split node name, add node name) of each residual add fx found
     fx_adds: list[tuple[str, str, str, str]]
+    fx_sums: list[str]  # labels of the embedding sums fx found
     untraced: list[tuple[str, str]]
     unsupported: list[str]  # known at transform time (module types, leaf modules)
     warned: set[str] = field(default_factory=set)
@@ -315,8 +321,12 @@ def _finish(
     for (mname, k), t in zip(order, taus[len(plan.fx_adds) :], strict=True):
         plans[mname][k].tau = t
         residual_names.append(f"{mname}: add #{k} (tau={t:.4g})")
-    unit_adds = [f"{mname}: add #{k} ({st.kind})" for mname, steps in plans.items()
-                 for k, st in steps.items() if st.kind != "residual"]  # fmt: skip
+    unit_adds = plan.fx_sums + [
+        f"{mname}: add #{k} ({st.kind})"
+        for mname, steps in plans.items()
+        for k, st in steps.items()
+        if st.kind != "residual"
+    ]
     runtime = None
     if plan.untraced and ex is not None:  # the plans, and module names for run-time messages
         runtime = Runtime(plans)
@@ -441,7 +451,7 @@ def unit_scale(
     if left and cfg.strict:
         raise NotImplementedError(f"unit_scale: {left[0]}")
     found, untraced = find_residual_modules(model)
-    model, fx_adds = _apply_fx(model, found)
+    model, fx_adds, fx_sums = _apply_fx(model, found)
     head = _find_readout(model, readout)
     if head is not None:
         head_module = model.get_submodule(head)
@@ -462,22 +472,25 @@ def unit_scale(
         "unsupported": [],
         "reinit": reinit,
     })  # fmt: skip
-    plan = _Plan(residual, tau, fx_adds, untraced, bad + left)
+    plan = _Plan(residual, tau, fx_adds, fx_sums, untraced, bad + left)
     _finish(model, plan, ex)
     return model
 
 
 def _apply_fx(
     model: nn.Module, found: list[tuple[str, nn.Module, fx.Graph, list[Any]]]
-) -> tuple[nn.Module, list[tuple[str, str, str, str]]]:
-    """Rewrite the residual adds fx found (τ set later by :func:`_set_fx_taus`); returns
-    the model (a new root if the root was traced) and, for each add, ``(label, module
-    name, split node name, add node name)`` (names, not nodes: they survive a deep copy)."""
+) -> tuple[nn.Module, list[tuple[str, str, str, str]], list[str]]:
+    """Rewrite the residual adds fx found (τ set later by :func:`_set_fx_taus`) and its
+    embedding sums; returns the model (a new root if the root was traced), for each
+    residual add ``(label, module name, split node name, add node name)`` (names, not
+    nodes: they survive a deep copy), and the embedding sums' labels."""
     adds: list[tuple[str, str, str, str]] = []
-    for name, _m, graph, res in found:
+    sums: list[str] = []
+    for name, m, graph, res in found:
         for add, skip, out in res:
             split = rewrite_residual(graph, add, skip, out, 0.5)
             adds.append((f"{name or '<root>'}.{add.name}", name, split.name, add.name))
+        sums += [f"{name or '<root>'}.{n} (embed_sum)" for n in rewrite_embedding_sums(m, graph)]
     for name, m, graph, _ in reversed(found):  # deepest first: parents copy rewritten children
         gm = fx.GraphModule(m, graph, class_name=type(m).__name__)
         _keep_signature(gm, m.forward, root=not name)
@@ -486,7 +499,7 @@ def _apply_fx(
         else:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, gm)
-    return model, adds
+    return model, adds, sums
 
 
 def _set_fx_taus(
