@@ -10,21 +10,23 @@ rate independent of width (and depth).
 * :mod:`~lowprec.unit.functional`: unit-scaled ops (``linear``, ``matmul``, ``softmax``,
   ``cross_entropy``, ``scaled_dot_product_attention``, ``residual_split/add``, ...).
 * :mod:`~lowprec.unit.nn`: modules (``Linear``, ``MLP``, ``TransformerDecoder``, ...).
-* :func:`unit_scale`: convert a standard model, yours or an HF transformers one
-  (:mod:`~lowprec.unit.transform`: module conversion by probe, unit-variance re-init with
-  ``reinit=True``, residual adds found with ``torch.fx`` or by running the model once,
-  op conversion with a torch function mode).
+* :func:`apply` ``(model, config_or_preset)``: the technique's one entry point, a
+  unit-scaled u-μP copy of a standard model, yours or an HF transformers one;
+  ``config_or_preset`` is a :class:`UnitConfig` or a name of :data:`PRESETS`. Weights are
+  re-initialised to unit variance (``reinit=False`` keeps them).
+* :func:`unit_scale`: the transform under :func:`apply` (module conversion by probe,
+  unit-variance re-init, residual adds found with ``torch.fx`` or by running the model
+  once, op conversion with a torch function mode), kept for its selectable residual τ
+  scheme; :func:`recipe_param_groups`: u-μP groups for a standard ``lr``;
+  :func:`~lowprec.unit.recipe.apply_unit`, the two together, is the recipes' hook.
 * :mod:`~lowprec.unit.umup`: ``umup_param_groups`` and the residual τ rule.
-* :func:`apply` ``(model, UnitConfig)``: the technique's one entry point, ``unit_scale``
-  with u-μP's residual rule; :func:`recipe_param_groups` its u-μP groups for a standard
-  ``lr``; :func:`~lowprec.unit.recipe.apply_unit`, the two together, is the recipes' hook.
 
 Example:
     >>> import torch
     >>> from lowprec.jobs.model import CharGPT, ModelConfig
-    >>> from lowprec.unit import unit_scale, umup_param_groups
+    >>> from lowprec.unit import apply, umup_param_groups
     >>> cfg = ModelConfig(vocab_size=16, width=32, depth=1, heads=2)
-    >>> model = unit_scale(CharGPT(cfg), reinit=True)  # reinit: weights become unit variance
+    >>> model = apply(CharGPT(cfg))          # weights re-initialised to unit variance
     >>> opt = torch.optim.AdamW(umup_param_groups(model, lr=1.0))
     >>> idx = torch.randint(0, 16, (4, 64))
     >>> logits, loss = model(idx, idx)        # the true mean cross-entropy
