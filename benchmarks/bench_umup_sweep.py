@@ -22,7 +22,7 @@ from typing import Any
 from _common import arg_parser, parse_args, print_table, run_record, write_json
 
 from lowprec.jobs.train import TrainConfig
-from lowprec.unit.recipe import UMUP_LR_PER_LR
+from lowprec.unit.entry import UMUP_LR_PER_LR
 
 # The 120-step configuration of tests/test_recipes_train.py (width set per run).
 CFG = TrainConfig(steps=120, batch_size=16, seq_len=64, width=64, depth=2, heads=4, lr=3e-3,

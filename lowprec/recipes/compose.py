@@ -120,7 +120,8 @@ def apply(
     :func:`lowprec.scalify.apply`, :func:`lowprec.float8.apply`) and cast it to
     ``dtype``; return the model (a new module for unit and scalify) and u-μP parameter
     groups (unit) or ``None``. Unit scaling re-initialises the model's weights to unit
-    variance (``reinit=True``; a pretrained model's weights are not kept).
+    variance (:func:`lowprec.unit.apply`'s default; a pretrained model's weights are not
+    kept).
 
     ``lr`` is the optimizer's base learning rate (u-μP's groups are relative to it); the
     float8 conversion leaves every linear whose last name component is in ``float8_skip``.
@@ -129,7 +130,7 @@ def apply(
     groups: list[Any] | None = None
     if "unit" in by:
         # unit scaling re-initialises every weight (unit variance); prepare() documents it
-        model = lowprec.unit.apply(model, by["unit"], reinit=True)
+        model = lowprec.unit.apply(model, by["unit"])
         groups = lowprec.unit.recipe_param_groups(model, lr)
     if "scalify" in by:
         model = lowprec.scalify.apply(model, by["scalify"])

@@ -57,8 +57,8 @@ from lowprec.scalify.config import (
     reset_coverage,
     set_config,
 )
-from lowprec.scalify.ops import as_scaled, dynamic_rescale, rebalance, scaled, unscale
 from lowprec.scalify.entry import apply
+from lowprec.scalify.ops import as_scaled, dynamic_rescale, rebalance, scaled, unscale
 from lowprec.scalify.transform import Scalified, resolve_config, scalify
 
 __all__ = [

@@ -17,8 +17,8 @@ rate independent of width (and depth).
 * :func:`unit_scale`: the transform under :func:`apply` (module conversion by probe,
   unit-variance re-init, residual adds found with ``torch.fx`` or by running the model
   once, op conversion with a torch function mode), kept for its selectable residual τ
-  scheme; :func:`recipe_param_groups`: u-μP groups for a standard ``lr``;
-  :func:`~lowprec.unit.recipe.apply_unit`, the two together, is the recipes' hook.
+  scheme; :func:`recipe_param_groups`: u-μP groups for a standard ``lr`` (the recipes call
+  :func:`apply` and it).
 * :mod:`~lowprec.unit.umup`: ``umup_param_groups`` and the residual τ rule.
 
 Example:
@@ -37,7 +37,7 @@ Example:
 
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import CONSTRAINTS, Constraint, apply_constraint, scale_bwd, scale_fwd
-from lowprec.unit.recipe import PRESETS, apply, recipe_param_groups
+from lowprec.unit.entry import PRESETS, apply, recipe_param_groups
 from lowprec.unit.transform import unit_scale
 from lowprec.unit.umup import tag_params, umup_param_groups, umup_taus
 

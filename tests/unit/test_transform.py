@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import lowprec.unit
 from lowprec.core.rounding import quantize
 from lowprec.jobs.model import CharGPT, ModelConfig
 from lowprec.unit import umup_param_groups, unit_scale
-from lowprec.unit.recipe import apply_unit
 from lowprec.unit.transform import UnitConfig
 from lowprec.unit.umup import tag_params
 
@@ -269,9 +269,9 @@ def test_float8_leaves_the_readout_unrounded() -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_umup_groups_and_apply_unit() -> None:
-    m = CharGPT(CFG)
-    u, groups = apply_unit(m, float8=False, lr=3e-3, reinit=True)
+def test_umup_groups_of_the_recipes() -> None:
+    u = lowprec.unit.apply(CharGPT(CFG), UnitConfig(float8=False))
+    groups = lowprec.unit.recipe_param_groups(u, 3e-3)
     roles = tag_params(u)
     assert roles["head.weight"] == "readout" and roles["tok.weight"] == "embedding"
     assert roles["blocks.0.fc.weight"] == "weight" and roles["blocks.0.ln1.bias"] == "norm"

@@ -16,7 +16,7 @@ from torch import nn
 from lowprec.jobs.model import CharGPT, ModelConfig
 from lowprec.jobs.train import TrainConfig, train
 from lowprec.unit import umup_param_groups, unit_scale
-from lowprec.unit.recipe import UMUP_LR_PER_LR
+from lowprec.unit.entry import UMUP_LR_PER_LR
 
 
 def _mults(model: nn.Module, eta: float = 1.0) -> dict[str, float]:

@@ -1,9 +1,9 @@
-"""The unit technique's entry point: :func:`apply`, and the recipes' hook :func:`apply_unit`.
+"""The unit technique's entry point: :func:`apply`.
 
 :func:`apply` ``(model, config_or_preset)`` turns a standard model into its unit-scaled u-μP
 equivalent (residual τ by u-μP's depth rule, :func:`lowprec.unit.umup.umup_taus`);
 :func:`recipe_param_groups` gives its u-μP AdamW parameter groups for a caller's learning
-rate; :func:`apply_unit` is the two together, as ``lowprec.recipes`` calls them.
+rate (``lowprec.recipes`` calls the two).
 :func:`lowprec.unit.unit_scale` is the transform under :func:`apply`, with the residual
 τ scheme selectable (default: running mean).
 
@@ -27,7 +27,7 @@ from lowprec.unit.config import UnitConfig
 from lowprec.unit.transform import unit_scale
 from lowprec.unit.umup import umup_param_groups, umup_taus
 
-__all__ = ["PRESETS", "UMUP_LR_PER_LR", "apply", "apply_unit", "recipe_param_groups"]
+__all__ = ["PRESETS", "UMUP_LR_PER_LR", "apply", "recipe_param_groups"]
 
 # η = UMUP_LR_PER_LR · lr: the demo's lr 3e-3 maps to η = 1.0 (the sweep behind it:
 # docs/unit-scaling.md; rerun with benchmarks/bench_umup_sweep.py).
@@ -105,19 +105,3 @@ def recipe_param_groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
         g["lr_mult"] = g["lr"] / lr
         del g["weight_decay"]  # the caller's optimizer's weight decay, as for the standard model
     return groups
-
-
-def apply_unit(
-    model: nn.Module, *, float8: bool, lr: float, reinit: bool = True
-) -> tuple[nn.Module, list[dict[str, Any]]]:
-    """``(apply(model, UnitConfig(float8=float8), reinit=reinit), recipe_param_groups(·, lr))``:
-    the recipes' hook, :func:`apply` and its parameter groups in one call.
-
-    Example:
-        >>> from lowprec.jobs.model import CharGPT, ModelConfig
-        >>> m, groups = apply_unit(CharGPT(ModelConfig(width=32, depth=1, heads=2)), float8=False, lr=3e-3)
-        >>> sorted(round(g["lr_mult"], 1) for g in groups)  # η/lr · (1/√128, 1/√32, 1)
-        [29.5, 58.9, 333.3]
-    """  # noqa: E501
-    unit = apply(model, UnitConfig(float8=float8), reinit=reinit)
-    return unit, recipe_param_groups(unit, lr)
