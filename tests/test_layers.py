@@ -43,14 +43,7 @@ DOC = ROOT / "docs" / "architecture.md"
 
 # (importer, imported) module pairs that point upward or sideways against the layers.
 # Cycles through these edges are part of the same violation and are not reported again.
-UPWARD_ALLOWED: dict[tuple[str, str], str] = {
-    ("lowprec.unit.mode", "lowprec"): (
-        "unit/mode.py does `import lowprec` (the facade, above the techniques) only for "
-        "lowprec.__file__, the directory of frames to skip; it closes the cycle lowprec -> "
-        "recipes -> unit -> unit.mode -> lowprec. To be removed: take the directory from "
-        "unit/mode.py's own __file__."
-    ),
-}
+UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
 
 # (importer, imported) edges inside one package that close an import cycle (a lazy import).
 CYCLE_ALLOWED: dict[tuple[str, str], str] = {}

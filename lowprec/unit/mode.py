@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-import lowprec
 from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
@@ -349,8 +348,13 @@ def _from_compiled_code() -> bool:
     return False
 
 
+# torch's directory and lowprec's (two levels above this file: lowprec/unit/mode.py).
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(m.__file__ or "").replace(os.sep, "/") + "/" for m in (torch, lowprec)
+    d.replace(os.sep, "/") + "/"
+    for d in (
+        os.path.dirname(torch.__file__ or ""),
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
 )
 
 
