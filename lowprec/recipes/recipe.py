@@ -1,8 +1,7 @@
 """``Recipe``: a precision policy plus optional technique configs, serialisable to JSON.
 
 Example:
-    >>> from lowprec.core.registry import Registry
-from lowprec.float8 import Float8Config
+    >>> from lowprec.float8 import Float8Config
     >>> from lowprec.unit import UnitConfig
     >>> r = Recipe("bf16-unit-rowwise", "unit-scaled, float8 rowwise linears",
     ...            Policy("bf16", master_weights=True),

@@ -40,8 +40,8 @@ def apply(model: Any, config: ScalifyConfig | str = "fp16") -> Any:
         >>> m.config.data_format, m.config.rescale, m.module is lin
         ('fp8', 'max', True)
         >>> f = apply(lambda a, b: a @ b, "fp16")
-        >>> f(torch.ones(2, 3) * 2.0**30, torch.ones(3, 1)).flatten().tolist()
-        [3221225472.0, 3221225472.0]
+        >>> f(torch.ones(2, 4) * 2.0**30, torch.ones(4, 1)).flatten().tolist()  # 2^32: beyond FP16
+        [4294967296.0, 4294967296.0]
     """
     if not (isinstance(model, nn.Module) or callable(model)):
         raise TypeError(f"model must be an nn.Module or a callable, got {type(model).__name__}")
