@@ -94,6 +94,7 @@ _quiet = logging.getLogger("lowprec.unit.reported")
 _quiet.propagate = False
 _quiet.addHandler(logging.NullHandler())
 
+_SCHEMES = ("fixed", "running-mean", "weighted")  # lowprec.unit.functional.residual_taus
 _NO_RULE_TYPES = (nn.Conv2d, nn.Conv3d, nn.modules.batchnorm._BatchNorm, nn.GroupNorm,
                   nn.MultiheadAttention, nn.RNNBase)  # fmt: skip
 
@@ -436,6 +437,16 @@ def unit_scale(
         raise TypeError(f"reinit must be a bool, got {type(reinit).__name__} {reinit!r}")
     if hasattr(model, "_unit_config"):
         raise ValueError("model: already unit-scaled")
+    if isinstance(residual, str) and residual not in _SCHEMES:
+        raise ValueError(
+            f"residual must be one of {list(_SCHEMES)}, a sequence of taus or a function of "
+            f"their number, got {residual!r}"
+        )
+    if not (isinstance(residual, (str, Sequence)) or callable(residual)):
+        raise TypeError(
+            f"residual must be a scheme name, a sequence of taus or a function, got "
+            f"{type(residual).__name__}"
+        )
     cfg = _config(config, float8, strict)
     ex = _example(model, example_inputs)
     model = copy.deepcopy(model)

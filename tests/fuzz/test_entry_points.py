@@ -193,8 +193,8 @@ class _Tiny(nn.Module):
 )
 def test_unit_scale_arguments(reinit: Any, tau: Any, readout: Any, residual: Any) -> None:
     """``unit_scale`` with drawn arguments: a unit-scaled copy whose forward is finite and
-    leaves the given model unchanged, or a named refusal (a model with weights needs an
-    explicit ``reinit=True``)."""
+    leaves the given model unchanged, or a refusal naming the bad argument (``reinit``
+    must be a bool: ``True``, the default, re-initialises, ``False`` keeps the weights)."""
     torch.manual_seed(0)
     model = _Tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -212,7 +212,7 @@ def test_unit_scale_arguments(reinit: Any, tau: Any, readout: Any, residual: Any
         assert torch.equal(v, before[k]), f"unit_scale changed the given model's {k}"
     if isinstance(u, Refused):
         return
-    assert reinit is True  # without reinit=True a model with weights is refused
+    assert isinstance(reinit, bool)  # anything else is refused, naming reinit
     y = u(torch.randint(0, 16, (2, 5)))
     assert y.shape == (2, 5, 16) and finite(y)
 

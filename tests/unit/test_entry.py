@@ -291,3 +291,13 @@ def test_embedding_sum_is_unit_with_fx_too() -> None:
         stds.append(float(seen[0].std()))
     assert torch.equal(outs[0], outs[1])
     assert all(abs(s - 1.0) < 0.06 for s in stds), stds
+
+
+def test_unit_scale_names_a_bad_residual_scheme() -> None:
+    """``residual`` is checked by ``unit_scale`` itself: a bad scheme name or type is an
+    error naming ``residual`` (it was residual_taus' 'scheme must be one of ...')."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"residual must be one of \['fixed'"):
+        unit_scale(model, residual="")
+    with pytest.raises(TypeError, match="residual must be a scheme name"):
+        unit_scale(model, residual=3)  # type: ignore[arg-type]
