@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowprec.float8 import CastConfig, Float8Config
+from lowprec.float8 import Float8Config
 from lowprec.recipes.recipe import build_recipe, get_recipe, recipe_names, register
 from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
@@ -146,18 +146,11 @@ _add(
     **_MIXED,
 )
 # The failures the techniques cure, for the demo.
-_NAIVE = Float8Config(
-    name="naive",
-    # A static scale of exactly 1: the values are rounded to E4M3 / E5M2 as they are.
-    input=CastConfig("e4m3fn", scaling="static", static_scale=1.0),
-    weight=CastConfig("e4m3fn", scaling="static", static_scale=1.0),
-    grad_output=CastConfig("e5m2", scaling="static", static_scale=1.0),
-)
 _add(
     "fp8-naive",
     "BF16 params (FP32 master weights), float8 linears with NO scaling (scale 1: values "
     f"rounded to the formats as they are); {_F8}. The failure float8 scaling cures",
-    technique=_NAIVE,
+    technique=Float8Config.from_name("naive"),
     **_MIXED,
 )
 _add(

@@ -76,7 +76,10 @@ def test_presets_and_roles() -> None:
         "mxfp4",
         "nvfp4",
         "rowwise-gw-hp",
+        "naive",
     ]
+    naive = Float8Config.from_name("naive")  # the demo's fp8-naive: scale exactly 1
+    assert all(naive.cast(k).static_scale == 1.0 for k in ("input", "weight", "grad_output"))
     assert {Float8Config.from_name("mxfp8").cast(k).mx_scale for k in ("input", "weight")} == {
         "ceil"
     }  # chosen by benchmarks/bench_mx_scale.py (docs/float8.md)
