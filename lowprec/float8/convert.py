@@ -21,7 +21,7 @@ __all__ = ["ModuleFilter", "apply", "computes_linear", "convert_back", "convert_
 
 log = logging.getLogger(__name__)
 
-ModuleFilter = Callable[[nn.Module, str], bool]
+ModuleFilter = Callable[[nn.Module, str], "bool | Float8Config | None"]
 
 
 def apply(
@@ -38,13 +38,15 @@ def apply(
     which keeps that parameter's name and shape (HF checkpoints still load) and computes
     exactly what the equivalent ``nn.Linear`` would. Parameters are shared, not copied.
 
-    ``module_filter(module, fqn)`` returns True for the layers to convert (default: all);
-    it sees the original module (an ``nn.Linear`` or a ``Conv1D``, whose sizes are ``nx``
-    and ``nf``). A layer used at several places becomes one float8 layer used at all of
-    them; its hooks carry over. What is not converted is named in one WARNING: layers the
-    filter refused, subclasses of ``nn.Linear`` and parametrized linears (e.g.
-    ``weight_norm``), whose own forward would be lost. A subclass whose forward computes
-    exactly ``F.linear`` with no state of its own (Falcon's ``FalconLinear``, see
+    ``module_filter(module, fqn)`` returns True for the layers to convert (default: all), or
+    a :class:`~lowprec.float8.Float8Config`: the layer is converted with that config instead
+    of ``config`` (per-layer configs, as a recipe's ``layers`` give them; ``None`` or False
+    leaves the layer); it sees the original module (an ``nn.Linear`` or a ``Conv1D``, whose
+    sizes are ``nx`` and ``nf``). A layer used at several places becomes one float8 layer
+    used at all of them; its hooks carry over. What is not converted is named in one
+    WARNING: layers the filter refused, subclasses of ``nn.Linear`` and parametrized linears
+    (e.g. ``weight_norm``), whose own forward would be lost. A subclass whose forward
+    computes exactly ``F.linear`` with no state of its own (Falcon's ``FalconLinear``, see
     :func:`computes_linear`) is converted; :func:`convert_back` gives it back. Returns
     ``model`` (or the new module if ``model`` itself is a linear-like layer).
 
@@ -77,9 +79,15 @@ def apply(
             if _looks_linear(mod):
                 skipped[name] = f"{type(mod).__name__}: not an nn.Linear or an HF Conv1D"
             return False
-        if module_filter is not None and not module_filter(mod, fqn):
+        chosen = recipe if module_filter is None else module_filter(mod, fqn)
+        if chosen is None or chosen is False:
             skipped[name] = f"{type(mod).__name__}: module_filter"
             return False
+        if chosen is not True and not isinstance(chosen, Float8Config):
+            raise TypeError(
+                f"module_filter must return a bool, a Float8Config or None, got "
+                f"{type(chosen).__name__} for {name}"
+            )
         if not conv1d and type(mod) is not nn.Linear and not computes_linear(mod):
             skipped[name] = f"{type(mod).__name__}: nn.Linear subclass, own forward"
             return False
@@ -92,15 +100,19 @@ def apply(
                 f"model: {name}.weight has dtype {getattr(w, 'dtype', None)}; float8 "
                 "conversion needs floating-point weights"
             )
+        configs[id(mod)] = recipe if chosen is True else chosen
         return True
 
+    configs: dict[int, Float8Config] = {}
+
     def make(mod: nn.Module) -> Float8Linear:
+        cfg = configs[id(mod)]
         if isinstance(mod, nn.Linear):
-            new = Float8Linear.from_linear(mod, recipe)
+            new = Float8Linear.from_linear(mod, cfg)
             if type(mod) is not nn.Linear:  # convert_back gives the subclass back
                 object.__setattr__(new, "_lowprec_original", mod)
             return new
-        return Float8Conv1D.from_conv1d(mod, recipe)
+        return Float8Conv1D.from_conv1d(mod, cfg)
 
     if wanted(model, ""):
         return make(model)

@@ -31,6 +31,7 @@ import lowprec.float8
 import lowprec.scalify
 import lowprec.unit
 from lowprec.float8 import Float8Config, Float8Linear
+from lowprec.recipes.layers import LayerRule, layer_config
 from lowprec.recipes.policy import Policy
 from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
@@ -114,6 +115,7 @@ def apply(
     dtype: Any,
     lr: float,
     float8_skip: tuple[str, ...],
+    layers: tuple[LayerRule, ...] = (),
 ) -> tuple[nn.Module, list[Any] | None]:
     """Apply ``technique`` to ``model`` through each technique's entry point
     (:func:`lowprec.unit.apply` with :func:`lowprec.unit.recipe_param_groups`,
@@ -124,7 +126,9 @@ def apply(
     kept).
 
     ``lr`` is the optimizer's base learning rate (u-μP's groups are relative to it); the
-    float8 conversion leaves every linear whose last name component is in ``float8_skip``.
+    float8 conversion gives each linear its config by ``layers``
+    (:func:`~lowprec.recipes.layers.layer_config`: the first matching rule's config, else
+    the float8 technique's unless its last name component is in ``float8_skip``).
     """
     by: dict[str, Any] = {kind_of(c): c for c in technique}
     groups: list[Any] | None = None
@@ -136,10 +140,12 @@ def apply(
         model = lowprec.scalify.apply(model, by["scalify"])
     model.to(dtype)
     if "float8" in by:
-        keep = float8_skip
-        model = lowprec.float8.apply(
-            model, by["float8"], lambda m, fqn: fqn.rsplit(".", 1)[-1] not in keep
-        )
+        default = by["float8"]
+
+        def config(m: nn.Module, fqn: str) -> Float8Config | None:
+            return layer_config(layers, fqn, default, float8_skip)
+
+        model = lowprec.float8.apply(model, default, config)
         if "unit" in by:
             _unit_float8(model)
     return model, groups

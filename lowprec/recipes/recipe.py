@@ -23,6 +23,7 @@ from lowprec.core.registry import Registry
 from lowprec.float8 import Float8Config
 from lowprec.recipes import compose
 from lowprec.recipes.compose import KINDS, TechniqueConfig
+from lowprec.recipes.layers import LayerRule, rules_from_list, rules_to_list
 from lowprec.recipes.policy import DType, LossScaling, Policy
 from lowprec.recipes.serial import decode, encode
 from lowprec.scalify import ScalifyConfig
@@ -52,6 +53,10 @@ class Recipe:
         calibration_batches: with a float8 config that has static roles without a fixed
             scale, the number of training batches :func:`~lowprec.recipes.prepare`'s
             ``compute()`` calibrates on before the scales freeze (>= 1).
+        layers: per-layer float8 configs (:class:`~lowprec.recipes.layers.LayerRule`: an
+            fqn pattern and a config, or ``None`` for high precision; the first match
+            wins, over ``float8_skip`` too); needs a float8 technique, whose config the
+            layers no rule matches get. What ``lowprec tune`` writes.
 
     ``param_dtype``, ``master_weights``, ``loss_scaling``, ``loss_scale``,
     ``growth_interval``, ``autocast``, ``stochastic_rounding``, ``torch_dtype`` and
@@ -64,6 +69,7 @@ class Recipe:
     technique: tuple[TechniqueConfig, ...] = ()
     float8_skip: tuple[str, ...] = ("head", "lm_head")
     calibration_batches: int = 4
+    layers: tuple[LayerRule, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -83,6 +89,12 @@ class Recipe:
         n = self.calibration_batches
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"calibration_batches must be an int >= 1, got {n!r}")
+        object.__setattr__(self, "layers", rules_from_list(self.layers))
+        if self.layers and self.float8 is None:
+            raise ValueError(
+                "layers: per-layer float8 configs need a float8 technique (the config of "
+                "the layers no rule matches); add a Float8Config to technique"
+            )
 
     # ---- the techniques ----
 
@@ -157,8 +169,8 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: name, description, the policy's fields (flat), ``technique`` as a
-        list of ``{"technique": kind, "config": fields}``, ``float8_skip`` and
-        ``calibration_batches``."""
+        list of ``{"technique": kind, "config": fields}``, ``float8_skip``,
+        ``calibration_batches`` and ``layers`` (:func:`~lowprec.recipes.layers.rules_to_list`)."""
         return {
             "name": self.name,
             "description": self.description,
@@ -168,6 +180,7 @@ class Recipe:
             ],
             "float8_skip": list(self.float8_skip),
             "calibration_batches": self.calibration_batches,
+            "layers": rules_to_list(self.layers),
         }
 
     @classmethod
@@ -179,6 +192,7 @@ class Recipe:
         if isinstance(d.get("technique"), str) or any(k in d for k in _FLAT_KEYS):
             return _from_flat(d)
         known = {"name", "description", "technique", "float8_skip", "calibration_batches"}
+        known.add("layers")
         unknown = set(d) - known - set(_POLICY_KEYS)
         if unknown:
             raise ValueError(f"recipe dict has unknown keys {sorted(unknown)}")
@@ -190,7 +204,7 @@ class Recipe:
                     f"{{...}}}}, got {t!r}"
                 )
             techniques.append(decode(KINDS[t["technique"]], t["config"]))
-        rest = {k: d[k] for k in ("float8_skip", "calibration_batches") if k in d}
+        rest = {k: d[k] for k in ("float8_skip", "calibration_batches", "layers") if k in d}
         policy = Policy(**{k: d[k] for k in _POLICY_KEYS if k in d})
         return cls(d["name"], d.get("description", ""), policy, tuple(techniques), **rest)
 
@@ -237,7 +251,7 @@ def _from_flat(d: dict[str, Any]) -> Recipe:
 
 def build_recipe(name: str, description: str, **kwargs: Any) -> Recipe:
     """A :class:`Recipe` from a preset's keyword arguments (:class:`Policy` fields plus
-    ``technique``, ``float8_skip``, ``calibration_batches``)."""
+    ``technique``, ``float8_skip``, ``calibration_batches``, ``layers``)."""
     policy = Policy(**{k: v for k, v in kwargs.items() if k in _POLICY_KEYS})
     rest = {k: v for k, v in kwargs.items() if k not in _POLICY_KEYS}
     return Recipe(name, description, policy, **rest)
@@ -255,6 +269,7 @@ def register(recipe: Recipe) -> Recipe:
         technique=recipe.technique,
         float8_skip=recipe.float8_skip,
         calibration_batches=recipe.calibration_batches,
+        layers=recipe.layers,
     )
     _PRESETS.add(recipe.name, description=recipe.description, **kwargs)
     return recipe
