@@ -55,128 +55,41 @@ raises ``NotImplementedError`` instead.
 to E4M3 and the gradient flowing into its output to E5M2, saturating, with no scales (the
 paper's setting). The readout stays in the model's dtype unless ``UnitConfig.float8_readout``
 (its cost: ``docs/unit-scaling.md``).
+
+This module holds :func:`unit_scale`, its checks and the readout; the fx-traced modules'
+rewrite lives in :mod:`lowprec.unit.graphs`, the unit model's class, the analysis by
+running and the end of the transform (τ, ``unit_report``, the warning) in
+:mod:`lowprec.unit.wrapper`.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import logging
 import math
 import types
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-import torch
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 
-from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.convert import convert_modules
 from lowprec.unit.convert import reinit as _reinit
 from lowprec.unit.core import scale_fwd
-from lowprec.unit.mode import UnitMode
-from lowprec.unit.residual_fx import (
-    find_residual_modules,
-    rewrite_embedding_sums,
-    rewrite_residual,
-)
-from lowprec.unit.residual_run import Runtime, analyse
+from lowprec.unit.graphs import _apply_fx
+from lowprec.unit.residual_fx import find_residual_modules
+from lowprec.unit.wrapper import _example, _finish, _Plan, _unit_forward_class
 
 __all__ = ["UnitConfig", "unit_scale"]
 
 log = logging.getLogger("lowprec.unit")
-# Marks messages already in the transform's one WARNING as warned, without logging them.
-_quiet = logging.getLogger("lowprec.unit.reported")
-_quiet.propagate = False
-_quiet.addHandler(logging.NullHandler())
 
 _SCHEMES = ("fixed", "running-mean", "weighted")  # lowprec.unit.functional.residual_taus
 _NO_RULE_TYPES = (nn.Conv2d, nn.Conv3d, nn.modules.batchnorm._BatchNorm, nn.GroupNorm,
                   nn.MultiheadAttention, nn.RNNBase)  # fmt: skip
-
-
-def _unit_forward_class(cls: type[nn.Module]) -> type[nn.Module]:
-    @functools.wraps(cls.forward)
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        # every input, positional or keyword, goes to the model's own forward unchanged
-        d = self.__dict__
-        if d.get("_unit_analysing"):  # the analysis run: its own mode converts the ops
-            return _own_forward(self, args, kwargs)
-        if d.get("_unit_pending") is not None:
-            return _first_call(self, args, kwargs)
-        with UnitMode(cast(UnitConfig, self._unit_config), d.get("_unit_runtime")):
-            return _own_forward(self, args, kwargs)
-
-    attrs = {"forward": forward, "__module__": cls.__module__, "_unit_wrapper": True}
-    new_cls = type(f"Unit{cls.__name__}", (cls,), attrs)
-    return new_cls
-
-
-def _own_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The forward of the unit model's original class (an fx-rewritten root: its graph's,
-    called with the original signature), on the call's inputs."""
-    if isinstance(model, fx.GraphModule):
-        return _graph_forward(model, *args, **kwargs)
-    # The class after the unit wrapper in the MRO: classes made *around* it later (FSDP2's
-    # fully_shard makes FSDP<UnitX>) must not be taken for the original (a recursion).
-    mro = type(model).__mro__
-    wrappers = [i for i, c in enumerate(mro) if c.__dict__.get("_unit_wrapper")]
-    base = mro[wrappers[-1] + 1] if wrappers else type(model)
-    return cast(Any, base).forward(model, *args, **kwargs)
-
-
-def _generated_forward(gm: fx.GraphModule) -> Callable[..., Any]:
-    """The forward fx generated for ``gm``'s graph (its class's; recompiling replaces it)."""
-    for c in type(gm).__mro__:
-        if not c.__dict__.get("_unit_wrapper") and "forward" in c.__dict__:
-            return cast(Callable[..., Any], c.__dict__["forward"])
-    raise AssertionError("unreachable: a GraphModule class has a generated forward")
-
-
-def _graph_forward(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-    """Call ``gm``'s generated forward with the signature of the module it was traced from.
-
-    fx's generated ``forward`` lists the parameters in the traced code's order, keyword-only
-    ones moved before ``*args`` and none positional-only (``(a, /, b, *args, c, **kw)``
-    becomes ``(a, b, c, *args, **kw)``): a call in the original form would bind its inputs
-    to other parameters. The inputs are bound to the original signature and passed on in
-    the generated one's order."""
-    fwd = _generated_forward(gm)
-    sig = gm.__dict__.get("_unit_signature")
-    if sig is None:
-        return fwd(gm, *args, **kwargs)
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
-    pos, var, varkw = [], (), {}
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_POSITIONAL:
-            var = a.get(p.name, ())
-        elif p.kind is p.VAR_KEYWORD:
-            varkw = a.get(p.name, {})
-        else:
-            pos.append(a[p.name])
-    return fwd(gm, *pos, *var, **varkw)
-
-
-def _keep_signature(gm: fx.GraphModule, original: Callable[..., Any], root: bool) -> None:
-    """Make ``gm`` (traced from a module whose bound forward is ``original``) take its
-    inputs as ``original`` does (:func:`_graph_forward`), where fx's generated signature
-    differs: positional-only, keyword-only, ``*args`` or ``**kwargs`` parameters. A root
-    is called through the unit model's forward; a child gets an instance ``forward``."""
-    try:
-        sig = inspect.signature(original)
-    except (TypeError, ValueError):
-        return
-    if all(p.kind is p.POSITIONAL_OR_KEYWORD for p in sig.parameters.values()):
-        return
-    gm.__dict__["_unit_signature"] = sig
-    if not root:
-        gm.forward = types.MethodType(_graph_forward, gm)  # type: ignore[method-assign]
 
 
 class _TracedCrossEntropyLoss(nn.CrossEntropyLoss):
@@ -207,171 +120,6 @@ def _route_loss_modules(model: nn.Module) -> None:
                 scope[name] = _TracedCrossEntropyLoss
                 log.debug("unit_scale: %s.%s now names a CrossEntropyLoss subclass that "
                           "torch.compile traces through", scope.get("__name__"), name)  # fmt: skip
-
-
-def _example(
-    model: nn.Module, example_inputs: Any
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    ex = example_inputs
-    if ex is None:
-        try:  # HF transformers models carry their own (a property that may raise)
-            ex = getattr(model, "dummy_inputs", None)
-        except Exception:
-            ex = None
-        if not isinstance(ex, Mapping) or not _names_all(model, ex):
-            return None  # (e.g. HF's generic input_ids for ViT): analysed on the first call
-    if isinstance(ex, Mapping):
-        return (), dict(ex)
-    if isinstance(ex, tuple):
-        return ex, {}
-    if isinstance(ex, Tensor):
-        return (ex,), {}
-    raise TypeError(
-        f"example_inputs must be a tuple of positional arguments, a dict of keyword "
-        f"arguments, a Tensor or None, got {type(ex).__name__}"
-    )
-
-
-def _names_all(model: nn.Module, kw: Mapping[str, Any]) -> bool:
-    """Whether ``model.forward`` names every key of ``kw`` as a parameter (a key only a
-    ``**kwargs`` would take, as HF's generic ``input_ids`` for ViT, is not its input)."""
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return all(k in named for k in kw)
-
-
-def _run_analysis(
-    model: nn.Module, cfg: UnitConfig, ex: tuple[tuple[Any, ...], dict[str, Any]]
-) -> tuple[Any, list[tuple[str, int]], list[tuple[str, str]]]:
-    """Run ``model`` once on ``ex`` (no gradients, eval mode, its own forward: the unit
-    model's mode is the analysis' outer one) and return the plans, the residual adds in
-    call order and the unhandled calls seen."""
-    collected: list[tuple[str, str]] = []
-    args, kw = ex
-    modes = [m for m in model.modules() if m.training]
-    object.__setattr__(model, "_unit_analysing", True)
-    try:
-        model.eval()  # dropout off: the example run draws no random numbers
-        with torch.no_grad():
-            plans, order = analyse(
-                model,
-                lambda: model(*args, **kw),
-                lambda where: UnitMode(cfg, _Where(where), collected),
-            )
-    finally:
-        object.__setattr__(model, "_unit_analysing", False)
-        for m in modes:
-            m.train()
-    return plans, order, collected
-
-
-class _Where:
-    """Names the running module for the unit mode during the example run."""
-
-    frames: tuple[()] = ()
-
-    def __init__(self, where: Callable[[], str | None]) -> None:
-        self.where = where
-
-
-@dataclass
-class _Plan:
-    """What :func:`_finish` needs to complete a transform: at transform time, or on the
-    model's first call when the analysis by running waits for its first inputs."""
-
-    residual: str | Sequence[float] | Callable[[int], list[float]]
-    tau: float
-    # (label, module name, split node name, add node name) of each residual add fx found
-    fx_adds: list[tuple[str, str, str, str]]
-    fx_sums: list[str]  # labels of the embedding sums fx found
-    untraced: list[tuple[str, str]]
-    unsupported: list[str]  # known at transform time (module types, leaf modules)
-    warned: set[str] = field(default_factory=set)
-
-
-def _taus(plan: _Plan, n: int, final: bool) -> list[float]:
-    """One τ per residual add, ``n`` of them (``final=False``: the adds fx found, before a
-    deferred analysis adds its own: a list of τ may then be longer)."""
-    if isinstance(plan.residual, str):
-        return U.residual_taus(n, plan.residual, plan.tau)
-    taus = list(plan.residual(n)) if callable(plan.residual) else [float(t) for t in plan.residual]
-    if len(taus) != n and (final or len(taus) < n):
-        raise ValueError(f"residual: {n} residual adds found, got {len(taus)} taus")
-    return taus[:n]
-
-
-def _finish(
-    model: nn.Module, plan: _Plan, ex: tuple[tuple[Any, ...], dict[str, Any]] | None
-) -> None:
-    """Find the residual adds of the modules fx could not trace by running ``model`` on
-    ``ex`` (if given), set every residual's τ, install the runtime and write
-    ``unit_report``; log what is not handled (once per message)."""
-    cfg = cast(UnitConfig, model._unit_config)
-    pending = ex is None and bool(plan.untraced)
-    plans: dict[str, Any] = {}
-    order: list[tuple[str, int]] = []
-    op_msgs: list[tuple[str, str]] = []
-    if ex is not None and plan.untraced:
-        plans, order, op_msgs = _run_analysis(model, cfg, ex)
-    n = len(plan.fx_adds) + len(order)
-    taus = _taus(plan, n, final=not pending)
-    residual_names = _set_fx_taus(model, plan.fx_adds, taus[: len(plan.fx_adds)])
-    for (mname, k), t in zip(order, taus[len(plan.fx_adds) :], strict=True):
-        plans[mname][k].tau = t
-        residual_names.append(f"{mname}: add #{k} (tau={t:.4g})")
-    unit_adds = plan.fx_sums + [
-        f"{mname}: add #{k} ({st.kind})"
-        for mname, steps in plans.items()
-        for k, st in steps.items()
-        if st.kind != "residual"
-    ]
-    runtime = None
-    if plan.untraced and ex is not None:  # the plans, and module names for run-time messages
-        runtime = Runtime(plans)
-        runtime.install(model)
-    seen_ops: dict[str, str] = {}
-    for key, msg in op_msgs:
-        seen_ops.setdefault(key, msg)
-        warn_once(_quiet, key, "%s", msg)
-    unsupported = plan.unsupported + list(seen_ops.values())
-    new = [u for u in unsupported if u not in plan.warned]
-    plan.warned.update(new)
-    if new:
-        log.warning("unit_scale: not handled, left unchanged (standard init and ops):\n  %s",
-                    "\n  ".join(new))  # fmt: skip
-    object.__setattr__(model, "_unit_runtime", runtime)
-    object.__setattr__(model, "_unit_pending", plan if pending else None)
-    report = model.__dict__["unit_report"]
-    report.update({
-        "residual_adds": residual_names,
-        "unit_adds": unit_adds,
-        "analysed_by_running": "pending" if pending else runtime is not None,
-        "unsupported": unsupported,
-    })  # fmt: skip
-
-
-def _first_call_eager(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The first call of a unit model whose analysis by running was deferred (modules fx
-    cannot trace, no example inputs): analyse on these inputs, then run the forward (with
-    the root's runtime frame its hooks would have pushed). Eager, also under
-    ``torch.compile`` (a graph break; ``fullgraph=True`` refuses it: call the model once,
-    or give ``example_inputs``, before compiling so)."""
-    plan = cast(_Plan, model.__dict__["_unit_pending"])
-    _finish(model, plan, (args, kwargs))
-    rt = cast(Runtime, model.__dict__["_unit_runtime"])
-    rt.reset()
-    rt.enter("<root>", model, args, kwargs)
-    try:
-        with UnitMode(cast(UnitConfig, model._unit_config), rt):
-            return _own_forward(model, args, kwargs)
-    finally:
-        rt.reset()
-
-
-_first_call = cast(Callable[..., Any], torch.compiler.disable(_first_call_eager))  # type: ignore[no-untyped-call]
 
 
 def _config(config: UnitConfig | None, float8: bool | None, strict: bool | None) -> UnitConfig:
@@ -486,58 +234,6 @@ def unit_scale(
     plan = _Plan(residual, tau, fx_adds, fx_sums, untraced, bad + left)
     _finish(model, plan, ex)
     return model
-
-
-def _apply_fx(
-    model: nn.Module, found: list[tuple[str, nn.Module, fx.Graph, list[Any]]]
-) -> tuple[nn.Module, list[tuple[str, str, str, str]], list[str]]:
-    """Rewrite the residual adds fx found (τ set later by :func:`_set_fx_taus`) and its
-    embedding sums; returns the model (a new root if the root was traced), for each
-    residual add ``(label, module name, split node name, add node name)`` (names, not
-    nodes: they survive a deep copy), and the embedding sums' labels."""
-    adds: list[tuple[str, str, str, str]] = []
-    sums: list[str] = []
-    for name, m, graph, res in found:
-        for add, skip, out in res:
-            split = rewrite_residual(graph, add, skip, out, 0.5)
-            adds.append((f"{name or '<root>'}.{add.name}", name, split.name, add.name))
-        sums += [f"{name or '<root>'}.{n} (embed_sum)" for n in rewrite_embedding_sums(m, graph)]
-    for name, m, graph, _ in reversed(found):  # deepest first: parents copy rewritten children
-        gm = fx.GraphModule(m, graph, class_name=type(m).__name__)
-        _keep_signature(gm, m.forward, root=not name)
-        if not name:
-            model = gm
-        else:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, gm)
-    return model, adds, sums
-
-
-def _set_fx_taus(
-    model: nn.Module, adds: list[tuple[str, str, str, str]], taus: list[float]
-) -> list[str]:
-    """Set each fx residual add's τ (and its split's), recompiling the modules changed."""
-    names, dirty = [], {}
-    for (label, mname, split_name, add_name), t in zip(adds, taus, strict=True):
-        gm = cast(fx.GraphModule, model.get_submodule(mname))
-        nodes = {n.name: n for n in gm.graph.nodes}
-        split, add = nodes[split_name], nodes[add_name]
-        if split.args[1] != t or add.args[2] != t:
-            split.args = (split.args[0], t)
-            add.args = (add.args[0], add.args[1], t)
-            dirty[id(gm)] = gm
-        names.append(f"{label} (tau={t:.4g})")
-    for gm in dirty.values():
-        cls = type(gm)
-        if cls.__dict__.get("_unit_wrapper"):  # the unit root: recompile into its fx class
-            gm.__class__ = cls.__bases__[0]
-            try:
-                gm.recompile()
-            finally:
-                gm.__class__ = cls
-        else:
-            gm.recompile()
-    return names
 
 
 class _ReadoutScale:
