@@ -1,22 +1,40 @@
 """Plain-language diagnosis of a training run's numerics.
 
 A :class:`Run` is what a run directory holds (``config.json``, the metrics records, their
-summary and the :mod:`lowprec.analysis.tracking` records); :func:`diagnose` turns it into
-findings, most important first. The thresholds: a gradient with :data:`UNDERFLOW_ALERT`
-of its values below a format's smallest normal underflows; a tensor with
-:data:`OVERFLOW_ALERT` of its values above a format's max overflows.
+summary, the :mod:`lowprec.analysis.tracking` records and the per-GEMM records of
+:mod:`lowprec.analysis.gemms`); :func:`diagnose` turns it into findings, most important
+first, that agree with the run's verdict (:mod:`lowprec.analysis.verdicts`): a run whose
+verdict fails is never called healthy, and its finding names the layer, GEMM and operand
+whose measured cast explains it.
+
+Every tensor is judged in the format it passed through, never in one it did not: the
+tracked tensors in the run's storage format (:attr:`Run.compute_format`), the operands of
+the low-precision GEMMs by what their casts measurably did (flushed to zero, saturated,
+SQNR). The thresholds: a gradient with :data:`UNDERFLOW_ALERT` of its values below its
+format's smallest normal underflows, and so does a GEMM operand with that share flushed
+to zero; a tensor with :data:`OVERFLOW_ALERT` of its values above its format's max
+overflows, and so does an operand with that share saturated.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lowprec.analysis.tracking import BACKWARD_KINDS, KINDS
+from lowprec.analysis.verdicts import (
+    FAIL_GAP,
+    REFERENCE,
+    failing,
+    gap_spread,
+    is_reference_recipe,
+    reference_of,
+    unit_scaled,
+    verdict,
+)
 from lowprec.core.formats import get_format
 
 __all__ = [
@@ -27,6 +45,7 @@ __all__ = [
     "Run",
     "diagnose",
     "gap_spread",
+    "gemm_findings",
     "judged_formats",
     "reference_of",
     "summary_verdicts",
@@ -57,6 +76,7 @@ class Run:
     summary: dict[str, Any]
     numerics: list[dict[str, Any]] = field(default_factory=list)
     label: str = ""  # the name shown; write_report makes it unique among the runs
+    gemms: list[dict[str, Any]] = field(default_factory=list)  # gemms.jsonl
 
     @property
     def name(self) -> str:
@@ -77,6 +97,16 @@ class Run:
         return str(self.config.get("train", {}).get("recipe", "?"))
 
     @property
+    def recipe_dict(self) -> dict[str, Any]:
+        rec = self.config.get("recipe")
+        return rec if isinstance(rec, dict) else {}
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether the run trains in high precision (:func:`is_reference_recipe`)."""
+        return is_reference_recipe(self.recipe_dict, self.recipe)
+
+    @property
     def formats(self) -> list[str]:
         first = self.numerics[0] if self.numerics else {}
         return list(first.get("below_normal", {}))
@@ -84,7 +114,7 @@ class Run:
     @property
     def float8(self) -> str | None:
         """The float8 preset of the run's recipe, if any."""
-        rec = self.config.get("recipe", {})
+        rec = self.recipe_dict
         if rec.get("float8") is not None:  # the flat recipe dict of lowprec 0.1
             return str(rec["float8"])
         for t in rec.get("technique") or ():  # [{"technique": kind, "config": {...}}, ...]
@@ -98,8 +128,14 @@ class Run:
 
     @property
     def compute_format(self) -> str:
-        """The format the run's activations and gradients are stored in."""
-        rec = self.config.get("recipe", {})
+        """The format the run's activations and gradients are stored in (scalify: its
+        data format's FP16, which holds everything but the FP8 matmul operands)."""
+        rec = self.recipe_dict
+        for t in rec.get("technique") or ():
+            if isinstance(t, dict) and t.get("technique") == "scalify":
+                return "fp16"
+        if rec.get("scalify_format"):  # flat
+            return "fp16"
         return str(rec.get("autocast") or rec.get("param_dtype") or "fp32")
 
 
@@ -121,34 +157,119 @@ def worst(
     return sorted(out, key=lambda t: -t[0])
 
 
-def judged_formats(run: Run, backward: bool) -> list[str]:
-    """The formats a run's tensors are judged against: its own storage format and the FP8
-    format of that pass (E5M2 for gradients, E4M3 for activations and weights)."""
-    want: tuple[str, ...] = (run.compute_format, "e5m2" if backward else "e4m3fn")
-    if run.float8 is not None:  # its FP8 operands are scaled first: unscaled shares mislead
-        want = (run.compute_format,)
-    return [f for f in dict.fromkeys(want) if f in run.formats]
+def judged_formats(run: Run, backward: bool = False) -> list[str]:
+    """The format a run's tracked tensors are judged in: the one they are stored in
+    (:attr:`Run.compute_format`), where the tracker measured it. Never a format they did not
+    pass through: a GEMM's FP8/FP4 casts are judged by what they measurably did
+    (:func:`gemm_findings`). ``backward`` is accepted for callers that judge gradients
+    and forward tensors apart: both are stored in the same format."""
+    return [f for f in (run.compute_format,) if f in run.formats]
 
 
 def worst_overflow(run: Run, step: int) -> list[tuple[float, str, dict[str, Any]]]:
-    """Overflow shares at ``step``: forward tensors in their formats, gradients in theirs."""
-    fwd = [k for k in KINDS if k not in BACKWARD_KINDS]
-    out = worst(run, step, "above_max", fwd, judged_formats(run, backward=False))
-    out += worst(run, step, "above_max", BACKWARD_KINDS, judged_formats(run, backward=True))
-    return sorted(out, key=lambda t: -t[0])
+    """Overflow shares at ``step`` in the run's storage format, largest first."""
+    return worst(run, step, "above_max", KINDS, judged_formats(run))
 
 
-def diagnose(run: Run) -> list[str]:
+# ---- the low-precision GEMMs: what their casts did ---------------------------------------
+
+_GEMM_TEXT = {
+    "forward": "forward GEMM (x·Wᵀ)",
+    "input_grad": "input-gradient GEMM (g·W)",
+    "weight_grad": "weight-gradient GEMM (gᵀ·x)",
+}
+_ROLE_TEXT = {"input": "inputs", "weight": "weights", "grad_output": "gradients"}
+
+
+def _gemm_text(gemm: str) -> str:
+    base, _, k = gemm.partition("#")
+    return _GEMM_TEXT.get(base, f"{base} GEMM") + (f" (call {k})" if k else "")
+
+
+def _scale_text(op: dict[str, Any]) -> str:
+    n, lo, hi = op.get("n_scales"), op.get("scale_min"), op.get("scale_max")
+    if not n or lo is None or hi is None:
+        return "no cast"
+    if n == 1:
+        return f"scale {lo:.3g}"
+    return f"{n} scales in [{lo:.3g}, {hi:.3g}]"
+
+
+def gemm_operands(
+    run: Run, step: int | None = None
+) -> list[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """``(record, role, operand)`` of every cast (low-precision) GEMM operand measured at
+    ``step`` (default: the last measured step)."""
+    if not run.gemms:
+        return []
+    at = max(int(r["step"]) for r in run.gemms) if step is None else step
+    return [
+        (r, role, op)
+        for r in run.gemms
+        if r["step"] == at
+        for role, op in r["operands"].items()
+        if not op.get("high_precision")
+    ]
+
+
+def gemm_findings(run: Run) -> list[str]:
+    """Findings about the run's low-precision GEMMs at the last measured step, worst first:
+    the operand with the largest flushed share (at least :data:`UNDERFLOW_ALERT`), the one
+    with the largest saturated share (at least :data:`OVERFLOW_ALERT`), each naming its
+    layer, GEMM, format and scale and counting the others; else the lowest SQNR."""
+    ops = gemm_operands(run)
+    if not ops:
+        return []
+    step = int(ops[0][0]["step"])
+    out = []
+    for measure, alert, what in (
+        ("flushed", UNDERFLOW_ALERT, "flushed to zero"),
+        ("saturated", OVERFLOW_ALERT, "saturated (clamped to the format's max)"),
+    ):
+        bad = sorted(
+            (t for t in ops if float(t[2].get(measure) or 0.0) >= alert),
+            key=lambda t: -float(t[2][measure]),
+        )
+        if not bad:
+            continue
+        r, role, op = bad[0]
+        sq = op.get("sqnr_db")
+        sq_text = (
+            f", SQNR {sq:.1f} dB" if isinstance(sq, (int, float)) and math.isfinite(sq) else ""
+        )
+        more = f"; {len(bad) - 1} more of the {len(ops)} cast operands too" if len(bad) > 1 else ""
+        out.append(
+            f"In {r['layer']}'s {_gemm_text(r['gemm'])}, {100 * float(op[measure]):.0f}% of the "
+            f"{_ROLE_TEXT.get(role, role)} were {what} by the cast to {op['format'].upper()} "
+            f"({_scale_text(op)}{sq_text}) at step {step}{more}."
+        )
+    if not out:
+        finite = [t for t in ops if isinstance(t[2].get("sqnr_db"), (int, float))]
+        if finite:
+            r, role, op = min(finite, key=lambda t: float(t[2]["sqnr_db"]))
+            out.append(
+                f"The low-precision GEMMs' casts flush and saturate little at step {step}; the "
+                f"noisiest is {r['layer']}'s {_gemm_text(r['gemm'])}: its "
+                f"{_ROLE_TEXT.get(role, role)} in {op['format'].upper()} ({_scale_text(op)}) "
+                f"at SQNR {float(op['sqnr_db']):.1f} dB."
+            )
+    return out
+
+
+def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
     """Plain-language findings about ``run``, most important first.
 
-    Gradients are judged against the run's own storage format and E5M2 (the FP8 gradient
-    format), forward tensors against the own format and E4M3; one finding per format
-    names the worst tensor and counts the others past the threshold
-    (:data:`UNDERFLOW_ALERT` of the values below the smallest normal, or
-    :data:`OVERFLOW_ALERT` above the max). "Would" marks a format the run does not use.
+    ``verdict_text``: the run's verdict (:func:`summary_verdicts`), which leads; with a
+    failing verdict the run is never called healthy, and the measured cause follows it.
+    The tracked tensors are judged in the run's storage format; the low-precision GEMMs by
+    their measured casts (:func:`gemm_findings`). One finding per measure names the worst
+    tensor and counts the others past the threshold.
     """
     notes: list[str] = []
     s = run.summary
+    fails = s.get("diverged_at") is not None or (verdict_text is not None and failing(verdict_text))
+    if verdict_text is not None:
+        notes.append(f"Verdict: {verdict_text}.")
     if s.get("diverged_at") is not None:
         notes.append(
             f"The loss became NaN/Inf at step {s['diverged_at']}: the run diverged. Look for "
@@ -164,186 +285,118 @@ def diagnose(run: Run) -> list[str]:
             f"The loss scaler skipped {s['skipped_steps']} step(s) with Inf/NaN gradients "
             "(expected while a dynamic loss scale finds its level)."
         )
-    if not run.numerics:
+    found = gemm_findings(run)
+    cause = bool(found) and not found[0].startswith("The low-precision GEMMs' casts flush")
+    if fails and found:
+        found[0] = ("The measured cause: " if cause else "") + found[0]
+    notes += found
+    if not run.numerics and not run.gemms:
         notes.append("No numerics were recorded for this run (no numerics.jsonl).")
+        if fails:
+            notes.append("The run fails, and no measurement of its numerics explains why.")
         return notes
-    last, own = run.tracked_steps[-1], run.compute_format
-    found = False
-    if run.float8 is not None:
+    own = run.compute_format
+    last = run.tracked_steps[-1] if run.numerics else None
+    for fmt in judged_formats(run) if last is not None else ():
+        assert last is not None
+        bad = [t for t in worst(run, last, "below_normal", BACKWARD_KINDS, [fmt])]
+        bad = [t for t in bad if t[0] >= UNDERFLOW_ALERT]
+        if bad:
+            cause = True
+            share, _, r = bad[0]
+            n_grads = len(
+                {(x["name"], x["kind"]) for x in run.numerics if x["step"] == last}
+                & {(x["name"], x["kind"]) for x in run.numerics if x["kind"] in BACKWARD_KINDS}
+            )
+            more = (
+                f" ({len(bad) - 1} more of the {n_grads} gradient tensors too)"
+                if len(bad) > 1
+                else ""
+            )
+            notes.append(
+                f"{100 * share:.0f}% of the {KIND_TEXT[r['kind']]} of {r['name']} underflow in "
+                f"{fmt} (below its smallest normal, {get_format(fmt).min_normal:.3g}) at step "
+                f"{last}{more}: use loss scaling or unit scaling."
+            )
+        over = [t for t in worst_overflow(run, last) if t[0] >= OVERFLOW_ALERT]
+        if over:
+            cause = True
+            share, _, r = over[0]
+            notes.append(
+                f"{100 * share:.2g}% of the {KIND_TEXT[r['kind']]} of {r['name']} overflow "
+                f"{fmt} (above {get_format(fmt).max:g}) at step {last}: scale them "
+                "(loss scaling, float8 scaling) or keep them in a wider format."
+            )
+    where = f" at step {last}" if last is not None else ""
+    checked = f" in {own}" if last is not None else ""
+    if fails and not cause:
         notes.append(
-            f"Float8 recipe {run.float8!r}: each linear layer scales its GEMM operands before "
-            "the cast to E4M3/E5M2, so its tensors are judged in the run's own format "
-            f"({own}) only."
+            f"No measured underflow or overflow{checked}{where} and no GEMM cast that flushes or "
+            "saturates explains the failure: look at the loss curves and the learning rate."
         )
-    for fmt in judged_formats(run, backward=True):
-        bad = [
-            t
-            for t in worst(run, last, "below_normal", BACKWARD_KINDS, [fmt])
-            if t[0] >= UNDERFLOW_ALERT
-        ]
-        if not bad:
-            continue
-        found = True
-        share, _, r = bad[0]
-        n_grads = len(
-            {
-                (x["name"], x["kind"])
-                for x in run.numerics
-                if x["step"] == last and x["kind"] in BACKWARD_KINDS
-            }
-        )
-        more = (
-            f" ({len(bad) - 1} more of the {n_grads} gradient tensors too)" if len(bad) > 1 else ""
-        )
-        verb = "underflow in" if fmt == own else "would underflow if cast unscaled to"
-        fix = (
-            "use loss scaling or unit scaling"
-            if fmt == own
-            else "scale them (loss scaling, unit scaling or per-tensor float8 scales)"
+    elif not fails and not cause:
+        tail = (
+            ""
+            if verdict_text is None or not verdict_text.startswith("no reference")
+            else "; without a reference run the loss itself is not judged"
         )
         notes.append(
-            f"{100 * share:.0f}% of the {KIND_TEXT[r['kind']]} of {r['name']} {verb} {fmt} "
-            f"(below its smallest normal, {get_format(fmt).min_normal:.3g}) at step {last}"
-            f"{more}: {fix}."
-        )
-    for fmt in dict.fromkeys(
-        judged_formats(run, backward=False) + judged_formats(run, backward=True)
-    ):
-        bad = [t for t in worst_overflow(run, last) if t[1] == fmt and t[0] >= OVERFLOW_ALERT]
-        if not bad:
-            continue
-        found = True
-        share, _, r = bad[0]
-        verb = "overflow" if fmt == own else "would overflow"
-        notes.append(
-            f"{100 * share:.2g}% of the {KIND_TEXT[r['kind']]} of {r['name']} {verb} {fmt} "
-            f"(above {get_format(fmt).max:g}) at step {last}: scale them (per-tensor or "
-            "delayed scaling) or keep them in a wider format."
-        )
-    if not found:
-        checked = ", ".join(dict.fromkeys(judged_formats(run, False) + judged_formats(run, True)))
-        notes.append(
-            f"Healthy at step {last}: no gradient has {100 * UNDERFLOW_ALERT:.0f}% of its values "
-            f"below the smallest normal, and nothing overflows ({checked})."
+            f"Healthy{where}: no gradient has {100 * UNDERFLOW_ALERT:.0f}% of its values below "
+            f"the smallest normal and nothing overflows{checked}, and no low-precision GEMM "
+            f"cast flushes {100 * UNDERFLOW_ALERT:.0f}% or saturates{tail}."
         )
     return notes
 
 
-# ---- verdicts: one line per run, judged against the seed-to-seed spread ------------------
-
-FAIL_GAP = 0.05  # a val-loss gap above this (and above the spread) is a failure
-
-
 def techniques(run: Run) -> list[str]:
     """The technique kinds of the run's recipe (``"unit"``, ``"float8"``, ``"scalify"``)."""
-    rec = run.config.get("recipe", {})
+    rec = run.recipe_dict
     kinds = [str(t.get("technique")) for t in rec.get("technique") or () if isinstance(t, dict)]
     return kinds + [k for k in ("float8", "unit_fp8", "scalify_format") if rec.get(k)]
-
-
-def reference_of(recipe: str, unit_scaled: bool, available: Sequence[str]) -> str | None:
-    """The run a recipe's val loss is compared with: ``fp32-unit`` for a unit-scaled recipe
-    (the same model and u-μP learning rates in FP32) where it ran, else ``fp32``; ``None``
-    for the reference itself or when the reference did not run."""
-    ref = "fp32-unit" if unit_scaled and "fp32-unit" in available else "fp32"
-    if recipe == ref or ref not in available:
-        return None
-    return ref
-
-
-def gap_spread(val_losses: Mapping[str, Sequence[float]], reference: str) -> float | None:
-    """The seed-to-seed spread of a val-loss gap to ``reference``: for each other recipe,
-    the sample standard deviation over seeds of ``val / val_ref - 1`` (paired: same seed),
-    and the median of these over the recipes (robust to one erratic recipe). ``val_losses``
-    maps each recipe to its val loss at seeds ``0..n-1`` (the same seeds for all); ``None``
-    if fewer than 2 seeds or no other recipe has finite losses at every seed."""
-    ref = val_losses.get(reference)
-    if ref is None or len(ref) < 2 or not all(math.isfinite(v) and v > 0 for v in ref):
-        return None
-    sds = []
-    for name, vals in val_losses.items():
-        if name == reference or len(vals) != len(ref) or not all(map(math.isfinite, vals)):
-            continue
-        sds.append(statistics.stdev(v / r - 1.0 for v, r in zip(vals, ref, strict=True)))
-    return statistics.median(sds) if sds else None
-
-
-def verdict(
-    gap: float | None,
-    reference: str | None,
-    tolerance: float | None,
-    *,
-    underflow: float = 0.0,
-    skipped: int = 0,
-    diverged_at: int | None = None,
-) -> str:
-    """One line judging a run by its val-loss ``gap`` (``val / val_ref - 1``) to
-    ``reference``, against ``tolerance`` (the relative gap that seed-to-seed noise can
-    explain; ``None``: not measured for this configuration):
-
-    * a run that diverged or has no finite val loss fails;
-    * ``gap > max(tolerance, FAIL_GAP)`` fails; a gap above the tolerance only is worse;
-    * ``|gap| <= tolerance`` matches; with ``underflow`` (the share of activation gradients
-      below their format's smallest normal) of :data:`UNDERFLOW_ALERT` or more it says so;
-    * a gap below ``-tolerance`` is better.
-
-    Skipped steps are appended.
-
-    Example:
-        >>> verdict(0.30, "fp32", 0.004)
-        'fails: +30.0% val loss vs fp32'
-        >>> verdict(0.002, "fp32", 0.004, underflow=0.94)
-        'activation gradients underflow (94%) but val loss within seed spread of fp32 (±0.4%)'
-        >>> verdict(-0.0004, "fp32", 0.0035, skipped=2)
-        'matches fp32 (within seed spread ±0.35%); 2 steps skipped'
-    """
-    if diverged_at is not None:
-        return f"fails: loss NaN/Inf at step {diverged_at}"
-    tail = f"; {skipped} step{'s' if skipped > 1 else ''} skipped" if skipped else ""
-    if reference is None:
-        return f"reference{tail}"
-    if gap is None or not math.isfinite(gap):
-        return f"fails: no finite val loss{tail}"
-    pct = f"{100 * gap:+.1f}%"
-    tol = f"±{100 * tolerance:.2g}%" if tolerance is not None else "not measured"
-    if gap > max(tolerance or 0.0, FAIL_GAP):
-        return f"fails: {pct} val loss vs {reference}{tail}"
-    if tolerance is None:
-        return f"{pct} vs {reference} (seed spread {tol}){tail}"
-    if gap > tolerance:
-        return f"worse: {pct} vs {reference}, beyond seed spread ({tol}){tail}"
-    if gap < -tolerance:
-        return f"better: {pct} vs {reference}, beyond seed spread ({tol}){tail}"
-    if underflow >= UNDERFLOW_ALERT:
-        return (
-            f"activation gradients underflow ({100 * underflow:.0f}%) but val loss within "
-            f"seed spread of {reference} ({tol}){tail}"
-        )
-    return f"matches {reference} (within seed spread {tol}){tail}"
 
 
 def summary_verdicts(
     runs: Sequence[Run], tolerance: Mapping[str, float] | None = None
 ) -> list[tuple[str, str]]:
-    """``(run name, verdict)`` for each run: its final val loss against its reference
-    among ``runs`` (by recipe name, :func:`reference_of`), judged with :func:`verdict` and
-    ``tolerance`` (relative gap per reference name; none: the spread is not measured)."""
+    """``(run name, verdict)`` for each run: a run in high precision
+    (:attr:`Run.is_reference`) is a ``"reference"``; every other run's final val loss is
+    judged against the first reference of its kind in ``runs`` (:func:`reference_of`:
+    unit-scaled runs against a unit-scaled reference where there is one) with
+    :func:`verdict` and ``tolerance`` (relative gap per reference recipe name; none: the
+    spread is not measured). Without a reference the verdict says so and judges nothing:
+    a low-precision run is never the reference."""
+    refs: list[tuple[str, bool]] = []
     val: dict[str, float] = {}
     for run in runs:
-        v = run.summary.get("val_loss")
-        val.setdefault(run.recipe, float(v) if isinstance(v, (int, float)) else math.nan)
+        if run.is_reference and run.recipe not in val:
+            refs.append((run.recipe, unit_scaled(run.recipe_dict) or run.recipe == "fp32-unit"))
+            v = run.summary.get("val_loss")
+            val[run.recipe] = float(v) if isinstance(v, (int, float)) else math.nan
     out = []
     for run in runs:
         s = run.summary
-        ref = reference_of(run.recipe, "unit" in techniques(run), list(val))
-        r, v = val.get(ref or run.recipe, math.nan), val[run.recipe]
+        skipped = int(s.get("skipped_steps") or 0)
+        if run.is_reference:
+            tail = f"; {skipped} step{'s' if skipped > 1 else ''} skipped" if skipped else ""
+            diverged = s.get("diverged_at")
+            text = (
+                f"fails: loss NaN/Inf at step {diverged}"
+                if diverged is not None
+                else REFERENCE + tail
+            )
+            out.append((run.name, text))
+            continue
+        ref = reference_of(unit_scaled(run.recipe_dict), refs)
+        v = s.get("val_loss")
+        v = float(v) if isinstance(v, (int, float)) else math.nan
+        r = val.get(ref or "", math.nan)
         gap = v / r - 1.0 if math.isfinite(v) and math.isfinite(r) and r > 0 else None
         text = verdict(
             gap,
             ref,
             (tolerance or {}).get(ref or ""),
             underflow=float(s.get("act_grad_underflow") or 0.0),
-            skipped=int(s.get("skipped_steps") or 0),
+            skipped=skipped,
             diverged_at=s.get("diverged_at"),
         )
         out.append((run.name, text))

@@ -222,6 +222,11 @@ class GemmRecorder:
             h.remove()
         self._handles.clear()
 
+    def clear(self) -> None:
+        """Forget the records (after they were written elsewhere)."""
+        self.records.clear()
+        self._seen.clear()
+
     def save(self, path: str | Path) -> Path:
         """Append the records to the JSON-lines file ``path`` (strict JSON,
         :mod:`lowprec._json`) and forget them."""
@@ -229,8 +234,7 @@ class GemmRecorder:
         with open(path, "a") as f:
             for r in self.records:
                 f.write(dumps(r) + "\n")
-        self.records.clear()
-        self._seen.clear()
+        self.clear()
         return path
 
 

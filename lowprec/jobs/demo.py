@@ -35,8 +35,14 @@ from rich.console import Console
 from rich.table import Table
 
 from lowprec._json import dumps, loads
-from lowprec.analysis.diagnosis import gap_spread, reference_of, verdict
 from lowprec.analysis.plots import plot_verdicts
+from lowprec.analysis.verdicts import (
+    REFERENCE,
+    gap_spread,
+    is_reference_recipe,
+    reference_of,
+    verdict,
+)
 from lowprec.jobs.interrupts import Interrupted
 from lowprec.jobs.report import write_report
 from lowprec.jobs.rundir import (
@@ -250,8 +256,36 @@ def _tolerances(base: TrainConfig, measured: dict[str, list[float]]) -> dict[str
     return out
 
 
+def _is_reference(recipe: str) -> bool:
+    return is_reference_recipe(get_recipe(recipe).to_dict(), recipe)
+
+
 def _reference(recipe: str, available: Sequence[str]) -> str | None:
-    return reference_of(recipe, get_recipe(recipe).unit is not None, available)
+    """The reference of ``recipe`` among ``available`` (``None`` for a reference itself,
+    or when there is none)."""
+    if _is_reference(recipe):
+        return None
+    refs = [(r, get_recipe(r).unit is not None) for r in available if _is_reference(r)]
+    return reference_of(get_recipe(recipe).unit is not None, refs)
+
+
+def with_references(recipes: Sequence[str]) -> list[str]:
+    """``recipes`` (duplicates dropped) with their references added in front where the set
+    lacks them: ``fp32`` for a recipe that is not unit-scaled, ``fp32-unit`` for a
+    unit-scaled one. A low-precision recipe is never the reference.
+
+    Example:
+        >>> with_references(["fp8-naive", "fp8-unit"])
+        ['fp32', 'fp32-unit', 'fp8-naive', 'fp8-unit']
+    """
+    for r in recipes:
+        get_recipe(r)  # unknown names fail here, listing the valid ones
+    names = list(dict.fromkeys(recipes))
+    need = []
+    for r in names:
+        if not _is_reference(r):
+            need.append("fp32-unit" if get_recipe(r).unit is not None else "fp32")
+    return [n for n in dict.fromkeys(need) if n not in names] + names
 
 
 def _train(cfg: TrainConfig, out: Path, progress: bool, resume: bool) -> dict[str, Any]:
@@ -311,7 +345,7 @@ def run_demo(
             )
         recipes, base, seeds, quick = _read_manifest(out)
     else:
-        recipes = list(dict.fromkeys(DEMO_RECIPES if recipes is None else recipes))
+        recipes = with_references(list(DEMO_RECIPES if recipes is None else recipes))
         base = config or (QUICK_CONFIG if quick else DEMO_CONFIG)
         seeds = list(seeds) if seeds else [base.seed]
     for r in recipes:
@@ -408,6 +442,10 @@ def _judge(results: list[dict[str, Any]], tolerance: dict[str, float]) -> None:
             v, r = s["val_loss"], val.get(name or s["recipe"])
             ok = r is not None and math.isfinite(v) and math.isfinite(r)
             s[key] = v / r - 1.0 if ok else None
+        if _is_reference(s["recipe"]) and s["diverged_at"] is None:
+            n = s["skipped_steps"]
+            s["verdict"] = REFERENCE + (f"; {n} step{'s' if n > 1 else ''} skipped" if n else "")
+            continue
         s["verdict"] = verdict(
             s["val_gap_to_ref"],
             ref,

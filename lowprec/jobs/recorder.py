@@ -36,7 +36,11 @@ Every file is strict JSON: a NaN or infinite number is written as the string ``"
 Numerics: the first training-mode forward and backward of the model after the start and
 after each ``log(k)`` are recorded as step index ``k`` (0-based: the step being done)
 when ``k`` is a multiple of ``numerics_every`` or ``k == steps - 1``: the report shows the
-first and the last tracked step. Forward passes in eval mode are never recorded.
+first and the last tracked step. Forward passes in eval mode are never recorded. The
+low-precision GEMMs (float8 linears, unit scaling's FP8 matmuls) are measured the same way
+every ``gemms_every`` steps (:mod:`lowprec.analysis.gemms`: what each cast really did) into
+``gemms.jsonl``; the recorder is the active GEMM observer from its start to :meth:`close`
+(on this thread).
 
 An existing non-empty directory is refused (:class:`~lowprec.jobs.rundir.RunError`) unless
 ``resume=True``: then its ``config.json`` must exist, and the run continues after the last
@@ -63,10 +67,13 @@ from torch import Tensor, nn
 
 from lowprec import _faults
 from lowprec._json import dumps
+from lowprec.analysis.gemms import DEFAULT_EVERY, GemmRecorder
 from lowprec.analysis.stats import GradTally
 from lowprec.analysis.tracking import Tracker
+from lowprec.core.observe import observing
 from lowprec.jobs.rundir import (
     CONFIG,
+    GEMMS,
     METRICS,
     NUMERICS,
     SUMMARY,
@@ -116,6 +123,7 @@ class RunRecorder:
         scaler: a loss scaler or ``torch.amp.GradScaler``, read for ``skipped`` and
             ``loss_scale``.
         numerics_every: record numerics every this many steps (None: never).
+        gemms_every: measure the low-precision GEMMs every this many steps (None: never).
         formats: the formats the numerics judge ranges against.
         resume: append to an existing run directory.
         resume_from: with ``resume``, the number of steps done at the restart.
@@ -149,6 +157,7 @@ class RunRecorder:
         steps: int | None = None,
         scaler: Any = None,
         numerics_every: int | None = 100,
+        gemms_every: int | None = DEFAULT_EVERY,
         formats: Sequence[str] = DEFAULT_FORMATS,
         resume: bool = False,
         resume_from: int | None = None,
@@ -162,14 +171,11 @@ class RunRecorder:
             isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
         ):
             raise ValueError(f"steps must be a positive int or None, got {steps!r}")
-        if numerics_every is not None and (
-            isinstance(numerics_every, bool)
-            or not isinstance(numerics_every, int)
-            or numerics_every < 1
-        ):
-            raise ValueError(
-                f"numerics_every must be a positive int or None, got {numerics_every!r}"
-            )
+        for arg, every in (("numerics_every", numerics_every), ("gemms_every", gemms_every)):
+            if every is not None and (
+                isinstance(every, bool) or not isinstance(every, int) or every < 1
+            ):
+                raise ValueError(f"{arg} must be a positive int or None, got {every!r}")
         if recipe is not None and not isinstance(recipe, (str, Recipe)):
             raise TypeError(f"recipe must be a str, Recipe or None, got {type(recipe).__name__}")
         if config is not None and not isinstance(config, Mapping):
@@ -184,6 +190,7 @@ class RunRecorder:
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         self.out, self.model, self.steps, self.scaler = Path(out), model, steps, scaler
         self.numerics_every, self.count_grads, self.writer = numerics_every, count_grads, writer
+        self.gemms_every = gemms_every
         # checked before any write
         self._config = self._make_config(recipe, dict(config or {}), steps, dict(extra or {}))
         self._last = 0  # the last step logged
@@ -208,6 +215,9 @@ class RunRecorder:
             make_new_dir(self.out, "pass resume=True or another directory")
             write_atomic(self.out / CONFIG, dumps(self._config, indent=2))
         self._tracker = Tracker(model, formats, auto_step=False)
+        self._gemms = GemmRecorder(model, auto_step=False)
+        self._observing = observing(self._gemms)
+        self._observing.__enter__()
         self._handles = [model.register_forward_pre_hook(self._on_forward)]
         self._grads = GradTally()
         if count_grads:
@@ -247,22 +257,24 @@ class RunRecorder:
         return {**out, **extra}
 
     # -- hooks -------------------------------------------------------------------------------
-    def _sampled(self, index: int) -> bool:
-        every = self.numerics_every
+    def _sampled(self, index: int, every: int | None) -> bool:
         if every is None:
             return False
         return index % every == 0 or (self.steps is not None and index == self.steps - 1)
 
     def _next(self, index: int) -> None:
         """Get ready for the step of 0-based index ``index``."""
-        self._tracker.step = index
-        self._tracker.enabled = False
+        self._tracker.step = self._gemms.step = index
+        self._tracker.enabled = self._gemms.enabled = False
         self._seen_forward = False
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         first = module.training and not self._seen_forward
         self._seen_forward = self._seen_forward or module.training
-        self._tracker.enabled = first and self._sampled(self._tracker.step)
+        self._tracker.enabled = first and self._sampled(self._tracker.step, self.numerics_every)
+        # every forward of a sampled step (gradient accumulation: each micro-batch)
+        self._gemms.enabled = module.training and self._sampled(self._gemms.step, self.gemms_every)
+        self._gemms.every = 1  # the recorder decides which steps are sampled
 
     def _on_grad(self, p: Tensor) -> None:
         if p.grad is not None:
@@ -308,9 +320,11 @@ class RunRecorder:
         rec["skipped"] = bool(rec["skipped"])
         if self.writer:
             append_jsonl(self.out / NUMERICS, self._tracker.records)
+            append_jsonl(self.out / GEMMS, self._gemms.records)
             _faults.point("metrics")  # the numerics written, not the metrics line
             append_jsonl(self.out / METRICS, [rec])
         self._tracker.records.clear()
+        self._gemms.clear()
         self._grads.reset()
         self._t0, self._last = now, step
         self._next(step)
@@ -358,9 +372,13 @@ class RunRecorder:
         for h in self._handles:
             h.remove()
         self._tracker.remove()
+        self._gemms.remove()
+        self._observing.__exit__(None, None, None)
         if self.writer:
             append_jsonl(self.out / NUMERICS, self._tracker.records)
+            append_jsonl(self.out / GEMMS, self._gemms.records)
         self._tracker.records.clear()
+        self._gemms.clear()
         if summary and self._last > 0:
             self.write_summary()
 

@@ -3,16 +3,22 @@
 ``write_report([run_dir, ...], "report.html")`` (or ``lowprec report RUN_DIR ... -o F``)
 writes one self-contained page (images embedded as PNG data URIs, no external files):
 
-* a summary table (losses, gap to the first run, skipped steps, divergence, the worst
-  underflow and overflow of the last tracked step);
+* the verdicts first (each run against its fp32 reference, or "no reference"), then a
+  summary table (losses, gap to the reference, skipped steps, divergence, the worst
+  underflow and overflow of the last tracked step in the run's own format, the worst
+  measured GEMM cast);
 * loss curves and the loss scale of all runs (:func:`plot_runs`);
-* per run: a plain-language diagnosis (:func:`lowprec.analysis.diagnosis.diagnose`),
-  per-tensor scale charts at initialisation and at the end, exponent histograms of the
-  worst tensors, and tables of the tensors with the most underflow and overflow per format.
+* per run: a plain-language diagnosis that agrees with its verdict
+  (:func:`lowprec.analysis.diagnosis.diagnose`), its per-layer plan where its recipe has
+  one (:attr:`lowprec.recipes.Recipe.layers`), a per-layer table of its low-precision GEMMs
+  (format per GEMM, SQNR, flushed and saturated shares, measured), per-tensor scale charts
+  at initialisation and at the end, exponent histograms of the worst tensors, and tables of
+  the tensors with the most underflow and overflow in the format they are stored in.
 
 A run directory is what ``lowprec train`` writes (:mod:`lowprec.jobs.rundir`):
 ``config.json``, ``metrics.jsonl`` and, for the numerics, ``numerics.jsonl``
-(:mod:`lowprec.analysis.tracking` records at the first and the last step).
+(:mod:`lowprec.analysis.tracking` records at the first and the last step) and
+``gemms.jsonl`` (:mod:`lowprec.analysis.gemms` records).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from lowprec.analysis.diagnosis import (  # Run and diagnose re-exported: the re
     KIND_TEXT,
     Run,
     diagnose,
+    gemm_operands,
     judged_formats,
     summary_verdicts,
     worst,
@@ -40,7 +47,14 @@ from lowprec.analysis.diagnosis import (  # Run and diagnose re-exported: the re
 )
 from lowprec.analysis.plots import plot_curves, plot_exp_histograms, plot_scale_chart
 from lowprec.analysis.tracking import BACKWARD_KINDS
-from lowprec.jobs.rundir import RunError, read_metrics, read_run, summary_of, write_atomic
+from lowprec.jobs.rundir import (
+    RunError,
+    read_gemms,
+    read_metrics,
+    read_run,
+    summary_of,
+    write_atomic,
+)
 
 __all__ = ["Run", "diagnose", "load_run", "plot_runs", "write_report"]
 
@@ -49,7 +63,8 @@ def load_run(path: str | Path) -> Run:
     """Read a run directory (:func:`lowprec.jobs.rundir.read_run`); :class:`RunError` (a
     ``ValueError``) if it is not one."""
     config, metrics, numerics = read_run(path)
-    return Run(Path(path), config, metrics, summary_of(metrics, config), numerics)
+    summary = summary_of(metrics, config)
+    return Run(Path(path), config, metrics, summary, numerics, gemms=read_gemms(path))
 
 
 def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
@@ -91,15 +106,18 @@ def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
         v = run.summary.get("val_loss")
         return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
-    ref = val(runs[0])
+    ref_run = next((r for r in runs if r.is_reference), None)
+    ref = val(ref_run) if ref_run is not None else None
     rows = []
     for run in runs:
         s = run.summary
         v = val(run)
         gap = None if ref is None or v is None else 100 * (v / ref - 1)
         last = run.tracked_steps[-1] if run.numerics else -1
-        uf = worst(run, last, "below_normal", BACKWARD_KINDS, judged_formats(run, backward=True))
+        uf = worst(run, last, "below_normal", BACKWARD_KINDS, judged_formats(run))
         of = worst_overflow(run, last)
+        casts = gemm_operands(run)
+        flush = max(casts, key=lambda t: float(t[2].get("flushed") or 0.0), default=None)
         rows.append(
             [
                 run.name,
@@ -112,13 +130,84 @@ def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
                 "–" if s.get("diverged_at") is None else f"step {s['diverged_at']}",
                 _cell(uf[0]) if uf else "–",
                 _cell(of[0]) if of and of[0][0] else "0",
+                "–" if flush is None else _flush_cell(flush),
             ]
         )
     return rows
 
 
+def _flush_cell(t: tuple[dict[str, Any], str, dict[str, Any]]) -> str:
+    r, role, op = t
+    where = f"{r['layer']} {r['gemm']} {role}"
+    return f"{100 * float(op['flushed']):.3g}% flushed ({op['format']}, {where})"
+
+
+def _gemm_table(run: Run) -> str:
+    """Per layer and GEMM at the last measured step: the formats, the operands' SQNR and
+    the flushed and saturated shares (the worst operand of the GEMM), the GEMM's error."""
+    if not run.gemms:
+        return ""
+    step = max(int(r["step"]) for r in run.gemms)
+    rows = []
+    for r in run.gemms:
+        if r["step"] != step:
+            continue
+        ops = r["operands"]
+        fmts = " × ".join(f"{o['format']}" for o in ops.values())
+        sq = [o.get("sqnr_db") for o in ops.values()]
+        sq_num = [float(v) for v in sq if isinstance(v, (int, float))]
+        err = r.get("rel_err")
+        rows.append(
+            [
+                r["layer"],
+                r["gemm"],
+                fmts,
+                "exact"
+                if sq_num and min(sq_num) == math.inf
+                else _num(min(sq_num, default=None), "{:.1f} dB"),
+                _num(max(float(o.get("flushed") or 0) for o in ops.values()) * 100, "{:.2f}%"),
+                _num(max(float(o.get("saturated") or 0) for o in ops.values()) * 100, "{:.3g}%"),
+                _num(err, "{:.3g}"),
+            ]
+        )
+    return f"<h3>Low-precision GEMMs, measured (step {step})</h3>" + _table(
+        [
+            "layer",
+            "GEMM",
+            "formats",
+            "SQNR (worst operand)",
+            "flushed",
+            "saturated",
+            "GEMM rel. error",
+        ],
+        rows,
+    )
+
+
+def _plan_table(run: Run) -> str:
+    """The per-layer rules of the run's recipe (:attr:`lowprec.recipes.Recipe.layers`)."""
+    layers = run.recipe_dict.get("layers") or []
+    if not layers:
+        return ""
+    rows = []
+    for rule in layers:
+        cfg = rule.get("float8")
+        if cfg is None:
+            what = "high precision"
+        else:
+            what = str(cfg.get("name") or "custom")
+            gemms = cfg.get("gemms") or []
+            if gemms:
+                what += " (" + ", ".join(f"{g}: {c.get('name', 'custom')}" for g, c in gemms) + ")"
+            hp = cfg.get("high_precision_gemms") or []
+            if hp:
+                what += "; high precision: " + ", ".join(hp)
+        rows.append([str(rule.get("pattern")), what])
+    return "<h3>Per-layer plan</h3>" + _table(["layers", "float8 config"], rows)
+
+
 def _tensor_table(run: Run, step: int, measure: str, title: str) -> str:
-    top = [t for t in worst(run, step, measure) if t[0] > 0][:8]
+    top = [t for t in worst(run, step, measure, formats=judged_formats(run)) if t[0] > 0][:8]
     if not top:
         return f"<p>{html.escape(title)}: none.</p>"
     rows = [
@@ -245,14 +334,12 @@ def write_report(
     _check_folder(out.parent)
     loaded = [load_run(r) for r in runs]
     _unique_labels(loaded)
+    verdicts = summary_verdicts(loaded, tolerance)
     parts = [
         f"<h1>{html.escape(title or 'lowprec numerics report')}</h1>",
         "<h2>Summary</h2>",
         "<ul>"  # the verdicts lead (lowprec.analysis.diagnosis.summary_verdicts)
-        + "".join(
-            f"<li><b>{html.escape(n)}</b>: {html.escape(v)}</li>"
-            for n, v in summary_verdicts(loaded, tolerance)
-        )
+        + "".join(f"<li><b>{html.escape(n)}</b>: {html.escape(v)}</li>" for n, v in verdicts)
         + "</ul>",
         _table(
             [
@@ -261,18 +348,20 @@ def write_report(
                 "steps",
                 "train loss",
                 "val loss",
-                f"gap to {loaded[0].name}",
+                "gap to reference",
                 "skipped",
                 "diverged",
                 "worst gradient underflow",
                 "worst overflow",
+                "worst GEMM cast",
             ],
             _summary_rows(loaded),
         ),
-        "<p>Underflow: share of a gradient's values below a format's smallest normal "
-        "(subnormal or lost); overflow: share of a tensor's values above a format's max. "
-        "Each is judged in the run's own format and the FP8 format of its pass (E4M3 for "
-        "activations and weights, E5M2 for gradients), at the last tracked step.</p>",
+        "<p>Underflow: share of a gradient's values below its format's smallest normal "
+        "(subnormal or lost); overflow: share of a tensor's values above its format's max; "
+        "both in the format the run stores its tensors in, at the last tracked step. "
+        "Worst GEMM cast: the largest share of an operand of a low-precision GEMM that its "
+        "cast flushed to zero, measured (lowprec.analysis.gemms).</p>",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
@@ -294,9 +383,11 @@ def write_report(
             )
             parts.append(
                 '<div class="diag"><ul>'
-                + "".join(f"<li>{html.escape(n)}</li>" for n in diagnose(run))
+                + "".join(f"<li>{html.escape(n)}</li>" for n in diagnose(run, verdicts[i][1]))
                 + "</ul></div>"
             )
+            parts.append(_plan_table(run))
+            parts.append(_gemm_table(run))
             steps = run.tracked_steps
             for label, step in (
                 ("at initialisation", steps[0] if steps else None),

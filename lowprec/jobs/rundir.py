@@ -8,6 +8,8 @@ A run directory holds
   number of steps done (1-based);
 * ``numerics.jsonl`` (:data:`NUMERICS`): :mod:`lowprec.analysis.tracking` records,
   ``"step"`` the 0-based step index;
+* ``gemms.jsonl`` (:data:`GEMMS`): :mod:`lowprec.analysis.gemms` records (per-GEMM
+  measured numerics of the casts), ``"step"`` the 0-based step index;
 * ``checkpoint.pt`` (:data:`CHECKPOINT`): ``{"step", "run", "rng"}``;
 * ``summary.json`` (:data:`SUMMARY`): :func:`summary_of` the metrics, at the end.
 
@@ -51,6 +53,7 @@ from lowprec._json import dumps, loads
 __all__ = [
     "CHECKPOINT",
     "CONFIG",
+    "GEMMS",
     "METRICS",
     "NUMERICS",
     "SUMMARY",
@@ -63,6 +66,7 @@ __all__ = [
     "load_checkpoint",
     "make_new_dir",
     "read_config",
+    "read_gemms",
     "read_jsonl",
     "read_metrics",
     "read_run",
@@ -79,11 +83,13 @@ METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 SUMMARY = "summary.json"
 NUMERICS = "numerics.jsonl"
+GEMMS = "gemms.jsonl"
 _TMP = ".tmp"  # suffix of the temporary files of atomic writes
 
 # Keys every metrics record has (what summary_of reads) and every numerics record has.
 _METRIC_KEYS = ("step", "loss", "skipped", "grad_zero_share", "step_time")
 _NUMERIC_KEYS = ("step", "name", "kind", "below_normal", "above_max")
+_GEMM_KEYS = ("step", "layer", "gemm", "operands")
 
 
 class RunError(ValueError):
@@ -256,6 +262,15 @@ def read_run(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], li
     return config, metrics, numerics
 
 
+def read_gemms(path: str | Path) -> list[dict[str, Any]]:
+    """The per-GEMM records (``gemms.jsonl``) of run directory ``path``, ``[]`` if it has
+    none; :class:`RunError` if the file is malformed."""
+    try:
+        return read_jsonl(Path(path) / GEMMS, _GEMM_KEYS)
+    except RunError as e:
+        raise RunError(f"{e} ({GEMMS} is corrupt or truncated)") from None
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -305,6 +320,7 @@ def cut_logs(out: Path, last: int, context: str, every_step: bool = False) -> li
     if path.exists():
         _rewrite(path, kept)
     truncate_jsonl(out / NUMERICS, last - 1)  # numerics: 0-based step index
+    truncate_jsonl(out / GEMMS, last - 1)
     (out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
     return kept
 

@@ -1,0 +1,164 @@
+"""Verdicts: one line judging a run's val loss against its reference, and which run that is.
+
+The reference of a run is a run of the same set in high precision: ``fp32``, or
+``fp32-unit`` (the same unit-scaled model and u-μP learning rates in FP32) for a
+unit-scaled recipe. A recipe is a reference by what it is, not by its name
+(:func:`is_reference_recipe`): FP32 parameters and compute, no autocast, no float8 or
+scalify technique, no FP8 casts of unit scaling. A low-precision recipe is never the
+reference: a set without one gets the verdict "no reference", and its val losses are
+reported, not judged.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "FAIL_GAP",
+    "NO_REFERENCE",
+    "REFERENCE",
+    "failing",
+    "gap_spread",
+    "is_reference_recipe",
+    "reference_of",
+    "unit_scaled",
+    "verdict",
+]
+
+FAIL_GAP = 0.05  # a val-loss gap above this (and above the spread) is a failure
+REFERENCE = "reference"
+NO_REFERENCE = "no reference: this set has no fp32 run to compare with; val loss not judged"
+_REFERENCE_NAMES = ("fp32", "fp32-unit")
+
+
+def _techniques(recipe: Mapping[str, Any]) -> list[dict[str, Any]]:
+    tech = recipe.get("technique")
+    return [t for t in tech if isinstance(t, dict)] if isinstance(tech, list) else []
+
+
+def unit_scaled(recipe: Mapping[str, Any]) -> bool:
+    """Whether a recipe (``Recipe.to_dict()``, or the flat dict of lowprec 0.1) unit-scales
+    the model."""
+    if recipe.get("technique") == "unit":  # flat
+        return True
+    return any(t.get("technique") == "unit" for t in _techniques(recipe))
+
+
+def is_reference_recipe(recipe: Mapping[str, Any], name: str = "") -> bool:
+    """Whether a recipe (``Recipe.to_dict()`` or the flat dict of lowprec 0.1) trains in
+    high precision: FP32 parameters, no autocast, no loss scaling needed, no float8 or
+    scalify technique and no FP8 casts of unit scaling. An empty dict (a run recorded
+    with a recipe name only) is a reference only by the preset names ``fp32`` and
+    ``fp32-unit``."""
+    if not recipe:
+        return name in _REFERENCE_NAMES
+    if recipe.get("param_dtype", "fp32") != "fp32" or recipe.get("autocast") is not None:
+        return False
+    flat = recipe.get("technique")
+    if isinstance(flat, str):  # lowprec 0.1
+        return flat in ("mixed-precision", "unit") and not recipe.get("unit_fp8")
+    for t in _techniques(recipe):
+        kind, cfg = t.get("technique"), t.get("config") or {}
+        if kind != "unit" or cfg.get("float8"):
+            return False
+    return True
+
+
+def reference_of(unit: bool, references: Sequence[tuple[str, bool]]) -> str | None:
+    """The name of the reference of a non-reference run among the set's ``references``
+    (``(name, unit_scaled)`` of each run that :func:`is_reference_recipe`, in order): the
+    first unit-scaled one for a unit-scaled run, where there is one, else the first plain
+    one; ``None`` when the set has none (the verdict is then :data:`NO_REFERENCE`).
+
+    Example:
+        >>> refs = [("fp32", False), ("fp32-unit", True)]
+        >>> reference_of(True, refs), reference_of(False, refs), reference_of(False, refs[1:])
+        ('fp32-unit', 'fp32', None)
+    """
+    if unit:
+        for name, u in references:
+            if u:
+                return name
+    return next((name for name, u in references if not u), None)
+
+
+def gap_spread(val_losses: Mapping[str, Sequence[float]], reference: str) -> float | None:
+    """The seed-to-seed spread of a val-loss gap to ``reference``: for each other recipe,
+    the sample standard deviation over seeds of ``val / val_ref - 1`` (paired: same seed),
+    and the median of these over the recipes (robust to one erratic recipe). ``val_losses``
+    maps each recipe to its val loss at seeds ``0..n-1`` (the same seeds for all); ``None``
+    if fewer than 2 seeds or no other recipe has finite losses at every seed."""
+    ref = val_losses.get(reference)
+    if ref is None or len(ref) < 2 or not all(math.isfinite(v) and v > 0 for v in ref):
+        return None
+    sds = []
+    for name, vals in val_losses.items():
+        if name == reference or len(vals) != len(ref) or not all(map(math.isfinite, vals)):
+            continue
+        sds.append(statistics.stdev(v / r - 1.0 for v, r in zip(vals, ref, strict=True)))
+    return statistics.median(sds) if sds else None
+
+
+def verdict(
+    gap: float | None,
+    reference: str | None,
+    tolerance: float | None,
+    *,
+    underflow: float = 0.0,
+    skipped: int = 0,
+    diverged_at: int | None = None,
+) -> str:
+    """One line judging a run by its val-loss ``gap`` (``val / val_ref - 1``) to
+    ``reference``, against ``tolerance`` (the relative gap that seed-to-seed noise can
+    explain; ``None``: not measured for this configuration):
+
+    * a run that diverged or has no finite val loss fails;
+    * without a reference (``None``): :data:`NO_REFERENCE`, never a pass;
+    * ``gap > max(tolerance, FAIL_GAP)`` fails; a gap above the tolerance only is worse;
+    * ``|gap| <= tolerance`` matches; with ``underflow`` (the share of activation gradients
+      below their format's smallest normal) of 25% or more it says so;
+    * a gap below ``-tolerance`` is better.
+
+    Skipped steps are appended. A reference run's own verdict is :data:`REFERENCE`.
+
+    Example:
+        >>> verdict(0.30, "fp32", 0.004)
+        'fails: +30.0% val loss vs fp32'
+        >>> verdict(0.002, "fp32", 0.004, underflow=0.94)
+        'activation gradients underflow (94%) but val loss within seed spread of fp32 (±0.4%)'
+        >>> verdict(-0.0004, "fp32", 0.0035, skipped=2)
+        'matches fp32 (within seed spread ±0.35%); 2 steps skipped'
+        >>> verdict(0.0, None, 0.004).startswith("no reference")
+        True
+    """
+    if diverged_at is not None:
+        return f"fails: loss NaN/Inf at step {diverged_at}"
+    tail = f"; {skipped} step{'s' if skipped > 1 else ''} skipped" if skipped else ""
+    if reference is None:
+        return f"{NO_REFERENCE}{tail}"
+    if gap is None or not math.isfinite(gap):
+        return f"fails: no finite val loss{tail}"
+    pct = f"{100 * gap:+.1f}%"
+    tol = f"±{100 * tolerance:.2g}%" if tolerance is not None else "not measured"
+    if gap > max(tolerance or 0.0, FAIL_GAP):
+        return f"fails: {pct} val loss vs {reference}{tail}"
+    if tolerance is None:
+        return f"{pct} vs {reference} (seed spread {tol}){tail}"
+    if gap > tolerance:
+        return f"worse: {pct} vs {reference}, beyond seed spread ({tol}){tail}"
+    if gap < -tolerance:
+        return f"better: {pct} vs {reference}, beyond seed spread ({tol}){tail}"
+    if underflow >= 0.25:
+        return (
+            f"activation gradients underflow ({100 * underflow:.0f}%) but val loss within "
+            f"seed spread of {reference} ({tol}){tail}"
+        )
+    return f"matches {reference} (within seed spread {tol}){tail}"
+
+
+def failing(text: str) -> bool:
+    """Whether a :func:`verdict` is a failure or worse than its reference."""
+    return text.startswith(("fails", "worse"))
