@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lowprec.core.casts import quantize_grad, quantize_ste
+from lowprec.core.observe import CastOperand, GemmSink, gemm_sink
+from lowprec.core.rounding import quantize
 from lowprec.unit.core import (
     apply_constraint,
     check_float,
@@ -43,14 +45,51 @@ def _product(
     dim): in FP16 that would give away ``√K`` of headroom. With ``float8`` the operands are
     rounded to E4M3 and the gradient into the product to E5M2, saturating, with no scales
     (:func:`lowprec.core.casts.quantize_ste`, :func:`~lowprec.core.casts.quantize_grad`),
-    and the product, in a wide-range dtype, is scaled as the maths reads.
+    and the product, in a wide-range dtype, is scaled as the maths reads. Its three GEMMs
+    are observed (:mod:`lowprec.core.observe`) at scale 1 where a sink is active.
     """
     if float8:
-        a = quantize_ste(scale_bwd(a, s_a), "e4m3fn")
-        b = quantize_ste(scale_bwd(b, s_b), "e4m3fn")
-        return scale_fwd(quantize_grad(f(a, b), "e5m2"), s_out)
+        a_hp, b_hp = scale_bwd(a, s_a), scale_bwd(b, s_b)
+        a, b = quantize_ste(a_hp, "e4m3fn"), quantize_ste(b_hp, "e4m3fn")
+        y = quantize_grad(f(a, b), "e5m2")
+        sink = gemm_sink()
+        if sink is not None:
+            _observe_fp8(sink, f is F.linear, a_hp, a, b_hp, b, y)
+        return scale_fwd(y, s_out)
     y = f(scale_fwd(a, s_out), scale_bwd(b, s_b / (s_out * s_a)))
     return scale_bwd(y, s_a)
+
+
+def _observe_fp8(
+    sink: GemmSink, linear: bool, a_hp: Tensor, a: Tensor, b_hp: Tensor, b: Tensor, y: Tensor
+) -> None:
+    """Hand the scale-free FP8 product's GEMMs to ``sink``: the forward now, the two
+    backward GEMMs when the gradient reaches ``y`` (rounded to E5M2 as
+    :func:`~lowprec.core.casts.quantize_grad` rounds it). A linear (``F.linear(a, b)``,
+    ``b`` a weight) is oriented as a float8 linear's GEMMs are; another product ``a @ b``
+    as ``dA = G·Bᵀ``, ``dB = Aᵀ·G``."""
+    a_hp, a, b_hp, b = a_hp.detach(), a.detach(), b_hp.detach(), b.detach()
+
+    def t(x: Tensor) -> Tensor:
+        return x.transpose(-2, -1)
+
+    ra, rb = ("input", "weight") if linear else ("a", "b")
+    bm_hp, bm = (t(b_hp), t(b)) if linear else (b_hp, b)  # the forward is a @ B
+    sink("forward", CastOperand(ra, a_hp, a, "e4m3fn"), CastOperand(rb, bm_hp, bm, "e4m3fn"))
+    if not y.requires_grad:
+        return
+
+    def on_grad(g: Tensor) -> None:
+        g = g.detach()
+        go = CastOperand("grad_output", g, quantize(g, "e5m2", saturate=True), "e5m2")
+        sink("input_grad", go, CastOperand(rb, t(bm_hp), t(bm), "e4m3fn"))
+        if linear:  # dW = Gᵀ·A
+            gt = CastOperand("grad_output", t(go.hp), t(go.cast), "e5m2")
+            sink("weight_grad", gt, CastOperand(ra, a_hp, a, "e4m3fn"))
+        else:  # dB = Aᵀ·G
+            sink("weight_grad", CastOperand(ra, t(a_hp), t(a), "e4m3fn"), go)
+
+    y.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
 
 @_unit_op
