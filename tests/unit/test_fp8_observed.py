@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from lowprec.analysis.gemms import GemmRecorder
 from lowprec.core.observe import CastOperand, GemmSink, observing
 from lowprec.unit import functional as U
 
@@ -52,10 +53,8 @@ def test_linear_fp8_gemms_are_observed_and_exact() -> None:
 def test_attention_products_get_numbered_gemms() -> None:
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 2, 8, 16, requires_grad=True) for _ in range(3))
-    model = torch.nn.Module()
-    with measure_gemms(model, every=1) as rec:
-        model(torch.zeros(1)) if False else None
-        rec.step, rec.enabled = 0, True
+    rec = GemmRecorder(torch.nn.Module(), every=1, auto_step=False)  # no module: "model"
+    with observing(rec):
         s = U.matmul(q, k.transpose(-2, -1), float8=True)
         out = U.matmul(s.softmax(-1), v, float8=True)
         out.sum().backward()
