@@ -32,6 +32,9 @@ operand with zeros *explicitly* (:func:`lowprec.core.granularity.pad_to_blocks`)
 the padding again. Zeros change neither a block's ``amax`` nor a dot product, so the result
 equals that of the unpadded tensor quantized with partial blocks.
 
+Each GEMM can also take its own formats (:attr:`Float8Config.gemms`, e.g. an MXFP8 forward
+with NVFP4 gradients): :meth:`Float8Config.for_gemm` is the configuration a GEMM uses.
+
 Example:
     >>> r = Float8Config.from_name("delayed")
     >>> r.input.scaling, r.input.history_len, r.grad_output.fmt
@@ -56,6 +59,11 @@ __all__ = ["PRESETS", "CastConfig", "Float8Config", "Float8Recipe", "recipe_name
 Scaling = Literal["dynamic", "delayed", "static"]
 ROLES = ("input", "weight", "grad_output")
 GEMMS = ("forward", "input_grad", "weight_grad")  # y = x Wᵀ, dx = g W, dW = gᵀ x
+GEMM_ROLES: dict[str, tuple[str, str]] = {  # each GEMM's two operands (a · b)
+    "forward": ("input", "weight"),
+    "input_grad": ("grad_output", "weight"),
+    "weight_grad": ("grad_output", "input"),
+}
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,27 @@ class Float8Config:
       its quantized values). A role whose every GEMM is listed is never quantized. The
       ``rowwise-gw-hp`` preset keeps the weight gradient in high precision, as torchao's
       ``rowwise_with_gw_hp`` does.
+    * ``gemms``: formats per GEMM, pairs ``(gemm, config)`` (a dict or a list of pairs is
+      accepted and normalised to a tuple in :data:`GEMMS` order; ``config`` may be a
+      preset name). GEMM ``gemm`` quantizes its two operands with ``config``'s casts of
+      their roles — ``forward`` ``y = Q(x) Q(W)ᵀ``: ``config.input``, ``config.weight``;
+      ``input_grad`` ``dx = Q(g) Q(W)``: ``config.grad_output``, ``config.weight``;
+      ``weight_grad`` ``dW = Q(g)ᵀ Q(x)``: ``config.grad_output``, ``config.input`` — and
+      multiplies them with ``config.emulate`` and ``config.emulation_dtype``; the other
+      fields of ``config`` are not used (``fp8_saved_activations`` is this config's). A GEMM
+      not listed uses this config (:meth:`for_gemm`). The delayed and static scaling state
+      belongs to this config's roles: an override's cast of a role its GEMM uses must be
+      ``scaling="dynamic"`` unless it equals this config's cast of that role (the GEMM then
+      uses the role's scale, as a GEMM without an override does); a cast that differs
+      computes its own scale from the operand (:meth:`own_cast`). An operand is shared
+      between GEMMs only where both quantize it alike: the quantized input is saved for the
+      weight gradient (``fp8_saved_activations``) only where the weight-gradient GEMM's
+      input cast is the forward's and, if it is an override's, tensor-wise (the same
+      values; else the high-precision input is saved); a tensor-wise gradient is quantized
+      once for both backward GEMMs only where their casts of it are equal. A GEMM may not
+      be both in ``gemms`` and in ``high_precision_gemms``; an override has neither.
+      Example: ``Float8Config.from_name("tensorwise", gemms={"weight_grad": "nvfp4"})``
+      (the ``tensorwise-wgrad-nvfp4`` preset).
 
     Use :meth:`from_name` for the presets (:func:`recipe_names`).
     """
@@ -220,6 +249,7 @@ class Float8Config:
     emulation_dtype: Literal["fp32", "bf16"] = "fp32"
     fp8_saved_activations: bool = True
     high_precision_gemms: tuple[str, ...] = ()
+    gemms: tuple[tuple[str, Float8Config], ...] = ()
 
     def __post_init__(self) -> None:
         hp = self.high_precision_gemms
@@ -241,6 +271,93 @@ class Float8Config:
             )
         if not isinstance(self.fp8_saved_activations, bool):
             raise TypeError("fp8_saved_activations must be a bool")
+        self._check_gemms()
+
+    def _check_gemms(self) -> None:
+        """Validate and normalise :attr:`gemms`; precompute what the GEMMs ask of it (no
+        dataclass comparison runs while ``torch.compile`` traces a GEMM)."""
+        given = self.gemms
+        pairs = list(given.items()) if isinstance(given, dict) else given
+        if not isinstance(pairs, (list, tuple)):
+            raise ValueError(f"gemms must be pairs (gemm, Float8Config) or a dict, got {given!r}")
+        out: dict[str, Float8Config] = {}
+        for p in pairs:
+            if not isinstance(p, (list, tuple)) or len(p) != 2:
+                raise ValueError(f"gemms: each entry must be a pair (gemm, config), got {p!r}")
+            g, c = p
+            if g not in GEMMS:
+                raise ValueError(f"gemms: GEMM names must be among {GEMMS}, got {g!r}")
+            if g in out:
+                raise ValueError(f"gemms: GEMM {g!r} is given twice in {given!r}")
+            if g in self.high_precision_gemms:
+                raise ValueError(
+                    f"gemms: {g!r} is also in high_precision_gemms={self.high_precision_gemms!r}"
+                    " (a GEMM is either quantized with a per-GEMM config or high precision)"
+                )
+            if isinstance(c, str):
+                c = Float8Config.from_name(c)
+            if not isinstance(c, Float8Config):
+                raise ValueError(
+                    f"gemms: the config of {g!r} must be a Float8Config or a preset name, "
+                    f"got {type(c).__name__}"
+                )
+            if c.gemms or c.high_precision_gemms:
+                raise ValueError(
+                    f"gemms: the config of {g!r} has gemms={c.gemms!r} and "
+                    f"high_precision_gemms={c.high_precision_gemms!r}; a per-GEMM config "
+                    "may have neither"
+                )
+            for role in GEMM_ROLES[g]:
+                oc = c.cast(role)
+                if oc != self.cast(role) and oc.scaling != "dynamic":
+                    raise ValueError(
+                        f"gemms: the {role} cast of {g!r} ({oc.describe()}) must have "
+                        f"scaling='dynamic' or equal the base {role} cast "
+                        f"({self.cast(role).describe()}): the delayed/static scaling state "
+                        "belongs to the base config's roles"
+                    )
+            out[g] = c
+        norm = tuple((g, out[g]) for g in GEMMS if g in out)
+        object.__setattr__(self, "gemms", norm)
+        # Computed once: which (gemm, role) casts differ from the base cast.
+        own = frozenset(
+            (g, role) for g, c in norm for role in GEMM_ROLES[g] if c.cast(role) != self.cast(role)
+        )
+        # Which GEMMs quantize a role with the same cast: (role, gemm, gemm) pairs.
+        same = frozenset(
+            (role, a, b)
+            for role in ROLES
+            for a in GEMMS
+            for b in GEMMS
+            if dict(norm).get(a, self).cast(role) == dict(norm).get(b, self).cast(role)
+        )
+        object.__setattr__(self, "_per_gemm", dict(norm))
+        object.__setattr__(self, "_own", own)
+        object.__setattr__(self, "_same", same)
+
+    def for_gemm(self, gemm: str) -> Float8Config:
+        """The config GEMM ``gemm`` (one of :data:`GEMMS`) uses: its :attr:`gemms` entry,
+        else this config itself."""
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+        per: dict[str, Float8Config] = self._per_gemm  # type: ignore[attr-defined]
+        return per.get(gemm, self)
+
+    def gemm_cast(self, gemm: str, role: str) -> CastConfig:
+        """The cast GEMM ``gemm`` quantizes ``role`` with: ``for_gemm(gemm).cast(role)``."""
+        return self.for_gemm(gemm).cast(role)
+
+    def own_cast(self, gemm: str, role: str) -> bool:
+        """Whether GEMM ``gemm``'s cast of ``role`` differs from this config's cast of
+        ``role`` (a per-GEMM override): the GEMM then quantizes ``role`` dynamically with
+        its own scale instead of the role's (delayed, static or shared) scale."""
+        own: frozenset[tuple[str, str]] = self._own  # type: ignore[attr-defined]
+        return (gemm, role) in own
+
+    def same_cast(self, role: str, a: str, b: str) -> bool:
+        """Whether GEMMs ``a`` and ``b`` quantize ``role`` with equal casts."""
+        same: frozenset[tuple[str, str, str]] = self._same  # type: ignore[attr-defined]
+        return (role, a, b) in same
 
     def cast(self, role: str) -> CastConfig:
         if role not in ROLES:
@@ -261,7 +378,28 @@ class Float8Config:
         for role in ROLES:
             if isinstance(d.get(role), dict):
                 d[role] = CastConfig(**d[role])
+        if isinstance(d.get("gemms"), (list, tuple)):
+            d["gemms"] = tuple(
+                (p[0], cls.from_dict(p[1]) if isinstance(p[1], dict) else p[1])
+                if isinstance(p, (list, tuple)) and len(p) == 2
+                else p
+                for p in d["gemms"]
+            )
+        if isinstance(d.get("high_precision_gemms"), list):
+            d["high_precision_gemms"] = tuple(d["high_precision_gemms"])
         return cls(**d)
+
+    def describe(self) -> str:
+        """Short text of the casts, per GEMM where :attr:`gemms` gives any, e.g.
+        ``input=dyn:tensor:e4m3fn, weight=..., grad_output=...`` followed by
+        ``weight_grad=[grad_output=dyn:nv:16:e2m1, input=dyn:nv:16:e2m1]``."""
+        out = ", ".join(f"{role}={self.cast(role).describe()}" for role in ROLES)
+        for g, c in self.gemms:
+            casts = ", ".join(f"{role}={c.cast(role).describe()}" for role in GEMM_ROLES[g])
+            out += f", {g}=[{casts}]"
+        for g in self.high_precision_gemms:
+            out += f", {g}=high-precision"
+        return out
 
     @classmethod
     def from_name(cls, name: str, **changes: Any) -> Float8Config:
@@ -336,7 +474,6 @@ _preset(
     high_precision_gemms=("weight_grad",),
 )
 
-
 # No scaling at all: a static scale of exactly 1, the values rounded to E4M3 / E5M2 as they
 # are (the failure float8 scaling cures; the demo's ``fp8-naive``).
 _preset(
@@ -345,6 +482,22 @@ _preset(
     _e4(scaling="static", static_scale=1.0),
     _e5(scaling="static", static_scale=1.0),
 )
+
+# Formats per GEMM. MXFP8 forward (the mxfp8 preset's casts), both backward GEMMs in NVFP4.
+_mx8 = PRESETS.get("mxfp8").replace(name="mxfp8")
+_nvfp4 = PRESETS.get("nvfp4").replace(name="nvfp4")
+_preset(
+    "mxfp8-nvfp4-bwd",
+    _mx8.input,
+    _mx8.weight,
+    _mx8.grad_output,
+    fp8_saved_activations=False,
+    emulate=True,
+    gemms=(("input_grad", _nvfp4), ("weight_grad", _nvfp4)),
+)
+# Tensor-wise FP8 everywhere but the weight-gradient GEMM, which runs in NVFP4 (the forward's
+# tensor-wise input is then not shared with it: the high-precision input is saved).
+_preset("tensorwise-wgrad-nvfp4", _e4(), _e4(), _e5(), gemms=(("weight_grad", _nvfp4),))
 
 
 def recipe_names() -> list[str]:

@@ -29,8 +29,16 @@ from lowprec.core.observe import CastOperand, GemmSink, gemm_sink
 from lowprec.core.scalers import AmaxReducer, DelayedScaler, StaticScaler
 from lowprec.core.scales import amax as tensor_amax
 from lowprec.core.tensor import ScaledTensor
-from lowprec.float8.config import CastConfig, Float8Config
-from lowprec.float8.operands import Operand, cast_kind, from_parts, gemm, operand, transposed
+from lowprec.float8.config import GEMM_ROLES, CastConfig, Float8Config
+from lowprec.float8.operands import (
+    Operand,
+    cast_kind,
+    from_parts,
+    gemm,
+    operand,
+    payload_roles,
+    transposed,
+)
 from lowprec.float8.quant import Parts, dequantize_parts, quantize_parts
 
 __all__ = [
@@ -54,6 +62,10 @@ class GemmSpec:
     calibrating: bool  # record the grad_output amax for static calibration
     go_scaler: HistoryScaler | None  # the grad_output's delayed/static scaler
     go_reduce: AmaxReducer | None = None  # the grad_output is a shard: its amax is reduced
+    # The input / weight are shards: the tensor-wise scale of a per-GEMM cast (which the
+    # function computes itself, unlike the base roles' scales) reduces their amax.
+    x_reduce: AmaxReducer | None = None
+    w_reduce: AmaxReducer | None = None
 
 
 def role_scale(
@@ -107,8 +119,29 @@ def _(t: Tensor) -> Tensor:
 
 
 def block_scaled(r: Float8Config) -> bool:
-    """Whether a role of ``r`` has MX or NVFP4 (block-scaled, E8M0/E4M3 scale) casts."""
-    return any(cast_kind(c) in ("mx", "nv") for c in (r.input, r.weight, r.grad_output))
+    """Whether a role of ``r``, or a role a per-GEMM config of ``r`` quantizes
+    (:attr:`~lowprec.float8.Float8Config.gemms`), has MX or NVFP4 (block-scaled, E8M0/E4M3
+    scale) casts."""
+    casts = [r.input, r.weight, r.grad_output]
+    casts += [c.cast(role) for g, c in r.gemms for role in GEMM_ROLES[g]]
+    return any(cast_kind(c) in ("mx", "nv") for c in casts)
+
+
+def _own_scale(cast: CastConfig, t: Tensor, reduce: AmaxReducer | None) -> Tensor | None:
+    """The scale of a per-GEMM (dynamic) cast that differs from its role's base cast: the
+    ``amax`` of the whole tensor where ``t`` is a shard (``reduce``), else ``None`` (the
+    operand computes it from ``t``)."""
+    return role_scale(None, cast, t, update=False, calibrating=False, reduce=reduce)
+
+
+def _same_operands(a: Float8Config, b: Float8Config) -> bool:
+    """Whether GEMMs run with configs ``a`` and ``b`` build and multiply operands alike
+    (so that one GEMM's operand can be handed to the other)."""
+    return a is b or (
+        a.emulate == b.emulate
+        and a.emulation_dtype == b.emulation_dtype
+        and payload_roles(a) == payload_roles(b)
+    )
 
 
 class Float8MatmulFn(torch.autograd.Function):
@@ -118,6 +151,18 @@ class Float8MatmulFn(torch.autograd.Function):
     consumed by :func:`~lowprec.float8.operands.gemm`: no payload is read back from a
     ScaledTensor made here, so ``torch.compile(fullgraph=True)`` traces them (the GEMM's
     ScaledTensor rule runs below Dynamo).
+
+    Formats per GEMM: each GEMM ``G`` quantizes its operands with the casts of
+    ``c = r.for_gemm(G)`` and multiplies them with ``c``'s emulation options. A role's
+    scale is the base role's (delayed, static, or the forward's tensor-wise scale reused in
+    backward) where ``c``'s cast of it is the base cast (``r.own_cast(G, role)`` false),
+    else computed by that GEMM from the operand. Operands are shared only between GEMMs
+    whose casts of them are equal: the forward's quantized input is saved for the weight
+    gradient (``fp8_saved_activations``) only if ``r.same_cast("input", "forward",
+    "weight_grad")``, a tensor-wise gradient is quantized once for both backward GEMMs only
+    if their casts of it are equal, and an operand that arrives quantized (a ScaledTensor,
+    quantized with the base cast) is dequantized and quantized again for a GEMM whose cast
+    differs.
     """
 
     @staticmethod
@@ -135,56 +180,85 @@ class Float8MatmulFn(torch.autograd.Function):
         r = spec.recipe
         ctx.sink = sink = gemm_sink()
         ctx.x_hp = None
-        if "forward" in r.high_precision_gemms:  # y = x Wᵀ on the unquantized operands
+        hp = r.high_precision_gemms
+        if "forward" in hp:  # y = x Wᵀ on the unquantized operands
             xh = x.dequantize() if isinstance(x, ScaledTensor) else x
             wh = w.dequantize() if isinstance(w, ScaledTensor) else w
             if sink is not None:
                 sink("forward", _hp("input", xh), _hp("weight", wh.t()))
             y_hp = torch.matmul(xh.to(out_dtype), wh.to(out_dtype).t())
             # The backward's quantized operands use the forward's tensor scales, as below.
-            ctx.save_for_backward(xh, None, x_scale, w, w_scale)
+            ctx.save_for_backward(xh, None, None, x_scale, w, w_scale)
             ctx.go_state, ctx.go_scale = go_state, go_scale
             ctx.spec, ctx.x_meta = spec, (None, x.dtype)
             return y_hp
-        # A high-precision weight gradient needs the unquantized input: it is saved instead.
-        fp8_saved = r.fp8_saved_activations and "weight_grad" not in r.high_precision_gemms
-        # A ScaledTensor operand arrives quantized (tensor-wise) by the distributed layer:
-        # an FP8-gathered FSDP2 weight, an FP8-gathered sequence-parallel input.
+        cf = r.for_gemm("forward")
+        own_x, own_w = r.own_cast("forward", "input"), r.own_cast("forward", "weight")
+        # The weight gradient reuses the forward's quantized input only where it quantizes
+        # the input with the same cast (else it gets the high-precision input), and a
+        # per-GEMM input cast only where it is tensor-wise (the same values; the double
+        # rounding of a saved row/block-scaled input is the base cast's documented
+        # option); a high-precision weight gradient needs the unquantized input.
+        wg_hp = "weight_grad" in hp
+        same_x = wg_hp or r.same_cast("input", "forward", "weight_grad")
+        fp8_saved = (
+            r.fp8_saved_activations
+            and not wg_hp
+            and same_x
+            and (not own_x or cast_kind(cf.input) == "tensor")
+        )
+        # A ScaledTensor operand arrives quantized (tensor-wise, with the base cast) by the
+        # distributed layer: an FP8-gathered FSDP2 weight, an FP8-gathered sequence-parallel
+        # input. A GEMM with another cast quantizes its dequantized values again.
+        x_st = isinstance(x, ScaledTensor)
+        xv = _hp_value(x) if x_st and (own_x or not same_x) else x
+        # The base input cast's tensor scale, for a weight gradient with the base cast.
+        x_base = x.scale if isinstance(x, ScaledTensor) else x_scale
         xd: Tensor | None = None
         xs: Tensor | None = None
         xpad: Any = None
-        if isinstance(x, ScaledTensor):
+        if isinstance(x, ScaledTensor) and not own_x:
             xd, xs = x.qdata, x.scale
-            xq: Operand = from_parts((xd, xs, None), r.input, 1, x.dtype, r)
-        elif fp8_saved:  # the payload is saved for backward
-            xd, xs, xpad = xp = quantize_parts(x, r.input, 1, x_scale)
-            xq = from_parts(xp, r.input, 1, x.dtype, r)
+            xq: Operand = from_parts((xd, xs, None), cf.input, 1, x.dtype, cf)
         else:
-            xq, xs, _ = operand(x, r.input, 1, x_scale, r)
+            xsrc = _hp_value(x) if x_st else x
+            xs_in = _own_scale(cf.input, xsrc, spec.x_reduce) if own_x else x_scale
+            if fp8_saved:  # the payload is saved for backward
+                xd, xs, xpad = xp = quantize_parts(xsrc, cf.input, 1, xs_in)
+                xq = from_parts(xp, cf.input, 1, x.dtype, cf)
+            else:
+                xq, xs, _ = operand(xsrc, cf.input, 1, xs_in, cf)
+        if not own_x and cast_kind(r.input) == "tensor":
+            x_base = xs
         ws_used: Tensor | None = None
         wq: Operand
-        if isinstance(w, ScaledTensor):
-            wq = from_parts((w.qdata.t(), w.scale, None), r.weight, 0, w.dtype, r)
+        if isinstance(w, ScaledTensor) and not own_w:
+            wq = from_parts((w.qdata.t(), w.scale, None), cf.weight, 0, w.dtype, cf)
+            ws_seen: Tensor | None = w.scale
         else:
-            wq, ws_used, _ = operand(w.t(), r.weight, 0, w_scale, r)
+            wsrc = _hp_value(w) if isinstance(w, ScaledTensor) else w
+            ws_in = _own_scale(cf.weight, wsrc, spec.w_reduce) if own_w else w_scale
+            wq, ws_used, _ = operand(wsrc.t(), cf.weight, 0, ws_in, cf)
+            ws_seen = ws_used
         if sink is not None:
-            ws_seen = w.scale if isinstance(w, ScaledTensor) else ws_used
             sink(
                 "forward",
-                _observed("input", x, r.input, 1, xs),
-                _observed("weight", _hp_value(w).t(), r.weight, 0, ws_seen),
+                _observed("input", x, cf.input, 1, xs),
+                _observed("weight", _hp_value(w).t(), cf.weight, 0, ws_seen),
             )
             ctx.x_hp = _hp_value(x).detach()  # for the weight-gradient GEMM's observation
-        y = gemm(xq, wq, out_dtype, r)
+        y = gemm(xq, wq, out_dtype, cf)
+        # The base weight cast's tensor scale, for an input gradient with the base cast.
         # (A ScaledTensor weight carries its scale; FSDP2 refills it in place on re-gather.)
-        w_tensor = cast_kind(r.weight) == "tensor" and not isinstance(w, ScaledTensor)
-        w_used = ws_used if w_tensor else None
-        if fp8_saved or isinstance(x, ScaledTensor):
+        w_base: Tensor | None = None
+        if cast_kind(r.weight) == "tensor" and not isinstance(w, ScaledTensor):
+            w_base = w_scale if own_w else ws_used
+        if fp8_saved or (x_st and not own_x and same_x):
             assert xd is not None
             kept = _keep_for_backward(xd) if torch.compiler.is_compiling() else xd
-            ctx.save_for_backward(None, kept, xs, w, w_used)
-        else:  # the forward's scale too: delayed/static scales must not become dynamic
-            ctx.save_for_backward(x, None, xs, w, w_used)
+            ctx.save_for_backward(None, kept, xs, x_base, w, w_base)
+        else:  # the base scale too: delayed/static scales must not become dynamic
+            ctx.save_for_backward(xv, None, None, x_base, w, w_base)
         # The grad_output state is updated in place in backward, so it is held on ctx, not
         # saved: a saved tensor modified in place fails autograd's version check when a
         # layer's backward runs twice in one graph (weight sharing, retain_graph).
@@ -194,17 +268,20 @@ class Float8MatmulFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, xq_data, xq_scale, w, w_scale = ctx.saved_tensors
+        x, xq_data, xq_scale, x_base, w, w_base = ctx.saved_tensors
         go_state = ctx.go_state
         spec: GemmSpec = ctx.spec
         r = spec.recipe
         xpad, x_dtype = ctx.x_meta
-        x_tensor = cast_kind(r.input) == "tensor"
         hp = r.high_precision_gemms
         fp8_dx = ctx.needs_input_grad[0] and "input_grad" not in hp
         fp8_dw = ctx.needs_input_grad[1] and "weight_grad" not in hp
+        cdx, cdw = r.for_gemm("input_grad"), r.for_gemm("weight_grad")
+        own_gdx = r.own_cast("input_grad", "grad_output")
+        own_gdw = r.own_cast("weight_grad", "grad_output")
+        # The base grad_output scale (its delayed/static state), where a GEMM uses it.
         g_scale = ctx.go_scale
-        if g_scale is None and (fp8_dx or fp8_dw):
+        if g_scale is None and ((fp8_dx and not own_gdx) or (fp8_dw and not own_gdw)):
             g_scale = role_scale(
                 spec.go_scaler,
                 r.grad_output,
@@ -214,44 +291,72 @@ class Float8MatmulFn(torch.autograd.Function):
                 state=go_state,
                 reduce=spec.go_reduce,
             )
-        g_tensor = cast_kind(r.grad_output) == "tensor"
-        dx = dw = None
-        gq: Operand
-        gp: Parts | None = None
-        if (g_tensor and fp8_dw) or fp8_dx:  # tensor-wise: used transposed for dW too
-            gq, _, gp = operand(g, r.grad_output, 1, g_scale, r)
+        # Each GEMM's scales, chosen once (a reduction across ranks runs once).
+        gs_dx = gs_dw = ws_dx = xs_dw = None
+        share_g = False
+        if fp8_dx:
+            gs_dx = _own_scale(cdx.grad_output, g, spec.go_reduce) if own_gdx else g_scale
+            if not isinstance(w, ScaledTensor) or r.own_cast("input_grad", "weight"):
+                wsrc = _hp_value(w)
+                own_w = r.own_cast("input_grad", "weight")
+                ws_dx = _own_scale(cdx.weight, wsrc, spec.w_reduce) if own_w else w_base
+        if fp8_dw:
+            g_tensor = cast_kind(cdw.grad_output) == "tensor"
+            share_g = (
+                fp8_dx
+                and g_tensor
+                and r.same_cast("grad_output", "input_grad", "weight_grad")
+                and _same_operands(cdx, cdw)
+            )
+            if share_g:
+                gs_dw = gs_dx
+            elif g_tensor:
+                gs_dw = _own_scale(cdw.grad_output, g, spec.go_reduce) if own_gdw else g_scale
+            if x is not None and cast_kind(cdw.input) == "tensor":
+                own_x = r.own_cast("weight_grad", "input")
+                xs_dw = _own_scale(cdw.input, x, spec.x_reduce) if own_x else x_base
         sink: GemmSink | None = ctx.sink
         if sink is not None:
-            _observe_backward(ctx, sink, g, g_scale, fp8_dx, fp8_dw)
+            _observe_backward(ctx, sink, g, fp8_dx, fp8_dw, gs_dx, ws_dx, gs_dw, xs_dw)
+        dx = dw = None
         if ctx.needs_input_grad[0] and not fp8_dx:  # dx = g W, unquantized
             wh = w.dequantize() if isinstance(w, ScaledTensor) else w
             dx = torch.matmul(g, wh.to(g.dtype)).to(x_dtype)
         if ctx.needs_input_grad[1] and not fp8_dw:  # dW = gᵀ x, unquantized
             xh = x if x is not None else dequantize_parts(xq_data, xq_scale, xpad, g.dtype)
             dw = torch.matmul(g.t(), xh.to(g.dtype)).to(w.dtype)
-        if fp8_dx:
+        gq: Operand | None = None
+        gp: Parts | None = None
+        if fp8_dx:  # dx = Q(g) Q(W)
+            gq, _, gp = operand(g, cdx.grad_output, 1, gs_dx, cdx)
             wq: Operand
-            if isinstance(w, ScaledTensor):  # tensor-wise: the forward's values, transposed
-                wq = from_parts((w.qdata, w.scale, None), r.weight, 0, w.dtype, r)
+            if isinstance(w, ScaledTensor) and not r.own_cast("input_grad", "weight"):
+                # tensor-wise: the forward's values, transposed
+                wq = from_parts((w.qdata, w.scale, None), cdx.weight, 0, w.dtype, cdx)
             else:
-                wq = operand(w, r.weight, 0, w_scale, r)[0]
-            dx = gemm(gq, wq, x_dtype, r)
-        if fp8_dw:
+                wq = operand(_hp_value(w), cdx.weight, 0, ws_dx, cdx)[0]
+            dx = gemm(gq, wq, x_dtype, cdx)
+        if fp8_dw:  # dW = Q(g)ᵀ Q(x)
             gq_t: Operand
             xq: Operand
-            if g_tensor:  # the same values and scale, transposed
-                gq_t = transposed(gq, gp, r.grad_output, g.dtype)
+            cg = cdw.grad_output
+            if share_g:  # the same values and scale, transposed
+                assert gq is not None
+                gq_t = transposed(gq, gp, cg, g.dtype)
+            elif cast_kind(cg) == "tensor":
+                g1, _, gp1 = operand(g, cg, 1, gs_dw, cdw)
+                gq_t = transposed(g1, gp1, cg, g.dtype)
             else:
-                gq_t = operand(g.t(), r.grad_output, 1, None, r)[0]
-            if x is None:
-                if x_tensor:  # used transposed in the wgrad GEMM: same values, same scale
-                    xq = from_parts((xq_data, xq_scale, None), r.input, 0, x_dtype, r)
+                gq_t = operand(g.t(), cg, 1, None, cdw)[0]
+            if x is None:  # the forward's payload, quantized with this GEMM's cast
+                if cast_kind(cdw.input) == "tensor":  # used transposed: same values, scale
+                    xq = from_parts((xq_data, xq_scale, None), cdw.input, 0, x_dtype, cdw)
                 else:  # re-quantize along the token dimension (documented double rounding)
                     deq = dequantize_parts(xq_data, xq_scale, xpad, torch.float32)
-                    xq = operand(deq, r.input, 0, None, r)[0]
-            else:  # tensor scale: the forward's (delayed/static/dynamic alike)
-                xq = operand(x, r.input, 0, xq_scale if x_tensor else None, r)[0]
-            dw = gemm(gq_t, xq, w.dtype, r)
+                    xq = operand(deq, cdw.input, 0, None, cdw)[0]
+            else:  # tensor scale: the base role's (delayed/static/forward's) or its own
+                xq = operand(x, cdw.input, 0, xs_dw, cdw)[0]
+            dw = gemm(gq_t, xq, w.dtype, cdw)
         return dx, dw, None, None, None, None, None, None
 
 
@@ -302,20 +407,30 @@ def _observed(
 
 
 def _observe_backward(
-    ctx: Any, sink: GemmSink, g: Tensor, g_scale: Tensor | None, fp8_dx: bool, fp8_dw: bool
+    ctx: Any,
+    sink: GemmSink,
+    g: Tensor,
+    fp8_dx: bool,
+    fp8_dw: bool,
+    gs_dx: Tensor | None,
+    ws_dx: Tensor | None,
+    gs_dw: Tensor | None,
+    xs_dw: Tensor | None,
 ) -> None:
-    """Hand the backward GEMMs' operands to ``sink`` (as :class:`Float8MatmulFn` quantizes
-    them: the tensor-wise scales of the forward, the gradient's scale of this backward)."""
-    x, xq_data, xq_scale, w, w_scale = ctx.saved_tensors
+    """Hand the backward GEMMs' operands to ``sink`` as :class:`Float8MatmulFn` quantizes
+    them: each GEMM's casts (``recipe.for_gemm``) and the tensor-wise scales it uses
+    (``gs_dx``, ``ws_dx``: the input gradient's; ``gs_dw``, ``xs_dw``: the weight
+    gradient's; ``None``: computed from the operand)."""
+    x, xq_data, xq_scale, _, w, _ = ctx.saved_tensors
     r: Float8Config = ctx.spec.recipe
     xpad, _ = ctx.x_meta
-    g_tensor = cast_kind(r.grad_output) == "tensor"
-    x_tensor = cast_kind(r.input) == "tensor"
     if ctx.needs_input_grad[0]:
         if fp8_dx:
-            ws = w.scale if isinstance(w, ScaledTensor) else w_scale
-            go = _observed("grad_output", g, r.grad_output, 1, g_scale)
-            sink("input_grad", go, _observed("weight", w, r.weight, 0, ws))
+            cdx = r.for_gemm("input_grad")
+            if isinstance(w, ScaledTensor) and not r.own_cast("input_grad", "weight"):
+                ws_dx = w.scale
+            go = _observed("grad_output", g, cdx.grad_output, 1, gs_dx)
+            sink("input_grad", go, _observed("weight", w, cdx.weight, 0, ws_dx))
         else:
             sink("input_grad", _hp("grad_output", g), _hp("weight", w))
     if not ctx.needs_input_grad[1]:
@@ -326,9 +441,11 @@ def _observe_backward(
     if not fp8_dw:
         sink("weight_grad", _hp("grad_output", g.t()), _hp("input", x_hp))
         return
-    gt = _observed("grad_output", g.t(), r.grad_output, 1, g_scale if g_tensor else None)
+    cdw = r.for_gemm("weight_grad")
+    x_tensor = cast_kind(cdw.input) == "tensor"
+    gt = _observed("grad_output", g.t(), cdw.grad_output, 1, gs_dw)
     src = None
     if x is None and not x_tensor:  # the saved input, dequantized and re-quantized
         src = dequantize_parts(xq_data, xq_scale, xpad, torch.float32)
-    xs = xq_scale if x_tensor else None
-    sink("weight_grad", gt, _observed("input", x_hp, r.input, 0, xs, src))
+    xs = (xq_scale if x is None else xs_dw) if x_tensor else None
+    sink("weight_grad", gt, _observed("input", x_hp, cdw.input, 0, xs, src))

@@ -314,15 +314,18 @@ class Float8Linear(nn.Linear):
         upd = self.training or self._calibrating
         r = self.recipe
         go_sc = self._scalers.get("grad_output")
-        spec = GemmSpec(r, upd, self._calibrating, go_sc, reduce if "g" in sharded else None)
+        xr = reduce if "x" in sharded else None
+        wr = reduce if "w" in sharded else None
+        gr = reduce if "g" in sharded else None
+        spec = GemmSpec(
+            r, upd, self._calibrating, go_sc, gr, xr if r.gemms else None, wr if r.gemms else None
+        )
         kw: dict[str, Any] = {"update": upd, "calibrating": self._calibrating}
         # An FP8-gathered operand (lowprec.distributed) arrives quantized, its scaler run.
         xs = ws = None
         if not isinstance(x2d, ScaledTensor):
-            xr = reduce if "x" in sharded else None
             xs = role_scale(self._scalers.get("input"), r.input, x2d, reduce=xr, **kw)
         if not isinstance(w, ScaledTensor):
-            wr = reduce if "w" in sharded else None
             ws = role_scale(self._scalers.get("weight"), r.weight, w, reduce=wr, **kw)
         # A frozen static grad_output scale is known now; otherwise backward computes it
         # from the state threaded through the function (an input, for torch.compile).
@@ -351,9 +354,9 @@ class Float8Linear(nn.Linear):
         missing[:] = [k for k in missing if k not in own]  # plain checkpoints load: fresh state
 
     def extra_repr(self) -> str:
-        r = self.recipe
-        casts = ", ".join(f"{role}={r.cast(role).describe()}" for role in ROLES)
-        return f"{super().extra_repr()}, recipe={r.name}, {casts}"
+        # The casts per role, then formats per GEMM and high-precision GEMMs if any:
+        # e.g. ``..., weight_grad=[grad_output=dyn:nv:16:e2m1, input=dyn:nv:16:e2m1]``.
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, {self.recipe.describe()}"
 
 
 _HOOK_DICTS = (

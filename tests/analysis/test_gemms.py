@@ -18,7 +18,7 @@ from torch import nn
 
 from lowprec.analysis.gemms import GemmRecorder, cast_stats, gemm_rel_err, measure_gemms
 from lowprec.core.observe import CastOperand, GemmSink, gemm_sink, observing
-from lowprec.float8 import Float8Config, Float8Linear
+from lowprec.float8 import CastConfig, Float8Config, Float8Linear
 
 ML = {"e4m3fn": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 
@@ -95,13 +95,34 @@ def test_naive_flush_and_saturation_at_scale_one() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4", "naive"]
+    "name",
+    [
+        "tensorwise",
+        "delayed",
+        "rowwise",
+        "blockwise",
+        "mxfp8",
+        "mxfp4",
+        "nvfp4",
+        "naive",
+        # Formats per GEMM: each GEMM's operands are observed with that GEMM's casts.
+        "mxfp8-nvfp4-bwd",
+        "tensorwise-wgrad-nvfp4",
+        Float8Config.from_name("tensorwise", gemms={"forward": "nvfp4"}),
+        Float8Config.from_name("delayed", gemms={"input_grad": "rowwise"}),
+        Float8Config.from_name(
+            "tensorwise", gemms={"weight_grad": Float8Config(input=CastConfig("e5m2"))}
+        ),
+        Float8Config.from_name("rowwise", gemms={"forward": "mxfp4", "weight_grad": "blockwise"}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else f"{v.name}+" + "+".join(g for g, _ in v.gemms),
 )
-def test_observed_operands_are_what_the_gemm_multiplied(name: str) -> None:
+def test_observed_operands_are_what_the_gemm_multiplied(name: str | Float8Config) -> None:
     """y, dx and dW of the layer equal the products of the observed cast operands: the
-    observation reports the GEMM's own operands (emulated in float32: equal to ~1e-6)."""
+    observation reports the GEMM's own operands (emulated in float32: equal to ~1e-6),
+    with per-GEMM configs too."""
     torch.manual_seed(2)
-    layer = _layer(name, k=64, n=64)
+    layer = _layer(name, k=64, n=64)  # type: ignore[arg-type]
     x = torch.randn(40, 64).requires_grad_()
     got: dict[str, tuple[CastOperand, CastOperand]] = {}
 
