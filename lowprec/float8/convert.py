@@ -13,11 +13,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from lowprec.float8.config import Float8Config
+from lowprec.float8.config import GEMMS, Float8Config
 from lowprec.float8.conv1d import Float8Conv1D, is_conv1d
 from lowprec.float8.linear import Float8Linear, _carry_extras, _carry_hooks
 
-__all__ = ["ModuleFilter", "apply", "computes_linear", "convert_back", "convert_to_float8"]
+__all__ = [
+    "ModuleFilter",
+    "apply",
+    "computes_linear",
+    "convert_back",
+    "convert_to_float8",
+    "replace_layer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -240,3 +247,48 @@ def convert_back(model: nn.Module) -> nn.Module:
                     done[id(child)] = plain(child)
                 setattr(mod, name, done[id(child)])
     return model
+
+
+def replace_layer(model: nn.Module, fqn: str, config: Float8Config | None) -> nn.Module:
+    """Give the linear-like layer at ``fqn`` of ``model`` the float8 ``config``, or make
+    it a plain layer again (``config=None``: its own dtype, high precision), in place; the
+    new layer shares the old one's parameters (an optimizer keeps working) and hooks, and
+    keeps a unit-scaled layer's ``linear_fn`` (such a layer goes back to high precision as a
+    float8 layer whose three GEMMs are all high precision, so its unit-scaled maths stays).
+    Its float8 scaling state starts fresh. Returns
+    the new layer. ``ValueError`` if ``fqn`` names no ``nn.Linear``/``Conv1D``/float8 layer.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8))
+        >>> type(replace_layer(m, "0", Float8Config.from_name("rowwise"))).__name__
+        'Float8Linear'
+        >>> type(replace_layer(m, "0", None)).__name__, m[0].weight is m[0].weight
+        ('Linear', True)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if config is not None and not isinstance(config, Float8Config):
+        raise TypeError(f"config must be a Float8Config or None, got {type(config).__name__}")
+    parent_name, _, leaf = fqn.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, leaf) if leaf else None
+    except AttributeError:
+        old = None
+    if not isinstance(old, nn.Module) or not (isinstance(old, nn.Linear) or is_conv1d(old)):
+        raise ValueError(f"fqn: {fqn!r} is not a linear layer of the model")
+    linear_fn = old.linear_fn if isinstance(old, Float8Linear) else None
+    plain: nn.Module = convert_back(old) if isinstance(old, Float8Linear) else old
+    if config is None and linear_fn is not None:  # keep the unit maths around the GEMM
+        assert isinstance(old, Float8Linear)
+        config = old.recipe.replace(high_precision_gemms=GEMMS, gemms=())
+    if config is None:
+        new = plain
+    elif isinstance(plain, nn.Linear):
+        new = Float8Linear.from_linear(plain, config)
+        new.linear_fn = linear_fn
+    else:
+        new = Float8Conv1D.from_conv1d(plain, config)
+    setattr(parent, leaf, new)
+    return new
