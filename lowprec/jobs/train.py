@@ -31,10 +31,7 @@ parameters or optimizer state.
 
 from __future__ import annotations
 
-import math
-import os
 import time
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +42,10 @@ from lowprec.amp import NoLossScaler
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
 from lowprec.distributed import env
 from lowprec.distributed.parallel import PARALLEL
-from lowprec.distributed.parallel import prepare as dist_prepare
 from lowprec.jobs import checkpoints
 from lowprec.jobs import parallel as par
 from lowprec.jobs.data import CharData
 from lowprec.jobs.interrupts import Interrupted, StopSignals
-from lowprec.jobs.model import ModelConfig, build_model, check_model_name
 from lowprec.jobs.progress import Progress
 from lowprec.jobs.recorder import RunRecorder
 from lowprec.jobs.rundir import (  # re-exported: the job's own names for its files
@@ -62,13 +57,15 @@ from lowprec.jobs.rundir import (  # re-exported: the job's own names for its fi
     NonFiniteError,
     RunError,
     RunningSummary,
-    make_new_dir,
-    read_config,
     read_metrics,
     summarize,
     summary_of,
 )
-from lowprec.recipes import Prepared, Recipe, get_recipe, prepare
+from lowprec.jobs.train_config import TrainConfig
+from lowprec.jobs.train_config import saved_config as saved_config  # re-exported
+from lowprec.jobs.train_setup import _prepare_dir, build
+from lowprec.jobs.train_setup import check_size as check_size  # re-exported
+from lowprec.recipes import Prepared
 from lowprec.recipes.step import train_step
 
 __all__ = [
@@ -94,164 +91,6 @@ __all__ = [
 # Formats whose ranges the numerics records measure (lowprec.analysis.tracking).
 TRACK_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
 ON_NONFINITE = ("stop", "skip")  # what a step with an Inf/NaN loss or gradient does
-_MEMORY_SHARE = 0.8  # refuse a configuration whose step needs more of the machine's memory
-
-
-_POSITIVE = (
-    "steps",
-    "batch_size",
-    "seq_len",
-    "width",
-    "depth",
-    "heads",
-    "eval_every",
-    "eval_batches",
-    "ckpt_every",
-)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that defines a training run of the reference model.
-
-    Every field is a flag of ``lowprec train`` (``--batch-size`` for ``batch_size``), with
-    the field's ``metadata["help"]``. ``recipe``: a preset name or a
-    :class:`~lowprec.Recipe` (``lowprec train --recipe FILE.json``); :meth:`to_dict` writes
-    its name, ``config.json`` the whole recipe. Invalid values raise ``ValueError`` (or
-    ``TypeError``) naming the field (:meth:`check_field`).
-    """
-
-    recipe: str | Recipe = field(
-        default="fp32", metadata={"help": "training recipe: a preset name or a JSON file"}
-    )
-    steps: int = field(default=400, metadata={"help": "training steps"})
-    batch_size: int = field(
-        default=16, metadata={"help": "sequences per step (the global batch under --parallel)"}
-    )
-    seq_len: int = field(default=64, metadata={"help": "characters per sequence"})
-    width: int = field(default=128, metadata={"help": "model width"})
-    depth: int = field(default=2, metadata={"help": "transformer layers"})
-    heads: int = field(default=4, metadata={"help": "attention heads (must divide --width)"})
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
-    warmup: int = field(
-        default=20, metadata={"help": "linear warm-up steps, then cosine decay to lr/10"}
-    )
-    seed: int = field(default=0, metadata={"help": "seed of the initialisation and the data"})
-    eval_every: int = field(
-        default=50, metadata={"help": "evaluate every this many steps (and at the end)"}
-    )
-    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
-    ckpt_every: int = field(default=100, metadata={"help": "checkpoint every this many steps"})
-    model: str = field(
-        default="reference", metadata={"help": "reference or an HF architecture (docs/models.md)"}
-    )
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            self.check_field(f.name, getattr(self, f.name))
-        self.model_config()  # width divisible by heads
-
-    @classmethod
-    def check_field(cls, name: str, value: Any) -> None:
-        """Check ``value`` for field ``name`` alone: ``ValueError`` (``TypeError`` for a
-        recipe of the wrong type) whose message starts with the field's name."""
-        if name == "recipe":
-            get_recipe(value)  # unknown names list the valid ones
-        elif name == "model":
-            check_model_name(value)
-        elif name in _POSITIVE:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        elif name == "lr":
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (ok and math.isfinite(value) and value > 0):
-                raise ValueError(f"lr must be a positive finite number, got {value!r}")
-        elif name in ("warmup", "seed"):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        else:
-            raise ValueError(f"name: TrainConfig has no field {name!r}")
-
-    @property
-    def recipe_name(self) -> str:
-        return self.recipe.name if isinstance(self.recipe, Recipe) else self.recipe
-
-    def recipe_dict(self) -> dict[str, Any]:
-        """The recipe as ``Recipe.to_dict`` (what ``config.json`` stores)."""
-        return get_recipe(self.recipe).to_dict()
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate of step ``step`` (0-based): linear warm-up over ``warmup`` steps,
-        then cosine decay to ``lr / 10`` at the last step. A pure function of the step, so
-        resuming needs no scheduler state."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        span = max(self.steps - 1 - self.warmup, 1)
-        t = min((step - self.warmup) / span, 1.0)
-        return self.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * t)))
-
-    def model_config(self, vocab_size: int = 65) -> ModelConfig:
-        return ModelConfig(vocab_size, self.width, self.depth, self.heads, self.seq_len)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON values, ``recipe`` by its name."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["recipe"] = self.recipe_name
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """From :meth:`to_dict` (unknown keys are ignored; ``recipe`` a preset name)."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> TrainConfig:
-        """The configuration a run directory's ``config.json`` records: its ``"train"``
-        entry, with the recipe rebuilt from its ``"recipe"`` dict (the preset name where
-        the dict is that preset's). ``ValueError``/``TypeError`` if it is not valid."""
-        train = dict(config["train"])
-        saved = config.get("recipe")
-        if isinstance(saved, dict) and saved:
-            name = train.get("recipe")
-            same = False
-            try:
-                same = isinstance(name, str) and get_recipe(name).to_dict() == saved
-            except ValueError:
-                pass  # not a preset: a recipe from a file
-            train["recipe"] = name if same else Recipe.from_dict(saved)
-        return cls.from_dict(train)
-
-    def differences(self, other: TrainConfig) -> list[str]:
-        """The names of the fields whose values differ between ``self`` and ``other``
-        (recipes compared by their dicts, whether given by name or as a Recipe)."""
-        out = []
-        for f in fields(self):
-            if f.name == "recipe":
-                if self.recipe_dict() != other.recipe_dict():
-                    out.append(f.name)
-            elif getattr(self, f.name) != getattr(other, f.name):
-                out.append(f.name)
-        return out
-
-
-def build(
-    cfg: TrainConfig, data: CharData | None = None, parallel: str | None = None
-) -> tuple[Prepared, CharData]:
-    """Model, optimizer, scaler and data for ``cfg``, initialised from ``cfg.seed``;
-    ``parallel`` (``"fsdp"``/``"ddp"``, under ``torchrun``): sharded by
-    :func:`lowprec.distributed.parallel.prepare`."""
-    data = data or CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.model_config(data.vocab_size))
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-
-    def factory(ps: list[Any]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(ps, lr=cfg.lr)
-
-    if parallel is not None:
-        return dist_prepare(model, cfg.recipe, parallel, factory, gen), data  # type: ignore[arg-type]
-    return prepare(model, cfg.recipe, factory, generator=gen), data
 
 
 @torch.no_grad()
@@ -266,89 +105,6 @@ def evaluate(prepared: Prepared, data: CharData, batches: int) -> float:
             total += float(loss)
     prepared.model.train()
     return total / batches
-
-
-def check_size(cfg: TrainConfig) -> CharData:
-    """The data of ``cfg``, after checking up front that the run fits: ``seq_len`` shorter
-    than each split of the corpus, and one step's estimated memory (attention scores
-    ``batch · heads · seq_len²`` and activations ``batch · seq_len · width``, per layer,
-    FP32, kept for backward) within :data:`_MEMORY_SHARE` of the machine's memory.
-    :class:`RunError` naming the option otherwise."""
-    try:
-        data = CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
-    except ValueError as e:
-        raise RunError(f"--seq-len {cfg.seq_len} is too long for the corpus ({e})") from None
-    b, t, w = cfg.batch_size, cfg.seq_len, cfg.width
-    need = 4 * cfg.depth * (4 * b * cfg.heads * t * t + 24 * b * t * w) + t * t
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return data
-    if need > _MEMORY_SHARE * have:
-        raise RunError(
-            f"--seq-len {t} / --batch-size {b} / --width {w}: one step needs about "
-            f"{need / 2**30:.0f} GiB, more than this machine's {have / 2**30:.0f} GiB of memory"
-        )
-    return data
-
-
-def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None) -> None:
-    if resume:
-        saved = read_config(out, "--resume")
-        old = saved_config(out, saved)
-        diff = [name for name in old.differences(cfg) if name != "steps"]
-        if diff:
-            what = "; ".join(
-                f"{name} {_shown(old, name)} in the run, {_shown(cfg, name)} now" for name in diff
-            )
-            raise RunError(
-                f"--resume: {out} was made with a different configuration ({what}); only "
-                "--steps may change"
-            )
-        was = (saved.get("parallel") or {}).get("mode")
-        if was != parallel:
-            raise RunError(
-                f"--resume: {out} was trained with --parallel {was or '(none)'}, not "
-                f"{parallel or '(none)'}; the process count may change, the mode may not"
-            )
-        return
-    if _never_trained(out):  # killed before anything was written: the same command restarts
-        for f in out.iterdir():
-            f.unlink()
-    make_new_dir(out, "pass --resume or another --out")
-
-
-def saved_config(out: Path, saved: dict[str, Any] | None = None) -> TrainConfig:
-    """The :class:`TrainConfig` that run directory ``out`` records (``saved``: its
-    ``config.json``, if already read); :class:`RunError` if there is none or it is not
-    valid."""
-    saved = read_config(out, "--resume") if saved is None else saved
-    try:
-        return TrainConfig.from_config(saved)
-    except (ValueError, TypeError, KeyError) as e:
-        raise RunError(f"--resume: {out / CONFIG} is corrupt ({e})") from None
-
-
-def _shown(cfg: TrainConfig, name: str) -> str:
-    return cfg.recipe_name if name == "recipe" else repr(getattr(cfg, name))
-
-
-def _never_trained(out: Path) -> bool:
-    """Whether ``out`` is a run directory that a start killed before its first step was
-    logged: nothing in it but ``config.json`` (or its temporary file, a kill during that
-    write) and empty logs, no checkpoint. Starting it again loses nothing."""
-    if not out.is_dir() or not any(out.iterdir()):
-        return False
-    own_tmp = {name + ".tmp" for name in (CONFIG, CHECKPOINT, SUMMARY, METRICS, NUMERICS)}
-    for f in out.iterdir():
-        if not f.is_file() or f.is_symlink():
-            return False
-        if f.name == CONFIG or f.name in own_tmp:
-            continue
-        if f.name in (METRICS, NUMERICS) and f.stat().st_size == 0:
-            continue
-        return False
-    return True
 
 
 def train(

@@ -1,0 +1,167 @@
+"""The configuration of a training run (re-exported by :mod:`lowprec.jobs.train`):
+:class:`TrainConfig`, every field a flag of ``lowprec train``, checked field by field, its
+learning-rate schedule and its JSON form; :func:`saved_config`, the configuration a run
+directory's ``config.json`` records.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from lowprec.jobs.model import ModelConfig, check_model_name
+from lowprec.jobs.rundir import CONFIG, RunError, read_config
+from lowprec.recipes import Recipe, get_recipe
+
+__all__ = ["TrainConfig", "saved_config"]
+
+
+_POSITIVE = (
+    "steps",
+    "batch_size",
+    "seq_len",
+    "width",
+    "depth",
+    "heads",
+    "eval_every",
+    "eval_batches",
+    "ckpt_every",
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run of the reference model.
+
+    Every field is a flag of ``lowprec train`` (``--batch-size`` for ``batch_size``), with
+    the field's ``metadata["help"]``. ``recipe``: a preset name or a
+    :class:`~lowprec.Recipe` (``lowprec train --recipe FILE.json``); :meth:`to_dict` writes
+    its name, ``config.json`` the whole recipe. Invalid values raise ``ValueError`` (or
+    ``TypeError``) naming the field (:meth:`check_field`).
+    """
+
+    recipe: str | Recipe = field(
+        default="fp32", metadata={"help": "training recipe: a preset name or a JSON file"}
+    )
+    steps: int = field(default=400, metadata={"help": "training steps"})
+    batch_size: int = field(
+        default=16, metadata={"help": "sequences per step (the global batch under --parallel)"}
+    )
+    seq_len: int = field(default=64, metadata={"help": "characters per sequence"})
+    width: int = field(default=128, metadata={"help": "model width"})
+    depth: int = field(default=2, metadata={"help": "transformer layers"})
+    heads: int = field(default=4, metadata={"help": "attention heads (must divide --width)"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
+    warmup: int = field(
+        default=20, metadata={"help": "linear warm-up steps, then cosine decay to lr/10"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the initialisation and the data"})
+    eval_every: int = field(
+        default=50, metadata={"help": "evaluate every this many steps (and at the end)"}
+    )
+    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
+    ckpt_every: int = field(default=100, metadata={"help": "checkpoint every this many steps"})
+    model: str = field(
+        default="reference", metadata={"help": "reference or an HF architecture (docs/models.md)"}
+    )
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            self.check_field(f.name, getattr(self, f.name))
+        self.model_config()  # width divisible by heads
+
+    @classmethod
+    def check_field(cls, name: str, value: Any) -> None:
+        """Check ``value`` for field ``name`` alone: ``ValueError`` (``TypeError`` for a
+        recipe of the wrong type) whose message starts with the field's name."""
+        if name == "recipe":
+            get_recipe(value)  # unknown names list the valid ones
+        elif name == "model":
+            check_model_name(value)
+        elif name in _POSITIVE:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        elif name == "lr":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (ok and math.isfinite(value) and value > 0):
+                raise ValueError(f"lr must be a positive finite number, got {value!r}")
+        elif name in ("warmup", "seed"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        else:
+            raise ValueError(f"name: TrainConfig has no field {name!r}")
+
+    @property
+    def recipe_name(self) -> str:
+        return self.recipe.name if isinstance(self.recipe, Recipe) else self.recipe
+
+    def recipe_dict(self) -> dict[str, Any]:
+        """The recipe as ``Recipe.to_dict`` (what ``config.json`` stores)."""
+        return get_recipe(self.recipe).to_dict()
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step ``step`` (0-based): linear warm-up over ``warmup`` steps,
+        then cosine decay to ``lr / 10`` at the last step. A pure function of the step, so
+        resuming needs no scheduler state."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        span = max(self.steps - 1 - self.warmup, 1)
+        t = min((step - self.warmup) / span, 1.0)
+        return self.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * t)))
+
+    def model_config(self, vocab_size: int = 65) -> ModelConfig:
+        return ModelConfig(vocab_size, self.width, self.depth, self.heads, self.seq_len)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values, ``recipe`` by its name."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["recipe"] = self.recipe_name
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """From :meth:`to_dict` (unknown keys are ignored; ``recipe`` a preset name)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TrainConfig:
+        """The configuration a run directory's ``config.json`` records: its ``"train"``
+        entry, with the recipe rebuilt from its ``"recipe"`` dict (the preset name where
+        the dict is that preset's). ``ValueError``/``TypeError`` if it is not valid."""
+        train = dict(config["train"])
+        saved = config.get("recipe")
+        if isinstance(saved, dict) and saved:
+            name = train.get("recipe")
+            same = False
+            try:
+                same = isinstance(name, str) and get_recipe(name).to_dict() == saved
+            except ValueError:
+                pass  # not a preset: a recipe from a file
+            train["recipe"] = name if same else Recipe.from_dict(saved)
+        return cls.from_dict(train)
+
+    def differences(self, other: TrainConfig) -> list[str]:
+        """The names of the fields whose values differ between ``self`` and ``other``
+        (recipes compared by their dicts, whether given by name or as a Recipe)."""
+        out = []
+        for f in fields(self):
+            if f.name == "recipe":
+                if self.recipe_dict() != other.recipe_dict():
+                    out.append(f.name)
+            elif getattr(self, f.name) != getattr(other, f.name):
+                out.append(f.name)
+        return out
+
+
+def saved_config(out: Path, saved: dict[str, Any] | None = None) -> TrainConfig:
+    """The :class:`TrainConfig` that run directory ``out`` records (``saved``: its
+    ``config.json``, if already read); :class:`RunError` if there is none or it is not
+    valid."""
+    saved = read_config(out, "--resume") if saved is None else saved
+    try:
+        return TrainConfig.from_config(saved)
+    except (ValueError, TypeError, KeyError) as e:
+        raise RunError(f"--resume: {out / CONFIG} is corrupt ({e})") from None

@@ -1,0 +1,125 @@
+"""What a training run sets up before its first step (used by :mod:`lowprec.jobs.train`,
+which re-exports :func:`build`): :func:`check_size`, whether the run fits the corpus and
+the machine's memory; :func:`_prepare_dir`, the run directory, new or resumed with the same
+configuration; :func:`build`, the model, optimizer, loss scaler and data of a
+:class:`~lowprec.jobs.train_config.TrainConfig`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowprec.distributed.parallel import prepare as dist_prepare
+from lowprec.jobs.data import CharData
+from lowprec.jobs.model import build_model
+from lowprec.jobs.rundir import (
+    CHECKPOINT,
+    CONFIG,
+    METRICS,
+    NUMERICS,
+    SUMMARY,
+    RunError,
+    make_new_dir,
+    read_config,
+)
+from lowprec.jobs.train_config import TrainConfig, saved_config
+from lowprec.recipes import Prepared, prepare
+
+__all__ = ["build", "check_size"]
+
+_MEMORY_SHARE = 0.8  # refuse a configuration whose step needs more of the machine's memory
+
+
+def build(
+    cfg: TrainConfig, data: CharData | None = None, parallel: str | None = None
+) -> tuple[Prepared, CharData]:
+    """Model, optimizer, scaler and data for ``cfg``, initialised from ``cfg.seed``;
+    ``parallel`` (``"fsdp"``/``"ddp"``, under ``torchrun``): sharded by
+    :func:`lowprec.distributed.parallel.prepare`."""
+    data = data or CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.model_config(data.vocab_size))
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+
+    def factory(ps: list[Any]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(ps, lr=cfg.lr)
+
+    if parallel is not None:
+        return dist_prepare(model, cfg.recipe, parallel, factory, gen), data  # type: ignore[arg-type]
+    return prepare(model, cfg.recipe, factory, generator=gen), data
+
+
+def check_size(cfg: TrainConfig) -> CharData:
+    """The data of ``cfg``, after checking up front that the run fits: ``seq_len`` shorter
+    than each split of the corpus, and one step's estimated memory (attention scores
+    ``batch · heads · seq_len²`` and activations ``batch · seq_len · width``, per layer,
+    FP32, kept for backward) within :data:`_MEMORY_SHARE` of the machine's memory.
+    :class:`RunError` naming the option otherwise."""
+    try:
+        data = CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    except ValueError as e:
+        raise RunError(f"--seq-len {cfg.seq_len} is too long for the corpus ({e})") from None
+    b, t, w = cfg.batch_size, cfg.seq_len, cfg.width
+    need = 4 * cfg.depth * (4 * b * cfg.heads * t * t + 24 * b * t * w) + t * t
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return data
+    if need > _MEMORY_SHARE * have:
+        raise RunError(
+            f"--seq-len {t} / --batch-size {b} / --width {w}: one step needs about "
+            f"{need / 2**30:.0f} GiB, more than this machine's {have / 2**30:.0f} GiB of memory"
+        )
+    return data
+
+
+def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None) -> None:
+    if resume:
+        saved = read_config(out, "--resume")
+        old = saved_config(out, saved)
+        diff = [name for name in old.differences(cfg) if name != "steps"]
+        if diff:
+            what = "; ".join(
+                f"{name} {_shown(old, name)} in the run, {_shown(cfg, name)} now" for name in diff
+            )
+            raise RunError(
+                f"--resume: {out} was made with a different configuration ({what}); only "
+                "--steps may change"
+            )
+        was = (saved.get("parallel") or {}).get("mode")
+        if was != parallel:
+            raise RunError(
+                f"--resume: {out} was trained with --parallel {was or '(none)'}, not "
+                f"{parallel or '(none)'}; the process count may change, the mode may not"
+            )
+        return
+    if _never_trained(out):  # killed before anything was written: the same command restarts
+        for f in out.iterdir():
+            f.unlink()
+    make_new_dir(out, "pass --resume or another --out")
+
+
+def _shown(cfg: TrainConfig, name: str) -> str:
+    return cfg.recipe_name if name == "recipe" else repr(getattr(cfg, name))
+
+
+def _never_trained(out: Path) -> bool:
+    """Whether ``out`` is a run directory that a start killed before its first step was
+    logged: nothing in it but ``config.json`` (or its temporary file, a kill during that
+    write) and empty logs, no checkpoint. Starting it again loses nothing."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return False
+    own_tmp = {name + ".tmp" for name in (CONFIG, CHECKPOINT, SUMMARY, METRICS, NUMERICS)}
+    for f in out.iterdir():
+        if not f.is_file() or f.is_symlink():
+            return False
+        if f.name == CONFIG or f.name in own_tmp:
+            continue
+        if f.name in (METRICS, NUMERICS) and f.stat().st_size == 0:
+            continue
+        return False
+    return True
