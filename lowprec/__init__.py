@@ -6,8 +6,10 @@ by :func:`prepare`; or one technique on its own through its package's ``apply`` 
 u-μP), :mod:`lowprec.float8` (float8 GEMMs), :mod:`lowprec.scalify` (scaled arithmetic);
 :mod:`lowprec.distributed` for FSDP2/DDP/tensor parallelism, :mod:`lowprec.analysis` for
 statistics, and :class:`RunRecorder` to record your own training loop for ``lowprec
-report``. The foundation lives in :mod:`lowprec.core`: number formats, rounding,
-granularity, scales, scalers and the scaled tensor type (its main names are re-exported).
+report``; :func:`tune` (the autopilot, :mod:`lowprec.autopilot`) chooses a format per
+GEMM of each layer and returns a :class:`Plan` whose ``recipe`` trains. The foundation
+lives in :mod:`lowprec.core`: number formats, rounding, granularity, scales, scalers and
+the scaled tensor type (its main names are re-exported).
 """
 
 from lowprec._startup import guard_startup
@@ -17,6 +19,7 @@ guard_startup()  # a Ctrl-C while the lowprec command imports torch: one line, n
 # The technique packages, and distributed (which also makes Float8Linear run on DTensor
 # weights under tensor parallelism: lowprec.distributed.float8_dtensor registers it).
 from lowprec import amp, analysis, distributed, float8, recipes, scalify, unit
+from lowprec.autopilot import Plan, tune
 from lowprec.core import tensor_ops as _tensor_ops  # noqa: F401  (registers the layout rules)
 from lowprec.core.codes import from_bits, to_bits
 from lowprec.core.formats import Format, get_format
@@ -33,6 +36,7 @@ __all__ = [
     "DynamicScaler",
     "Format",
     "Granularity",
+    "Plan",
     "Recipe",
     "RunRecorder",
     "ScaledTensor",
@@ -51,6 +55,7 @@ __all__ = [
     "recipes",
     "scalify",
     "to_bits",
+    "tune",
     "unit",
 ]
 __version__ = "0.1.0"

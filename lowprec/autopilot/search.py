@@ -21,7 +21,7 @@ that lowering only ``g`` to candidate ``c`` used when measured
    step spends what is left of the budget where it buys the most.
 
 A GEMM's **fallbacks** are its safer choices in the order a guard should take them: the
-candidates costlier than its choice, cheapest first, each kept only if its measured
+candidates at least as costly as its choice, cheapest first, each kept only if its measured
 ``e_g`` is below that of the one before it; ``bf16`` last.
 """
 

@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from lowprec.autopilot import is_plan_dict
 from lowprec.cli import parallel as cli_parallel
 from lowprec.distributed import env
 from lowprec.jobs.model import model_names
@@ -41,8 +42,9 @@ def _recipe_arg(name: str) -> str:
 
 def _recipe_or_file(text: str) -> str | Recipe:
     """argparse ``type`` of ``train --recipe``: a preset name, or else a JSON file holding
-    a recipe in ``Recipe.to_dict``'s format (a name ending in ``.json``, or any other
-    existing file), read strictly (no code runs: :mod:`lowprec.recipes.serial`)."""
+    a recipe in ``Recipe.to_dict``'s format or a plan of ``lowprec tune`` (its recipe; a
+    name ending in ``.json``, or any other existing file), read strictly (no code runs:
+    :mod:`lowprec.recipes.serial`)."""
     path = Path(text)
     if text in recipe_names() or not (text.lower().endswith(".json") or path.is_file()):
         return _recipe_arg(text)
@@ -53,7 +55,7 @@ def _recipe_or_file(text: str) -> str | Recipe:
     except (UnicodeDecodeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text} is not JSON ({e})") from None
     try:
-        return Recipe.from_dict(d)
+        return Recipe.from_dict(d["recipe"] if is_plan_dict(d) else d)  # lowprec tune's plan
     except (ValueError, TypeError, KeyError) as e:
         raise argparse.ArgumentTypeError(f"{text} is not a recipe ({e})") from None
 

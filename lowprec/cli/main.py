@@ -37,6 +37,7 @@ from lowprec.analysis.snr import (
     snr_sweep,
 )
 from lowprec.cli.jobs import add_demo, add_recipes, add_report, add_train
+from lowprec.cli.tune import add_tune
 from lowprec.core.formats import Format, format_names, get_format
 from lowprec.jobs.interrupts import Interrupted, exit_code
 from lowprec.jobs.rundir import RunNote
@@ -218,6 +219,7 @@ def _snr_table(curves: Sequence[SnrCurve]) -> RenderableType:
 _COMMANDS: tuple[Callable[[_SubParsers], None], ...] = (
     add_demo,
     add_train,
+    add_tune,
     add_report,
     add_recipes,
     _add_formats,

@@ -1,0 +1,148 @@
+"""``lowprec tune``: parse the flags, run :func:`lowprec.jobs.tune.run_tune`, print the plan.
+
+Example:
+    $ lowprec tune --target b200 --out plan.json
+    $ lowprec train --recipe plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from lowprec.autopilot.cost import CANDIDATES, RATES, TARGETS, check_candidates
+from lowprec.jobs.model import model_names
+from lowprec.jobs.tune import TuneConfig, plan_rows, run_tune
+
+__all__ = ["add_tune"]
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return v
+
+    return parse
+
+
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _candidates(text: str) -> tuple[str, ...]:
+    try:
+        return check_candidates([c.strip() for c in text.split(",") if c.strip()])
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("candidates: ")) from None
+
+
+def add_tune(subparsers: Any) -> None:
+    rates = "; ".join(
+        f"{t}: " + ", ".join(f"{k} {v:g}" for k, v in r.items()) for t, r in RATES.items()
+    )
+    d = TuneConfig()
+    p = subparsers.add_parser(
+        "tune",
+        help="choose a format per GEMM of each layer within an error budget (the autopilot)",
+        description="Measure each linear layer's sensitivity (per GEMM: loss change, "
+        "gradient error, SQNR) on a few batches, and choose per GEMM among the candidates "
+        "the cheapest modelled GEMM time on --target within the error budget. Writes a "
+        "plan (lowprec train --recipe PLAN.json trains with it). GEMM rates relative to "
+        f"BF16: {rates}. See docs/autopilot.md.",
+    )
+    p.add_argument("--target", choices=TARGETS, default=d.target, help=f"default {d.target}")
+    p.add_argument("--out", type=Path, default=Path("plan.json"), help="default plan.json")
+    p.add_argument("--model", choices=model_names(), default=d.model, help=f"default {d.model}")
+    for name, help_ in (
+        ("width", "model width"),
+        ("depth", "transformer layers"),
+        ("heads", "attention heads"),
+        ("seq_len", "characters per sequence"),
+        ("batch_size", "sequences per tuning batch"),
+        ("batches", "tuning batches"),
+    ):
+        default = getattr(d, name)
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=_positive(int),
+            default=default,
+            help=f"{help_} (default {default})",
+        )
+    p.add_argument(
+        "--budget",
+        type=_positive(float),
+        default=None,
+        help="error budget b: relative loss change b and gradient error 10*b on the tuning "
+        "batches (default: loss 0.005, gradient 0.05)",
+    )
+    p.add_argument(
+        "--candidates",
+        type=_candidates,
+        default=None,
+        metavar="A,B,...",
+        help=f"formats to choose among (default all: {','.join(CANDIDATES)}; bf16 always)",
+    )
+    p.add_argument("--seed", type=_non_negative, default=d.seed, help="default 0")
+    p.add_argument(
+        "--steps-before",
+        type=_non_negative,
+        default=d.steps_before,
+        help=f"train this many BF16 steps before measuring (default {d.steps_before})",
+    )
+    p.add_argument("--lr", type=_positive(float), default=d.lr, help="lr of --steps-before")
+    p.set_defaults(handler=_run_tune, parser=p)
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    if args.out.exists() and args.out.is_dir():
+        args.parser.error(f"--out: {args.out} is a directory; give a file name (plan.json)")
+    try:
+        cfg = TuneConfig(
+            target=args.target,
+            model=args.model,
+            width=args.width,
+            depth=args.depth,
+            heads=args.heads,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            batches=args.batches,
+            budget=args.budget,
+            candidates=args.candidates,
+            seed=args.seed,
+            steps_before=args.steps_before,
+            lr=args.lr,
+        )
+    except ValueError as e:
+        args.parser.error(str(e))
+    console = Console(file=sys.stdout, width=160, highlight=False)
+    plan = run_tune(cfg, args.out, say=console.print)
+    table = Table(title=f"plan for {plan.target}: {args.out}", title_justify="left")
+    for col in ("layer", "FLOPs", "forward", "input_grad", "weight_grad", "SQNR dB", "error"):
+        table.add_column(col, justify="left" if col == "layer" else "right")
+    for row in plan_rows(plan):
+        table.add_row(*row)
+    console.print(table)
+    m = plan.measured
+    console.print(
+        f"modelled GEMM cost {plan.cost:.3f} of BF16 on {plan.target}; measured loss change "
+        f"{100 * m['loss_delta']:.3f}%, gradient error {100 * m['grad_err']:.2f}% "
+        f"({m['error']:.2f} of the budget)"
+    )
+    console.print(f"wrote {args.out}; train with: lowprec train --recipe {args.out}")
+    return 0

@@ -1,0 +1,122 @@
+"""``lowprec tune``: the autopilot on a model of ``lowprec train``, written to ``plan.json``.
+
+The model is built as ``lowprec train`` builds it (:func:`lowprec.jobs.model.build_model`,
+same shape flags, same seed), optionally trained ``steps_before`` steps in BF16 so that the
+sensitivity is measured on weights that have moved from their initialisation, then tuned
+(:func:`lowprec.tune`) on ``batches`` training batches drawn after those steps. The plan is
+written atomically (:meth:`lowprec.autopilot.Plan.save`); ``lowprec train --recipe
+plan.json`` trains with its recipe.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowprec.autopilot import Budget, Plan, tune
+from lowprec.autopilot.cost import check_candidates, check_target
+from lowprec.jobs.data import CharData
+from lowprec.jobs.model import ModelConfig, build_model, check_model_name
+from lowprec.recipes import prepare
+from lowprec.recipes.step import train_step
+
+__all__ = ["TuneConfig", "plan_rows", "run_tune"]
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """What ``lowprec tune`` tunes (every field a flag; checked on construction)."""
+
+    target: str = "h100"
+    model: str = "reference"
+    width: int = 128
+    depth: int = 2
+    heads: int = 4
+    seq_len: int = 64
+    batch_size: int = 8
+    batches: int = 2
+    budget: float | None = None
+    candidates: tuple[str, ...] | None = None
+    seed: int = 0
+    steps_before: int = 0
+    lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        check_target(self.target)
+        check_model_name(self.model)
+        for name in ("width", "depth", "heads", "seq_len", "batch_size", "batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("seed", "steps_before"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if self.budget is not None:
+            Budget.of(self.budget)
+        if self.candidates is not None:
+            check_candidates(self.candidates)
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        ModelConfig(65, self.width, self.depth, self.heads, self.seq_len)  # width % heads
+
+
+def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    loss: torch.Tensor = model(*batch)[1]
+    return loss
+
+
+def run_tune(cfg: TuneConfig, out: Path, say: Callable[[str], None] = print) -> Plan:
+    """Build, optionally pre-train, tune and save the plan to ``out`` (module docstring)."""
+    data = CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    shape = ModelConfig(data.vocab_size, cfg.width, cfg.depth, cfg.heads, cfg.seq_len)
+    model = build_model(cfg.model, shape)
+    if cfg.steps_before:
+        prepared = prepare(model, "bf16", lambda ps: torch.optim.AdamW(ps, lr=cfg.lr))
+        warm = max(cfg.steps_before // 5, 1)
+        for step in range(cfg.steps_before):
+            lr = cfg.lr * min(1.0, (step + 1) / warm)
+            train_step(prepared, *data.batch("train", step), lr)
+        model = prepared.model
+        say(f"trained {cfg.steps_before} steps in bf16 before measuring")
+    batches = [data.batch("train", cfg.steps_before + i) for i in range(cfg.batches)]
+    plan = tune(
+        model,
+        batches,
+        loss_fn=_loss,
+        target=cfg.target,
+        budget=cfg.budget,
+        candidates=cfg.candidates,
+        seed=cfg.seed,
+        progress=say,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plan.save(out)
+    return plan
+
+
+def plan_rows(plan: Plan) -> list[list[str]]:
+    """One row per layer for the summary table: fqn, share of the FLOPs, the format of
+    each GEMM, the worst operand SQNR (dB), the largest budget share of its GEMMs."""
+    total = sum(float(d["flops"]) for d in plan.layers.values()) or 1.0
+    rows = []
+    for fqn, d in plan.layers.items():
+        gemms = d["gemms"]
+        sq = [g["sqnr_db"] for g in gemms.values() if g["format"] != "bf16" and g["sqnr_db"]]
+        rows.append(
+            [
+                fqn,
+                f"{100 * float(d['flops']) / total:.1f}%",
+                *(str(gemms[g]["format"]) for g in ("forward", "input_grad", "weight_grad")),
+                f"{min(sq):.1f}" if sq else "-",
+                f"{max(float(g['error']) for g in gemms.values()):.3f}",
+            ]
+        )
+    return rows
