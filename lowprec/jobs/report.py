@@ -47,7 +47,10 @@ from lowprec.analysis.diagnosis import (  # Run and diagnose re-exported: the re
 )
 from lowprec.analysis.plots import plot_curves, plot_exp_histograms, plot_scale_chart
 from lowprec.analysis.tracking import BACKWARD_KINDS
+from lowprec.analysis.verdicts import failing
+from lowprec.jobs.attribution import attribute_run
 from lowprec.jobs.rundir import (
+    CHECKPOINT,
     RunError,
     read_gemms,
     read_metrics,
@@ -181,6 +184,26 @@ def _gemm_table(run: Run) -> str:
             "GEMM rel. error",
         ],
         rows,
+    )
+
+
+def _attribution_table(run: Run, batches: int = 4) -> str:
+    """For a failing run: its lowered layers ranked by how much of the loss each costs,
+    measured on its final checkpoint (:func:`lowprec.jobs.attribution.attribute_run`)."""
+    if not (run.path / CHECKPOINT).is_file():
+        return ""
+    try:
+        rows = attribute_run(run.path, batches)
+    except RunError as e:
+        return f"<p>Layers that explain the gap: not measured ({html.escape(str(e))}).</p>"
+    if not rows:
+        return ""
+    base = rows[0]["base"]
+    cells = [[r["layer"], f"{r['loss']:.4f}", f"{100 * r['gain']:+.2f}%"] for r in rows[:10]]
+    return (
+        "<h3>Layers that explain the gap</h3><p>Validation loss on the final checkpoint "
+        f"({batches} batches): {base:.4f} as trained; with only that layer in high "
+        "precision (the same weights):</p>" + _table(["layer", "loss", "loss recovered"], cells)
     )
 
 
@@ -386,6 +409,8 @@ def write_report(
                 + "".join(f"<li>{html.escape(n)}</li>" for n in diagnose(run, verdicts[i][1]))
                 + "</ul></div>"
             )
+            if failing(verdicts[i][1]):
+                parts.append(_attribution_table(run))
             parts.append(_plan_table(run))
             parts.append(_gemm_table(run))
             steps = run.tracked_steps
