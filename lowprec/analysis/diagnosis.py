@@ -77,6 +77,7 @@ class Run:
     numerics: list[dict[str, Any]] = field(default_factory=list)
     label: str = ""  # the name shown; write_report makes it unique among the runs
     gemms: list[dict[str, Any]] = field(default_factory=list)  # gemms.jsonl
+    moves: list[dict[str, Any]] = field(default_factory=list)  # guard.jsonl
 
     @property
     def name(self) -> str:
@@ -284,6 +285,13 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
         notes.append(
             f"The loss scaler skipped {s['skipped_steps']} step(s) with Inf/NaN gradients "
             "(expected while a dynamic loss scale finds its level)."
+        )
+    if run.moves:
+        mv = run.moves[-1]
+        notes.append(
+            f"The guard moved {len(run.moves)} layer(s) to safer formats during training "
+            f"(the last after step {mv['step']}: {mv['layer']} from {mv['frm']} to "
+            f"{mv['to']}, {mv['reason']}); the findings below describe the run as it ended."
         )
     found = gemm_findings(run)
     cause = bool(found) and not found[0].startswith("The low-precision GEMMs' casts flush")

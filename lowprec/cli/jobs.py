@@ -156,6 +156,8 @@ def add_train(subparsers: Any) -> None:
         elif f.name == "model":
             extra = {"choices": model_names()}
             text += "; needs pip install 'lowprec[hf]' for the HF ones"
+        elif str(f.type) == "bool":
+            extra = {"action": "store_const", "const": True}
         config.add_argument(
             _flag(f.name), default=None, help=f"{text} (default {default})", **extra
         )

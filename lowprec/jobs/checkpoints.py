@@ -16,14 +16,17 @@ from typing import Any
 
 import torch
 
+from lowprec.autopilot.guard import Guard, Move
 from lowprec.distributed import env
 from lowprec.jobs import parallel as par
 from lowprec.jobs import rundir
 from lowprec.jobs.rundir import (
     CHECKPOINT,
+    GUARD,
     NonFiniteError,
     RunError,
     load_checkpoint,
+    read_jsonl,
     save_checkpoint,
 )
 from lowprec.recipes import Prepared
@@ -62,10 +65,16 @@ def nonfinite_state(prepared: Prepared) -> str | None:
     return None
 
 
-def save(out: Path, prepared: Prepared, step: int, parallel: str | None = None) -> None:
+def save(
+    out: Path,
+    prepared: Prepared,
+    step: int,
+    parallel: str | None = None,
+    guard: Guard | None = None,
+) -> None:
     """Checkpoint at ``step``; refuses (:class:`NonFiniteError`) to write Inf/NaN state, so
     the last good checkpoint is never overwritten with it. ``parallel``: a DCP checkpoint
-    written by every rank (:mod:`lowprec.jobs.parallel`)."""
+    written by every rank (:mod:`lowprec.jobs.parallel`). ``guard``: its state too."""
     bad = nonfinite_state(prepared)
     if bad is not None:
         raise NonFiniteError(
@@ -75,12 +84,19 @@ def save(out: Path, prepared: Prepared, step: int, parallel: str | None = None) 
     if parallel is not None:
         par.save_checkpoint(out, prepared, step, parallel)
         return
-    save_checkpoint(out, {"step": step, "run": prepared.state_dict(), "rng": _rng_state()})
+    state = {"step": step, "run": prepared.state_dict(), "rng": _rng_state()}
+    if guard is not None:
+        state["guard"] = guard.state_dict()
+    save_checkpoint(out, state)
 
 
-def restore(out: Path, prepared: Prepared, parallel: str | None = None) -> int:
+def restore(
+    out: Path, prepared: Prepared, parallel: str | None = None, guard: Guard | None = None
+) -> int:
     """Restore the checkpoint of ``out`` (none yet: step 0) and cut the logs back to it
-    (atomic rewrites); the step to continue from."""
+    (atomic rewrites); the step to continue from. ``guard``: the moves it recorded up to the
+    checkpoint's step (``guard.jsonl``) are replayed on the model first, so that the
+    checkpoint's state fits it, then the guard's own state is restored."""
     if parallel is not None:
         start = 0
         if env.on_main(lambda: par.has_checkpoint(out), RunError):
@@ -91,7 +107,12 @@ def restore(out: Path, prepared: Prepared, parallel: str | None = None) -> int:
     if (out / CHECKPOINT).exists():
         state = load_checkpoint(out)
         try:
+            if guard is not None:
+                moves = [Move.from_dict(r) for r in read_jsonl(out / GUARD)]
+                guard.replay([m for m in moves if m.step <= int(state["step"])])
             prepared.load_state_dict(state["run"])
+            if guard is not None:
+                guard.load_state_dict(state.get("guard", {}))
         except (ValueError, KeyError, RuntimeError, TypeError) as e:
             raise RunError(f"--resume: checkpoint {out / CHECKPOINT} does not fit ({e})") from None
         _set_rng_state(state["rng"])

@@ -330,6 +330,19 @@ class RunRecorder:
         self._next(step)
         return rec
 
+    @property
+    def gemm_records(self) -> list[dict[str, Any]]:
+        """The per-GEMM records measured since the last :meth:`log` (what it will write to
+        ``gemms.jsonl``; a copy)."""
+        return list(self._gemms.records)
+
+    def append(self, name: str, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append JSON-line ``records`` to the run directory's file ``name`` (e.g. the
+        guard's moves), whole lines (:func:`~lowprec.jobs.rundir.append_jsonl`); nothing
+        for a recorder that does not write."""
+        if self.writer:
+            append_jsonl(self.out / name, [dict(r) for r in records])
+
     def _from_scaler(self) -> dict[str, Any]:
         s = self.scaler
         out: dict[str, Any] = {"skipped": False, "loss_scale": 1.0}

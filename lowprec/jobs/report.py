@@ -51,8 +51,10 @@ from lowprec.analysis.verdicts import failing
 from lowprec.jobs.attribution import attribute_run
 from lowprec.jobs.rundir import (
     CHECKPOINT,
+    GUARD,
     RunError,
     read_gemms,
+    read_jsonl,
     read_metrics,
     read_run,
     summary_of,
@@ -67,7 +69,9 @@ def load_run(path: str | Path) -> Run:
     ``ValueError``) if it is not one."""
     config, metrics, numerics = read_run(path)
     summary = summary_of(metrics, config)
-    return Run(Path(path), config, metrics, summary, numerics, gemms=read_gemms(path))
+    run = Run(Path(path), config, metrics, summary, numerics, gemms=read_gemms(path))
+    run.moves = read_jsonl(Path(path) / GUARD)
+    return run
 
 
 def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
@@ -205,6 +209,14 @@ def _attribution_table(run: Run, batches: int = 4) -> str:
         f"({batches} batches): {base:.4f} as trained; with only that layer in high "
         "precision (the same weights):</p>" + _table(["layer", "loss", "loss recovered"], cells)
     )
+
+
+def _moves_table(run: Run) -> str:
+    """The guard's moves (``lowprec train --guard``): step, layer, from, to, why."""
+    if not run.moves:
+        return ""
+    rows = [[str(m["step"]), m["layer"], m["frm"], m["to"], m["reason"]] for m in run.moves]
+    return "<h3>The guard's moves</h3>" + _table(["after step", "layer", "from", "to", "why"], rows)
 
 
 def _plan_table(run: Run) -> str:
@@ -412,6 +424,7 @@ def write_report(
             if failing(verdicts[i][1]):
                 parts.append(_attribution_table(run))
             parts.append(_plan_table(run))
+            parts.append(_moves_table(run))
             parts.append(_gemm_table(run))
             steps = run.tracked_steps
             for label, step in (

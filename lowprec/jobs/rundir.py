@@ -10,7 +10,9 @@ A run directory holds
   ``"step"`` the 0-based step index;
 * ``gemms.jsonl`` (:data:`GEMMS`): :mod:`lowprec.analysis.gemms` records (per-GEMM
   measured numerics of the casts), ``"step"`` the 0-based step index;
-* ``checkpoint.pt`` (:data:`CHECKPOINT`): ``{"step", "run", "rng"}``;
+* ``guard.jsonl`` (:data:`GUARD`): the moves of ``lowprec train --guard``
+  (:class:`lowprec.autopilot.guard.Move`), ``"step"`` the steps done when it moved;
+* ``checkpoint.pt`` (:data:`CHECKPOINT`): ``{"step", "run", "rng"}`` (and ``"guard"``);
 * ``summary.json`` (:data:`SUMMARY`): :func:`summary_of` the metrics, at the end.
 
 Every file is strict JSON (:mod:`lowprec._json`): a NaN or infinite number, such as the loss
@@ -54,6 +56,7 @@ __all__ = [
     "CHECKPOINT",
     "CONFIG",
     "GEMMS",
+    "GUARD",
     "METRICS",
     "NUMERICS",
     "SUMMARY",
@@ -84,6 +87,7 @@ CONFIG = "config.json"
 SUMMARY = "summary.json"
 NUMERICS = "numerics.jsonl"
 GEMMS = "gemms.jsonl"
+GUARD = "guard.jsonl"
 _TMP = ".tmp"  # suffix of the temporary files of atomic writes
 
 # Keys every metrics record has (what summary_of reads) and every numerics record has.
@@ -321,6 +325,7 @@ def cut_logs(out: Path, last: int, context: str, every_step: bool = False) -> li
         _rewrite(path, kept)
     truncate_jsonl(out / NUMERICS, last - 1)  # numerics: 0-based step index
     truncate_jsonl(out / GEMMS, last - 1)
+    truncate_jsonl(out / GUARD, last)  # the guard's moves: after step ``step`` (1-based)
     (out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
     return kept
 

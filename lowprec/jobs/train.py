@@ -40,6 +40,7 @@ import torch
 from lowprec import _faults
 from lowprec.amp import NoLossScaler
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
+from lowprec.autopilot.guard import Guard
 from lowprec.distributed import env
 from lowprec.distributed.parallel import PARALLEL
 from lowprec.jobs import checkpoints
@@ -51,6 +52,7 @@ from lowprec.jobs.recorder import RunRecorder
 from lowprec.jobs.rundir import (  # re-exported: the job's own names for its files
     CHECKPOINT,
     CONFIG,
+    GUARD,
     METRICS,
     NUMERICS,
     SUMMARY,
@@ -155,9 +157,12 @@ def train(
             f"--batch-size {cfg.batch_size} is the global batch: it must be divisible by the "
             f"number of processes ({env.world_size()})"
         )
+    if cfg.guard and parallel is not None:
+        raise RunError("--guard runs on one process; it is not supported with --parallel")
     env.on_main(lambda: _prepare_dir(out, cfg, resume, parallel), RunError)
     prepared, data = build(cfg, data, parallel)
-    start = checkpoints.restore(out, prepared, parallel) if resume else 0
+    guard = Guard(prepared.model) if cfg.guard else None
+    start = checkpoints.restore(out, prepared, parallel, guard) if resume else 0
     has_ckpt = env.on_main(
         lambda: (out / (CHECKPOINT if parallel is None else par.POINTER)).exists(), RunError
     )
@@ -175,6 +180,7 @@ def train(
         config=cfg.to_dict(),
         steps=cfg.steps,
         numerics_every=cfg.steps,  # step indices 0 and steps - 1
+        gemms_every=cfg.gemms_every,
         formats=TRACK_FORMATS,
         resume=resume,
         resume_from=start if resume else None,
@@ -185,7 +191,7 @@ def train(
     try:
         _faults.point("startup")
         end = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
-        loop = _Loop(cfg, prepared, data, recorder, on_nonfinite, max_skips, parallel)
+        loop = _Loop(cfg, prepared, data, recorder, on_nonfinite, max_skips, parallel, guard)
         loop.last_ckpt = start if has_ckpt else None
         show = progress and env.is_main()
         bar = Progress(cfg.steps, start, label or cfg.recipe_name, enabled=show)
@@ -199,7 +205,7 @@ def train(
                 step += 1
                 if step % cfg.ckpt_every == 0 and step < cfg.steps:
                     with signals.protect():
-                        checkpoints.save(out, prepared, step, parallel)
+                        checkpoints.save(out, prepared, step, parallel, guard)
                     loop.last_ckpt = step
                 running.add(rec["loss"], rec["step_time"])
                 shown = {"loss": running.train_loss, "step_time": running.step_time_ms / 1e3}
@@ -208,11 +214,11 @@ def train(
             if received is not None and step < end:
                 if loop.last_ckpt != step:
                     with signals.protect():
-                        checkpoints.save(out, prepared, step, parallel)
+                        checkpoints.save(out, prepared, step, parallel, guard)
                 raise Interrupted(step, received, str(out))
     finally:
         recorder.close(summary=False)  # the hooks removed; the summary only at the end
-    checkpoints.save(out, prepared, step, parallel)
+    checkpoints.save(out, prepared, step, parallel, guard)
     if step < cfg.steps:
         return {"stopped_at": step}
     summary: dict[str, Any] = env.on_main(recorder.write_summary, RunError)
@@ -231,8 +237,10 @@ class _Loop:
         on_nonfinite: str,
         max_skips: int,
         parallel: str | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self.cfg, self.prepared, self.data, self.recorder = cfg, prepared, data, recorder
+        self.guard = guard
         self.parallel = parallel
         self.on_nonfinite, self.max_skips = on_nonfinite, max_skips
         self.scaler_skips = not isinstance(prepared.scaler, NoLossScaler)
@@ -258,6 +266,11 @@ class _Loop:
                 f"({rec['nonfinite'] or 'gradients'} NaN/Inf); the run stops (--max-skips "
                 f"{self.max_skips})"
             )
+        if stop is None and self.guard is not None and not rec["skipped"]:
+            moves = self.guard.check(done, self.recorder.gemm_records, rec["loss"])
+            if moves:  # written before the step's metrics line: a resume cuts both
+                self.recorder.append(GUARD, [m.to_dict() for m in moves])
+                rec["guard_moves"] = len(moves)
         if stop is not None:
             rec["stopped"] = "nonfinite"
         elif done % cfg.eval_every == 0 or done == cfg.steps:

@@ -28,6 +28,7 @@ _POSITIVE = (
     "eval_every",
     "eval_batches",
     "ckpt_every",
+    "gemms_every",
 )
 
 
@@ -66,6 +67,17 @@ class TrainConfig:
     model: str = field(
         default="reference", metadata={"help": "reference or an HF architecture (docs/models.md)"}
     )
+    gemms_every: int = field(
+        default=25,
+        metadata={"help": "measure the low-precision GEMMs' casts every this many steps"},
+    )
+    guard: bool = field(
+        default=False,
+        metadata={
+            "help": "move a float8 layer to a safer format when its measured GEMMs or the "
+            "loss fail (lowprec.autopilot.guard; docs/autopilot.md)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -87,6 +99,9 @@ class TrainConfig:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (ok and math.isfinite(value) and value > 0):
                 raise ValueError(f"lr must be a positive finite number, got {value!r}")
+        elif name == "guard":
+            if not isinstance(value, bool):
+                raise ValueError(f"guard must be a bool, got {value!r}")
         elif name in ("warmup", "seed"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
