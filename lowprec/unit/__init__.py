@@ -25,6 +25,7 @@ Example:
     >>> import torch
     >>> from lowprec.jobs.model import CharGPT, ModelConfig
     >>> from lowprec.unit import apply, umup_param_groups
+    >>> _ = torch.manual_seed(0)
     >>> cfg = ModelConfig(vocab_size=16, width=32, depth=1, heads=2)
     >>> model = apply(CharGPT(cfg))          # weights re-initialised to unit variance
     >>> opt = torch.optim.AdamW(umup_param_groups(model, lr=1.0))
