@@ -211,6 +211,13 @@ def _attribution_table(run: Run, batches: int = 4) -> str:
     )
 
 
+def _chart_formats(run: Run) -> list[str]:
+    """The formats whose ranges a run's charts shade: the one it stores its tensors in and
+    those its low-precision GEMMs cast to (never a format the run did not use)."""
+    cast = [op["format"] for _, _, op in gemm_operands(run)]
+    return list(dict.fromkeys([run.compute_format, *cast]))
+
+
 def _moves_table(run: Run) -> str:
     """The guard's moves (``lowprec train --guard``): step, layer, from, to, why."""
     if not run.moves:
@@ -437,7 +444,7 @@ def write_report(
                 args: tuple[Any, ...] = (
                     run.numerics,
                     step,
-                    run.formats,
+                    _chart_formats(run),
                     png,
                     f"{run.name}: tensor scales {label} (step {step})",
                 )
@@ -448,16 +455,17 @@ def write_report(
             if steps:
                 last = steps[-1]
                 if detail:
-                    most = list(
-                        dict.fromkeys(
-                            (r["name"], r["kind"]) for _, _, r in worst(run, last, "below_normal")
-                        )
-                    )[:6]
+                    # the tensors with most values below the smallest normal of the format
+                    # they are stored in; a run whose format was not tracked (FP32): of any
+                    # tracked format, i.e. its smallest tensors
+                    own = judged_formats(run) or None
+                    ranked = worst(run, last, "below_normal", formats=own)
+                    most = list(dict.fromkeys((r["name"], r["kind"]) for _, _, r in ranked))[:6]
                     png = t / f"hist{i}.png"
-                    args = (run.numerics, last, most, run.formats, png)
+                    args = (run.numerics, last, most, _chart_formats(run), png)
+                    what = "most underflowing" if own else "smallest"
                     parts += [
-                        "<h3>Exponent histograms of the most underflowing tensors "
-                        f"(step {last})</h3>",
+                        f"<h3>Exponent histograms of the {what} tensors (step {last})</h3>",
                         image(plot_exp_histograms, args, png, f"{run.name} exponent histograms"),
                     ]
                 parts.append(_tensor_table(run, last, "below_normal", "Most underflow"))
