@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lowprec.analysis.tracking import BACKWARD_KINDS, KINDS
 from lowprec.analysis.verdicts import (
     FAIL_GAP,
@@ -146,30 +148,47 @@ def worst(
     measure: str,
     kinds: Sequence[str] | None = None,
     formats: Sequence[str] | None = None,
+    own: bool = False,
 ) -> list[tuple[float, str, dict[str, Any]]]:
-    """(share, format, record) of ``measure`` at ``step``, largest first."""
+    """(share, format, record) of ``measure`` at ``step``, largest first; ``own``: each
+    tensor only in the format it is stored in (:func:`own_format`)."""
     out = []
     for r in run.numerics:
         if r["step"] != step or (kinds is not None and r["kind"] not in kinds):
             continue
+        mine = own_format(r) if own else None
         for fmt, share in r[measure].items():
-            if formats is None or fmt in formats:
+            if (formats is None or fmt in formats) and (not own or fmt == mine):
                 out.append((float(share), fmt, r))
     return sorted(out, key=lambda t: -t[0])
 
 
+def own_format(record: Mapping[str, Any]) -> str | None:
+    """The format a tracked tensor is stored in (its record's ``dtype``: a ScaledTensor's
+    payload), ``None`` if that is no format lowprec names."""
+    dtype = getattr(torch, str(record.get("dtype", "")), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return None
+    try:
+        return get_format(dtype).name
+    except (ValueError, TypeError):
+        return None
+
+
 def judged_formats(run: Run, backward: bool = False) -> list[str]:
-    """The format a run's tracked tensors are judged in: the one they are stored in
-    (:attr:`Run.compute_format`), where the tracker measured it. Never a format they did not
-    pass through: a GEMM's FP8/FP4 casts are judged by what they measurably did
-    (:func:`gemm_findings`). ``backward`` is accepted for callers that judge gradients
-    and forward tensors apart: both are stored in the same format."""
-    return [f for f in (run.compute_format,) if f in run.formats]
+    """The formats a run's tracked tensors are judged in: each tensor in the one it is
+    stored in (:func:`own_format`), where the tracker measured that format. Never a format
+    it did not pass through: a GEMM's FP8/FP4 casts are judged by what they measurably did
+    (:func:`gemm_findings`). ``backward``: the formats of the gradients only."""
+    kinds = BACKWARD_KINDS if backward else KINDS
+    fmts = [own_format(r) for r in run.numerics if r["kind"] in kinds]
+    return [f for f in dict.fromkeys(fmts) if f is not None and f in run.formats]
 
 
 def worst_overflow(run: Run, step: int) -> list[tuple[float, str, dict[str, Any]]]:
-    """Overflow shares at ``step`` in the run's storage format, largest first."""
-    return worst(run, step, "above_max", KINDS, judged_formats(run))
+    """Overflow shares at ``step``, each tensor in the format it is stored in, largest
+    first."""
+    return worst(run, step, "above_max", KINDS, own=True)
 
 
 # ---- the low-precision GEMMs: what their casts did ---------------------------------------
@@ -276,7 +295,7 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
             f"The loss became NaN/Inf at step {s['diverged_at']}: the run diverged. Look for "
             "overflow below, lower the learning rate, or use loss scaling with skipped steps."
         )
-    if run.stopped_early:
+    if run.stopped_early and s.get("diverged_at") is None:
         notes.append(
             f"The run stopped at step {s.get('steps')} of {run.planned_steps} (interrupted?): "
             "its numbers are not final; `lowprec train --resume` continues it exactly."
@@ -307,7 +326,7 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
     last = run.tracked_steps[-1] if run.numerics else None
     for fmt in judged_formats(run) if last is not None else ():
         assert last is not None
-        bad = [t for t in worst(run, last, "below_normal", BACKWARD_KINDS, [fmt])]
+        bad = worst(run, last, "below_normal", BACKWARD_KINDS, [fmt], own=True)
         bad = [t for t in bad if t[0] >= UNDERFLOW_ALERT]
         if bad:
             cause = True
@@ -326,7 +345,7 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
                 f"{fmt} (below its smallest normal, {get_format(fmt).min_normal:.3g}) at step "
                 f"{last}{more}: use loss scaling or unit scaling."
             )
-        over = [t for t in worst_overflow(run, last) if t[0] >= OVERFLOW_ALERT]
+        over = [t for t in worst_overflow(run, last) if t[1] == fmt and t[0] >= OVERFLOW_ALERT]
         if over:
             cause = True
             share, _, r = over[0]
@@ -336,7 +355,7 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
                 "(loss scaling, float8 scaling) or keep them in a wider format."
             )
     where = f" at step {last}" if last is not None else ""
-    checked = f" in {own}" if last is not None else ""
+    checked = f" in {', '.join(judged_formats(run)) or own}" if last is not None else ""
     if fails and not cause:
         notes.append(
             f"No measured underflow or overflow{checked}{where} and no GEMM cast that flushes or "

@@ -121,7 +121,7 @@ def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
         v = val(run)
         gap = None if ref is None or v is None else 100 * (v / ref - 1)
         last = run.tracked_steps[-1] if run.numerics else -1
-        uf = worst(run, last, "below_normal", BACKWARD_KINDS, judged_formats(run))
+        uf = worst(run, last, "below_normal", BACKWARD_KINDS, own=True)
         of = worst_overflow(run, last)
         casts = gemm_operands(run)
         flush = max(casts, key=lambda t: float(t[2].get("flushed") or 0.0), default=None)
@@ -212,10 +212,10 @@ def _attribution_table(run: Run, batches: int = 4) -> str:
 
 
 def _chart_formats(run: Run) -> list[str]:
-    """The formats whose ranges a run's charts shade: the one it stores its tensors in and
+    """The formats whose ranges a run's charts shade: those it stores its tensors in and
     those its low-precision GEMMs cast to (never a format the run did not use)."""
     cast = [op["format"] for _, _, op in gemm_operands(run)]
-    return list(dict.fromkeys([run.compute_format, *cast]))
+    return list(dict.fromkeys([run.compute_format, *judged_formats(run), *cast]))
 
 
 def _moves_table(run: Run) -> str:
@@ -249,7 +249,7 @@ def _plan_table(run: Run) -> str:
 
 
 def _tensor_table(run: Run, step: int, measure: str, title: str) -> str:
-    top = [t for t in worst(run, step, measure, formats=judged_formats(run)) if t[0] > 0][:8]
+    top = [t for t in worst(run, step, measure, own=True) if t[0] > 0][:8]
     if not top:
         return f"<p>{html.escape(title)}: none.</p>"
     rows = [
@@ -458,8 +458,8 @@ def write_report(
                     # the tensors with most values below the smallest normal of the format
                     # they are stored in; a run whose format was not tracked (FP32): of any
                     # tracked format, i.e. its smallest tensors
-                    own = judged_formats(run) or None
-                    ranked = worst(run, last, "below_normal", formats=own)
+                    own = bool(judged_formats(run))
+                    ranked = worst(run, last, "below_normal", own=own)
                     most = list(dict.fromkeys((r["name"], r["kind"]) for _, _, r in ranked))[:6]
                     png = t / f"hist{i}.png"
                     args = (run.numerics, last, most, _chart_formats(run), png)

@@ -156,3 +156,24 @@ def test_a_failing_run_is_never_healthy_and_names_its_cause() -> None:
     ok = diagnose(_run("fp8-tensorwise", 2.5, [_gemm("a", "forward", "input", "e4m3fn", 0.0)]),
                   "matches fp32 (within seed spread ±0.5%)")  # fmt: skip
     assert any(n.startswith("Healthy") for n in ok)
+
+
+def test_each_tensor_is_judged_in_the_format_it_is_stored_in() -> None:
+    """A scalify run stores activations in FP16 but its weight gradients in FP32: an FP32
+    gradient with 84% of its values below FP16's smallest normal is not an FP16 underflow;
+    an FP16 one is."""
+
+    def rec(name: str, kind: str, dtype: str, share: float) -> dict:
+        shares = {"fp16": share, "bf16": 0.0, "e4m3fn": 1.0, "e5m2": share}
+        return {"step": 9, "name": name, "kind": kind, "dtype": dtype,
+                "below_normal": shares, "above_max": {k: 0.0 for k in shares}}  # fmt: skip
+
+    run = _run("fp16-scalify", 2.5)
+    run.numerics = [rec("w", "weight_grad", "float32", 0.84)]
+    notes = diagnose(run, "matches fp32 (within seed spread ±0.9%)")
+    assert not any("underflow in" in n for n in notes), notes
+    run.numerics.append(rec("h", "grad_output", "float16", 0.5))
+    notes = diagnose(run, "matches fp32 (within seed spread ±0.9%)")
+    assert any(
+        n.startswith("50% of the activation gradients of h underflow in fp16") for n in notes
+    )
