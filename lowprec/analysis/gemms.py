@@ -183,10 +183,14 @@ class GemmRecorder:
             self._layers.clear()
 
     def _enter(self, name: str, module: nn.Module, args: Any) -> None:
-        if self.sampling:
+        # Traced by torch.compile: nothing (compiled GEMMs are not observed), and no guard
+        # on the step counter, which would recompile the graph every step.
+        if not torch.compiler.is_compiling() and self.sampling:
             self._layers.append(name or "model")
 
     def _leave(self, name: str, module: nn.Module, args: Any, out: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self._layers and self._layers[-1] == (name or "model"):
             self._layers.pop()
 

@@ -210,3 +210,19 @@ def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match="capture"):
         with observing(object()):  # type: ignore[arg-type]
             pass
+
+
+@pytest.mark.slow
+def test_a_compiled_model_is_not_observed_and_never_recompiles() -> None:
+    """Compiled GEMMs are not observed (documented), and the recorder's module hooks put no
+    guard on the step counter: a compiled model runs 4 steps without one recompilation."""
+    import torch._dynamo
+
+    m = nn.Sequential(_layer("tensorwise", k=32, n=32), nn.ReLU())
+    rec = GemmRecorder(m, every=1, auto_step=False)
+    cm = torch.compile(m)
+    with torch._dynamo.config.patch(error_on_recompile=True), observing(rec):
+        for step in range(4):
+            rec.step = step
+            cm(torch.randn(8, 32)).sum().backward()
+    assert rec.records == []
