@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 import os
 import pickle
 import subprocess
@@ -36,21 +35,25 @@ from pathlib import Path
 from typing import Any
 
 from lowprec.analysis.diagnosis import (  # Run and diagnose re-exported: the report's API
-    KIND_TEXT,
     Run,
     diagnose,
-    gemm_operands,
     judged_formats,
     summary_verdicts,
     worst,
-    worst_overflow,
 )
 from lowprec.analysis.plots import plot_curves, plot_exp_histograms, plot_scale_chart
-from lowprec.analysis.tracking import BACKWARD_KINDS
 from lowprec.analysis.verdicts import failing
-from lowprec.jobs.attribution import attribute_run
+from lowprec.jobs.report_tables import (
+    attribution_table,
+    chart_formats,
+    gemm_table,
+    moves_table,
+    plan_table,
+    summary_rows,
+    table,
+    tensor_table,
+)
 from lowprec.jobs.rundir import (
-    CHECKPOINT,
     GUARD,
     RunError,
     read_gemms,
@@ -85,187 +88,6 @@ def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
 def _img(path: Path, alt: str) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     return f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt)}">'
-
-
-def _num(v: Any, fmt: str = "{:.4f}") -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN"
-    return fmt.format(v)
-
-
-def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    h = "".join(f"<th>{html.escape(c)}</th>" for c in head)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows
-    )
-    return f"<table><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _cell(t: tuple[float, str, dict[str, Any]]) -> str:
-    share, fmt, r = t
-    return f"{100 * share:.3g}% ({fmt}, {r['name']} {KIND_TEXT[r['kind']]})"
-
-
-def _summary_rows(runs: Sequence[Run]) -> list[list[str]]:
-    def val(run: Run) -> float | None:  # None: no evaluation yet (or not finite)
-        v = run.summary.get("val_loss")
-        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
-
-    ref_run = next((r for r in runs if r.is_reference), None)
-    ref = val(ref_run) if ref_run is not None else None
-    rows = []
-    for run in runs:
-        s = run.summary
-        v = val(run)
-        gap = None if ref is None or v is None else 100 * (v / ref - 1)
-        last = run.tracked_steps[-1] if run.numerics else -1
-        uf = worst(run, last, "below_normal", BACKWARD_KINDS, own=True)
-        of = worst_overflow(run, last)
-        casts = gemm_operands(run)
-        flush = max(casts, key=lambda t: float(t[2].get("flushed") or 0.0), default=None)
-        rows.append(
-            [
-                run.name,
-                run.recipe,
-                str(s.get("steps")) + (f" of {run.planned_steps}" if run.stopped_early else ""),
-                _num(s.get("train_loss")),
-                _num(v),
-                _num(gap, "{:+.2f}%"),
-                str(s.get("skipped_steps", 0)),
-                "–" if s.get("diverged_at") is None else f"step {s['diverged_at']}",
-                _cell(uf[0]) if uf else "–",
-                _cell(of[0]) if of and of[0][0] else "0",
-                "–" if flush is None else _flush_cell(flush),
-            ]
-        )
-    return rows
-
-
-def _flush_cell(t: tuple[dict[str, Any], str, dict[str, Any]]) -> str:
-    r, role, op = t
-    where = f"{r['layer']} {r['gemm']} {role}"
-    return f"{100 * float(op['flushed']):.3g}% flushed ({op['format']}, {where})"
-
-
-def _gemm_table(run: Run) -> str:
-    """Per layer and GEMM at the last measured step: the formats, the operands' SQNR and
-    the flushed and saturated shares (the worst operand of the GEMM), the GEMM's error."""
-    if not run.gemms:
-        return ""
-    step = max(int(r["step"]) for r in run.gemms)
-    rows = []
-    for r in run.gemms:
-        if r["step"] != step:
-            continue
-        ops = r["operands"]
-        fmts = " × ".join(f"{o['format']}" for o in ops.values())
-        sq = [o.get("sqnr_db") for o in ops.values()]
-        sq_num = [float(v) for v in sq if isinstance(v, (int, float))]
-        err = r.get("rel_err")
-        rows.append(
-            [
-                r["layer"],
-                r["gemm"],
-                fmts,
-                "exact"
-                if sq_num and min(sq_num) == math.inf
-                else _num(min(sq_num, default=None), "{:.1f} dB"),
-                _num(max(float(o.get("flushed") or 0) for o in ops.values()) * 100, "{:.2f}%"),
-                _num(max(float(o.get("saturated") or 0) for o in ops.values()) * 100, "{:.3g}%"),
-                _num(err, "{:.3g}"),
-            ]
-        )
-    return f"<h3>Low-precision GEMMs, measured (step {step})</h3>" + _table(
-        [
-            "layer",
-            "GEMM",
-            "formats",
-            "SQNR (worst operand)",
-            "flushed",
-            "saturated",
-            "GEMM rel. error",
-        ],
-        rows,
-    )
-
-
-def _attribution_table(run: Run, batches: int = 4) -> str:
-    """For a failing run: its lowered layers ranked by how much of the loss each costs,
-    measured on its final checkpoint (:func:`lowprec.jobs.attribution.attribute_run`)."""
-    if not (run.path / CHECKPOINT).is_file():
-        return ""
-    try:
-        rows = attribute_run(run.path, batches)
-    except RunError as e:
-        return f"<p>Layers that explain the gap: not measured ({html.escape(str(e))}).</p>"
-    if not rows:
-        return ""
-    base = rows[0]["base"]
-    cells = [[r["layer"], f"{r['loss']:.4f}", f"{100 * r['gain']:+.2f}%"] for r in rows[:10]]
-    return (
-        "<h3>Layers that explain the gap</h3><p>Validation loss on the final checkpoint "
-        f"({batches} batches): {base:.4f} as trained; with only that layer in high "
-        "precision (the same weights):</p>" + _table(["layer", "loss", "loss recovered"], cells)
-    )
-
-
-def _chart_formats(run: Run) -> list[str]:
-    """The formats whose ranges a run's charts shade: those it stores its tensors in and
-    those its low-precision GEMMs cast to (never a format the run did not use)."""
-    cast = [op["format"] for _, _, op in gemm_operands(run)]
-    return list(dict.fromkeys([run.compute_format, *judged_formats(run), *cast]))
-
-
-def _moves_table(run: Run) -> str:
-    """The guard's moves (``lowprec train --guard``): step, layer, from, to, why."""
-    if not run.moves:
-        return ""
-    rows = [[str(m["step"]), m["layer"], m["frm"], m["to"], m["reason"]] for m in run.moves]
-    return "<h3>The guard's moves</h3>" + _table(["after step", "layer", "from", "to", "why"], rows)
-
-
-def _plan_table(run: Run) -> str:
-    """The per-layer rules of the run's recipe (:attr:`lowprec.recipes.Recipe.layers`)."""
-    layers = run.recipe_dict.get("layers") or []
-    if not layers:
-        return ""
-    rows = []
-    for rule in layers:
-        cfg = rule.get("float8")
-        if cfg is None:
-            what = "high precision"
-        else:
-            what = str(cfg.get("name") or "custom")
-            gemms = cfg.get("gemms") or []
-            if gemms:
-                what += " (" + ", ".join(f"{g}: {c.get('name', 'custom')}" for g, c in gemms) + ")"
-            hp = cfg.get("high_precision_gemms") or []
-            if hp:
-                what += "; high precision: " + ", ".join(hp)
-        rows.append([str(rule.get("pattern")), what])
-    return "<h3>Per-layer plan</h3>" + _table(["layers", "float8 config"], rows)
-
-
-def _tensor_table(run: Run, step: int, measure: str, title: str) -> str:
-    top = [t for t in worst(run, step, measure, own=True) if t[0] > 0][:8]
-    if not top:
-        return f"<p>{html.escape(title)}: none.</p>"
-    rows = [
-        [
-            r["name"],
-            KIND_TEXT[r["kind"]],
-            fmt,
-            f"{100 * share:.2f}%",
-            f"{r['amax']:.3g}",
-            f"{r['rms']:.3g}",
-        ]
-        for share, fmt, r in top
-    ]
-    return f"<h4>{html.escape(title)}</h4>" + _table(
-        ["tensor", "kind", "format", "share", "amax", "rms"], rows
-    )
 
 
 _CSS = """
@@ -383,7 +205,7 @@ def write_report(
         "<ul>"  # the verdicts lead (lowprec.analysis.diagnosis.summary_verdicts)
         + "".join(f"<li><b>{html.escape(n)}</b>: {html.escape(v)}</li>" for n, v in verdicts)
         + "</ul>",
-        _table(
+        table(
             [
                 "run",
                 "recipe",
@@ -397,7 +219,7 @@ def write_report(
                 "worst overflow",
                 "worst GEMM cast",
             ],
-            _summary_rows(loaded),
+            summary_rows(loaded),
         ),
         "<p>Underflow: share of a gradient's values below its format's smallest normal "
         "(subnormal or lost); overflow: share of a tensor's values above its format's max; "
@@ -429,10 +251,10 @@ def write_report(
                 + "</ul></div>"
             )
             if failing(verdicts[i][1]):
-                parts.append(_attribution_table(run))
-            parts.append(_plan_table(run))
-            parts.append(_moves_table(run))
-            parts.append(_gemm_table(run))
+                parts.append(attribution_table(run))
+            parts.append(plan_table(run))
+            parts.append(moves_table(run))
+            parts.append(gemm_table(run))
             steps = run.tracked_steps
             for label, step in (
                 ("at initialisation", steps[0] if steps else None),
@@ -444,7 +266,7 @@ def write_report(
                 args: tuple[Any, ...] = (
                     run.numerics,
                     step,
-                    _chart_formats(run),
+                    chart_formats(run),
                     png,
                     f"{run.name}: tensor scales {label} (step {step})",
                 )
@@ -462,14 +284,14 @@ def write_report(
                     ranked = worst(run, last, "below_normal", own=own)
                     most = list(dict.fromkeys((r["name"], r["kind"]) for _, _, r in ranked))[:6]
                     png = t / f"hist{i}.png"
-                    args = (run.numerics, last, most, _chart_formats(run), png)
+                    args = (run.numerics, last, most, chart_formats(run), png)
                     what = "most underflowing" if own else "smallest"
                     parts += [
                         f"<h3>Exponent histograms of the {what} tensors (step {last})</h3>",
                         image(plot_exp_histograms, args, png, f"{run.name} exponent histograms"),
                     ]
-                parts.append(_tensor_table(run, last, "below_normal", "Most underflow"))
-                parts.append(_tensor_table(run, last, "above_max", "Most overflow"))
+                parts.append(tensor_table(run, last, "below_normal", "Most underflow"))
+                parts.append(tensor_table(run, last, "above_max", "Most overflow"))
             parts.append("</div>")
         _draw(figures)
         body = "\n".join(parts)
