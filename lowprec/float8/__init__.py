@@ -14,6 +14,7 @@ Recipes (:func:`recipe_names`): ``tensorwise``, ``delayed``, ``static``, ``rowwi
 :class:`CastConfig` per role.
 """
 
+from lowprec.float8 import presets as _presets  # noqa: F401  (registers the presets)
 from lowprec.float8.calibration import calibrate
 from lowprec.float8.config import PRESETS, CastConfig, Float8Config, Float8Recipe, recipe_names
 from lowprec.float8.convert import apply, convert_back, convert_to_float8
