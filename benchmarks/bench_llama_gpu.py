@@ -42,6 +42,12 @@ GiB``: ``torch.cuda.max_memory_allocated`` over the warm-up and timed steps (res
 the model and optimizer are built; parameters, gradients, optimizer state and activations
 included). ``loss``: the first and last step's loss (sanity: finite, close across rows).
 
+``saved GiB`` (``saved_by_forward_gib``; CUDA): after the timed steps, one more step's
+memory allocated when backward starts, above what the previous step left (the activations
+kept for backward, the loss's included). ``--profile N``: then ``torch.profiler`` over N
+more steps per row; the JSON's ``profile`` holds the per-step device time by kernel (the
+40 largest) and its sums by kind (GEMM, attention, inductor's Triton kernels, other).
+
 ``--budget-s`` stops before a row would start past that many seconds; the JSON is written
 after every row (a later failure keeps the earlier ones), a row's error is recorded and
 the next row runs.
@@ -332,6 +338,8 @@ def run_row(
         x, y = batches[i[0] % len(batches)]
         i[0] += 1
         loss = model(x, y)
+        if _SAVED_HOOK:
+            loss.register_hook(_SAVED_HOOK[0])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -359,7 +367,82 @@ def run_row(
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        out["saved_by_forward_gib"] = saved_by_forward(step, device)
+    if args.profile:
+        out["profile"] = profile_steps(step, device, args.profile)
     return out
+
+
+def saved_by_forward(step: Callable[[], None], device: torch.device) -> float:
+    """GiB allocated after a forward and its loss, above what a finished step leaves: the
+    activations kept for backward (after the timed steps; one more training step runs)."""
+    torch.cuda.synchronize(device)
+    holder: dict[str, float] = {}
+    before = torch.cuda.memory_allocated(device)
+
+    def hook(grad: Tensor) -> Tensor:  # runs at the start of backward
+        holder["at_backward"] = torch.cuda.memory_allocated(device)
+        return grad
+
+    _SAVED_HOOK[:] = [hook]
+    try:
+        step()
+    finally:
+        _SAVED_HOOK[:] = []
+    torch.cuda.synchronize(device)
+    return (holder.get("at_backward", before) - before) / GIB
+
+
+_SAVED_HOOK: list[Callable[[Tensor], Tensor]] = []  # set by saved_by_forward for one step
+
+
+def kernel_kind(name: str) -> str:
+    """A CUDA kernel's group in the profile: GEMM, attention, inductor's Triton, other."""
+    n = name.lower()
+    if any(k in n for k in ("flash", "fmha", "attention", "sdpa")):
+        return "attention"
+    if any(k in n for k in ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas")):
+        return "gemm"
+    if n.startswith("triton"):
+        return "triton"
+    return "other"
+
+
+def profile_steps(step: Callable[[], None], device: torch.device, n: int) -> dict[str, Any]:
+    """``torch.profiler`` over ``n`` more training steps: per-step device time by kernel
+    (self CUDA time; the 40 largest kernels, and the sums per :func:`kernel_kind`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    kernels = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "self_cuda_time_total", 0)
+        if getattr(ev, "is_user_annotation", False):  # a range, e.g. the optimizer's step
+            continue
+        if dev_us and getattr(ev, "device_type", None) != torch.autograd.DeviceType.CPU:
+            kernels.append({"name": ev.key[:160], "ms_per_step": dev_us / 1e3 / n,
+                            "calls_per_step": ev.count / n,
+                            "kind": kernel_kind(ev.key)})  # fmt: skip
+    kernels.sort(key=lambda k: -k["ms_per_step"])
+    by_kind: dict[str, float] = {}
+    for k in kernels:
+        by_kind[k["kind"]] = by_kind.get(k["kind"], 0.0) + k["ms_per_step"]
+    return {
+        "steps": n,
+        "device_ms_per_step": sum(k["ms_per_step"] for k in kernels),
+        "by_kind_ms_per_step": by_kind,
+        "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
+        "top": kernels[:40],
+    }
 
 
 def ratios(rows: dict[str, Any]) -> None:
@@ -406,6 +489,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=420.0)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile (default: on CUDA only)")  # fmt: skip
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile N more steps per row")  # fmt: skip
     p.add_argument("--revision", default=None, help="the git commit, where .git is absent")
     args = parse_args(p, None, "llama_gpu_{device}")
     if args.quick:
@@ -496,10 +581,11 @@ def report(record: dict[str, Any]) -> None:
         f"Llama {n / 1e9 if n else 0:.2f}B, batch {record['batch']} x {record['config']['seq']}"
         f" ({record['machine'].get('gpu', record['device'])}, torch {record['torch']}, "
         f"torchao {record['torchao']})",
-        ["row", "tokens/s", "x bf16", "x torchao", "step ms", "peak GiB", "first step s",
-         "loss first", "loss last", "graphs", "breaks"],
+        ["row", "tokens/s", "x bf16", "x torchao", "step ms", "peak GiB", "saved GiB",
+         "first step s", "loss first", "loss last", "graphs", "breaks"],
         [[k, r.get("tokens_per_s"), r.get("x_bf16"), r.get("x_torchao"), r.get("step_ms"),
-          r.get("peak_gib"), r.get("first_step_s"), r.get("loss_first"), r.get("loss_last"),
+          r.get("peak_gib"), r.get("saved_by_forward_gib"), r.get("first_step_s"),
+          r.get("loss_first"), r.get("loss_last"),
           r.get("dynamo", {}).get("graphs"), r.get("dynamo", {}).get("graph_breaks")]
          for k, r in rows.items() if "tokens_per_s" in r],
     )  # fmt: skip
@@ -508,6 +594,15 @@ def report(record: dict[str, Any]) -> None:
             print(f"skipped {k}: {r['skipped']}")
         if "error" in r:
             print(f"error {k}: {r['error']}")
+    for k, r in rows.items():
+        prof = r.get("profile")
+        if prof:
+            kinds = ", ".join(f"{n} {v:.1f}" for n, v in prof["by_kind_ms_per_step"].items())
+            print(f"profile {k}: {prof['device_ms_per_step']:.1f} ms of kernels a step "
+                  f"({prof['kernels_per_step']:.0f} kernels; {kinds})")  # fmt: skip
+            for kern in prof["top"][:15]:
+                print(f"    {kern['ms_per_step']:7.2f} ms {kern['calls_per_step']:5.0f}x "
+                      f"{kern['kind']:9s} {kern['name'][:110]}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from lowprec.float8.operands import (
     gemm,
     operand,
     payload_roles,
+    surely_emulated,
     transposed,
 )
 from lowprec.float8.quant import Parts, dequantize_parts, quantize_parts
@@ -207,6 +208,25 @@ class Float8MatmulFn(torch.autograd.Function):
             and same_x
             and (not own_x or cast_kind(cf.input) == "tensor")
         )
+        # Under torch.compile a tensor-wise payload for the hardware GEMM (an emulated one
+        # reads float32 values, which would be saved instead) is not pinned: the input
+        # and its scale are saved, and the weight gradient quantizes the input again with
+        # that scale and cast (the same bits). AOTAutograd's min-cut partitioner then keeps
+        # whichever costs least: the 1-byte payload where the input is kept for nothing
+        # else, nothing where backward recomputes the input from tensors it keeps anyway
+        # (a norm's input and statistics, a SwiGLU's two projections). Pinning saved one
+        # payload per layer on top of those (3 identical ones for q/k/v): 5 GiB more than
+        # torchao on a 1.1B Llama (benchmarks/README.md, Llama section).
+        if (
+            fp8_saved
+            and torch.compiler.is_compiling()
+            and not own_x
+            and not isinstance(x, ScaledTensor)
+            and cast_kind(r.input) == "tensor"
+            and not r.own_cast("weight_grad", "input")
+            and not surely_emulated(x, r)
+        ):
+            fp8_saved = False
         # A ScaledTensor operand arrives quantized (tensor-wise, with the base cast) by the
         # distributed layer: an FP8-gathered FSDP2 weight, an FP8-gathered sequence-parallel
         # input. A GEMM with another cast quantizes its dequantized values again.

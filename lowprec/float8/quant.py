@@ -45,7 +45,7 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
     fmt = get_format(cast.fmt)
     g = cast.bound_granularity(cd)
     if g.kind == "tensor":
-        a = amax(t) if scale is None else None
+        a = _tensor_amax(t) if scale is None else None
         s = cast.scale_for(a) if a is not None else scale
         assert s is not None
         # A 1-element (not 0-dim) float32 divisor makes the division itself run in float32
@@ -185,7 +185,7 @@ def _traced_values(
         return None
     g, fmt = target
     if g.kind == "tensor":
-        s = cast.scale_for(amax(t)) if scale is None else scale
+        s = cast.scale_for(_tensor_amax(t)) if scale is None else scale
         q = t / s.reshape(1, 1)  # float32 for 16-bit t, as quantize_parts divides
     else:
         if scale is not None:
@@ -194,6 +194,20 @@ def _traced_values(
         s = _group_scale(amax(x, g), cast, g.kind, fmt)
         q = apply_scale(x, s, op="div")
     return round_bits(q, fmt, "nearest", True).to(dtype), s
+
+
+def _tensor_amax(t: Tensor) -> Tensor:
+    """``amax(t)`` of a whole tensor (float32, 0-dim; the same value). Under
+    ``torch.compile`` written ``t.abs().amax()``: ops that AOTAutograd's partitioner may
+    recompute in backward, fused by inductor into one read. The eager ``aminmax`` of
+    :func:`~lowprec.core.scales.amax` (through a ``detach``) is outside its allow-list,
+    which bans recomputing every later use of ``t``, the quantization included: the
+    partitioner then saved each layer's FP8 payload, even where backward keeps the tensors
+    it is computed from anyway (a norm's input and statistics; ``benchmarks/README.md``,
+    Llama section: 5 GiB at 1.1B parameters)."""
+    if torch.compiler.is_compiling() and t.numel() and t.dtype != torch.float64:
+        return t.abs().amax().float()  # NaN propagates, as in amax
+    return amax(t)
 
 
 def _nv_parts(t: Tensor, cast: CastConfig, cd: int) -> Parts:
