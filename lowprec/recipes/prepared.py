@@ -11,15 +11,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowprec.amp import LossScaler, MasterWeights, MatmulInFp32, native_bf16_matmul
+from lowprec.amp import (
+    LossScaler,
+    MasterWeights,
+    MatmulInFp32,
+    lean_optimizer,
+    native_bf16_matmul,
+)
 from lowprec.float8 import Float8Linear, calibrate
 from lowprec.float8.calibration import calibrated_scalers
 from lowprec.recipes import compose
-from lowprec.recipes.policy import DTYPES
+from lowprec.recipes.policy import DTYPES, Policy
 from lowprec.recipes.presets import get_recipe
 from lowprec.recipes.recipe import Recipe
 
-__all__ = ["OptimizerFactory", "Prepared", "factory_lr", "prepare"]
+__all__ = ["OptimizerFactory", "Prepared", "build_optimizer", "factory_lr", "prepare"]
 
 OptimizerFactory = Callable[[list[Any]], torch.optim.Optimizer]
 
@@ -219,9 +225,9 @@ def prepare(
       unit linear's product, see :mod:`lowprec.recipes.compose`). Static roles calibrate
       on the first training batches (:class:`Prepared`).
 
-    With ``master_weights`` the optimizer is a :class:`~lowprec.amp.MasterWeights` around
-    the factory's optimizer on FP32 copies. ``generator`` drives stochastic rounding, if
-    the recipe uses it.
+    The optimizer: :func:`build_optimizer` (FP32 masters, remainders, lean optimizer
+    states, as the policy says). ``generator`` drives stochastic rounding, if the recipe
+    uses it.
 
     Example:
         >>> p = prepare(nn.Linear(8, 8), "bf16")
@@ -236,9 +242,43 @@ def prepare(
     model, params = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip, r.layers)
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
-    optimizer: Any
-    if r.master_weights:
-        optimizer = MasterWeights(params, factory, r.stochastic_rounding, generator)
-    else:
-        optimizer = factory(params)
+    optimizer = build_optimizer(params, factory, r.policy, generator)
     return Prepared(model, optimizer, r.policy.make_scaler(), r)
+
+
+def build_optimizer(
+    params: list[Any],
+    factory: OptimizerFactory,
+    policy: Policy,
+    generator: torch.Generator | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer of ``policy`` over ``params`` (parameters or groups, e.g. u-μP's with
+    ``lr_mult``), from the user's ``factory``:
+
+    * ``master="fp32"``: a :class:`~lowprec.amp.MasterWeights` around the factory's
+      optimizer on FP32 copies (made lean by :func:`~lowprec.amp.lean_optimizer` if
+      ``optimizer_state`` is not ``"auto"``: 8-bit moments of FP32 masters);
+    * a lean policy (:attr:`Policy.lean`: explicit ``optimizer_state``, ``master="none"``
+      with stochastic rounding, or ``master="remainder"``): the factory's AdamW / Adam /
+      SGD as a :mod:`lowprec.amp.lean` optimizer on the parameters themselves, with the
+      policy's state precision, remainders and stochastic rounding;
+    * otherwise the factory's optimizer as it is.
+    """
+    lean = {"state": policy.state_precision, "generator": generator}
+    if policy.master_kind == "fp32":
+        inner = factory
+        if policy.optimizer_state != "auto":
+
+            def inner(ps: list[Any]) -> torch.optim.Optimizer:
+                return lean_optimizer(factory(ps), **lean)
+
+        return MasterWeights(params, inner, policy.stochastic_rounding, generator)
+    if policy.lean:
+        master = "remainder" if policy.master_kind == "remainder" else "none"
+        return lean_optimizer(
+            factory(params),
+            master=master,
+            stochastic_rounding=policy.stochastic_rounding,
+            **lean,
+        )
+    return factory(params)

@@ -159,3 +159,36 @@ _add(
     "scaling. The failure master weights cure",
     param_dtype="fp16",
 )
+# Lean training state (docs/mixed-precision.md, "Lean training state").
+_add(
+    "bf16-sr",
+    "BF16 params and compute, no master weights: the update computed in FP32 and rounded "
+    "stochastically into BF16 (seeded, resumable); FP32 AdamW states",
+    param_dtype="bf16",
+    master="none",
+    stochastic_rounding=True,
+)
+_add(
+    "bf16-remainder",
+    "BF16 params and compute plus a 16-bit remainder per parameter: together the exact "
+    "FP32 master (no FP32 copy); FP32 AdamW states",
+    param_dtype="bf16",
+    master="remainder",
+)
+_add(
+    "bf16-8bit",
+    "BF16 params (FP32 master weights) with 8-bit optimizer states (E4M3 blocks of 256 "
+    "with FP32 scales; the second moment as its square root)",
+    optimizer_state="8bit",
+    **_MIXED,
+)
+_add(
+    "fp8-lean",
+    "Float8 tensorwise linears, BF16 params without master weights (stochastically "
+    f"rounded update), 8-bit AdamW states; {_F8}",
+    technique=Float8Config.from_name("tensorwise"),
+    param_dtype="bf16",
+    master="none",
+    stochastic_rounding=True,
+    optimizer_state="8bit",
+)

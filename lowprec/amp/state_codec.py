@@ -1,0 +1,167 @@
+"""How an optimizer state tensor is stored: FP32, BF16, or 8 bits with block scales.
+
+A :class:`StateCodec` encodes an FP32 state tensor ``x`` (a first moment, a second moment,
+a momentum buffer) into what the optimizer keeps between steps, and decodes it back:
+
+* ``"fp32"``: ``x`` itself (decode returns the stored tensor, updated in place: the
+  optimizer's arithmetic is then exactly the FP32 one);
+* ``"bf16"``: ``x`` rounded to BF16 (same range as FP32, 8 significant bits);
+* ``"e4m3"`` / ``"int8"``: 8 bits per value in blocks of ``block_size`` consecutive
+  elements (of the flattened tensor; the last block may be short), each block with an FP32
+  scale ``s = amax(|block|) / q_max`` (``q_max`` = 448 for E4M3, 127 for int8; ``s = 1``
+  for an all-zero block). The codes are stored flat, one byte per element (the padding
+  is not kept; E4M3 codes as their bits in ``uint8``, which no state-dict loader or
+  finiteness check mistakes for a float tensor), the scales as ``ceil(numel /
+  block_size)`` FP32 values. The codes are ``round(x / s)`` in E4M3 (``float8_e4m3fn``)
+  or in the integers ``[-127, 127]`` (``int8``); ``decode`` returns ``codes · s``.
+
+``sqrt=True`` stores ``√x`` instead of ``x`` (for second moments, ``x ≥ 0``) and decodes
+``(codes · s)²``: the square root halves the binades a block has to cover, so small
+second moments (whose reciprocal square roots scale the largest updates) keep their
+digits rather than rounding to zero.
+
+Error bounds, per element, with ``s`` the block's scale (``rounding="nearest"``; twice
+each for ``"stochastic"``, which rounds to one of the two neighbours, unbiased), up to the
+FP32 rounding of ``x / s`` and ``codes · s`` (relative ``2^-23`` each):
+
+* E4M3 (3 mantissa bits, smallest subnormal ``2^-9``): ``|x̂ - x| ≤ 2^-4·|x| + 2^-10·s``;
+* int8: ``|x̂ - x| ≤ s / 2 = amax / 254``;
+* BF16 (8 significant bits): ``|x̂ - x| ≤ 2^-9·|x|``.
+
+With ``sqrt``, the bound holds for ``√x``; then ``|x̂ - x| ≤ (2ε + ε²)·x`` for a
+relative bound ``ε`` on ``√x``.
+
+Example:
+    >>> import torch
+    >>> c = StateCodec("e4m3", block_size=4)
+    >>> codes, scales = c.encode(torch.tensor([1.0, -0.5, 0.3, 0.0, 2.0]))
+    >>> codes.dtype, tuple(codes.shape), [round(448 * s, 4) for s in scales.tolist()]
+    (torch.uint8, (5,), [1.0, 2.0])
+    >>> [round(v, 4) for v in c.decode(codes, scales, (5,)).tolist()]  # 0.3·448 = 134.4 → 128
+    [1.0, -0.5, 0.2857, 0.0, 2.0]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lowprec.core.rounding import quantize, to_format
+
+__all__ = ["StateCodec", "StateFormat", "state_codecs"]
+
+StateFormat = Literal["fp32", "bf16", "e4m3", "int8"]
+_FORMATS = ("fp32", "bf16", "e4m3", "int8")
+_QMAX = {"e4m3": 448.0, "int8": 127.0}
+
+
+@dataclass(frozen=True)
+class StateCodec:
+    """Storage of one optimizer state tensor (module docstring).
+
+    Attributes:
+        format: ``"fp32"``, ``"bf16"``, ``"e4m3"`` or ``"int8"``.
+        block_size: elements per scale block of the 8-bit formats (>= 1).
+        sqrt: store the square root (second moments; values must be ``>= 0``).
+        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased; draws from
+            the generator given to :meth:`encode`).
+    """
+
+    format: StateFormat = "fp32"
+    block_size: int = 256
+    sqrt: bool = False
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+
+    def __post_init__(self) -> None:
+        if self.format not in _FORMATS:
+            raise ValueError(f"format must be one of {list(_FORMATS)}, got {self.format!r}")
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {b!r}")
+        if not isinstance(self.sqrt, bool):
+            raise TypeError(f"sqrt must be a bool, got {self.sqrt!r}")
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
+
+    @property
+    def blocked(self) -> bool:
+        """True for the 8-bit formats, which keep one FP32 scale per block."""
+        return self.format in _QMAX
+
+    def zeros(self, shape: torch.Size, device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """The encoding of an all-zero state of ``shape``."""
+        return self.encode(torch.zeros(shape, device=device))
+
+    def encode(
+        self, x: Tensor, generator: torch.Generator | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(codes, scales)`` of the FP32 tensor ``x`` (``scales`` is ``None`` for FP32 and
+        BF16). For ``"fp32"`` without ``sqrt`` the codes are ``x`` itself."""
+        if self.sqrt:
+            x = x.sqrt()
+        if self.format == "fp32":
+            return x, None
+        if self.format == "bf16":
+            if self.rounding == "nearest":
+                return x.to(torch.bfloat16), None
+            return quantize(x, "bf16", "stochastic", generator=generator).bfloat16(), None
+        blocks = _blocks(x.reshape(-1), self.block_size)
+        amax = blocks.abs().amax(dim=1)
+        scales = torch.where(amax > 0, amax / _QMAX[self.format], 1.0)
+        q = blocks / scales[:, None]
+        n = x.numel()
+        if self.format == "e4m3":
+            codes = to_format(q, "e4m3fn", self.rounding, saturate=True, generator=generator)
+            return codes.view(torch.uint8).view(-1)[:n].clone(), scales
+        if self.rounding == "nearest":
+            q = q.round()
+        else:
+            q = (q + torch.rand(q.shape, generator=generator, device=q.device)).floor()
+        return q.clamp_(-127, 127).to(torch.int8).view(-1)[:n].clone(), scales
+
+    def decode(self, codes: Tensor, scales: Tensor | None, shape: tuple[int, ...]) -> Tensor:
+        """The FP32 state of ``shape`` from :meth:`encode`'s ``(codes, scales)``."""
+        if self.format == "fp32":
+            x = codes
+        elif self.format == "bf16":
+            x = codes.float()
+        else:
+            if scales is None:
+                raise ValueError(f"scales: the {self.format} codes need their block scales")
+            n = math.prod(shape)
+            if self.format == "e4m3":
+                codes = codes.view(torch.float8_e4m3fn)
+            x = (_blocks(codes.float(), self.block_size) * scales[:, None]).view(-1)[:n]
+            x = x.view(shape)
+        return x.square() if self.sqrt else x
+
+
+def _blocks(flat: Tensor, b: int) -> Tensor:
+    """``flat`` zero-padded to whole blocks of ``b``, as a ``(blocks, b)`` view."""
+    pad = -flat.numel() % b
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, b)
+
+
+def state_codecs(
+    precision: str, block_size: int = 256, rounding: Literal["nearest", "stochastic"] = "nearest"
+) -> tuple[StateCodec, StateCodec]:
+    """The codecs of a first and a second moment for an optimizer-state ``precision``:
+    ``"fp32"``, ``"bf16"`` or ``"8bit"`` (first moment in E4M3, second moment as its square
+    root in E4M3, both in blocks of ``block_size`` with FP32 scales; the choice and its
+    measurements: docs/mixed-precision.md)."""
+    if precision == "fp32":
+        return StateCodec("fp32"), StateCodec("fp32")
+    if precision == "bf16":
+        return StateCodec("bf16", rounding=rounding), StateCodec("bf16", rounding=rounding)
+    if precision == "8bit":
+        return (
+            StateCodec("e4m3", block_size, rounding=rounding),
+            StateCodec("e4m3", block_size, sqrt=True, rounding=rounding),
+        )
+    raise ValueError(f"precision must be 'fp32', 'bf16' or '8bit', got {precision!r}")

@@ -1,0 +1,195 @@
+"""Lean optimizers (lowprec.amp.lean) against torch's with an oracle."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec.amp import LeanAdam, LeanAdamW, LeanSGD, join_fp32, lean_optimizer
+
+Make = Callable[[list[Any]], torch.optim.Optimizer]
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 300), nn.GELU(), nn.Linear(300, 1)).to(dtype)
+
+
+def _groups(m: nn.Module) -> list[dict[str, Any]]:
+    """u-μP style groups: each with an ``lr_mult`` that the loop applies."""
+    return [
+        {"params": list(m[0].parameters()), "lr_mult": 1.0},
+        {"params": list(m[2].parameters()), "lr_mult": 0.25, "weight_decay": 0.0},
+    ]
+
+
+def _train(m: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    """``steps`` steps from ``start`` with a scheduler: per group ``lr · 0.9^t · lr_mult``
+    (u-μP's multiplier, as lowprec.recipes.step.set_lr applies it) and gradient clipping."""
+    fns = [lambda t, k=g["lr_mult"]: 0.9**t * k for g in opt.param_groups]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, fns, last_epoch=start - 1)
+    for i in range(start, steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + i))
+        loss = m(x.to(next(m.parameters()).dtype)).float().pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        opt.step()
+        sched.step()
+
+
+TORCH_AND_LEAN: list[tuple[Make, Make]] = [
+    (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+        lambda ps: LeanAdamW(ps, lr=1e-2, state="fp32"),
+    ),
+    (
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+        lambda ps: LeanAdam(ps, lr=1e-2, weight_decay=0.1, state="fp32"),
+    ),
+    (
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, foreach=False),
+        lambda ps: lean_optimizer(torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)),
+    ),
+    (
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+        lambda ps: LeanSGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    ),
+]
+
+
+@pytest.mark.parametrize(("torch_opt", "lean_opt"), TORCH_AND_LEAN)
+def test_fp32_states_equal_torch_bit_for_bit(torch_opt: Make, lean_opt: Make) -> None:
+    """Identity storage on FP32 parameters: the same operations in the same order as
+    torch's single-tensor implementation, with groups, lr_mult, a scheduler, clipping."""
+    a, b = _model(), _model()
+    _train(a, torch_opt(_groups(a)), 6)
+    _train(b, lean_opt(_groups(b)), 6)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_remainder_master_equals_fp32_adamw_bit_for_bit() -> None:
+    """BF16 parameters + remainders fed the same (BF16-representable) gradients as FP32
+    parameters under torch's AdamW: join(p, r) is torch's FP32 weight, bit for bit."""
+    a, b = _model(), _model(torch.bfloat16)
+    with torch.no_grad():
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            p.copy_(q)  # the same (BF16-representable) start
+    ta = torch.optim.AdamW(a.parameters(), lr=1e-2, foreach=False)
+    tb = LeanAdamW(b.parameters(), lr=1e-2, master="remainder")
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            q.grad = torch.randn(q.shape, generator=g).bfloat16()
+            p.grad = q.grad.float()
+        ta.step()
+        tb.step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(join_fp32(q.detach(), tb.state[q]["remainder"]), p)
+
+
+def test_8bit_moments_per_step_error_is_the_formats_resolution() -> None:
+    """Each step's new moments, decoded, against the FP32 update of the previous decoded
+    moments (the oracle): E4M3's half ulp 2^-4 relative, or half its smallest subnormal
+    step 2^-10 of the block scale; for v, stored as sqrt(v): (1 + ε)² - 1 relative."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 32), nn.GELU(), nn.Linear(32, 1))
+    opt = LeanAdamW(m.parameters(), lr=1e-2, state="8bit")
+    w = m[0].weight  # 32 blocks of 256
+    for i in range(4):
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        st = opt.state[w]
+        prev = {k: opt._get(st, k, w.shape).clone() for k in opt.moments} if st else None
+        g = w.grad.clone()
+        opt.step()
+        if prev is None:
+            prev = {k: torch.zeros_like(w) for k in opt.moments}
+        m_ref = prev["exp_avg"].lerp(g, 0.1)
+        v_ref = prev["exp_avg_sq"] * 0.999 + 0.001 * g * g
+        eps = 2**-4 + 2**-20
+        for name, ref, sq in (("exp_avg", m_ref, False), ("exp_avg_sq", v_ref, True)):
+            got = opt._get(st, name, w.shape)
+            base = ref.sqrt() if sq else ref
+            s = (base.abs().view(-1).view(-1, 256).amax(1, keepdim=True) / 448).expand(-1, 256)
+            s = s.reshape(w.shape)
+            bound = eps * base.abs() + 2**-10 * s
+            if sq:
+                bound = (base.abs() + bound) ** 2 - base.abs() ** 2
+            assert torch.all((got - ref).abs() <= bound * (1 + 2**-20)), (i, name)
+
+
+def test_state_dict_round_trip_resumes_bit_for_bit() -> None:
+    """8-bit states, BF16 parameters with stochastic rounding: stopping, saving through
+    torch.save, loading into a fresh model and optimizer, and going on equals going on."""
+    import io
+
+    def make(m: nn.Module) -> torch.optim.Optimizer:
+        gen = torch.Generator().manual_seed(7)
+        return LeanAdamW(_groups(m), lr=1e-2, state="8bit", stochastic_rounding=True,
+                         generator=gen, state_rounding="stochastic")  # fmt: skip
+
+    a = _model(torch.bfloat16)
+    _train(a, make(a), 6)
+    b = _model(torch.bfloat16)
+    ob = make(b)
+    _train(b, ob, 3)
+    buf = io.BytesIO()
+    torch.save({"model": b.state_dict(), "opt": ob.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    c = _model(torch.bfloat16)
+    c.load_state_dict(saved["model"])
+    oc = make(c)
+    oc.load_state_dict(saved["opt"])
+    st = oc.state[c[0].weight]
+    assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_scale"].dtype == torch.float32
+    sd1, sd2 = oc.state_dict(), ob.state_dict()
+    assert torch.equal(sd1["generator"], sd2["generator"])
+    _train(c, oc, 6, start=3)
+    for p, q in zip(a.parameters(), c.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_stochastic_rounding_moves_bf16_weights_by_sub_ulp_updates() -> None:
+    """An update of 1/8 of a BF16 ulp: round to nearest keeps every weight; stochastic
+    rounding moves 1/8 of them by one ulp, so the mean moves by the update (4 σ)."""
+    n, lr = 20000, 2.0**-10  # ulp at 1.0 is 2^-7: the update is 1/8 ulp
+    res = {}
+    for sr in (False, True):
+        p = nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+        opt = LeanSGD(
+            [p], lr=lr, stochastic_rounding=sr, generator=torch.Generator().manual_seed(0)
+        )
+        p.grad = torch.ones(n, dtype=torch.bfloat16)
+        opt.step()
+        res[sr] = p.float().mean().item()
+    assert res[False] == 1.0
+    sigma = 2**-7 * (1 / 8 * 7 / 8) ** 0.5 / n**0.5
+    assert abs(res[True] - (1 - lr)) < 4 * sigma
+
+
+def test_bad_arguments_name_themselves() -> None:
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(ValueError, match="master must be 'none' or 'remainder'"):
+        LeanAdamW([p], master="fp32")
+    with pytest.raises(ValueError, match="master='remainder' needs bfloat16 parameters"):
+        LeanAdamW([p], master="remainder")
+    with pytest.raises(ValueError, match="precision must be 'fp32', 'bf16' or '8bit'"):
+        LeanAdamW([p], state="4bit")
+    with pytest.raises(ValueError, match="lean optimizer states exist for"):
+        lean_optimizer(torch.optim.RMSprop([p]))
+    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+        lean_optimizer(torch.optim.AdamW([p], amsgrad=True))
+    opt = LeanAdamW([p])
+    bad = copy.deepcopy(opt.state_dict())
+    bad["param_groups"][0]["params"] = [0, 1]
+    with pytest.raises(ValueError, match="parameter groups do not match"):
+        opt.load_state_dict(bad)
