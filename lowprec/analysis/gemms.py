@@ -65,9 +65,18 @@ DEFAULT_EVERY = 25  # the sampling interval of lowprec train (benchmarks/bench_t
 REL_ERR_ROWS = 256  # output rows of a GEMM its sampled relative error is taken over
 
 
+def _norm(x: Tensor) -> float:
+    """``‖x‖₂`` (float32 accumulation, float64 where that overflows)."""
+    v = float(torch.linalg.vector_norm(x))
+    return v if math.isfinite(v) else float(torch.linalg.vector_norm(x, dtype=torch.float64))
+
+
 def cast_stats(op: CastOperand) -> dict[str, Any]:
-    """The statistics of one operand (see the module docstring)."""
-    h = op.hp.detach().reshape(-1)
+    """The statistics of one operand (see the module docstring), in a few fused passes:
+    ``flushed`` is ``nnz(h) − nnz(c)`` (a cast never makes a zero nonzero), ``saturated``
+    is counted only when ``max |h| / s`` passes the limit, the SQNR's sums of squares are
+    norms (float32 accumulation; float64 where that would overflow)."""
+    h = op.hp.detach()
     n = max(h.numel(), 1)
     rec: dict[str, Any] = {
         "format": op.fmt,
@@ -75,27 +84,39 @@ def cast_stats(op: CastOperand) -> dict[str, Any]:
         "high_precision": op.high_precision,
         "numel": h.numel(),
     }
-    fin = torch.isfinite(h)
-    rec["nonfinite"] = float((~fin).sum()) / n
+    hf = h if h.dtype in (torch.float32, torch.float64) else h.float()
+    finite = math.isfinite(float(hf.sum())) or bool(torch.isfinite(hf).all())
+    rec["nonfinite"] = 0.0 if finite else float((~torch.isfinite(hf)).sum()) / n
     if op.high_precision:
         rec.update(flushed=0.0, saturated=0.0, sqnr_db=math.inf)
         rec.update(scale_min=None, scale_max=None, n_scales=0)
         return rec
-    c = op.cast.detach().reshape(-1).to(h.device)
-    hf = torch.where(fin, h.double(), 0.0)
-    cf = torch.where(fin, c.double(), 0.0)
-    rec["flushed"] = float(((hf != 0) & (cf == 0)).sum()) / n
+    cf = op.cast.detach().to(device=h.device, dtype=hf.dtype)
+    if not finite:  # Inf/NaN are counted in nonfinite, not in the other measures
+        keep = torch.isfinite(hf)
+        hf, cf = torch.where(keep, hf, 0.0), torch.where(keep, cf, 0.0)
+    nnz_h, nnz_c = int(torch.count_nonzero(hf)), int(torch.count_nonzero(cf))
+    rec["flushed"] = max(nnz_h - nnz_c, 0) / n
     f = get_format(op.fmt)
     limit = f.max * (1.0 + 2.0 ** -(f.mantissa_bits + 1))
-    s = op.scale
-    if s is None:
-        over = hf.abs() > limit
-    else:
-        se = s.detach().double().to(h.device)
-        se = se.reshape(-1) if se.numel() == h.numel() else se.expand(op.hp.shape).reshape(-1)
-        over = hf.abs() > limit * se
-    rec["saturated"] = float(over.sum()) / n
-    sig, noise = float((hf * hf).sum()), float(((hf - cf) ** 2).sum())
+    sv = None if op.scale is None else op.scale.detach().to(device=h.device, dtype=hf.dtype)
+    over = 0
+    if hf.numel():
+        lo, hi = hf.aminmax()
+        amax = max(-float(lo), float(hi))
+        if sv is not None:  # no quotient exceeds amax / min(s): nothing to count below it
+            amax /= float(sv.min())
+        if amax > limit:  # count, element by element (rare: saturation)
+            ratio = hf.abs()
+            if sv is not None:
+                shaped = sv.reshape(hf.shape) if sv.numel() == hf.numel() > 1 else sv
+                ratio = ratio / shaped
+            over = int(torch.count_nonzero(ratio > limit))
+    rec["saturated"] = over / n
+    d = float(torch.dist(hf, cf))
+    if not math.isfinite(d):
+        d = _norm(hf.double() - cf.double())
+    sig, noise = _norm(hf) ** 2, d**2
     if sig == 0.0 or not math.isfinite(sig):
         rec["sqnr_db"] = None
     else:

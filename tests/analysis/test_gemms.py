@@ -226,3 +226,14 @@ def test_a_compiled_model_is_not_observed_and_never_recompiles() -> None:
             rec.step = step
             cm(torch.randn(8, 32)).sum().backward()
     assert rec.records == []
+
+
+def test_cast_stats_nonfinite_and_per_row_scales_by_hand() -> None:
+    # Inf/NaN count in nonfinite only; per-row scales 1 and 0.01: 5.0 > 448·1.0625·0.01 = 4.76
+    h = torch.tensor([[1.0, math.inf], [5.0, math.nan]])
+    c = torch.tensor([[1.0, 448.0], [4.48, 0.0]])
+    s = torch.tensor([[1.0], [0.01]])
+    st = cast_stats(CastOperand("input", h, c, "e4m3fn", scale=s, scales=s))
+    assert st["nonfinite"] == 0.5 and st["saturated"] == 0.25 and st["flushed"] == 0.0
+    assert st["sqnr_db"] == pytest.approx(10 * math.log10(26.0 / 0.52**2))
+    assert (st["scale_min"], st["scale_max"], st["n_scales"]) == (pytest.approx(0.01), 1.0, 2)
