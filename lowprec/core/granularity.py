@@ -13,7 +13,11 @@ A :class:`Granularity` names a *kind* of scaling group and the *axis* the groups
   MX v1.0 §6.3); elements are rounded with saturation, as the specification prescribes;
 * ``nv:B``: NVFP4-style two-level scales: ``B`` (default 16) elements along ``axis`` share
   an E4M3 scale, and one float32 scale per tensor maps the block scales into E4M3's range
-  (:func:`lowprec.core.scales.nv_scale`).
+  (:func:`lowprec.core.scales.nv_scale`);
+* ``mx:RxC``, ``nv:RxC``: the same scales on 2-D ``R × C`` blocks over the last two dims
+  (``C`` along ``axis``, as ``block:RxC``), e.g. NVFP4's ``nv:16x16`` weight scales. A
+  square block tiles a matrix and its transpose alike, so a weight quantized with one is
+  the same values in the forward GEMM (``Wᵀ``) and the input-gradient GEMM (``W``).
 
 **Absolute and relative forms.** The axis is either a dimension index (absolute: ``axis:0``,
 ``block:1x128@0``) or ``K``, *the contracted dimension of the GEMM the tensor is an operand
@@ -67,7 +71,8 @@ K: Literal["K"] = "K"
 _KINDS = ("tensor", "axis", "block", "mx", "nv")
 _VALID = (
     "'tensor', 'row', 'column', 'axis' / 'axis:N' / 'axis:K', 'block:RxC' (e.g. 'block:1x128', "
-    "'block:128x128'), 'mx' / 'mx:B', 'nv' / 'nv:B'; block, mx and nv take '@N' or '@K'"
+    "'block:128x128'), 'mx' / 'mx:B' / 'mx:RxC', 'nv' / 'nv:B' / 'nv:RxC' (e.g. 'nv:16x16'); "
+    "block, mx and nv take '@N' or '@K'"
 )
 
 
@@ -76,7 +81,8 @@ class Granularity:
     """Which elements share a scale. Build with the class methods or :meth:`from_name`.
 
     ``axis`` is a dimension index or :data:`K` (see the module docstring); ``block`` is
-    ``(R, C)`` for ``block`` (``C`` along ``axis``) and ``(1, B)`` for ``mx`` and ``nv``.
+    ``(R, C)`` for ``block`` (``C`` along ``axis``) and ``(1, B)`` for ``mx`` and ``nv``
+    (``(R, C)`` for their 2-D blocks ``mx:RxC``, ``nv:RxC``).
 
     Example:
         >>> Granularity.from_name("block:1x128")
@@ -121,14 +127,16 @@ class Granularity:
         return cls("block", axis=axis, block=(rows, cols))
 
     @classmethod
-    def mx(cls, size: int = 32, axis: Axis = -1) -> Granularity:
-        """OCP MX: ``size`` consecutive elements along ``axis`` share an E8M0 scale."""
-        return cls("mx", axis=axis, block=(1, size))
+    def mx(cls, size: int = 32, axis: Axis = -1, rows: int = 1) -> Granularity:
+        """OCP MX: ``size`` consecutive elements along ``axis`` share an E8M0 scale
+        (``rows > 1``: ``rows × size`` 2-D blocks over the last two dims)."""
+        return cls("mx", axis=axis, block=(rows, size))
 
     @classmethod
-    def nv(cls, size: int = 16, axis: Axis = -1) -> Granularity:
-        """NVFP4-style: ``size`` elements along ``axis`` share an E4M3 scale (two-level)."""
-        return cls("nv", axis=axis, block=(1, size))
+    def nv(cls, size: int = 16, axis: Axis = -1, rows: int = 1) -> Granularity:
+        """NVFP4-style: ``size`` elements along ``axis`` share an E4M3 scale (two-level;
+        ``rows > 1``: ``rows × size`` 2-D blocks over the last two dims)."""
+        return cls("nv", axis=axis, block=(rows, size))
 
     @classmethod
     def from_name(cls, name: str, axis: Axis = -1) -> Granularity:
@@ -153,12 +161,14 @@ class Granularity:
         m = re.fullmatch(r"(?:block:)?(\d+)x(\d+)(?:@(-?\d+|k))?", key)
         if m and int(m[1]) >= 1 and int(m[2]) >= 1:
             return cls.blocks(int(m[1]), int(m[2]), _axis(m[3]) if m[3] else axis)
-        m = re.fullmatch(r"(mx|nv)(?:32)?(?::(\d+))?(?:@(-?\d+|k))?", key)
+        m = re.fullmatch(r"(mx|nv)(?:32)?(?::(\d+)(?:x(\d+))?)?(?:@(-?\d+|k))?", key)
         if m and (m[1] == "mx" or not key.startswith("nv32")):
-            size = int(m[2]) if m[2] else (32 if m[1] == "mx" else 16)
-            if size >= 1:
-                ax = _axis(m[3]) if m[3] else axis
-                return cls.mx(size, ax) if m[1] == "mx" else cls.nv(size, ax)
+            rows, size = (int(m[2]), int(m[3])) if m[3] else (1, 0)
+            if not m[3]:
+                size = int(m[2]) if m[2] else (32 if m[1] == "mx" else 16)
+            if size >= 1 and rows >= 1:
+                ax = _axis(m[4]) if m[4] else axis
+                return (cls.mx if m[1] == "mx" else cls.nv)(size, ax, rows)
         raise ValueError(f"granularity: unknown name {name!r}; valid: {_VALID}")
 
     @property
@@ -172,6 +182,8 @@ class Granularity:
         at = "" if self.axis == -1 else f"@{ax}"
         if self.kind == "block":
             return f"block:{self.block[0]}x{self.block[1]}{at}"
+        if self.block[0] > 1:  # 2-D MX / NVFP4 blocks
+            return f"{self.kind}:{self.block[0]}x{self.block[1]}{at}"
         return f"{self.kind}:{self.block[1]}{at}"
 
     @property
@@ -198,7 +210,8 @@ class Granularity:
                 "bind it first (Granularity.bind)"
             )
         assert isinstance(self.axis, int)
-        need = 2 if self.kind == "block" else 1
+        two_d = self.kind == "block" or self.block[0] > 1  # block:RxC, mx:RxC, nv:RxC
+        need = 2 if two_d else 1
         if nd < need:
             raise ValueError(f"x: {self.kind} granularity needs >= {need} dims, got {nd}")
         if not -nd <= self.axis < nd:
@@ -206,7 +219,7 @@ class Granularity:
         ax = self.axis % nd
         if self.kind == "axis":
             return {ax: 0}  # 0: the whole dim
-        if self.kind != "block":
+        if not two_d:
             return {ax: self.block[1]}
         if ax < nd - 2:
             raise ValueError(f"axis {self.axis}: block granularity tiles the last two dims")

@@ -53,17 +53,14 @@ from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity, K
 from lowprec.core.registry import Registry
 from lowprec.core.scales import group_scale
+from lowprec.float8.config_checks import GEMM_ROLES as GEMM_ROLES  # each GEMM's (a, b) roles
+from lowprec.float8.config_checks import GEMMS as GEMMS  # y = x Wᵀ, dx = g W, dW = gᵀ x
+from lowprec.float8.config_checks import ROLES as ROLES
+from lowprec.float8.config_checks import check_gemms, check_hadamard
 
 __all__ = ["PRESETS", "CastConfig", "Float8Config", "Float8Recipe", "recipe_names"]
 
 Scaling = Literal["dynamic", "delayed", "static"]
-ROLES = ("input", "weight", "grad_output")
-GEMMS = ("forward", "input_grad", "weight_grad")  # y = x Wᵀ, dx = g W, dW = gᵀ x
-GEMM_ROLES: dict[str, tuple[str, str]] = {  # each GEMM's two operands (a · b)
-    "forward": ("input", "weight"),
-    "input_grad": ("grad_output", "weight"),
-    "weight_grad": ("grad_output", "input"),
-}
 
 
 @dataclass(frozen=True)
@@ -90,6 +87,14 @@ class CastConfig:
 
     Delayed and static scaling keep one scale per tensor (``granularity="tensor"``): a
     history of per-row scales would depend on the batch shape.
+
+    ``rounding`` rounds ``x / scale`` into ``fmt``: ``"nearest"`` (ties to even) or
+    ``"stochastic"``: down or up to its neighbours ``lo < |v| < hi`` with
+    ``P(hi) = (|v| − lo) / (hi − lo)``, so ``E[Q(v)] = v`` below saturation
+    (:func:`lowprec.core.rounding.quantize`). The draws come from a counter-based stream
+    keyed by the config's ``seed``, the layer, its step counter, the GEMM and the role
+    (:func:`lowprec.core.hadamard.stream_seed`; :class:`~lowprec.float8.Float8Linear`
+    keeps the counter in its ``state_dict``).
     """
 
     fmt: str = "e4m3fn"
@@ -101,6 +106,7 @@ class CastConfig:
     algo: Literal["max", "most_recent"] = "max"
     static_scale: float | None = None
     mx_scale: Literal["floor", "ceil"] = "floor"
+    rounding: Literal["nearest", "stochastic"] = "nearest"
 
     def __post_init__(self) -> None:
         try:
@@ -127,6 +133,10 @@ class CastConfig:
             raise ValueError("mx_scale only applies to granularity 'mx' / 'mx:B'")
         if g.kind == "nv" and f.name != "e2m1":
             raise ValueError(f"granularity 'nv' (NVFP4) needs fmt 'e2m1', got {f.name!r}")
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
+        if self.rounding == "stochastic" and not f.signed:
+            raise ValueError(f"rounding='stochastic' is not defined for fmt {f.name!r}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)):
             raise TypeError(f"margin must be a number, got {type(self.margin).__name__}")
         if not isinstance(self.power_of_two, bool):
@@ -165,8 +175,9 @@ class CastConfig:
         return group_scale(amax, self.fmt, "tensor", self.margin, self.power_of_two)
 
     def describe(self) -> str:
-        """Short text such as ``dyn:tensor:e4m3fn``."""
-        return f"{self.scaling[:3]}:{self.granularity}:{self.fmt}"
+        """Short text such as ``dyn:tensor:e4m3fn`` (``...:sr`` for stochastic rounding)."""
+        sr = ":sr" if self.rounding == "stochastic" else ""
+        return f"{self.scaling[:3]}:{self.granularity}:{self.fmt}{sr}"
 
 
 def _parse(name: str) -> Granularity:
@@ -238,6 +249,19 @@ class Float8Config:
       Example: ``Float8Config.from_name("tensorwise", gemms={"weight_grad": "nvfp4"})``
       (the ``tensorwise-wgrad-nvfp4`` preset).
 
+    * ``hadamard``: GEMMs (names of :data:`GEMMS`) whose two operands are multiplied by a
+      random Hadamard transform along the contracted dimension before they are quantized:
+      ``A B = (A Hᵀ)(H B)`` for the block-diagonal orthogonal ``H`` of
+      :func:`lowprec.core.hadamard.block_hadamard` (blocks of ``hadamard_block``: 16 for
+      NVFP4, 32 for MX; signs seeded by ``hadamard_seed``, which *is* the stored sign
+      vector: :func:`~lowprec.core.hadamard.random_signs`). Equal to the untransformed
+      product in exact arithmetic; an outlier is spread over its block before the block
+      scale is taken. The casts of such a GEMM must be dynamic (their scale is taken from
+      the transformed operand), and its operands are not shared with other GEMMs.
+    * ``seed``: the run seed of stochastic rounding (``CastConfig.rounding``): each cast
+      draws from :func:`lowprec.core.hadamard.stream_seed` ``(seed, layer key, step,
+      GEMM, role)``, the layer key and step held by the layer (its ``rng_state`` buffer).
+
     Use :meth:`from_name` for the presets (:func:`recipe_names`).
     """
 
@@ -250,6 +274,10 @@ class Float8Config:
     fp8_saved_activations: bool = True
     high_precision_gemms: tuple[str, ...] = ()
     gemms: tuple[tuple[str, Float8Config], ...] = ()
+    hadamard: tuple[str, ...] = ()
+    hadamard_block: int = 16
+    hadamard_seed: int = 0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         hp = self.high_precision_gemms
@@ -271,69 +299,32 @@ class Float8Config:
             )
         if not isinstance(self.fp8_saved_activations, bool):
             raise TypeError("fp8_saved_activations must be a bool")
+        for name in ("hadamard_seed", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        b = self.hadamard_block
+        if isinstance(b, bool) or not isinstance(b, int) or b < 2 or b & (b - 1):
+            raise ValueError(f"hadamard_block must be a power of two >= 2, got {b!r}")
         self._check_gemms()
+        self._check_hadamard()
+        casts = [self.cast(role) for role in ROLES]
+        casts += [c.cast(role) for g, c in self.gemms for role in GEMM_ROLES[g]]
+        object.__setattr__(self, "_sr", any(c.rounding == "stochastic" for c in casts))
 
     def _check_gemms(self) -> None:
-        """Validate and normalise :attr:`gemms`; precompute what the GEMMs ask of it (no
-        dataclass comparison runs while ``torch.compile`` traces a GEMM)."""
-        given = self.gemms
-        pairs = list(given.items()) if isinstance(given, dict) else given
-        if not isinstance(pairs, (list, tuple)):
-            raise ValueError(f"gemms must be pairs (gemm, Float8Config) or a dict, got {given!r}")
-        out: dict[str, Float8Config] = {}
-        for p in pairs:
-            if not isinstance(p, (list, tuple)) or len(p) != 2:
-                raise ValueError(f"gemms: each entry must be a pair (gemm, config), got {p!r}")
-            g, c = p
-            if g not in GEMMS:
-                raise ValueError(f"gemms: GEMM names must be among {GEMMS}, got {g!r}")
-            if g in out:
-                raise ValueError(f"gemms: GEMM {g!r} is given twice in {given!r}")
-            if g in self.high_precision_gemms:
-                raise ValueError(
-                    f"gemms: {g!r} is also in high_precision_gemms={self.high_precision_gemms!r}"
-                    " (a GEMM is either quantized with a per-GEMM config or high precision)"
-                )
-            if isinstance(c, str):
-                c = Float8Config.from_name(c)
-            if not isinstance(c, Float8Config):
-                raise ValueError(
-                    f"gemms: the config of {g!r} must be a Float8Config or a preset name, "
-                    f"got {type(c).__name__}"
-                )
-            if c.gemms or c.high_precision_gemms:
-                raise ValueError(
-                    f"gemms: the config of {g!r} has gemms={c.gemms!r} and "
-                    f"high_precision_gemms={c.high_precision_gemms!r}; a per-GEMM config "
-                    "may have neither"
-                )
-            for role in GEMM_ROLES[g]:
-                oc = c.cast(role)
-                if oc != self.cast(role) and oc.scaling != "dynamic":
-                    raise ValueError(
-                        f"gemms: the {role} cast of {g!r} ({oc.describe()}) must have "
-                        f"scaling='dynamic' or equal the base {role} cast "
-                        f"({self.cast(role).describe()}): the delayed/static scaling state "
-                        "belongs to the base config's roles"
-                    )
-            out[g] = c
-        norm = tuple((g, out[g]) for g in GEMMS if g in out)
-        object.__setattr__(self, "gemms", norm)
-        # Computed once: which (gemm, role) casts differ from the base cast.
-        own = frozenset(
-            (g, role) for g, c in norm for role in GEMM_ROLES[g] if c.cast(role) != self.cast(role)
-        )
-        # Which GEMMs quantize a role with the same cast: (role, gemm, gemm) pairs.
-        same = frozenset(
-            (role, a, b)
-            for role in ROLES
-            for a in GEMMS
-            for b in GEMMS
-            if dict(norm).get(a, self).cast(role) == dict(norm).get(b, self).cast(role)
-        )
-        object.__setattr__(self, "_per_gemm", dict(norm))
-        object.__setattr__(self, "_own", own)
-        object.__setattr__(self, "_same", same)
+        """Validate and normalise :attr:`gemms` (:func:`.config_checks.check_gemms`)."""
+        check_gemms(self)
+
+    def _check_hadamard(self) -> None:
+        """Validate and normalise :attr:`hadamard` (:func:`.config_checks.check_hadamard`)."""
+        check_hadamard(self)
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether any cast (of a role, or of a per-GEMM config) rounds stochastically."""
+        sr: bool = self._sr  # type: ignore[attr-defined]
+        return sr
 
     def for_gemm(self, gemm: str) -> Float8Config:
         """The config GEMM ``gemm`` (one of :data:`GEMMS`) uses: its :attr:`gemms` entry,
@@ -385,8 +376,9 @@ class Float8Config:
                 else p
                 for p in d["gemms"]
             )
-        if isinstance(d.get("high_precision_gemms"), list):
-            d["high_precision_gemms"] = tuple(d["high_precision_gemms"])
+        for name in ("high_precision_gemms", "hadamard"):
+            if isinstance(d.get(name), list):
+                d[name] = tuple(d[name])
         return cls(**d)
 
     def describe(self) -> str:
@@ -399,6 +391,8 @@ class Float8Config:
             out += f", {g}=[{casts}]"
         for g in self.high_precision_gemms:
             out += f", {g}=high-precision"
+        for g in self.hadamard:
+            out += f", {g}=hadamard:{self.hadamard_block}"
         return out
 
     @classmethod

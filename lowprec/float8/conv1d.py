@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import Float8Config
-from lowprec.float8.linear import Float8Linear, _carry_extras, _carry_hooks
+from lowprec.float8.linear import Float8Linear
 
 __all__ = ["Float8Conv1D", "is_conv1d"]
 

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import GEMMS, Float8Config
 from lowprec.float8.conv1d import Float8Conv1D, is_conv1d
-from lowprec.float8.linear import Float8Linear, _carry_extras, _carry_hooks
+from lowprec.float8.linear import Float8Linear
 
 __all__ = [
     "ModuleFilter",
@@ -108,18 +109,23 @@ def apply(
                 "conversion needs floating-point weights"
             )
         configs[id(mod)] = recipe if chosen is True else chosen
+        fqns[id(mod)] = fqn
         return True
 
     configs: dict[int, Float8Config] = {}
+    fqns: dict[int, str] = {}  # keys of the stochastic-rounding streams
 
     def make(mod: nn.Module) -> Float8Linear:
         cfg = configs[id(mod)]
+        new: Float8Linear
         if isinstance(mod, nn.Linear):
             new = Float8Linear.from_linear(mod, cfg)
             if type(mod) is not nn.Linear:  # convert_back gives the subclass back
                 object.__setattr__(new, "_lowprec_original", mod)
-            return new
-        return Float8Conv1D.from_conv1d(mod, cfg)
+        else:
+            new = Float8Conv1D.from_conv1d(mod, cfg)
+        new.set_rng_key(fqns[id(mod)])
+        return new
 
     if wanted(model, ""):
         return make(model)
@@ -282,7 +288,7 @@ def replace_layer(model: nn.Module, fqn: str, config: Float8Config | None) -> nn
     plain: nn.Module = convert_back(old) if isinstance(old, Float8Linear) else old
     if config is None and linear_fn is not None:  # keep the unit maths around the GEMM
         assert isinstance(old, Float8Linear)
-        config = old.recipe.replace(high_precision_gemms=GEMMS, gemms=())
+        config = old.recipe.replace(high_precision_gemms=GEMMS, gemms=(), hadamard=())
     if config is None:
         new = plain
     elif isinstance(plain, nn.Linear):
@@ -290,5 +296,7 @@ def replace_layer(model: nn.Module, fqn: str, config: Float8Config | None) -> nn
         new.linear_fn = linear_fn
     else:
         new = Float8Conv1D.from_conv1d(plain, config)
+    if isinstance(new, Float8Linear):
+        new.set_rng_key(fqn)
     setattr(parent, leaf, new)
     return new

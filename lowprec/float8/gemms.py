@@ -23,20 +23,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.core.formats import get_format
-from lowprec.core.granularity import apply_scale
-from lowprec.core.observe import CastOperand, GemmSink, gemm_sink
-from lowprec.core.scalers import AmaxReducer, DelayedScaler, StaticScaler
-from lowprec.core.scales import amax as tensor_amax
+from lowprec.core.observe import GemmSink, gemm_sink
+from lowprec.core.scalers import AmaxReducer
 from lowprec.core.tensor import ScaledTensor
-from lowprec.float8.config import GEMM_ROLES, CastConfig, Float8Config
+from lowprec.float8.config import GEMM_ROLES, Float8Config
+from lowprec.float8.gemm_observe import hp_operand as _hp
+from lowprec.float8.gemm_observe import hp_value as _hp_value
+from lowprec.float8.gemm_observe import observe_backward, observed
+from lowprec.float8.gemm_options import (
+    HistoryScaler,
+    Streams,
+    hadamard_pair,
+    own_scale,
+    role_scale,
+    same_operands,
+    shares_weight,
+    transposed_weight,
+)
 from lowprec.float8.operands import (
     Operand,
     cast_kind,
     from_parts,
     gemm,
     operand,
-    payload_roles,
     surely_emulated,
     transposed,
 )
@@ -50,8 +59,6 @@ __all__ = [
     "eager_gemm",
     "role_scale",
 ]
-
-HistoryScaler = DelayedScaler | StaticScaler
 
 
 @dataclass(frozen=True)
@@ -67,39 +74,6 @@ class GemmSpec:
     # function computes itself, unlike the base roles' scales) reduces their amax.
     x_reduce: AmaxReducer | None = None
     w_reduce: AmaxReducer | None = None
-
-
-def role_scale(
-    sc: HistoryScaler | None,
-    cast: CastConfig,
-    t: Tensor | None,
-    *,
-    update: bool,
-    calibrating: bool,
-    state: Tensor | None = None,
-    amax: Tensor | None = None,
-    reduce: AmaxReducer | None = None,
-) -> Tensor | None:
-    """The one place a role's tensor-wide scale is chosen: the scale of ``t`` from the
-    role's core scaler (delayed: its history, recorded when ``update``; static: its
-    calibration, recorded when ``calibrating``, or its frozen scale), or ``None`` for a
-    dynamic role, whose scale the GEMM's operand computes from ``t`` itself.
-
-    ``amax``: the ``amax`` of the whole tensor, given (already reduced across ranks);
-    ``reduce``: ``t`` is a shard, and the ``amax`` of a tensor-wise role is ``reduce`` of its
-    local ``amax``. With either, a dynamic role's scale is computed here, from that ``amax``.
-    ``state``: the scaler's state tensor threaded through the autograd function.
-    """
-    if isinstance(sc, StaticScaler) and sc.frozen:
-        return sc(t, amax=amax)
-    if amax is None and reduce is not None and cast_kind(cast) == "tensor":
-        assert t is not None
-        amax = reduce(tensor_amax(t))
-    if isinstance(sc, DelayedScaler):
-        return sc(t, update=update, state=state, amax=amax)
-    if isinstance(sc, StaticScaler):
-        return sc(t, update=calibrating, state=state, amax=amax)
-    return None if amax is None else cast.scale_for(amax)
 
 
 @torch.library.custom_op("lowprec::keep_for_backward", mutates_args=())
@@ -128,23 +102,6 @@ def block_scaled(r: Float8Config) -> bool:
     return any(cast_kind(c) in ("mx", "nv") for c in casts)
 
 
-def _own_scale(cast: CastConfig, t: Tensor, reduce: AmaxReducer | None) -> Tensor | None:
-    """The scale of a per-GEMM (dynamic) cast that differs from its role's base cast: the
-    ``amax`` of the whole tensor where ``t`` is a shard (``reduce``), else ``None`` (the
-    operand computes it from ``t``)."""
-    return role_scale(None, cast, t, update=False, calibrating=False, reduce=reduce)
-
-
-def _same_operands(a: Float8Config, b: Float8Config) -> bool:
-    """Whether GEMMs run with configs ``a`` and ``b`` build and multiply operands alike
-    (so that one GEMM's operand can be handed to the other)."""
-    return a is b or (
-        a.emulate == b.emulate
-        and a.emulation_dtype == b.emulation_dtype
-        and payload_roles(a) == payload_roles(b)
-    )
-
-
 class Float8MatmulFn(torch.autograd.Function):
     """The three GEMMs of a linear on :class:`~lowprec.core.tensor.ScaledTensor` operands.
 
@@ -164,6 +121,12 @@ class Float8MatmulFn(torch.autograd.Function):
     if their casts of it are equal, and an operand that arrives quantized (a ScaledTensor,
     quantized with the base cast) is dequantized and quantized again for a GEMM whose cast
     differs.
+
+    Stochastic casts draw from the streams of ``rng`` (the layer's ``(key, step)``,
+    :class:`~lowprec.float8.gemm_options.Streams`); a GEMM in ``r.hadamard`` multiplies its
+    operands transformed along the contracted dimension (quantized with their own scales,
+    shared with no other GEMM); with :func:`~lowprec.float8.gemm_options.shares_weight` the
+    input gradient multiplies the forward's quantized weight, transposed.
     """
 
     @staticmethod
@@ -177,11 +140,18 @@ class Float8MatmulFn(torch.autograd.Function):
         go_state: Tensor | None,
         spec: GemmSpec,
         out_dtype: torch.dtype,
+        rng: Tensor | None = None,
     ) -> Tensor:
         r = spec.recipe
         ctx.sink = sink = gemm_sink()
         ctx.x_hp = None
+        ctx.streams = st = Streams(r, rng)
+        ctx.w_fwd = None
         hp = r.high_precision_gemms
+        if "forward" in r.hadamard:
+            return _hadamard_forward(
+                ctx, x, w, (x_scale, w_scale, go_scale, go_state), spec, out_dtype
+            )
         if "forward" in hp:  # y = x Wᵀ on the unquantized operands
             xh = x.dequantize() if isinstance(x, ScaledTensor) else x
             wh = w.dequantize() if isinstance(w, ScaledTensor) else w
@@ -205,6 +175,7 @@ class Float8MatmulFn(torch.autograd.Function):
         fp8_saved = (
             r.fp8_saved_activations
             and not wg_hp
+            and "weight_grad" not in r.hadamard
             and same_x
             and (not own_x or cast_kind(cf.input) == "tensor")
         )
@@ -231,7 +202,9 @@ class Float8MatmulFn(torch.autograd.Function):
         # distributed layer: an FP8-gathered FSDP2 weight, an FP8-gathered sequence-parallel
         # input. A GEMM with another cast quantizes its dequantized values again.
         x_st = isinstance(x, ScaledTensor)
-        xv = _hp_value(x) if x_st and (own_x or not same_x) else x
+        wg_h = "weight_grad" in r.hadamard
+        xv = _hp_value(x) if x_st and (own_x or not same_x or wg_h) else x
+        gx = st.gen("forward", "input", x.device)
         # The base input cast's tensor scale, for a weight gradient with the base cast.
         x_base = x.scale if isinstance(x, ScaledTensor) else x_scale
         xd: Tensor | None = None
@@ -242,12 +215,12 @@ class Float8MatmulFn(torch.autograd.Function):
             xq: Operand = from_parts((xd, xs, None), cf.input, 1, x.dtype, cf)
         else:
             xsrc = _hp_value(x) if x_st else x
-            xs_in = _own_scale(cf.input, xsrc, spec.x_reduce) if own_x else x_scale
+            xs_in = own_scale(cf.input, xsrc, spec.x_reduce) if own_x else x_scale
             if fp8_saved:  # the payload is saved for backward
-                xd, xs, xpad = xp = quantize_parts(xsrc, cf.input, 1, xs_in)
+                xd, xs, xpad = xp = quantize_parts(xsrc, cf.input, 1, xs_in, gx)
                 xq = from_parts(xp, cf.input, 1, x.dtype, cf)
             else:
-                xq, xs, _ = operand(xsrc, cf.input, 1, xs_in, cf)
+                xq, xs, _ = operand(xsrc, cf.input, 1, xs_in, cf, gx)
         if not own_x and cast_kind(r.input) == "tensor":
             x_base = xs
         ws_used: Tensor | None = None
@@ -257,14 +230,17 @@ class Float8MatmulFn(torch.autograd.Function):
             ws_seen: Tensor | None = w.scale
         else:
             wsrc = _hp_value(w) if isinstance(w, ScaledTensor) else w
-            ws_in = _own_scale(cf.weight, wsrc, spec.w_reduce) if own_w else w_scale
-            wq, ws_used, _ = operand(wsrc.t(), cf.weight, 0, ws_in, cf)
+            ws_in = own_scale(cf.weight, wsrc, spec.w_reduce) if own_w else w_scale
+            gw = st.gen("forward", "weight", w.device)
+            wq, ws_used, wparts = operand(wsrc.t(), cf.weight, 0, ws_in, cf, gw)
             ws_seen = ws_used
+            if shares_weight(r) and ctx.needs_input_grad[0]:  # dgrad: the same Q(W)
+                ctx.w_fwd = transposed_weight(wq, wparts, r, w.dtype)
         if sink is not None:
             sink(
                 "forward",
-                _observed("input", x, cf.input, 1, xs),
-                _observed("weight", _hp_value(w).t(), cf.weight, 0, ws_seen),
+                observed("input", x, cf.input, 1, xs, None, gx),
+                observed("weight", _hp_value(w).t(), cf.weight, 0, ws_seen, None, gw),
             )
             ctx.x_hp = _hp_value(x).detach()  # for the weight-gradient GEMM's observation
         y = gemm(xq, wq, out_dtype, cf)
@@ -273,7 +249,7 @@ class Float8MatmulFn(torch.autograd.Function):
         w_base: Tensor | None = None
         if cast_kind(r.weight) == "tensor" and not isinstance(w, ScaledTensor):
             w_base = w_scale if own_w else ws_used
-        if fp8_saved or (x_st and not own_x and same_x):
+        if fp8_saved or (x_st and not own_x and same_x and not wg_h):
             assert xd is not None
             kept = _keep_for_backward(xd) if torch.compiler.is_compiling() else xd
             ctx.save_for_backward(None, kept, xs, x_base, w, w_base)
@@ -294,11 +270,14 @@ class Float8MatmulFn(torch.autograd.Function):
         r = spec.recipe
         xpad, x_dtype = ctx.x_meta
         hp = r.high_precision_gemms
+        st: Streams = ctx.streams
+        dev = g.device
         fp8_dx = ctx.needs_input_grad[0] and "input_grad" not in hp
         fp8_dw = ctx.needs_input_grad[1] and "weight_grad" not in hp
+        h_dx, h_dw = "input_grad" in r.hadamard, "weight_grad" in r.hadamard
         cdx, cdw = r.for_gemm("input_grad"), r.for_gemm("weight_grad")
-        own_gdx = r.own_cast("input_grad", "grad_output")
-        own_gdw = r.own_cast("weight_grad", "grad_output")
+        own_gdx = r.own_cast("input_grad", "grad_output") or h_dx
+        own_gdw = r.own_cast("weight_grad", "grad_output") or h_dw
         # The base grad_output scale (its delayed/static state), where a GEMM uses it.
         g_scale = ctx.go_scale
         if g_scale is None and ((fp8_dx and not own_gdx) or (fp8_dw and not own_gdw)):
@@ -315,29 +294,30 @@ class Float8MatmulFn(torch.autograd.Function):
         gs_dx = gs_dw = ws_dx = xs_dw = None
         share_g = False
         if fp8_dx:
-            gs_dx = _own_scale(cdx.grad_output, g, spec.go_reduce) if own_gdx else g_scale
+            gs_dx = own_scale(cdx.grad_output, g, spec.go_reduce) if own_gdx else g_scale
             if not isinstance(w, ScaledTensor) or r.own_cast("input_grad", "weight"):
                 wsrc = _hp_value(w)
                 own_w = r.own_cast("input_grad", "weight")
-                ws_dx = _own_scale(cdx.weight, wsrc, spec.w_reduce) if own_w else w_base
+                ws_dx = own_scale(cdx.weight, wsrc, spec.w_reduce) if own_w else w_base
         if fp8_dw:
             g_tensor = cast_kind(cdw.grad_output) == "tensor"
             share_g = (
                 fp8_dx
                 and g_tensor
+                and not (h_dx or h_dw)
                 and r.same_cast("grad_output", "input_grad", "weight_grad")
-                and _same_operands(cdx, cdw)
+                and same_operands(cdx, cdw)
             )
             if share_g:
                 gs_dw = gs_dx
             elif g_tensor:
-                gs_dw = _own_scale(cdw.grad_output, g, spec.go_reduce) if own_gdw else g_scale
+                gs_dw = own_scale(cdw.grad_output, g, spec.go_reduce) if own_gdw else g_scale
             if x is not None and cast_kind(cdw.input) == "tensor":
                 own_x = r.own_cast("weight_grad", "input")
-                xs_dw = _own_scale(cdw.input, x, spec.x_reduce) if own_x else x_base
+                xs_dw = own_scale(cdw.input, x, spec.x_reduce) if own_x else x_base
         sink: GemmSink | None = ctx.sink
         if sink is not None:
-            _observe_backward(ctx, sink, g, fp8_dx, fp8_dw, gs_dx, ws_dx, gs_dw, xs_dw)
+            observe_backward(ctx, sink, g, fp8_dx, fp8_dw, (gs_dx, ws_dx, gs_dw, xs_dw), share_g)
         dx = dw = None
         if ctx.needs_input_grad[0] and not fp8_dx:  # dx = g W, unquantized
             wh = w.dequantize() if isinstance(w, ScaledTensor) else w
@@ -347,16 +327,39 @@ class Float8MatmulFn(torch.autograd.Function):
             dw = torch.matmul(g.t(), xh.to(g.dtype)).to(w.dtype)
         gq: Operand | None = None
         gp: Parts | None = None
-        if fp8_dx:  # dx = Q(g) Q(W)
-            gq, _, gp = operand(g, cdx.grad_output, 1, gs_dx, cdx)
+        if fp8_dx and h_dx:  # dx = Q(g Hᵀ) Q(H W)
+            gh, wh = hadamard_pair(r, g, _hp_value(w))
+            gg, gw = st.gen("input_grad", "grad_output", dev), st.gen("input_grad", "weight", dev)
+            gs_h = own_scale(cdx.grad_output, gh, spec.go_reduce)
+            gq = operand(gh, cdx.grad_output, 1, gs_h, cdx, gg)[0]
+            wq_h = operand(wh, cdx.weight, 0, own_scale(cdx.weight, wh, spec.w_reduce), cdx, gw)
+            dx = gemm(gq, wq_h[0], x_dtype, cdx)
+        elif fp8_dx:  # dx = Q(g) Q(W)
+            gq, _, gp = operand(
+                g, cdx.grad_output, 1, gs_dx, cdx, st.gen("input_grad", "grad_output", dev)
+            )
             wq: Operand
-            if isinstance(w, ScaledTensor) and not r.own_cast("input_grad", "weight"):
+            if ctx.w_fwd is not None:  # the forward's Q(Wᵀ), transposed (2-D blocks)
+                wq = ctx.w_fwd
+            elif isinstance(w, ScaledTensor) and not r.own_cast("input_grad", "weight"):
                 # tensor-wise: the forward's values, transposed
                 wq = from_parts((w.qdata, w.scale, None), cdx.weight, 0, w.dtype, cdx)
             else:
-                wq = operand(_hp_value(w), cdx.weight, 0, ws_dx, cdx)[0]
+                gw = st.gen("input_grad", "weight", dev)
+                wq = operand(_hp_value(w), cdx.weight, 0, ws_dx, cdx, gw)[0]
             dx = gemm(gq, wq, x_dtype, cdx)
-        if fp8_dw:  # dW = Q(g)ᵀ Q(x)
+        gg_dw, gx_dw = (
+            st.gen("weight_grad", "grad_output", dev),
+            st.gen("weight_grad", "input", dev),
+        )
+        if fp8_dw and h_dw:  # dW = Q(gᵀ Hᵀ) Q(H x)
+            xh = x if x is not None else dequantize_parts(xq_data, xq_scale, xpad, torch.float32)
+            gh, xh = hadamard_pair(r, g.t(), xh)
+            gs_h = own_scale(cdw.grad_output, gh, spec.go_reduce)
+            gq_h = operand(gh, cdw.grad_output, 1, gs_h, cdw, gg_dw)[0]
+            xq_h = operand(xh, cdw.input, 0, own_scale(cdw.input, xh, spec.x_reduce), cdw, gx_dw)
+            dw = gemm(gq_h, xq_h[0], w.dtype, cdw)
+        elif fp8_dw:  # dW = Q(g)ᵀ Q(x)
             gq_t: Operand
             xq: Operand
             cg = cdw.grad_output
@@ -364,20 +367,54 @@ class Float8MatmulFn(torch.autograd.Function):
                 assert gq is not None
                 gq_t = transposed(gq, gp, cg, g.dtype)
             elif cast_kind(cg) == "tensor":
-                g1, _, gp1 = operand(g, cg, 1, gs_dw, cdw)
+                g1, _, gp1 = operand(g, cg, 1, gs_dw, cdw, gg_dw)
                 gq_t = transposed(g1, gp1, cg, g.dtype)
             else:
-                gq_t = operand(g.t(), cg, 1, None, cdw)[0]
+                gq_t = operand(g.t(), cg, 1, None, cdw, gg_dw)[0]
             if x is None:  # the forward's payload, quantized with this GEMM's cast
                 if cast_kind(cdw.input) == "tensor":  # used transposed: same values, scale
                     xq = from_parts((xq_data, xq_scale, None), cdw.input, 0, x_dtype, cdw)
                 else:  # re-quantize along the token dimension (documented double rounding)
                     deq = dequantize_parts(xq_data, xq_scale, xpad, torch.float32)
-                    xq = operand(deq, cdw.input, 0, None, cdw)[0]
+                    xq = operand(deq, cdw.input, 0, None, cdw, gx_dw)[0]
             else:  # tensor scale: the base role's (delayed/static/forward's) or its own
-                xq = operand(x, cdw.input, 0, xs_dw, cdw)[0]
+                xq = operand(x, cdw.input, 0, xs_dw, cdw, gx_dw)[0]
             dw = gemm(gq_t, xq, w.dtype, cdw)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
+
+
+def _hadamard_forward(
+    ctx: Any,
+    x: Tensor,
+    w: Tensor,
+    scales: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
+    spec: GemmSpec,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """The forward GEMM of a recipe with ``"forward"`` in ``hadamard``:
+    ``y = Q(x Hᵀ) Q(H Wᵀ)``, each operand quantized with its own (dynamic) scale; the
+    high-precision input is saved for backward, with the roles' given scales
+    (``x_scale``, ``w_scale``: ``None`` for a dynamic role, whose backward GEMM then takes
+    the scale of its own operand)."""
+    x_scale, w_scale, go_scale, go_state = scales
+    r = spec.recipe
+    cf, st = r.for_gemm("forward"), ctx.streams
+    x_hp = _hp_value(x)
+    xh, wh = hadamard_pair(r, x_hp, _hp_value(w).t())
+    gx, gw = st.gen("forward", "input", x.device), st.gen("forward", "weight", w.device)
+    xs = own_scale(cf.input, xh, spec.x_reduce)
+    ws = own_scale(cf.weight, wh, spec.w_reduce)
+    xq = operand(xh, cf.input, 1, xs, cf, gx)[0]
+    wq = operand(wh, cf.weight, 0, ws, cf, gw)[0]
+    if ctx.sink is not None:
+        xo = observed("input", xh, cf.input, 1, xs, None, gx)
+        ctx.sink("forward", xo, observed("weight", wh, cf.weight, 0, ws, None, gw))
+        ctx.x_hp = x_hp.detach()
+    y = gemm(xq, wq, out_dtype, cf)
+    ctx.save_for_backward(x_hp, None, None, x_scale, w, w_scale)
+    ctx.go_state, ctx.go_scale = go_state, go_scale
+    ctx.spec, ctx.x_meta = spec, (None, x.dtype)
+    return y
 
 
 # MX and NVFP4 linears run their forward and backward outside torch.compile's graph (a
@@ -386,86 +423,3 @@ class Float8MatmulFn(torch.autograd.Function):
 # 2.13, e.g. an HF Llama in bf16), and a break inside the function made the resumed frames
 # trace the recipe's block sizes as symbols once two block formats had been compiled.
 eager_gemm: Callable[..., Tensor] = torch.compiler.disable(Float8MatmulFn.apply)  # type: ignore[no-untyped-call]
-
-
-def _hp_value(t: Tensor) -> Tensor:
-    """``t``'s high-precision value: a ScaledTensor operand (FP8-gathered) dequantized."""
-    if isinstance(t, ScaledTensor):
-        return dequantize_parts(t.qdata, t.scale, None, torch.float32)
-    return t
-
-
-def _hp(role: str, t: Tensor) -> CastOperand:
-    """An operand a high-precision GEMM multiplies as it is."""
-    t = _hp_value(t).detach()
-    return CastOperand(role, t, t, get_format(t.dtype).name)
-
-
-def _observed(
-    role: str,
-    t: Tensor,
-    cast: CastConfig,
-    cd: int,
-    scale: Tensor | None,
-    src: Tensor | None = None,
-) -> CastOperand:
-    """The operand ``t`` (contracted over ``cd``) as the GEMM multiplies it: quantized with
-    ``cast`` (at ``scale`` where the cast is tensor-wise, as the GEMM was) and dequantized.
-    ``src``: the tensor the GEMM actually quantized, where it is not ``t`` itself (the
-    dequantized saved input, re-quantized along the token dimension)."""
-    hp = _hp_value(t).detach()
-    tensor = cast_kind(cast) == "tensor"
-    data, s, pad = quantize_parts(hp if src is None else src, cast, cd, scale if tensor else None)
-    deq = dequantize_parts(data, s, pad, torch.float32)
-    if s.dim() == 0 or s.numel() == 1:
-        elem = s.reshape(())
-    else:
-        elem = apply_scale(torch.ones(data.shape, device=data.device), s)
-        if pad is not None:
-            elem = elem[: pad[0], : pad[1]]
-    return CastOperand(role, hp, deq, cast.fmt, elem, s, cast.granularity)
-
-
-def _observe_backward(
-    ctx: Any,
-    sink: GemmSink,
-    g: Tensor,
-    fp8_dx: bool,
-    fp8_dw: bool,
-    gs_dx: Tensor | None,
-    ws_dx: Tensor | None,
-    gs_dw: Tensor | None,
-    xs_dw: Tensor | None,
-) -> None:
-    """Hand the backward GEMMs' operands to ``sink`` as :class:`Float8MatmulFn` quantizes
-    them: each GEMM's casts (``recipe.for_gemm``) and the tensor-wise scales it uses
-    (``gs_dx``, ``ws_dx``: the input gradient's; ``gs_dw``, ``xs_dw``: the weight
-    gradient's; ``None``: computed from the operand)."""
-    x, xq_data, xq_scale, _, w, _ = ctx.saved_tensors
-    r: Float8Config = ctx.spec.recipe
-    xpad, _ = ctx.x_meta
-    if ctx.needs_input_grad[0]:
-        if fp8_dx:
-            cdx = r.for_gemm("input_grad")
-            if isinstance(w, ScaledTensor) and not r.own_cast("input_grad", "weight"):
-                ws_dx = w.scale
-            go = _observed("grad_output", g, cdx.grad_output, 1, gs_dx)
-            sink("input_grad", go, _observed("weight", w, cdx.weight, 0, ws_dx))
-        else:
-            sink("input_grad", _hp("grad_output", g), _hp("weight", w))
-    if not ctx.needs_input_grad[1]:
-        return
-    x_hp = ctx.x_hp if ctx.x_hp is not None else x
-    if x_hp is None:  # only the quantized input was kept (no observation in forward)
-        x_hp = dequantize_parts(xq_data, xq_scale, xpad, torch.float32)
-    if not fp8_dw:
-        sink("weight_grad", _hp("grad_output", g.t()), _hp("input", x_hp))
-        return
-    cdw = r.for_gemm("weight_grad")
-    x_tensor = cast_kind(cdw.input) == "tensor"
-    gt = _observed("grad_output", g.t(), cdw.grad_output, 1, gs_dw)
-    src = None
-    if x is None and not x_tensor:  # the saved input, dequantized and re-quantized
-        src = dequantize_parts(xq_data, xq_scale, xpad, torch.float32)
-    xs = (xq_scale if x is None else xs_dw) if x_tensor else None
-    sink("weight_grad", gt, _observed("input", x_hp, cdw.input, 0, xs, src))

@@ -23,8 +23,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from lowprec.core.hadamard import fqn_key
 from lowprec.core.scalers import AmaxReducer, DelayedScaler, StaticScaler
 from lowprec.core.tensor import ScaledTensor
+from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import ROLES, CastConfig, Float8Config
 from lowprec.float8.gemms import (
     Float8MatmulFn,
@@ -124,6 +126,8 @@ class Float8Linear(nn.Linear):
             sc = _make_scaler(c, self._state(role))
             if sc is not None:
                 self._scalers[role] = sc
+        if recipe.stochastic:  # (layer key, step counter) of the stochastic-rounding streams
+            self.register_buffer("rng_state", torch.zeros(2, dtype=torch.int64, device=dev))
         self.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
 
     def _bind_state(self) -> None:
@@ -208,6 +212,17 @@ class Float8Linear(nn.Linear):
         _carry_hooks(mod, new)
         _carry_extras(mod, new, {"weight", "bias"})
         return new
+
+    def set_rng_key(self, fqn: str) -> None:
+        """Key this layer's stochastic-rounding streams by its fully-qualified name
+        (:func:`lowprec.core.hadamard.fqn_key`; :func:`~lowprec.float8.apply` calls it), so
+        that layers draw independent streams; no-op for a recipe without stochastic casts.
+        The key and the step counter are the ``rng_state`` buffer (``state_dict``: a
+        resumed run draws on as the uninterrupted one)."""
+        rng = self._buffers.get("rng_state")
+        if rng is not None:
+            with torch.no_grad():
+                rng[0] = fqn_key(fqn)
 
     def scaling_buffers(self) -> list[str]:
         """The names of the buffers that hold this layer's scaling state (delayed amax
@@ -317,8 +332,9 @@ class Float8Linear(nn.Linear):
         xr = reduce if "x" in sharded else None
         wr = reduce if "w" in sharded else None
         gr = reduce if "g" in sharded else None
+        own = bool(r.gemms or r.hadamard)  # GEMMs that take their own tensor-wise scales
         spec = GemmSpec(
-            r, upd, self._calibrating, go_sc, gr, xr if r.gemms else None, wr if r.gemms else None
+            r, upd, self._calibrating, go_sc, gr, xr if own else None, wr if own else None
         )
         kw: dict[str, Any] = {"update": upd, "calibrating": self._calibrating}
         # An FP8-gathered operand (lowprec.distributed) arrives quantized, its scaler run.
@@ -332,10 +348,15 @@ class Float8Linear(nn.Linear):
         gs = go_sc.scale if isinstance(go_sc, StaticScaler) and go_sc.frozen else None
         go = self._state("grad_output")
         fn = Float8MatmulFn.apply
-        if torch.compiler.is_compiling() and block_scaled(r):
-            fn = eager_gemm  # outside the graph: inductor fails on MX/NVFP4 quantizes
+        if torch.compiler.is_compiling() and (block_scaled(r) or r.stochastic or r.hadamard):
+            # outside the graph: inductor fails on MX/NVFP4 quantizes; seeded generators
+            fn = eager_gemm
+        rng = self._buffers.get("rng_state")
         with autocast_off(dev):
-            y: Tensor = fn(x2d, w, xs, ws, gs, go, spec, out_dtype)  # type: ignore[no-untyped-call]
+            y: Tensor = fn(x2d, w, xs, ws, gs, go, spec, out_dtype, rng)  # type: ignore[no-untyped-call]
+        if rng is not None and self.training:  # the next call draws the next streams
+            with torch.no_grad():
+                rng[1] += 1
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -357,53 +378,6 @@ class Float8Linear(nn.Linear):
         # The casts per role, then formats per GEMM and high-precision GEMMs if any:
         # e.g. ``..., weight_grad=[grad_output=dyn:nv:16:e2m1, input=dyn:nv:16:e2m1]``.
         return f"{super().extra_repr()}, recipe={self.recipe.name}, {self.recipe.describe()}"
-
-
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
-
-
-def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
-    """The replacement runs the hooks registered on the replaced module (the same dicts,
-    so their handles still remove them)."""
-    for name in _HOOK_DICTS:
-        if hasattr(old, name):
-            setattr(new, name, getattr(old, name))
-
-
-def _carry_extras(old: nn.Module, new: nn.Module, own: set[str]) -> None:
-    """``new`` (the replacement of ``old``) keeps what ``old`` holds besides the names in
-    ``own``: child modules (a LoRA-style adapter), other parameters and buffers, the same
-    objects under the same names (buffer persistence kept), so that an optimizer built
-    afterwards and ``state_dict()`` see every one. ``ValueError`` if a name is taken."""
-    for kind, src in (("child module", old._modules), ("parameter", old._parameters)):
-        for name, v in src.items():
-            if name in own:
-                continue
-            if hasattr(new, name) and name not in new._modules and name not in new._parameters:
-                raise ValueError(
-                    f"{type(old).__name__}: its {kind} {name!r} clashes with an attribute of "
-                    f"{type(new).__name__}; rename it before converting"
-                )
-            (new._modules if kind == "child module" else new._parameters)[name] = v  # type: ignore[index,assignment]
-    for name, b in old._buffers.items():
-        if name in own:
-            continue
-        if hasattr(new, name):
-            raise ValueError(
-                f"{type(old).__name__}: its buffer {name!r} clashes with an attribute of "
-                f"{type(new).__name__}; rename it before converting"
-            )
-        new._buffers[name] = b
-        if name in old._non_persistent_buffers_set:
-            new._non_persistent_buffers_set.add(name)
 
 
 def _after_load(module: nn.Module, incompatible: Any) -> None:

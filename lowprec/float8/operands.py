@@ -90,7 +90,12 @@ def from_parts(
 
 
 def operand(
-    t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None, r: Float8Config
+    t: Tensor,
+    cast: CastConfig,
+    cd: int,
+    scale: Tensor | None,
+    r: Float8Config,
+    gen: torch.Generator | None = None,
 ) -> tuple[Operand, Tensor | None, Parts | None]:
     """``(operand, scale, parts)``: the GEMM operand of ``t`` contracted over ``cd``, its
     scale and the :func:`quantize_parts` it was built from (a ScaledTensor, whose own
@@ -101,7 +106,8 @@ def operand(
     ``None``); and when every role of ``r`` is tensor- or axis-scaled and the GEMM is
     surely emulated (``emulate=True``, or no hardware FP8 GEMM on ``t``'s device), a
     :class:`Payload` (:func:`~lowprec.float8.quant.quantize_values`: one kernel eager,
-    bit arithmetic that inductor fuses when traced). :func:`gemm` takes any of them."""
+    bit arithmetic that inductor fuses when traced). :func:`gemm` takes any of them.
+    A stochastic cast draws from ``gen`` (:func:`~lowprec.float8.quant.stochastic_parts`)."""
     if r.emulate is not False:
         ed = EMULATION_DTYPES[r.emulation_dtype]
         if scale is None:
@@ -112,7 +118,7 @@ def operand(
             vs = quantize_values(t, cast, cd, ed, scale)
             if vs is not None:
                 return Payload(vs[0], vs[1], cast_kind(cast)), vs[1], None
-    parts = quantize_parts(t, cast, cd, scale)
+    parts = quantize_parts(t, cast, cd, scale, gen)
     return from_parts(parts, cast, cd, t.dtype, r), parts[1], parts
 
 

@@ -91,3 +91,42 @@ _preset(
 # Tensor-wise FP8 everywhere but the weight-gradient GEMM, which runs in NVFP4 (the forward's
 # tensor-wise input is then not shared with it: the high-precision input is saved).
 _preset("tensorwise-wgrad-nvfp4", _e4(), _e4(), _e5(), gemms=(("weight_grad", _nvfp4),))
+
+# FP4 training as published (NVIDIA, arXiv 2509.25149; Transformer Engine's
+# NVFP4BlockScaling): E2M1 with E4M3 scales per 16 and an FP32 tensor scale; the weight on
+# 16x16 blocks (the forward and input-gradient GEMMs multiply one quantized weight);
+# gradients rounded stochastically, everything else to nearest; a random Hadamard
+# transform of 16 on the weight-gradient GEMM's inputs only. Which layers stay in BF16
+# is the recipe's (lowprec.recipes: float8_skip, layers).
+_preset(
+    "nvfp4-train",
+    _nv4,
+    CastConfig("e2m1", granularity="nv:16x16"),
+    CastConfig("e2m1", granularity="nv:16", rounding="stochastic"),
+    fp8_saved_activations=False,
+    emulate=True,
+    hadamard=("weight_grad",),
+    hadamard_block=16,
+)
+# The same recipe in MXFP4: E8M0 scales per 32 (OCP's floor, as mxfp4), 32x32 weight blocks,
+# a Hadamard transform of 32 on the weight gradient.
+_preset(
+    "mxfp4-train",
+    _fp4,
+    CastConfig("e2m1", granularity="mx:32x32"),
+    CastConfig("e2m1", granularity="mx:32", rounding="stochastic"),
+    fp8_saved_activations=False,
+    emulate=True,
+    hadamard=("weight_grad",),
+    hadamard_block=32,
+)
+# DeepSeek-V3: E4M3 everywhere (gradients too) with 1x128 activation / gradient and 128x128
+# weight blocks and power-of-two scales. Its FP32 promotion of the accumulation (Hopper's
+# FP8 GEMM keeps about 14 bits) needs nothing here: the emulation accumulates in FP32.
+_preset(
+    "fp8-deepseek",
+    _e4(granularity="block:1x128", power_of_two=True),
+    _e4(granularity="block:128x128", power_of_two=True),
+    _e4(granularity="block:1x128", power_of_two=True),
+    fp8_saved_activations=False,
+)

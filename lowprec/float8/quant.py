@@ -21,8 +21,9 @@ from lowprec.core import kernels, layout
 from lowprec.core.bits import BYTE_FORMATS, round_bits
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
+from lowprec.core.hadamard import generator, stream_seed
 from lowprec.core.layout import dense_view, from_dense_view
-from lowprec.core.rounding import to_format, to_format_bounded
+from lowprec.core.rounding import quantize, storage_dtype, to_format, to_format_bounded
 from lowprec.core.scales import amax, compute_scale, mx_scale, nonfinite_scale, nv_scale
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.config import CastConfig
@@ -32,18 +33,28 @@ __all__ = [
     "quantize_dequantize",
     "quantize_operand",
     "quantize_values",
+    "stochastic_parts",
 ]
 
 Parts = tuple[Tensor, Tensor, "tuple[int, int] | None"]
 
 
-def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = None) -> Parts:
+def quantize_parts(
+    t: Tensor,
+    cast: CastConfig,
+    cd: int,
+    scale: Tensor | None = None,
+    gen: torch.Generator | None = None,
+) -> Parts:
     """``(data, scale, unpadded_shape)`` of :func:`quantize_operand`, as plain tensors
-    (``unpadded_shape`` is ``None`` when nothing was padded)."""
+    (``unpadded_shape`` is ``None`` when nothing was padded). A stochastic cast
+    (``cast.rounding``) draws from ``gen`` (:func:`stochastic_parts`)."""
     if t.dim() != 2:
         raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
     fmt = get_format(cast.fmt)
     g = cast.bound_granularity(cd)
+    if cast.rounding == "stochastic" and t.numel():
+        return stochastic_parts(t, cast, cd, scale, gen)
     if g.kind == "tensor":
         a = _tensor_amax(t) if scale is None else None
         s = cast.scale_for(a) if a is not None else scale
@@ -90,6 +101,38 @@ def quantize_parts(t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = 
     return q, s, pad
 
 
+def stochastic_parts(
+    t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None, gen: torch.Generator | None
+) -> Parts:
+    """:func:`quantize_parts` of a stochastic cast: the scales of the nearest cast (the
+    same ``amax``, group scale and padding), then ``v = (t / s)`` (float32; float64 for a
+    float64 ``t``) rounded by :func:`lowprec.core.rounding.quantize` with
+    ``rounding="stochastic"``, ``saturate=True`` and the draws of ``gen``: one
+    ``torch.randint(0, 2^23, v.shape)`` (``2^52`` for float64), so ``E[data·s] = t`` below
+    saturation. ``gen=None``: a generator seeded with
+    :func:`~lowprec.core.hadamard.stream_seed` ``(0)`` (reproducible; a layer passes the
+    stream of its GEMM and role). Eager ops only (``torch.compile`` runs stochastic GEMMs
+    outside its graph)."""
+    if gen is None:
+        gen = generator(stream_seed(0), t.device)
+    fmt = get_format(cast.fmt)
+    g = cast.bound_granularity(cd)
+    x = t if t.dtype == torch.float64 else t.float()
+    pad = None
+    if g.kind == "tensor":
+        s = cast.scale_for(amax(t)) if scale is None else scale
+        v = x / s.reshape(1, 1)
+    else:
+        if scale is not None:
+            raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
+        xp = x if g.kind == "axis" else pad_to_blocks(x, g)
+        pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
+        s = _group_scale(amax(xp, g), cast, g.kind, fmt)
+        v = apply_scale(xp, s, op="div")
+    q = quantize(v, fmt, "stochastic", saturate=True, generator=gen)
+    return q.to(storage_dtype(fmt)), s, pad
+
+
 _BLOCK_KINDS = ("block", "mx", "nv")
 
 
@@ -112,6 +155,8 @@ def _fused_target(
     g = cast.bound_granularity(cd)
     fmt = get_format(cast.fmt)
     if g.kind not in kinds or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if cast.rounding != "nearest":  # the kernels round to nearest
         return None
     if t.dtype == torch.float64 or not t.numel() or (eager and not kernels.takes(t, fmt)):
         return None
@@ -319,7 +364,11 @@ def as_operand(parts: Parts, cast: CastConfig, cd: int, dtype: torch.dtype) -> S
 
 
 def quantize_operand(
-    t: Tensor, cast: CastConfig, cd: int, scale: Tensor | None = None
+    t: Tensor,
+    cast: CastConfig,
+    cd: int,
+    scale: Tensor | None = None,
+    gen: torch.Generator | None = None,
 ) -> ScaledTensor:
     """Quantize the 2-D ``t`` for a GEMM that contracts its dimension ``cd`` (0 or 1).
 
@@ -327,9 +376,10 @@ def quantize_operand(
     granularity bound to ``cd``; block kinds zero-pad ``t`` to whole blocks and record
     ``unpadded_shape``. ``scale`` (tensor granularity only) is a scale chosen elsewhere
     (delayed or static scaling); without it the scale comes from ``t`` itself. Values are
-    divided by the scale in float32 and rounded to nearest with saturation.
+    divided by the scale in float32 and rounded with saturation: to nearest, or
+    stochastically with the draws of ``gen`` (``cast.rounding``).
     """
-    return as_operand(quantize_parts(t, cast, cd, scale), cast, cd, t.dtype)
+    return as_operand(quantize_parts(t, cast, cd, scale, gen), cast, cd, t.dtype)
 
 
 def dequantize_parts(

@@ -79,6 +79,9 @@ def test_presets_and_roles() -> None:
         "naive",
         "mxfp8-nvfp4-bwd",
         "tensorwise-wgrad-nvfp4",
+        "nvfp4-train",
+        "mxfp4-train",
+        "fp8-deepseek",
     ]
     naive = Float8Config.from_name("naive")  # the demo's fp8-naive: scale exactly 1
     assert all(naive.cast(k).static_scale == 1.0 for k in ("input", "weight", "grad_output"))
