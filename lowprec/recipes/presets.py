@@ -192,3 +192,30 @@ _add(
     stochastic_rounding=True,
     optimizer_state="8bit",
 )
+# FP4 training as published (issue 31; docs/float8.md, "FP4 training"). The linears that stay
+# in BF16 are a recipe rule: the output head by default (float8_skip); keep the last blocks
+# too with layers=[LayerRule("blocks.11.*", None)] (the published recipe: ~15% of linears).
+for _name, _what in (
+    (
+        "nvfp4-train",
+        "NVFP4 (E2M1, E4M3 scales per 16, FP32 tensor scale) with 16x16 weight scales, "
+        "stochastic rounding of gradients and a random Hadamard transform (16) on the "
+        "weight-gradient GEMM",
+    ),
+    (
+        "mxfp4-train",
+        "MXFP4 (E2M1, E8M0 scales per 32) with 32x32 weight scales, stochastic rounding of "
+        "gradients and a random Hadamard transform (32) on the weight-gradient GEMM",
+    ),
+    (
+        "fp8-deepseek",
+        "DeepSeek-V3 float8: E4M3 everywhere, 1x128 activation/gradient and 128x128 weight "
+        "blocks, power-of-two scales, FP32 accumulation",
+    ),
+):
+    _add(
+        _name,
+        f"BF16 params (FP32 master weights), linears in {_what}; output head in BF16",
+        technique=Float8Config.from_name(_name),
+        **_MIXED,
+    )

@@ -24,7 +24,16 @@ OLD = [
     "fp8-delayed", "fp8-rowwise", "mxfp8", "fp32-unit", "fp16-unit", "bf16-unit", "fp8-unit",
     "fp16-scalify", "fp8-scalify",
 ]  # fmt: skip
-NEW = ["fp8-blockwise", "fp8-static", "mxfp4", "nvfp4", "fp8-unit-rowwise"]
+NEW = [
+    "fp8-blockwise",
+    "fp8-static",
+    "mxfp4",
+    "nvfp4",
+    "fp8-unit-rowwise",
+    "nvfp4-train",
+    "mxfp4-train",
+    "fp8-deepseek",
+]
 
 
 # ---- serialisation ---------------------------------------------------------------------

@@ -34,7 +34,8 @@ def _names(m: nn.Module) -> tuple[list[str], list[str]]:
     """Parameter names and state_dict keys, without scalify's wrapper prefix and the float8
     scaling state (which the conversion adds)."""
     params = sorted(n.removeprefix("module.") for n, _ in m.named_parameters())
-    keys = sorted(k for k in m.state_dict() if not k.endswith(("_amax_history", "_static_amax")))
+    state = ("_amax_history", "_static_amax", "rng_state")  # float8 state, not parameters
+    keys = sorted(k for k in m.state_dict() if not k.endswith(state))
     return params, keys
 
 
