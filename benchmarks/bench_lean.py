@@ -12,9 +12,10 @@ steps, width 64, depth 2, AdamW lr 3e-3, warm-up and cosine decay), at each seed
   moment codecs (first moment, second moment: format, square root, rounding), so that
   only the states' storage differs from the ``fp32`` row.
 
-Prints two tables and writes ``benchmarks/results/lean_cpu.json`` (machine, torch, git
-revision). ``--model llama`` (with ``--skip-codecs``) trains an HF Llama of the same
-shape instead of the reference model.
+Prints two tables and writes ``--out`` (machine, torch, git revision);
+``benchmarks/results/lean_cpu.json`` holds the reference model's run under ``"reference"``
+and the Llama run under ``"llama"``. ``--model llama`` (with ``--skip-codecs``) trains an
+HF Llama of the same shape instead of the reference model.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_lean.py --seeds 0 1 2
 """
