@@ -106,6 +106,12 @@ def mixed_precision_policy(recipe: str | Recipe) -> MixedPrecisionPolicy:
 
 
 def _check_recipe(r: Recipe, parallel: str) -> None:
+    if r.policy.lean:
+        raise ValueError(
+            f"recipe: {r.name!r} keeps lean training state (master={r.policy.master_kind!r}, "
+            f"optimizer_state={r.policy.optimizer_state!r}: lowprec.amp.lean), which is not "
+            "supported under torch.distributed yet; train it on one process"
+        )
     if parallel != "fsdp":
         return
     if r.stochastic_rounding:
