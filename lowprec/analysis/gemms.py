@@ -27,7 +27,8 @@ elements and ``F`` the format (:func:`cast_stats`):
   is, in its dtype: nothing is cast).
 
 ``rel_err`` is the GEMM's relative error ``‖c_a c_b − h_a h_b‖ / ‖h_a h_b‖`` (Frobenius,
-in float32), sampled: on at most :data:`REL_ERR_ROWS` evenly spaced rows of the output.
+in float32), sampled: on at most :data:`REL_ERR_ROWS` evenly spaced rows of the output (of
+evenly spaced matrices of a batched GEMM).
 Steps not sampled cost one integer test per module hook. Records are JSON-ready dicts;
 :meth:`GemmRecorder.save` appends them to a JSON-lines file (``gemms.jsonl`` in a run
 directory).
@@ -139,11 +140,27 @@ def _rows(t: Tensor, rows: int) -> Tensor:
     return t.index_select(-2, idx)
 
 
+def _batches(t: Tensor, keep: int) -> Tensor:
+    """At most ``keep`` evenly spaced matrices of a batched ``t`` (``(..., M, K)``), as
+    ``(k, M, K)``; a 2-D ``t`` as it is."""
+    if t.dim() <= 2:
+        return t
+    flat = t.reshape(-1, *t.shape[-2:])
+    n = flat.shape[0]
+    if n <= keep:
+        return flat
+    return flat.index_select(0, torch.linspace(0, n - 1, keep, device=t.device).round().long())
+
+
 def gemm_rel_err(a: CastOperand, b: CastOperand, rows: int = REL_ERR_ROWS) -> float | None:
-    """``‖c_a c_b − h_a h_b‖ / ‖h_a h_b‖`` on at most ``rows`` rows of the output (``None``
-    when the reference product is zero or not finite)."""
-    ha, hb = _rows(a.hp.detach(), rows).float(), b.hp.detach().float()
-    ca, cb = _rows(a.cast.detach(), rows).float(), b.cast.detach().float()
+    """``‖c_a c_b − h_a h_b‖ / ‖h_a h_b‖`` on at most ``rows`` rows of the output (a batched
+    GEMM, e.g. attention's: on evenly spaced matrices of the batch, ``rows`` rows in all;
+    ``None`` when the reference product is zero or not finite)."""
+    keep = max(1, rows // max(a.hp.shape[-2], 1)) if a.hp.dim() > 2 else 1
+    ha, hb = _batches(a.hp.detach(), keep), _batches(b.hp.detach(), keep)
+    ca, cb = _batches(a.cast.detach(), keep), _batches(b.cast.detach(), keep)
+    ha, ca = _rows(ha, rows).float(), _rows(ca, rows).float()
+    hb, cb = hb.float(), cb.float()
     ref = torch.matmul(ha, hb)
     den = float(torch.linalg.vector_norm(ref))
     if den == 0.0 or not math.isfinite(den):

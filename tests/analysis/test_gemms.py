@@ -237,3 +237,16 @@ def test_cast_stats_nonfinite_and_per_row_scales_by_hand() -> None:
     assert st["nonfinite"] == 0.5 and st["saturated"] == 0.25 and st["flushed"] == 0.0
     assert st["sqnr_db"] == pytest.approx(10 * math.log10(26.0 / 0.52**2))
     assert (st["scale_min"], st["scale_max"], st["n_scales"]) == (pytest.approx(0.01), 1.0, 2)
+
+
+def test_batched_rel_err_samples_matrices_and_rows() -> None:
+    """Attention-like batched GEMMs: with room for every row the sampled error is the full
+    one (float32 products of the same values); sampled (2 of 32 matrices), it estimates it
+    (unit-normal data: the per-row errors are alike, within 10%)."""
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 4, 128, 32), torch.randn(8, 4, 32, 128)
+    ca, cb = a.to(torch.float8_e4m3fn).float(), b.to(torch.float8_e4m3fn).float()
+    op_a, op_b = CastOperand("a", a, ca, "e4m3fn"), CastOperand("b", b, cb, "e4m3fn")
+    full = float(torch.linalg.norm(ca @ cb - a @ b) / torch.linalg.norm(a @ b))
+    assert gemm_rel_err(op_a, op_b, rows=10**6) == pytest.approx(full, rel=1e-5)
+    assert gemm_rel_err(op_a, op_b) == pytest.approx(full, rel=0.1)
