@@ -439,6 +439,7 @@ def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
         "act_grad_zero": _mean(recs, "act_grad_zero"),
         "step_time_ms": running.step_time_ms if recs else 0,
         "diverged_at": diverged_at(recs),
+        "state_bytes_per_param": _last(recs, "state_bytes_per_param"),
     }
 
 
@@ -455,7 +456,15 @@ def summary_cells(s: dict[str, Any]) -> dict[str, str]:
         "act-grad underflow": f"{100 * s['act_grad_underflow']:.1f}%",
         "act-grad zeros": f"{100 * s['act_grad_zero']:.2f}%",
         "ms/step": f"{s['step_time_ms']:.0f}",
+        "state B/param": "–"
+        if s.get("state_bytes_per_param") is None
+        else f"{s['state_bytes_per_param']:.2f}",
+        "peak MiB": "–" if s.get("peak_rss_mib") is None else f"{s['peak_rss_mib']:.0f}",
     }
+
+
+def _last(recs: list[dict[str, Any]], key: str) -> Any:
+    return next((r[key] for r in reversed(recs) if key in r), None)
 
 
 def _mean(recs: list[dict[str, Any]], key: str) -> float:

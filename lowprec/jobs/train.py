@@ -31,6 +31,7 @@ parameters or optimizer state.
 
 from __future__ import annotations
 
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,9 @@ from typing import Any
 import torch
 
 from lowprec import _faults
+from lowprec._json import dumps
 from lowprec.amp import NoLossScaler
+from lowprec.amp.footprint import training_state_bytes
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
 from lowprec.autopilot.guard import Guard
 from lowprec.distributed import env
@@ -62,6 +65,7 @@ from lowprec.jobs.rundir import (  # re-exported: the job's own names for its fi
     read_metrics,
     summarize,
     summary_of,
+    write_atomic,
 )
 from lowprec.jobs.train_config import TrainConfig
 from lowprec.jobs.train_config import saved_config as saved_config  # re-exported
@@ -222,6 +226,9 @@ def train(
     if step < cfg.steps:
         return {"stopped_at": step}
     summary: dict[str, Any] = env.on_main(recorder.write_summary, RunError)
+    if summary:  # this process's peak resident memory (not in metrics: it is not exact)
+        summary["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        write_atomic(out / SUMMARY, dumps(summary, indent=2))
     return summary
 
 
@@ -309,6 +316,7 @@ def _train_step(
     stats = r.grad_stats
     assert stats is not None  # global: DDP's gradients are all-reduced, FSDP2's summed
     acts = meter.result()
+    state = training_state_bytes(prepared.model, prepared.optimizer)
     # Per-rank values of equal shares of the batch: their mean is the global batch's.
     loss, *shares = env.mean([float(r.loss.detach()), *acts.values()])
     return {
@@ -321,5 +329,7 @@ def _train_step(
         "grad_nonfinite_share": stats["grad_nonfinite_share"],
         "step_time": dt,
         "lr": cfg.lr_at(step),
+        # parameters + masters + optimizer states by storage (this rank's, under --parallel)
+        "state_bytes_per_param": state["per_param"],
         **dict(zip(acts, shares, strict=True)),
     }

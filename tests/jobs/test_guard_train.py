@@ -72,3 +72,13 @@ def test_cli_flag(tmp_path: Path) -> None:
     cfg = json.loads((tmp_path / "c" / "config.json").read_text())
     assert cfg["train"]["guard"] is True and cfg["train"]["gemms_every"] == 2
     assert (tmp_path / "c" / GUARD).exists()
+
+
+@pytest.mark.parametrize(("recipe", "want"), [("fp32", 12.0), ("bf16", 14.0)])
+def test_the_summary_counts_the_training_state(tmp_path: Path, recipe: str, want: float) -> None:
+    """Bytes per parameter of parameters + masters + AdamW moments, by storage: FP32 4+8,
+    BF16 2 + FP32 master 4 + moments 8 (+ AdamW's per-tensor step counters: < 1%)."""
+    s = train(replace(TINY, recipe=recipe, guard=False, steps=2), tmp_path / recipe,
+              progress=False)  # fmt: skip
+    assert want <= s["state_bytes_per_param"] < want * 1.01
+    assert s["peak_rss_mib"] > 0
