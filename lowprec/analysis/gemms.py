@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 GEMMS = ("forward", "input_grad", "weight_grad")
-DEFAULT_EVERY = 25  # the sampling interval of lowprec train (benchmarks/bench_track.py)
+DEFAULT_EVERY = 50  # lowprec train's interval: its cost per step, benchmarks/bench_gemms.py
 REL_ERR_ROWS = 256  # output rows of a GEMM its sampled relative error is taken over
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import sys
 from collections.abc import Callable
 from dataclasses import MISSING, Field, fields, replace
@@ -251,7 +252,9 @@ def _run_train(args: argparse.Namespace) -> int:
     if not main:
         return 0  # rank 0 prints
     table = Table(title=f"run {out}", title_justify="left")
-    cells = summary_cells(summary)
+    # this process's peak resident memory (shown, not saved: it is not reproducible)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cells = summary_cells({**summary, "peak_rss_mib": peak})
     for col in cells:
         table.add_column(col, justify="right")
     table.add_row(*cells.values())

@@ -31,7 +31,6 @@ parameters or optimizer state.
 
 from __future__ import annotations
 
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,6 @@ from typing import Any
 import torch
 
 from lowprec import _faults
-from lowprec._json import dumps
 from lowprec.amp import NoLossScaler
 from lowprec.amp.footprint import training_state_bytes
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
@@ -65,7 +63,6 @@ from lowprec.jobs.rundir import (  # re-exported: the job's own names for its fi
     read_metrics,
     summarize,
     summary_of,
-    write_atomic,
 )
 from lowprec.jobs.train_config import TrainConfig
 from lowprec.jobs.train_config import saved_config as saved_config  # re-exported
@@ -226,9 +223,6 @@ def train(
     if step < cfg.steps:
         return {"stopped_at": step}
     summary: dict[str, Any] = env.on_main(recorder.write_summary, RunError)
-    if summary:  # this process's peak resident memory (not in metrics: it is not exact)
-        summary["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        write_atomic(out / SUMMARY, dumps(summary, indent=2))
     return summary
 
 

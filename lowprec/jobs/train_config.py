@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from lowprec.analysis.gemms import DEFAULT_EVERY
 from lowprec.jobs.model import ModelConfig, check_model_name
 from lowprec.jobs.rundir import CONFIG, RunError, read_config
 from lowprec.recipes import Recipe, get_recipe
@@ -68,7 +69,7 @@ class TrainConfig:
         default="reference", metadata={"help": "reference or an HF architecture (docs/models.md)"}
     )
     gemms_every: int = field(
-        default=25,
+        default=DEFAULT_EVERY,
         metadata={"help": "measure the low-precision GEMMs' casts every this many steps"},
     )
     guard: bool = field(
