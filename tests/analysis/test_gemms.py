@@ -218,6 +218,7 @@ def test_a_compiled_model_is_not_observed_and_never_recompiles() -> None:
     guard on the step counter: a compiled model runs 4 steps without one recompilation."""
     import torch._dynamo
 
+    torch._dynamo.reset()  # no cache entries of earlier tests' compiles: a first compile here
     m = nn.Sequential(_layer("tensorwise", k=32, n=32), nn.ReLU())
     rec = GemmRecorder(m, every=1, auto_step=False)
     cm = torch.compile(m)
