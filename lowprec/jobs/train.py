@@ -310,7 +310,11 @@ def _train_step(
     stats = r.grad_stats
     assert stats is not None  # global: DDP's gradients are all-reduced, FSDP2's summed
     acts = meter.result()
-    state = training_state_bytes(prepared.model, prepared.optimizer)
+    # one process: parameters + masters + optimizer states by storage (a sharded DTensor
+    # parameter's storage is not a plain one: not counted under --parallel)
+    state = (
+        None if parallel is not None else training_state_bytes(prepared.model, prepared.optimizer)
+    )
     # Per-rank values of equal shares of the batch: their mean is the global batch's.
     loss, *shares = env.mean([float(r.loss.detach()), *acts.values()])
     return {
@@ -323,7 +327,6 @@ def _train_step(
         "grad_nonfinite_share": stats["grad_nonfinite_share"],
         "step_time": dt,
         "lr": cfg.lr_at(step),
-        # parameters + masters + optimizer states by storage (this rank's, under --parallel)
-        "state_bytes_per_param": state["per_param"],
         **dict(zip(acts, shares, strict=True)),
+        **({} if state is None else {"state_bytes_per_param": state["per_param"]}),
     }
