@@ -34,6 +34,7 @@ from torch import nn
 
 from lowprec.float8 import Float8Config, Float8Linear
 from lowprec.float8.convert import replace_layer
+from lowprec.recipes.serial import decode, encode
 
 __all__ = ["Guard", "GuardConfig", "Move", "next_safer"]
 
@@ -264,12 +265,8 @@ class Guard:
 
 
 def _encode(cfg: Float8Config) -> dict[str, Any]:
-    from lowprec.recipes.serial import encode  # recipes sits above float8, beside autopilot
-
     return encode(cfg)
 
 
 def _decode(d: Mapping[str, Any]) -> Float8Config:
-    from lowprec.recipes.serial import decode
-
     return decode(Float8Config, dict(d))

@@ -72,9 +72,8 @@ def load_run(path: str | Path) -> Run:
     ``ValueError``) if it is not one."""
     config, metrics, numerics = read_run(path)
     summary = summary_of(metrics, config)
-    run = Run(Path(path), config, metrics, summary, numerics, gemms=read_gemms(path))
-    run.moves = read_jsonl(Path(path) / GUARD)
-    return run
+    moves = read_jsonl(Path(path) / GUARD)
+    return Run(Path(path), config, metrics, summary, numerics, gemms=read_gemms(path), moves=moves)
 
 
 def plot_runs(runs: Sequence[str | Path], path: str | Path) -> None:
