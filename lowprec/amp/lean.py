@@ -25,6 +25,25 @@ state tensor in its stored dtype (torch's would cast float8 codes and FP32 scale
 parameter's dtype). Param groups keep extra keys (u-μP's ``lr_mult``) and read ``lr``
 each step, so LR schedulers and ``clip_grad_norm_`` work as with torch's optimizers.
 
+Blocks. The 8-bit states are block-scaled along the rows of a tensor of two or more
+dimensions (:mod:`lowprec.amp.state_codec`); the states of a tensor of fewer dimensions
+(biases, norm weights: a small share of a model) stay in FP32, as in bitsandbytes and
+torchao, since their blocks would cross the boundaries of dim-0 shards.
+
+Sharded parameters (FSDP2). A parameter that is a ``DTensor`` sharded on dim 0
+(``Shard(0)``, ``Replicate`` on other mesh dimensions) is updated on its local shard
+(``to_local()``, with its gradient's local shard), and its states are ``DTensor``\\ s of
+the same mesh and placements (codes and remainders of the parameter's global shape, the
+scales of ``scale_shape``), so DCP saves and reshards them as it does parameters. Whole
+rows per rank and row-local blocks make every state element, code and scale the one a
+single process computes from the same gradient, whatever the world size. The random
+draws too: each rank draws the bits of the whole (global) tensor from the generator and
+uses its rows' (``U_local = U_global[rows]``), so every rank's generator advances alike
+(the ranks' generators stay equal) and a shard is rounded as in one process. This costs
+each rank the draws of the global tensor (BF16 parameters: one ``randint`` of it; FP16
+parameters and ``state_rounding="stochastic"``: the rounding of a zero-padded global
+tensor).
+
 Example:
     >>> import torch
     >>> model = torch.nn.Linear(64, 4).bfloat16()
@@ -43,15 +62,69 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lowprec.amp.remainder import join_fp32, split_fp32
-from lowprec.amp.state_codec import StateCodec, state_codecs
+from lowprec.amp.state_codec import StateCodec, scale_shape, state_codecs
 from lowprec.core.rounding import quantize
 
-__all__ = ["LeanAdam", "LeanAdamW", "LeanOptimizer", "LeanSGD", "lean_optimizer"]
+__all__ = ["LeanAdam", "LeanAdamW", "LeanOptimizer", "LeanSGD", "lean_optimizer", "sr_bf16"]
 
 Master = Literal["none", "remainder"]
 _LOW = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_FP32 = StateCodec("fp32")
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a ``DTensor``, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check_sharding(p: Tensor) -> None:
+    """``ValueError`` unless ``p`` is a plain tensor or a ``DTensor`` whose placements are
+    ``Shard(0)`` or ``Replicate`` (whole rows per rank: the blocks never straddle)."""
+    if isinstance(p, DTensor) and not all(
+        isinstance(q, Replicate) or (isinstance(q, Shard) and q.dim == 0) for q in p.placements
+    ):
+        raise ValueError(
+            f"params: a DTensor parameter must be sharded on dim 0 (Shard(0) or Replicate), "
+            f"got placements {p.placements}"
+        )
+
+
+def _rows(p: DTensor) -> slice:
+    """The global rows (dim 0) that this rank holds of the ``DTensor`` ``p``."""
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return slice(offset[0], offset[0] + shape[0])
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(out))
+
+
+def sr_bf16(w: Tensor, bits: Tensor) -> Tensor:
+    """``w`` (float32) rounded stochastically to BF16 with the random integers ``bits``
+    (int32 in ``[0, 2^23)``, ``w``'s shape): ``quantize(w, "bf16", "stochastic",
+    generator=g)`` bit for bit when ``bits = torch.randint(0, 2**23, w.shape,
+    generator=g, dtype=torch.int32)``, which is what that draws. Normal range: add
+    ``bits >> 7`` (uniform in ``[0, 2^16)``) to the FP32 pattern of ``|w|`` and clear its
+    16 low bits, so ``|w|`` rounds up with probability ``(|w| - lo) / (hi - lo)``;
+    subnormal range (``|w| < 2^-126``): ``s = |w|·2^133`` rounds up iff ``bits·2^-23 <
+    s - ⌊s⌋``. Taking ``bits`` as an argument lets a shard use its rows of the draws of
+    the whole tensor."""
+    a = w.abs()
+    rn = ((a.view(torch.int32) + (bits >> 7)) & -(1 << 16)).view(torch.float32)
+    s = a * 2.0**66 * 2.0**67
+    fl = torch.floor(s)
+    up = (bits.to(torch.float32) * 2.0**-23 < (s - fl)).to(torch.float32)
+    rs = (fl + up) * 2.0**-67 * 2.0**-66
+    r = torch.copysign(torch.where(a < 2.0**-126, rs, rn), w)
+    return torch.where(w != w, w, r).to(torch.bfloat16)
 
 
 class LeanOptimizer(torch.optim.Optimizer):
@@ -93,6 +166,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if not p.dtype.is_floating_point:
                     raise TypeError(f"params: expected floating-point parameters, got {p.dtype}")
+                _check_sharding(p)
                 if master == "remainder" and p.dtype not in (torch.bfloat16, torch.float32):
                     raise ValueError(
                         f"master='remainder' needs bfloat16 parameters (BF16 + 16 bits = "
@@ -103,41 +177,105 @@ class LeanOptimizer(torch.optim.Optimizer):
             first = next(p for g in self.param_groups for p in g["params"])
             generator = torch.Generator(first.device).manual_seed(seed)
         self.generator = generator
+        self._param: Tensor | None = None  # the parameter being updated (its sharding)
+
+    # -- sharded parameters ---------------------------------------------------------------
+    def _wrap(self, local: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """``local`` as a ``DTensor`` of global ``shape`` sharded as the parameter being
+        updated (``local`` itself for a plain parameter)."""
+        p = self._param
+        if not isinstance(p, DTensor):
+            return local
+        return DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False,
+            shape=torch.Size(shape), stride=_strides(shape),
+        )  # fmt: skip
+
+    def _global(self, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        """``fn(x)`` for a random rounding ``fn`` of this rank's rows ``x``, with the draws
+        of the whole tensor: ``fn`` of the zero-padded global tensor, then these rows."""
+        p = self._param
+        if not isinstance(p, DTensor):
+            return fn(x)
+        rows = _rows(p)
+        full = x.new_zeros((p.shape[0], *x.shape[1:]))
+        full[rows] = x
+        return fn(full)[rows]
 
     # -- the FP32 weight and its write-back -----------------------------------------------
     def _weight(self, p: Tensor, st: dict[str, Any]) -> Tensor:
+        """The FP32 weight of the (local) parameter ``p``."""
         if "remainder" in st:
-            return join_fp32(p.detach(), st["remainder"])
+            return join_fp32(p.detach(), _local(st["remainder"]))
         return p if p.dtype == torch.float32 else p.detach().float()
 
     def _write(self, p: Tensor, w: Tensor, st: dict[str, Any]) -> None:
+        """``w`` into the (local) parameter ``p``: exactly, split, or rounded."""
         if w is p:
             return
         if "remainder" in st:
             hi, lo = split_fp32(w)
             p.copy_(hi)
-            st["remainder"].copy_(lo)
+            _local(st["remainder"]).copy_(lo)
         elif self.stochastic_rounding and p.dtype in _LOW:
-            p.copy_(quantize(w, _LOW[p.dtype], "stochastic", generator=self.generator))
+            g = self.generator
+            par = self._param
+            if p.dtype == torch.bfloat16 and isinstance(par, DTensor):
+                bits = torch.randint(0, 2**23, par.shape, generator=g, dtype=torch.int32,
+                                     device=g.device)  # fmt: skip
+                p.copy_(sr_bf16(w, bits[_rows(par)].to(w.device)))
+            else:
+                fmt = _LOW[p.dtype]
+                p.copy_(self._global(lambda x: quantize(x, fmt, "stochastic", generator=g), w))
         else:
             p.copy_(w)
 
     # -- the states -----------------------------------------------------------------------
+    def codec(self, name: str, ndim: int) -> StateCodec:
+        """The codec of state ``name`` of a parameter with ``ndim`` dimensions: the
+        optimizer's, or FP32 for a blocked (8-bit) one below two dimensions (module
+        docstring)."""
+        c = self.codecs[name]
+        return _FP32 if c.blocked and ndim < 2 else c
+
     def _get(self, st: dict[str, Any], name: str, shape: torch.Size) -> Tensor:
-        return self.codecs[name].decode(st[name], st.get(name + "_scale"), shape)
+        """State ``name`` decoded to FP32, of the (local) ``shape``."""
+        scales = st.get(name + "_scale")
+        codes = _local(st[name])
+        return self.codec(name, len(shape)).decode(
+            codes, None if scales is None else _local(scales), shape
+        )
 
     def _put(self, st: dict[str, Any], name: str, x: Tensor) -> None:
-        codes, scales = self.codecs[name].encode(x, self.generator)
-        st[name] = codes
+        """State ``name`` encoded from the FP32 (local) ``x``."""
+        c = self.codec(name, x.dim())
+        par = self._param
+        if c.rounding == "stochastic" and c.format != "fp32" and isinstance(par, DTensor):
+            rows = _rows(par)  # the draws of the whole tensor (module docstring)
+            full = x.new_zeros((par.shape[0], *x.shape[1:]))
+            full[rows] = x
+            codes, scales = c.encode(full, self.generator)
+            codes, scales = codes[rows], None if scales is None else scales[rows]
+        else:
+            codes, scales = c.encode(x, self.generator)
+        p = self._param
+        shape = tuple(p.shape) if p is not None else tuple(x.shape)
+        st[name] = self._wrap(codes, shape)
         if scales is not None:
-            st[name + "_scale"] = scales
+            st[name + "_scale"] = self._wrap(scales, scale_shape(shape, c.block_size))
 
     def _init(self, p: Tensor, st: dict[str, Any]) -> None:
+        """The zero states of the (local) parameter ``p``."""
         st["step"] = torch.tensor(0.0)
         for name in self.moments:
             self._put(st, name, torch.zeros(p.shape, device=p.device))
+        self._init_remainder(p, st)
+
+    def _init_remainder(self, p: Tensor, st: dict[str, Any]) -> None:
         if self.master == "remainder" and p.dtype == torch.bfloat16:
-            st["remainder"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+            lo = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+            par = self._param
+            st["remainder"] = self._wrap(lo, tuple(par.shape) if par is not None else p.shape)
 
     def _update(self, w: Tensor, g: Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError  # each optimizer's own rule
@@ -156,12 +294,17 @@ class LeanOptimizer(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 st = self.state[p]
-                if not st:
-                    self._init(p, st)
-                w = self._weight(p, st)
-                g = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-                self._update(w, g, st, group)
-                self._write(p, w, st)
+                local, grad = _local(p), _local(p.grad)
+                self._param = p
+                try:
+                    if not st:
+                        self._init(local, st)
+                    w = self._weight(local, st)
+                    g = grad if grad.dtype == torch.float32 else grad.float()
+                    self._update(w, g, st, group)
+                    self._write(local, w, st)
+                finally:
+                    self._param = None
         return loss
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -195,7 +338,7 @@ class LeanOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"state_dict: state for unknown parameter id {i!r}")
             p = ids[i]
             state[p] = {
-                k: v.detach().clone().to(p.device) if isinstance(v, Tensor) else copy.deepcopy(v)
+                k: _place(v, p) if isinstance(v, Tensor) else copy.deepcopy(v)
                 for k, v in st.items()
             }
             state[p]["step"] = state[p]["step"].cpu()
@@ -205,6 +348,22 @@ class LeanOptimizer(torch.optim.Optimizer):
             g.update({k: copy.deepcopy(v) for k, v in s.items() if k != "params"})
         if "generator" in state_dict:
             self.generator.set_state(state_dict["generator"])
+
+
+def _place(v: Tensor, p: Tensor) -> Tensor:
+    """A saved state tensor as parameter ``p`` holds it: a copy on its device; for a
+    sharded ``p``, a full tensor whose dim 0 is ``p``'s rows becomes a ``DTensor`` of this
+    rank's rows; for a plain ``p``, a ``DTensor`` becomes its full tensor."""
+    v = v.detach()
+    if isinstance(p, DTensor) and not isinstance(v, DTensor):
+        if v.dim() >= 1 and v.shape[0] == p.shape[0]:
+            local = v[_rows(p)].to(p.device, copy=True).contiguous()
+            return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                      shape=v.shape, stride=_strides(tuple(v.shape)))  # fmt: skip
+        return v.clone().to(p.device)
+    if isinstance(v, DTensor) and not isinstance(p, DTensor):
+        return v.full_tensor().to(p.device, copy=True)
+    return v.clone().to(p.device)
 
 
 class LeanAdamW(LeanOptimizer):
@@ -305,8 +464,7 @@ class LeanSGD(LeanOptimizer):
 
     def _init(self, p: Tensor, st: dict[str, Any]) -> None:
         st["step"] = torch.tensor(0.0)
-        if self.master == "remainder" and p.dtype == torch.bfloat16:
-            st["remainder"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+        self._init_remainder(p, st)
 
     def _update(self, w: Tensor, g: Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
         lr, mu, wd = float(group["lr"]), group["momentum"], group["weight_decay"]

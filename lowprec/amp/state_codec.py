@@ -6,14 +6,21 @@ a momentum buffer) into what the optimizer keeps between steps, and decodes it b
 * ``"fp32"``: ``x`` itself (decode returns the stored tensor, updated in place: the
   optimizer's arithmetic is then exactly the FP32 one);
 * ``"bf16"``: ``x`` rounded to BF16 (same range as FP32, 8 significant bits);
-* ``"e4m3"`` / ``"int8"``: 8 bits per value in blocks of ``block_size`` consecutive
-  elements (of the flattened tensor; the last block may be short), each block with an FP32
-  scale ``s = amax(|block|) / q_max`` (``q_max`` = 448 for E4M3, 127 for int8; ``s = 1``
-  for an all-zero block). The codes are stored flat, one byte per element (the padding
-  is not kept; E4M3 codes as their bits in ``uint8``, which no state-dict loader or
-  finiteness check mistakes for a float tensor), the scales as ``ceil(numel /
-  block_size)`` FP32 values. The codes are ``round(x / s)`` in E4M3 (``float8_e4m3fn``)
-  or in the integers ``[-127, 127]`` (``int8``); ``decode`` returns ``codes · s``.
+* ``"e4m3"`` / ``"int8"``: 8 bits per value in blocks along the rows, each block with an
+  FP32 scale ``s = amax(|block|) / q_max`` (``q_max`` = 448 for E4M3, 127 for int8;
+  ``s = 1`` for an all-zero block). A tensor of shape ``(d₀, d₁, …)`` with two or more
+  dimensions is read as ``d₀`` rows of ``M = d₁·d₂·…`` elements (its row-major layout);
+  each row is cut into ``⌈M / block_size⌉`` blocks of ``block_size`` consecutive elements
+  (the last one of each row may be short). A tensor of fewer dimensions is one row.
+  No block crosses a row, so a tensor sharded on dim 0 (FSDP2's ``Shard(0)``: whole
+  rows per rank) has on each rank exactly the blocks, scales and codes of those rows in
+  the whole tensor: the 8-bit state does not depend on the number of ranks. The codes
+  have ``x``'s shape, one byte per element (E4M3 codes as their bits in ``uint8``,
+  which no state-dict loader or finiteness check mistakes for a float tensor); the
+  scales have shape ``(d₀, ⌈M / block_size⌉)`` (``(⌈numel / block_size⌉,)`` for one
+  row), so both shard on dim 0 as the tensor does. The codes are ``round(x / s)`` in
+  E4M3 (``float8_e4m3fn``) or in the integers ``[-127, 127]`` (``int8``); ``decode``
+  returns ``codes · s``.
 
 ``sqrt=True`` stores ``√x`` instead of ``x`` (for second moments, ``x ≥ 0``) and decodes
 ``(codes · s)²``: the square root halves the binades a block has to cover, so small
@@ -39,6 +46,9 @@ Example:
     (torch.uint8, (5,), [1.0, 2.0])
     >>> [round(v, 4) for v in c.decode(codes, scales, (5,)).tolist()]  # 0.3·448 = 134.4 → 128
     [1.0, -0.5, 0.2857, 0.0, 2.0]
+    >>> codes, scales = c.encode(torch.ones(3, 6))  # 3 rows of 6: blocks of 4 and 2 per row
+    >>> tuple(codes.shape), tuple(scales.shape)
+    ((3, 6), (3, 2))
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ from torch import Tensor
 
 from lowprec.core.rounding import quantize, to_format
 
-__all__ = ["StateCodec", "StateFormat", "state_codecs"]
+__all__ = ["StateCodec", "StateFormat", "scale_shape", "state_codecs"]
 
 StateFormat = Literal["fp32", "bf16", "e4m3", "int8"]
 _FORMATS = ("fp32", "bf16", "e4m3", "int8")
@@ -109,19 +119,21 @@ class StateCodec:
             if self.rounding == "nearest":
                 return x.to(torch.bfloat16), None
             return quantize(x, "bf16", "stochastic", generator=generator).bfloat16(), None
-        blocks = _blocks(x.reshape(-1), self.block_size)
-        amax = blocks.abs().amax(dim=1)
+        shape = x.shape
+        blocks = _blocks(x, self.block_size)  # (rows, blocks per row, block_size)
+        amax = blocks.abs().amax(dim=2)
         scales = torch.where(amax > 0, amax / _QMAX[self.format], 1.0)
-        q = blocks / scales[:, None]
-        n = x.numel()
+        q = blocks / scales[..., None]
         if self.format == "e4m3":
             codes = to_format(q, "e4m3fn", self.rounding, saturate=True, generator=generator)
-            return codes.view(torch.uint8).view(-1)[:n].clone(), scales
-        if self.rounding == "nearest":
-            q = q.round()
+            codes = codes.view(torch.uint8)
         else:
-            q = (q + torch.rand(q.shape, generator=generator, device=q.device)).floor()
-        return q.clamp_(-127, 127).to(torch.int8).view(-1)[:n].clone(), scales
+            if self.rounding == "nearest":
+                q = q.round()
+            else:
+                q = (q + torch.rand(q.shape, generator=generator, device=q.device)).floor()
+            codes = q.clamp_(-127, 127).to(torch.int8)
+        return _unblock(codes, shape).clone(), scales.reshape(scale_shape(shape, self.block_size))
 
     def decode(self, codes: Tensor, scales: Tensor | None, shape: tuple[int, ...]) -> Tensor:
         """The FP32 state of ``shape`` from :meth:`encode`'s ``(codes, scales)``."""
@@ -132,20 +144,51 @@ class StateCodec:
         else:
             if scales is None:
                 raise ValueError(f"scales: the {self.format} codes need their block scales")
-            n = math.prod(shape)
+            shape = torch.Size(shape)
+            want = scale_shape(shape, self.block_size)
+            if tuple(scales.shape) != want or codes.numel() != shape.numel():
+                raise ValueError(
+                    f"scales: shape {tuple(scales.shape)} and {codes.numel()} codes do not "
+                    f"fit a state of shape {tuple(shape)} (scales {want}: blocks of "
+                    f"{self.block_size} along each row; a flat layout of an older lowprec?)"
+                )
             if self.format == "e4m3":
                 codes = codes.view(torch.float8_e4m3fn)
-            x = (_blocks(codes.float(), self.block_size) * scales[:, None]).view(-1)[:n]
-            x = x.view(shape)
+            blocks = _blocks(codes.float().reshape(shape), self.block_size)
+            x = _unblock(blocks * scales.reshape(blocks.shape[:2])[..., None], shape)
         return x.square() if self.sqrt else x
 
 
-def _blocks(flat: Tensor, b: int) -> Tensor:
-    """``flat`` zero-padded to whole blocks of ``b``, as a ``(blocks, b)`` view."""
-    pad = -flat.numel() % b
+def _rows(shape: torch.Size) -> tuple[int, int]:
+    """``(rows, M)`` of the block layout: ``(d₀, d₁·d₂·…)`` for two or more dimensions,
+    else one row of every element."""
+    if len(shape) >= 2:
+        return shape[0], math.prod(shape[1:])
+    return 1, math.prod(shape)
+
+
+def scale_shape(shape: torch.Size | tuple[int, ...], block_size: int) -> tuple[int, ...]:
+    """The shape of the block scales of a state of ``shape``: ``(d₀, ⌈M / block_size⌉)``,
+    or ``(⌈numel / block_size⌉,)`` for fewer than two dimensions (module docstring)."""
+    rows, m = _rows(torch.Size(shape))
+    nb = -(-m // block_size)
+    return (rows, nb) if len(shape) >= 2 else (nb,)
+
+
+def _blocks(x: Tensor, b: int) -> Tensor:
+    """``x`` as ``(rows, ⌈M / b⌉, b)``: each row zero-padded to whole blocks of ``b``."""
+    rows, m = _rows(x.shape)
+    flat = x.reshape(rows, m)
+    pad = -m % b
     if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, b)
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(rows, (m + pad) // b, b)
+
+
+def _unblock(blocks: Tensor, shape: torch.Size) -> Tensor:
+    """The inverse of :func:`_blocks`: the padding dropped, ``shape`` restored."""
+    rows, m = _rows(shape)
+    return blocks.reshape(rows, blocks.shape[1] * blocks.shape[2])[:, :m].reshape(shape)
 
 
 def state_codecs(
