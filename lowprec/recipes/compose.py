@@ -31,7 +31,7 @@ import lowprec.float8
 import lowprec.scalify
 import lowprec.unit
 from lowprec.float8 import Float8Config, Float8Linear
-from lowprec.recipes.layers import LayerRule, layer_config
+from lowprec.recipes.layers import LayerRule, block_depths, layer_config
 from lowprec.recipes.policy import Policy
 from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
@@ -141,9 +141,10 @@ def apply(
     model.to(dtype)
     if "float8" in by:
         default = by["float8"]
+        depths = block_depths(model)
 
         def config(m: nn.Module, fqn: str) -> Float8Config | None:
-            return layer_config(layers, fqn, default, float8_skip)
+            return layer_config(layers, fqn, default, float8_skip, depths)
 
         model = lowprec.float8.apply(model, default, config)
         if "unit" in by:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from lowprec.float8 import Float8Config
+from lowprec.recipes.layers import LayerRule
 from lowprec.recipes.recipe import build_recipe, get_recipe, recipe_names, register
 from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
@@ -193,8 +194,11 @@ _add(
     optimizer_state="8bit",
 )
 # FP4 training as published (issue 31; docs/float8.md, "FP4 training"). The linears that stay
-# in BF16 are a recipe rule: the output head by default (float8_skip); keep the last blocks
-# too with layers=[LayerRule("blocks.11.*", None)] (the published recipe: ~15% of linears).
+# in BF16: the output head (float8_skip) and every linear of the last 15% of the blocks
+# (FP4_BF16_BLOCKS, a depth-relative rule: lowprec.recipes.layers; the published recipe keeps
+# about 15% of the linears in BF16, mostly the last blocks). Replace ``layers`` to change it,
+# e.g. layers=(LayerRule("*.{first:1}.*", None), LayerRule("*.{last:2}.*", None)).
+FP4_BF16_BLOCKS = LayerRule("*.{last:15%}.*", None)
 for _name, _what in (
     (
         "nvfp4-train",
@@ -213,9 +217,12 @@ for _name, _what in (
         "blocks, power-of-two scales, FP32 accumulation",
     ),
 ):
+    fp4 = _name != "fp8-deepseek"
     _add(
         _name,
-        f"BF16 params (FP32 master weights), linears in {_what}; output head in BF16",
+        f"BF16 params (FP32 master weights), linears in {_what}; output head "
+        + ("and the last 15% of the blocks in BF16" if fp4 else "in BF16"),
         technique=Float8Config.from_name(_name),
+        layers=(FP4_BF16_BLOCKS,) if fp4 else (),
         **_MIXED,
     )

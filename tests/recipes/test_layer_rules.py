@@ -110,3 +110,96 @@ def test_bad_rules() -> None:
         from lowprec.float8 import apply
 
         apply(nn.Sequential(nn.Linear(4, 4)), "tensorwise", lambda m, n: "rowwise")  # type: ignore[arg-type,return-value]
+
+
+# ---- depth-relative rules ------------------------------------------------------------------
+
+
+def test_block_depths_outermost_lists_only() -> None:
+    from lowprec.recipes.layers import block_depths
+
+    class Expertish(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(8))  # nested: no blocks
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Expertish() for _ in range(5))
+            self.head = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    assert block_depths(M()) == {"layers": 5, "head": 2}
+    assert block_depths(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))) == {"": 2}
+    assert block_depths(nn.Linear(2, 2)) == {}
+
+
+@pytest.mark.parametrize(
+    ("pattern", "n", "want"),
+    [
+        # the share rounds half up: floor(P/100 * n + 1/2)
+        ("*.{last:15%}.*", 12, {10, 11}),  # 1.8 -> 2
+        ("*.{last:15%}.*", 4, {3}),  # 0.6 -> 1
+        ("*.{last:15%}.*", 2, set()),  # 0.3 -> 0
+        ("*.{last:25%}.*", 2, {1}),  # 0.5 -> 1 (half up)
+        ("*.{first:2}.*", 5, {0, 1}),
+        ("*.{last:0}.*", 5, set()),
+        ("*.{last:9}.*", 5, {0, 1, 2, 3, 4}),  # more than n: all
+        ("*.{first:100%}.*", 3, {0, 1, 2}),
+        ("model.layers.{last:1}.mlp", 3, {2}),
+    ],
+)
+def test_depth_rule_selects_blocks(pattern: str, n: int, want: set[int]) -> None:
+    rule = LayerRule(pattern, None)
+    assert rule.depth_relative
+    depths = {"model.layers": n}
+    names = [f"model.layers.{i}.mlp" for i in range(n)]
+    got = {i for i, fqn in enumerate(names) if rule.matches(fqn, depths)}
+    assert got == want
+    # a name outside any block list, or in a nested list, never matches the token
+    assert not rule.matches("model.layers.0.mlp.experts.7.up", {"model.layers": n}) or (0 in want)
+    assert not rule.matches("lm_head", depths)
+
+
+def test_depth_rule_needs_depths_and_valid_tokens() -> None:
+    with pytest.raises(ValueError, match="depth-relative"):
+        LayerRule("*.{last:1}.*").matches("blocks.0.fc")
+    for bad in (
+        "*.{last:1}.{first:1}",
+        "*.{mid:1}.*",
+        "*.{last:-1}.*",
+        "*.{last:1.5}.*",
+        "*.{last:101%}.*",
+        "*.{last:1",
+    ):
+        with pytest.raises(ValueError, match="pattern"):
+            LayerRule(bad)
+    # plain patterns are unchanged, with or without depths
+    assert LayerRule("blocks.1.*").matches("blocks.1.fc", None)
+    assert not LayerRule("blocks.1.*").depth_relative
+
+
+def test_fp4_train_presets_keep_the_last_blocks_in_bf16() -> None:
+    """nvfp4-train's default rule: the last 15% of the blocks (and the head) stay BF16;
+    it survives the recipe's JSON round trip and is replaceable."""
+    from lowprec.recipes.presets import FP4_BF16_BLOCKS
+
+    for name in ("nvfp4-train", "mxfp4-train"):
+        r = get_recipe(name)
+        assert r.layers == (FP4_BF16_BLOCKS,)
+        assert Recipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+        model = CharGPT(ModelConfig(width=32, depth=4, heads=2, seq_len=16))
+        p = prepare(model, r)
+        low = {n for n, m in p.model.named_modules() if isinstance(m, Float8Linear)}
+        assert low == {
+            f"blocks.{i}.{leaf}"
+            for i in range(3)
+            for leaf in ("attn.qkv", "attn.proj", "fc", "fc_out")
+        }
+        assert type(p.model.blocks[3].fc) is nn.Linear and p.model.blocks[3].fc.weight.dtype == (
+            torch.bfloat16
+        )
+    assert get_recipe("fp8-deepseek").layers == ()
+    r = get_recipe("nvfp4-train", layers=())
+    p = prepare(CharGPT(ModelConfig(width=32, depth=4, heads=2, seq_len=16)), r)
+    assert sum(isinstance(m, Float8Linear) for m in p.model.modules()) == 16
