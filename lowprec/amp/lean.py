@@ -62,6 +62,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -303,6 +304,8 @@ class LeanOptimizer(torch.optim.Optimizer):
                     g = grad if grad.dtype == torch.float32 else grad.float()
                     self._update(w, g, st, group)
                     self._write(local, w, st)
+                    if isinstance(p, DTensor):  # written through its shard: tell autograd
+                        increment_version(p)  # and version-keyed caches (FP8 all-gather)
                 finally:
                     self._param = None
         return loss

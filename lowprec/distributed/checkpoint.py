@@ -8,6 +8,11 @@
   parameters and the masters, saved sharded as DTensors by parameter name
   (``get_state_dict``); under DDP the model, the ``MasterWeights`` (FP32 copies and the
   inner optimizer) are replicated and each tensor is written once;
+* a lean optimizer's (:mod:`lowprec.amp.lean`) sharded states as the parameters are
+  (``DTensor`` objects holding the parameter's rows: codes, block scales, remainders) and its
+  stochastic-rounding generator (``optimizer_extra``: ``get_state_dict`` keeps only
+  ``state`` and ``param_groups`` of an optimizer's state dict), so a resumed run draws the
+  same numbers;
 * the loss scaler's state and the recipe;
 * ``extra``: anything else the caller adds (step, data position, RNG states), any nesting
   of dicts, lists, numbers and tensors.
@@ -20,7 +25,10 @@ name and global shape; :func:`load` reads the pieces this rank's shards need, wh
 world size that wrote it (``set_state_dict``). Resumed on the same world size, every
 tensor is restored bit for bit; on another, the values are the same bits, but the
 gradient sums are split differently, so the run continues within float rounding of the
-original (``docs/distributed.md`` states the measured tolerance).
+original (``docs/distributed.md`` states the measured tolerance). Lean 8-bit states
+reshard exactly too: their blocks lie along rows and never cross a shard
+(:mod:`lowprec.amp.state_codec`), so a rank's rows of the saved codes and scales are
+the ones it would have computed.
 
 Layout (format 2): tensors are stored under ``"<part>/<path>"`` keys. The structure, with
 every tensor replaced by a reference to its key, is stored as a JSON index in one
@@ -234,18 +242,28 @@ def _read_metadata(f: IO[bytes] | io.IOBase) -> Metadata:
 _OPTIONS = StateDictOptions(strict=True)
 
 
+def _optimizer_extra(optimizer: Any) -> dict[str, Any]:
+    """What ``get_state_dict`` drops of a sharded optimizer's state: the generator of a
+    lean optimizer (``{}`` for others)."""
+    gen = getattr(optimizer, "generator", None)
+    return {"generator": gen.get_state()} if isinstance(gen, torch.Generator) else {}
+
+
 def _live_state(prepared: Prepared) -> dict[str, Any]:
     """The model and optimizer state of ``prepared`` (sharded: DCP's own state dicts,
-    by parameter name), plus the scaler and the recipe."""
+    by parameter name, and :func:`_optimizer_extra`), plus the scaler and the recipe."""
+    extra: dict[str, Any] = {}
     if is_sharded(prepared):
         model, optim = get_state_dict(prepared.model, prepared.optimizer, options=_OPTIONS)
         mode = "fsdp"
+        extra = _optimizer_extra(prepared.optimizer)
     else:
         model, optim = unwrap(prepared.model).state_dict(), prepared.optimizer.state_dict()
         mode = "replicated"
     return {
         "model": model,
         "optimizer": optim,
+        "optimizer_extra": extra,
         "scaler": prepared.scaler.state_dict(),
         "calibration": prepared.calibration_progress(),
         "recipe": prepared.recipe.to_dict(),
@@ -333,6 +351,10 @@ def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
             optim_state_dict=state["optimizer"],
             options=_OPTIONS,
         )
+        saved_gen = (state.get("optimizer_extra") or {}).get("generator")
+        gen = getattr(prepared.optimizer, "generator", None)
+        if isinstance(gen, torch.Generator) and isinstance(saved_gen, torch.Tensor):
+            gen.set_state(saved_gen.cpu())
     else:
         unwrap(prepared.model).load_state_dict(state["model"])
         prepared.optimizer.load_state_dict(state["optimizer"])

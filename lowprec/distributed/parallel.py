@@ -1,4 +1,4 @@
-"""Data parallelism for every recipe: FSDP2 (``fully_shard``) or DDP, in the right order.
+r"""Data parallelism for every recipe: FSDP2 (``fully_shard``) or DDP, in the right order.
 
 :func:`prepare` is :func:`lowprec.recipes.prepare` for a process group started by
 ``torchrun``. The order is fixed, and the only correct one:
@@ -22,6 +22,21 @@ the cast model: the two runs then differ only by the rounding of the gradient su
 
 DDP keeps the recipe exactly as on one process (low-precision parameters, FP32
 ``MasterWeights``, the loss scaler) and all-reduces the gradients in the parameters' dtype.
+
+Lean training state (:mod:`lowprec.amp.lean`: ``bf16-sr``, ``bf16-remainder``,
+``bf16-8bit``, ``fp8-lean``). Under FSDP2 a recipe without FP32 masters
+(``master="none"`` with stochastic rounding, ``master="remainder"``) keeps its
+parameters in ``param_dtype`` and shards them as they are: the BF16 shards are the
+weights, there is no FP32 copy anywhere, the all-gather moves BF16 (no cast), and the
+gradients are reduce-scattered in FP32 (``reduce_dtype``: the ranks' BF16 gradients are
+summed in FP32, then rounded once to the BF16 gradient shard). The lean optimizer
+updates each shard with its states sharded alike (``DTensor``\ s; 8-bit blocks along
+rows, so a shard's codes and scales are those of one process; stochastic rounding with
+the draws of the whole tensor: see :mod:`lowprec.amp.lean`). ``bf16-8bit`` (FP32
+masters) keeps FSDP2's FP32 shards as masters and updates them with 8-bit states. Under
+DDP the optimizer is the one-process one on every replica. In both modes the
+stochastic-rounding generator is broadcast from rank 0 at :func:`prepare`, so every rank
+draws the same numbers (DDP replicas stay identical; FSDP2 shards round as one process).
 
 Unit recipes: the gradient of a unit-scaled weight is its per-token contributions summed
 over the ``b`` tokens of the batch and scaled by ``b^-1/2``. On ``N`` ranks each rank
@@ -58,15 +73,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from lowprec.amp import MasterWeights
+from lowprec.amp import lean_optimizer
 from lowprec.distributed.float8_fsdp import enable_fp8_all_gather
 from lowprec.distributed.scaling_sync import attach_scaling_sync
 from lowprec.recipes import compose
-from lowprec.recipes.prepared import OptimizerFactory, Prepared, factory_lr
+from lowprec.recipes.prepared import OptimizerFactory, Prepared, build_optimizer, factory_lr
 from lowprec.recipes.presets import get_recipe
 from lowprec.recipes.recipe import Recipe
 
-__all__ = ["PARALLEL", "Parallel", "fsdp_units", "mixed_precision_policy", "prepare", "shard"]
+__all__ = [
+    "PARALLEL",
+    "Parallel",
+    "fsdp_units",
+    "mixed_precision_policy",
+    "prepare",
+    "shard",
+    "sync_generators",
+]
 
 Parallel = Literal["fsdp", "ddp"]
 PARALLEL: tuple[str, ...] = ("fsdp", "ddp")
@@ -105,16 +128,16 @@ def mixed_precision_policy(recipe: str | Recipe) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
 
 
+def _lean_shards(r: Recipe) -> bool:
+    """Whether FSDP2 shards ``r``'s parameters in ``param_dtype`` (a lean recipe without
+    FP32 masters) rather than as FP32 masters."""
+    return r.policy.lean and r.policy.master_kind != "fp32"
+
+
 def _check_recipe(r: Recipe, parallel: str) -> None:
-    if r.policy.lean:
-        raise ValueError(
-            f"recipe: {r.name!r} keeps lean training state (master={r.policy.master_kind!r}, "
-            f"optimizer_state={r.policy.optimizer_state!r}: lowprec.amp.lean), which is not "
-            "supported under torch.distributed yet; train it on one process"
-        )
     if parallel != "fsdp":
         return
-    if r.stochastic_rounding:
+    if r.stochastic_rounding and r.policy.master_kind == "fp32":
         raise ValueError(
             f"recipe: {r.name!r} rounds master weights stochastically; under FSDP2 the "
             "FP32 shards are cast by the all-gather (round to nearest); use parallel='ddp'"
@@ -134,7 +157,8 @@ def shard(
     """Step 2 of the order (see the module docstring): shard ``model``, to which the
     recipe's technique has already been applied.
 
-    ``"fsdp"``: the parameters are rounded to ``param_dtype`` and kept in FP32, then
+    ``"fsdp"``: the parameters are rounded to ``param_dtype`` and kept in FP32 (kept in
+    ``param_dtype`` for a lean recipe without FP32 masters: module docstring), then
     ``fully_shard(unit, mesh=mesh, mp_policy=mixed_precision_policy(recipe))`` for each of
     ``units(model)`` and the root; returns ``model`` itself (now an ``FSDPModule``).
     ``"ddp"``: returns ``DistributedDataParallel(model, **ddp_kwargs)``.
@@ -154,10 +178,11 @@ def shard(
     if fp8_all_gather not in (True, False, "blocks"):
         raise ValueError(f"fp8_all_gather must be True, False or 'blocks', got {fp8_all_gather!r}")
     if mode == "fsdp":
+        master = torch.float32 if not _lean_shards(r) else r.torch_dtype
         with torch.no_grad():
             for p in model.parameters():
                 if p.is_floating_point():  # the master copy starts from the cast weights
-                    p.data = p.data.to(r.torch_dtype).to(torch.float32)
+                    p.data = p.data.to(r.torch_dtype).to(master)
     if r.float8 is not None:
         attach_scaling_sync(model)
         if mode == "fsdp" and fp8_all_gather:
@@ -223,12 +248,14 @@ def prepare(
     shard (:func:`shard`), then build the optimizer and the loss scaler on the sharded
     parameters. Every rank calls it with the same model (same seed) and arguments.
 
-    ``parallel``: ``"fsdp"`` (FSDP2, FP32 sharded masters, see the module docstring) or
-    ``"ddp"``. ``mesh``: FSDP2's device mesh (default: every rank). ``units``: the
-    modules sharded before the root (default :func:`fsdp_units`). ``ddp_kwargs``: extra
-    arguments of ``DistributedDataParallel``. ``fp8_all_gather``: see :func:`shard`.
+    ``parallel``: ``"fsdp"`` (FSDP2, FP32 sharded masters or lean shards, see the module
+    docstring) or ``"ddp"``. ``generator``: the stochastic-rounding generator (recipes
+    that round stochastically), broadcast from rank 0. ``mesh``: FSDP2's device mesh
+    (default: every rank). ``units``: the modules sharded before the root (default
+    :func:`fsdp_units`). ``ddp_kwargs``: extra arguments of ``DistributedDataParallel``.
+    ``fp8_all_gather``: see :func:`shard`.
     u-μP parameter groups (unit recipes) keep their ``lr_mult`` on the sharded parameters.
-    Under ``"fsdp"`` the returned :class:`~lowprec.recipes.Prepared` has a plain
+    Under ``"fsdp"`` the returned :class:`~lowprec.recipes.Prepared` has a plain or lean
     optimizer (no ``MasterWeights``).
     """
     if not isinstance(model, nn.Module):
@@ -265,11 +292,39 @@ def prepare(
     else:
         params = [p for p in model.parameters() if p.requires_grad]
     optimizer: Any
-    if r.master_weights and mode == "ddp":
-        optimizer = MasterWeights(params, factory, r.stochastic_rounding, generator)
+    if mode == "ddp" or _lean_shards(r):  # as on one process (on the shards: lean)
+        optimizer = build_optimizer(params, factory, r.policy, generator)
+    elif r.policy.optimizer_state != "auto":  # the FP32 shards are the masters
+        optimizer = lean_optimizer(factory(params), state=r.policy.state_precision,
+                                   generator=generator)  # fmt: skip
     else:
         optimizer = factory(params)
+    group = mesh.get_group() if mesh is not None and mode == "fsdp" else None
+    if mode == "ddp":
+        group = (ddp_kwargs or {}).get("process_group")
+    sync_generators(optimizer, group)
     return Prepared(wrapped, optimizer, r.policy.make_scaler(), r)
+
+
+def sync_generators(optimizer: Any, group: Any = None) -> int:
+    """Broadcast the state of ``optimizer``'s stochastic-rounding generator (a lean
+    optimizer's or ``MasterWeights``' ``generator``, also of its inner ``optimizer``) from
+    the group's first rank to every rank of ``group`` (default: all), so that every rank
+    draws the same numbers; the number of generators synchronised."""
+    n = 0
+    for obj in (optimizer, getattr(optimizer, "optimizer", None)):
+        gen = getattr(obj, "generator", None)
+        if not isinstance(gen, torch.Generator):
+            continue
+        state = gen.get_state()
+        backend = str(dist.get_backend(group))
+        on = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else None
+        buf = state.to(on) if on is not None else state.clone()
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast(buf, src=src, group=group)
+        gen.set_state(buf.cpu())
+        n += 1
+    return n
 
 
 def unwrap(model: nn.Module) -> nn.Module:
