@@ -21,7 +21,8 @@ Stage ``two``:
   for stage ``one``.
 
 Stage ``one`` (FSDP2 on one process): loads stage ``two``'s checkpoints (2 → 1), writes
-the full restored state and trains the same 2 steps.
+the full restored state, saves it again and trains the same 2 steps; a fresh ``prepare``
+loads that one-process checkpoint and trains them once more.
 """
 
 from __future__ import annotations
@@ -160,8 +161,14 @@ def _train_cases() -> dict[str, Any]:
     }
     for mode, recipes in (("fsdp", FSDP), ("ddp", DDP)):
         for r in recipes:
-            p = dist_prepare(_model(), r, mode, _factory, _gen())  # type: ignore[arg-type]
+            # each rank seeds its own generator: prepare broadcasts rank 0's (= _gen())
+            seeded = torch.Generator().manual_seed(1234 + 1000 * dist.get_rank())
+            p = dist_prepare(_model(), r, mode, _factory, seeded)  # type: ignore[arg-type]
             res: dict[str, Any] = {"parallel": _train(p, 0, STEPS, True), "reference": refs[r]}
+            gen = p.optimizer.generator.get_state()
+            gens = [torch.empty_like(gen) for _ in range(dist.get_world_size())]
+            dist.all_gather(gens, gen)
+            res["generators_equal"] = all(torch.equal(g, gen) for g in gens)
             head = next(w for n, w in p.model.named_parameters() if n.endswith("head.weight"))
             res["weight"] = [type(head).__name__, str(head.dtype)]
             res["optimizer"] = type(p.optimizer).__name__
@@ -214,8 +221,13 @@ def _dcp_one(base: Path) -> dict[str, Any]:
         loaded = _full_state(q)
         saved = torch.load(base / f"saved-{r}.pt", weights_only=True)
         mism = [k for k in saved if k not in loaded or not _same(saved[k], loaded[k])]
+        # and on from here in one process: saved again, the resumed run repeats it
+        dcp_state.save(q, base / f"ckpt1-{r}", {"step": 2})
+        resumed = _train(q, 2, STEPS, True)
+        q2 = dist_prepare(_model(), r, "fsdp", _factory, torch.Generator().manual_seed(98))
+        dcp_state.load(q2, base / f"ckpt1-{r}")
         out[r] = {"mismatched": mism, "n": len(saved), "step": extra["step"],
-                  "resumed": _train(q, 2, STEPS, True)}  # fmt: skip
+                  "resumed": resumed, "resumed_again": _train(q2, 2, STEPS, True)}  # fmt: skip
     return out
 
 
