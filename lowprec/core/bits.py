@@ -32,6 +32,9 @@ both rest on it; it imports nothing of lowprec but the formats.
     subnormal (an exact power-of-two scaling; the result ``2^M`` is ``min_normal``'s code).
 
 * :func:`storage_dtype`: the torch dtype a rounded value of a format is stored in.
+* :func:`draw_bits`: the random bits stochastic rounding consumes (drawn eagerly from a
+  ``torch.Generator``; :func:`round_bits` takes them as a tensor, so a compiled kernel
+  rounds with exactly the draws the eager path would take).
 
 ``tests/core/test_kernels.py`` checks :func:`encode` and :func:`decode` against torch's
 casts on every code, every rounding boundary and tie, the specials and random values,
@@ -47,7 +50,7 @@ from torch import Tensor
 
 from lowprec.core.formats import _NATIVE, BF16, FP16, FP32, Format, Rounding, get_format
 
-__all__ = ["BYTE_FORMATS", "decode", "encode", "round_bits", "storage_dtype"]
+__all__ = ["BYTE_FORMATS", "decode", "draw_bits", "encode", "round_bits", "storage_dtype"]
 
 # ---------------------------------------------------------------------------------------
 # Rounding into any format
@@ -67,10 +70,23 @@ def _scale_pow2(t: Tensor, k: int) -> Tensor:
     return t * 2.0**a * 2.0 ** (k - a)
 
 
-def _round_magnitude(
-    a: Tensor, fmt: Format, rounding: Rounding, generator: torch.Generator | None
+def draw_bits(
+    shape: torch.Size | tuple[int, ...],
+    dtype: torch.dtype,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
 ) -> Tensor:
-    """Round the non-negative finite-or-inf magnitude ``a`` to ``fmt`` (no overflow handling)."""
+    """The draws of stochastic rounding for an input of ``shape`` and ``dtype``: one
+    ``torch.randint(0, 2^23, shape)`` in int32 (``2^52``, int64, for a float64 input) from
+    ``generator``, the only random numbers :func:`round_bits` consumes."""
+    _, idt, ms = _work_dtypes(dtype)
+    return torch.randint(0, 2**ms, tuple(shape), generator=generator, dtype=idt, device=device)
+
+
+def _round_magnitude(a: Tensor, fmt: Format, rand: Tensor | None) -> Tensor:
+    """Round the non-negative finite-or-inf magnitude ``a`` to ``fmt`` (no overflow handling):
+    to nearest for ``rand=None``, else stochastically with the draws ``rand``
+    (:func:`draw_bits`, ``a``'s shape)."""
     fdt, idt, ms = _work_dtypes(a.dtype)
     m = fmt.mantissa_bits
     d = ms - m
@@ -88,9 +104,6 @@ def _round_magnitude(
     lift = fmt.min_normal < tiny_f
     if lift:
         bits = torch.where(a < tiny_f, a * 2.0**64, a).view(idt)
-    rand: Tensor | None = None
-    if rounding == "stochastic":
-        rand = torch.randint(0, 2**ms, a.shape, generator=generator, dtype=idt, device=a.device)
     if d == 0:
         rn = a
     elif rand is None:
@@ -122,15 +135,21 @@ def round_bits(
     rounding: Rounding = "nearest",
     saturate: bool = False,
     generator: torch.Generator | None = None,
+    rand: Tensor | None = None,
 ) -> Tensor:
     """:func:`lowprec.core.rounding.quantize` (arguments already checked) by arithmetic
     on the float32 (float64) bit pattern for every format, a torch dtype's included: the
     same values as its cast (NaN payloads aside), from elementwise integer and float ops
-    that inductor vectorises, where its own float8 casts are scalar loops on the CPU."""
+    that inductor vectorises, where its own float8 casts are scalar loops on the CPU.
+    Stochastic rounding draws :func:`draw_bits` from ``generator``, or uses ``rand`` when
+    given (the draws of ``x``'s shape; a kernel cannot draw from a generator)."""
     orig = x.dtype
     fdt, _, _ = _work_dtypes(orig)
     xf = x.to(fdt)
-    a = _round_magnitude(xf.abs(), fmt, rounding, generator)
+    a = xf.abs()
+    if rounding == "stochastic" and rand is None:
+        rand = draw_bits(a.shape, orig, generator, a.device)
+    a = _round_magnitude(a, fmt, rand if rounding == "stochastic" else None)
     over = a > fmt.max
     if fmt.special == "finite":
         a = torch.where(over, fmt.max, a)

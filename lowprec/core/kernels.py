@@ -35,7 +35,10 @@ A kernel is used only when all of these hold:
   :func:`run_group_quantize`) also runs on CUDA tensors (:func:`quantize_devices`), as
   Triton kernels with eager CUDA's float32 arithmetic (correctly rounded division,
   subnormals kept): eager, its steps would each write a full-size float32 temporary;
-* round-to-nearest (stochastic rounding draws from a ``torch.Generator``, not compiled);
+* for stochastic rounding (:func:`run_quantize` with ``rand``), the draws are taken eagerly
+  from the caller's ``torch.Generator`` (:func:`lowprec.core.bits.draw_bits`, as the eager
+  path takes them) and the kernel rounds with them: the same bits; its ``min_numel``
+  default is ``2**14`` (the eager path is about twenty passes and a kernel wins early);
 * the switch is on: environment variable ``LOWPREC_EAGER_KERNELS`` = ``auto`` (default)
   or ``1``; ``0`` turns the kernels off. ``LOWPREC_EAGER_KERNELS_MIN_NUMEL`` sets
   ``min_numel`` (default ``2**19``; ``2**16`` for :func:`run_round_trip`, which replaces
@@ -96,6 +99,7 @@ def enabled() -> bool:
 
 MIN_NUMEL = 1 << 19  # the default threshold
 ROUND_TRIP_MIN_NUMEL = 1 << 16  # run_round_trip's default threshold
+MIN_NUMEL_SR = 1 << 14  # stochastic run_quantize's default threshold
 
 
 def min_numel(default: int = MIN_NUMEL) -> int:
@@ -247,13 +251,29 @@ def _broken(e: Exception) -> None:
     )
 
 
-def run_quantize(x: Tensor, fmt: Format, saturate: bool) -> Tensor | None:
+def run_quantize(
+    x: Tensor, fmt: Format, saturate: bool, rand: Tensor | None = None
+) -> Tensor | None:
     """``quantize(x, fmt, "nearest", saturate)`` by a compiled kernel (on ``x`` flattened in
     storage order), with ``x``'s strides; ``None`` if the kernel cannot run (the caller
-    runs the eager path)."""
+    runs the eager path). With ``rand`` (:func:`lowprec.core.bits.draw_bits` of ``x``'s
+    shape, contiguous; ``x`` contiguous too): stochastic rounding with those draws."""
     d = layout.dense_view(x)
     if not d.is_contiguous():
         return None
+    if rand is not None:
+        if d is not x or rand.shape != x.shape or not rand.is_contiguous():
+            return None
+
+        def build_sr() -> Callable[..., Tensor]:
+            def kernel(t: Tensor, r: Tensor) -> Tensor:
+                return round_bits(t, fmt, "stochastic", saturate, rand=r)
+
+            return kernel
+
+        key = ("quantize-sr", fmt.name, saturate, x.dtype)
+        out = run_kernel(key, build_sr, x.reshape(-1), rand.reshape(-1))
+        return None if out is None else out.view(x.shape)
 
     def build() -> Callable[..., Tensor]:
         def kernel(t: Tensor) -> Tensor:  # (quantize's own path for a format without a cast)

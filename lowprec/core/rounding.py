@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from lowprec.core import kernels
-from lowprec.core.bits import round_bits, storage_dtype
+from lowprec.core.bits import draw_bits, round_bits, storage_dtype
 from lowprec.core.formats import _ELIDED, _NATIVE, Format, Rounding, get_format
 from lowprec.core.layout import dense_view, fast_paths
 
@@ -122,7 +122,15 @@ def quantize(
         y = kernels.run_quantize(x, fmt, saturate)  # the same function, compiled
         if y is not None:
             return y
-    return round_bits(x, fmt, rounding, saturate, generator)
+    rand = None
+    if rounding == "stochastic" and kernels.takes(x, threshold=kernels.MIN_NUMEL_SR):
+        # the draws taken here, as round_bits would take them; the kernel rounds with them
+        rand = draw_bits(x.shape, x.dtype, generator, x.device)
+        if x.is_contiguous():
+            y = kernels.run_quantize(x, fmt, saturate, rand)
+            if y is not None:
+                return y
+    return round_bits(x, fmt, rounding, saturate, generator, rand)
 
 
 def _native_for(x: Tensor, fmt: Format, rounding: str) -> torch.dtype | None:
