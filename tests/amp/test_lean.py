@@ -193,3 +193,33 @@ def test_bad_arguments_name_themselves() -> None:
     bad["param_groups"][0]["params"] = [0, 1]
     with pytest.raises(ValueError, match="parameter groups do not match"):
         opt.load_state_dict(bad)
+
+
+def test_sr_bf16_is_quantize_bit_for_bit() -> None:
+    """The stochastic rounding a shard uses (its rows of the whole tensor's draws) is
+    quantize(..., "stochastic") given the same draws: normal and subnormal values, zeros,
+    Inf, NaN, values that round to Inf."""
+    from lowprec.amp.lean import sr_bf16
+    from lowprec.core.rounding import quantize
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g) * 10 ** (torch.rand(20000, generator=g) * 80 - 40)
+    special = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.39e38, 1e-45, -1e-40]
+    x = torch.cat([x, torch.tensor(special)])
+    want = quantize(x, "bf16", "stochastic", generator=torch.Generator().manual_seed(3))
+    bits = torch.randint(0, 2**23, x.shape, generator=torch.Generator().manual_seed(3),
+                         dtype=torch.int32)  # fmt: skip
+    got = sr_bf16(x, bits)
+    assert torch.equal(got.view(torch.int16), want.bfloat16().view(torch.int16))
+
+
+def test_8bit_states_of_1d_tensors_stay_fp32() -> None:
+    """1-D tensors (biases) keep FP32 moments under state="8bit" (their blocks would cross
+    FSDP2's shard boundaries); 2-D ones are 8-bit with (rows, blocks per row) scales."""
+    m = _model(torch.bfloat16)
+    opt = LeanAdamW(_groups(m), lr=1e-2, state="8bit")
+    _train(m, opt, 1)
+    w, b = opt.state[m[0].weight], opt.state[m[0].bias]
+    assert w["exp_avg"].dtype == torch.uint8 and w["exp_avg"].shape == (300, 16)
+    assert w["exp_avg_scale"].shape == (300, 1)
+    assert b["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in b

@@ -80,3 +80,21 @@ def test_presets_and_bad_arguments() -> None:
         StateCodec("int8", block_size=0)
     with pytest.raises(ValueError, match="scales: the e4m3 codes need their block scales"):
         StateCodec("e4m3").decode(torch.zeros(3, dtype=torch.uint8), None, (3,))
+
+
+def test_blocks_follow_rows_so_a_row_shard_has_the_rows_codes_and_scales() -> None:
+    """Blocks never cross a row: the codes and scales of rows [3, 7) of a (7, 301) tensor,
+    encoded alone (an FSDP2 shard), are those rows of the whole tensor's, bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 301, generator=g) * 10 ** (torch.rand(7, 301, generator=g) * 6 - 5)
+    c = StateCodec("e4m3", sqrt=False)
+    codes, scales = c.encode(x)
+    assert codes.shape == x.shape and scales is not None and scales.shape == (7, 2)
+    part_codes, part_scales = c.encode(x[3:])
+    assert torch.equal(part_codes, codes[3:]) and torch.equal(part_scales, scales[3:])
+    # each scale is its block's amax / 448: columns [0, 256) and [256, 301) of each row
+    want = torch.stack([x[:, :256].abs().amax(1), x[:, 256:].abs().amax(1)], 1) / 448
+    assert torch.equal(scales, want)
+    # a flat layout (an older lowprec's) is refused, not misread
+    with pytest.raises(ValueError, match=r"scales: shape \(14,\)"):
+        c.decode(codes, scales.reshape(-1), x.shape)
