@@ -27,8 +27,8 @@ in the normal range, the second below it):
 
     |ĝ - ḡ| ≤ Σ_r max(u·|g_r|, s₁·δ/2) / D  +  max(u·|S|, s₂·δ/2)     (ḡ = Σ_r g_r / D)
 
-plus FP32 rounding. Values below ``s·δ/2`` (2^-18 of the bucket's largest for E4M3, 2^-33
-for E5M2) flush to zero: a bucket holds many tensors, so a format's *range* matters as
+plus FP32 rounding. Values below ``s·δ/2`` (2^-18.8 of the bucket's largest for E4M3,
+2^-32.8 for E5M2) flush to zero: a bucket holds many tensors, so a format's *range* matters as
 much as its precision (``docs/distributed.md`` compares E4M3 and E5M2 on real gradients).
 
 Bytes each rank sends, per element, with ring collectives: FP32 all-reduce
@@ -148,7 +148,7 @@ class FP8CommState:
     bucket (``s₂`` is NaN for a reduce-scatter), as a float32 tensor, for inspection.
     """
 
-    fmt: Format | str = "e5m2"
+    fmt: Format | str = "e4m3fn"
     divide_by: float | None = None
     group: dist.ProcessGroup | None = None
     bytes_sent: float = 0.0
@@ -246,18 +246,20 @@ def grad_divide_factor(recipe: str | Recipe, world: int) -> float:
 
 def register_fp8_allreduce(
     ddp_model: DistributedDataParallel,
-    fmt: str | Format = "e5m2",
+    fmt: str | Format = "e4m3fn",
     *,
     divide_by: float | None = None,
 ) -> FP8CommState:
     """Make ``ddp_model`` all-reduce its gradients in FP8 (:func:`fp8_allreduce_hook`)
     and return the hook's state (``bytes_sent``, ``last_scales``).
 
-    ``fmt``: ``"e5m2"`` (default: its range keeps the small gradients of a bucket that
-    E4M3 flushes) or ``"e4m3fn"`` (one more mantissa bit), or another 1-byte float8
-    format. ``divide_by``: the divisor of the sum, default the group's size (the mean DDP
-    takes); :func:`grad_divide_factor` gives ``√N`` for a unit recipe, whose own
-    ``sqrt(N)`` hook this replaces (DDP takes one hook, before the first backward).
+    ``fmt``: ``"e4m3fn"`` (default: half the rounding error of E5M2, and a range of
+    ``2^18.8`` below the bucket's largest gradient, subnormals included) or ``"e5m2"``
+    (``2^32.8``: for buckets whose gradients spread wider), or another 1-byte float8
+    format (``docs/distributed.md`` compares the two). ``divide_by``: the divisor of the
+    sum, default the group's size (the mean DDP takes); :func:`grad_divide_factor` gives
+    ``√N`` for a unit recipe, whose own ``sqrt(N)`` hook this replaces (DDP takes one
+    hook, before the first backward).
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
@@ -331,7 +333,7 @@ class FP8ReduceScatter:
         output_tensor.copy_(seg.view_as(output_tensor))
 
 
-def enable_fp8_reduce_scatter(model: nn.Module, fmt: str | Format = "e5m2") -> FP8CommState:
+def enable_fp8_reduce_scatter(model: nn.Module, fmt: str | Format = "e4m3fn") -> FP8CommState:
     """Reduce-scatter the gradients of every ``fully_shard``-ed module of ``model`` in FP8
     (:class:`FP8ReduceScatter`, one shared state, returned). Call it after sharding.
     FSDP2's gradient divide factor still applies, after the FP32 sum (for unit recipes
