@@ -10,10 +10,10 @@ Rows, each a :class:`~lowprec.recipes.Recipe` built from the presets by replacin
   the stream seed is the config's, 0, in every run, as in the preset);
 * ``nvfp4 +hadamard-wgrad``: a random Hadamard transform of 16 on the weight-gradient
   GEMM's two operands (``hadamard=("weight_grad",)``, ``hadamard_block=16``);
-* ``nvfp4 +bf16-last``: the linears of the last block in BF16 (a ``LayerRule(pattern,
-  None)``; :data:`LAST_BLOCKS`);
-* ``nvfp4-train``: the preset (2-D weight scales, stochastic gradients, Hadamard weight
-  gradient) with the last-block rule added where the preset has no layer rule.
+* ``nvfp4 +bf16-last``: the linears of the last 15% of the blocks in BF16 (``layers`` of
+  ``nvfp4-train``: ``LayerRule("*.{last:15%}.*", None)``; with 4 blocks, the last one);
+* ``nvfp4-train``: the preset as it is (2-D weight scales, stochastic gradients, Hadamard
+  weight gradient, the last 15% of the blocks in BF16).
 
 Each (row, seed) is one ``lowprec train --recipe <row>.json --seed S`` subprocess (the
 project's training loop; ``OMP_NUM_THREADS=1``, ``--jobs`` at a time) on the reference
@@ -59,7 +59,6 @@ from _common import arg_parser, parse_args, print_table, run_record, write_json
 
 from lowprec.jobs.rundir import read_metrics
 from lowprec.recipes import Recipe, get_recipe
-from lowprec.recipes.layers import LayerRule
 
 LOWPREC = [str(Path(sys.executable).with_name("lowprec"))]
 GEMM_KINDS = ("forward", "input_grad", "weight_grad")
@@ -68,16 +67,9 @@ OPERANDS = {
     "input_grad": ("grad_output", "weight"),
     "weight_grad": ("grad_output", "input"),
 }
-# The linears kept in BF16 by the "+bf16-last" row and nvfp4-train: the last block's.
-LAST_BLOCKS = "blocks.{last}.*"
 
 
-def last_rule(depth: int) -> LayerRule:
-    """The rule that keeps the last block's linears in the policy's dtype (BF16)."""
-    return LayerRule(LAST_BLOCKS.format(last=depth - 1), None)
-
-
-def recipes(depth: int) -> dict[str, Recipe]:
+def recipes() -> dict[str, Recipe]:
     """The rows: presets, and ``nvfp4`` with one part switched on (module docstring)."""
     nv = get_recipe("nvfp4")
     f = nv.float8
@@ -100,24 +92,30 @@ def recipes(depth: int) -> dict[str, Recipe]:
         "hadamard-wgrad", "nvfp4, random Hadamard (16) on the weight-gradient GEMM",
         hadamard=("weight_grad",), hadamard_block=16,
     )  # fmt: skip
+    train = get_recipe("nvfp4-train")  # as it is: its layer rules are the BF16 blocks
     rows["nvfp4 +bf16-last"] = replace(
-        nv, name="nvfp4+bf16-last", description="nvfp4, the last block in BF16",
-        layers=(last_rule(depth),),
+        nv, name="nvfp4+bf16-last", description="nvfp4, nvfp4-train's BF16 blocks",
+        layers=train.layers,
     )  # fmt: skip
-    train = get_recipe("nvfp4-train")
-    rows["nvfp4-train"] = train if train.layers else replace(train, layers=(last_rule(depth),))
+    rows["nvfp4-train"] = train
     return rows
 
 
 # ---- runs -----------------------------------------------------------------------------------
 
 
+DEADLINE = [math.inf]  # perf_counter time after which no new run starts (--budget-s)
+
+
 def run_cmd(cmd: list[str], log: Path, done: Path) -> tuple[int, float]:
     """Run ``cmd`` with one OpenMP thread, its output to ``log``; (exit code, seconds).
-    Not run where ``done`` exists (an earlier invocation's finished run: rc 0, NaN s)."""
+    Not run where ``done`` exists (an earlier invocation's finished run: rc 0, NaN s) or
+    past the deadline (rc -1)."""
     if done.exists():
         return 0, math.nan
     t0 = time.perf_counter()
+    if t0 > DEADLINE[0]:
+        return -1, 0.0
     with open(log, "w") as fh:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
@@ -199,16 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemms-every", type=int, default=50)
     p.add_argument("--jobs", type=int, default=2, help="training subprocesses at a time")
     p.add_argument("--runs", default=None, help="folder for the runs (default: a temp dir)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no run after this many seconds (those left out: rc -1)")  # fmt: skip
     a = parse_args(p, argv, "fp4_cpu")
     seeds = a.seeds[:1] if a.quick else a.seeds
     train_cfg = {k: getattr(a, k) for k in ("steps", "batch_size", "seq_len", "width", "depth",
                                             "heads", "lr", "warmup", "eval_batches",
                                             "gemms_every")}  # fmt: skip
     if a.quick:
-        train_cfg.update(steps=6, batch_size=4, seq_len=32, width=32, depth=2, heads=2,
+        train_cfg.update(steps=6, batch_size=4, seq_len=32, width=32, depth=4, heads=2,
                          warmup=2, eval_batches=2, gemms_every=3)  # fmt: skip
     train_cfg.update(eval_every=train_cfg["steps"], ckpt_every=train_cfg["steps"])
-    rows = recipes(train_cfg["depth"])
+    rows = recipes()
     names = a.rows or list(rows)
     unknown = [n for n in names if n not in rows]
     if unknown:
@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     (root / "recipes").mkdir(parents=True, exist_ok=True)
     print(f"runs in {root}")
     t_start = time.perf_counter()
+    if a.budget_s is not None:
+        DEADLINE[0] = t_start + a.budget_s
     files: dict[str, Path] = {}
     for n in names:
         files[n] = root / "recipes" / f"{n.replace(' ', '_')}.json"
@@ -238,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     for (n, s), (cmd, out, fut) in jobs.items():
         rc, secs = fut.result()
         entry: dict[str, Any] = {"rc": rc, "wall_s": secs, "command": " ".join(cmd[1:])}
+        if rc == -1:  # left out: past --budget-s
+            entry["val_loss"] = None
+            runs[n][str(s)] = entry
+            continue
         try:
             recs = read_metrics(out)
             vals = [x["val_loss"] for x in recs if "val_loss" in x]
@@ -306,11 +312,12 @@ def main(argv: list[str] | None = None) -> int:
             k = g.get(kind, {})
             cells.append(k.get("sqnr_db"))
             cells += [k.get("operands", {}).get(r, {}).get("sqnr_db") for r in OPERANDS[kind]]
-        grows.append([n, *cells])
+        flushed = g.get("weight_grad", {}).get("operands", {}).get("grad_output", {})
+        grows.append([n, *cells, _pct(flushed.get("flushed"))])
     print_table(
         "per-GEMM SQNR (dB): output, then each operand's cast",
         ["row", "fwd", "fwd x", "fwd W", "dgrad", "dgrad g", "dgrad W", "wgrad", "wgrad g",
-         "wgrad x"],
+         "wgrad x", "wgrad g flushed %"],
         grows,
         "pooled over the float8 layers and the measured steps, averaged over the seeds",
     )  # fmt: skip
