@@ -18,9 +18,9 @@ Rows, each a :class:`~lowprec.recipes.Recipe` built from the presets by replacin
 Each (row, seed) is one ``lowprec train --recipe <row>.json --seed S`` subprocess (the
 project's training loop; ``OMP_NUM_THREADS=1``, ``--jobs`` at a time) on the reference
 model; defaults: width 64, depth 4, 4 heads, batch 16x64 characters, 300 steps, AdamW lr
-3e-3 (30 warm-up steps, cosine to lr/10), the val loss over 16 val batches at the end, the
-low-precision GEMMs measured every 50 steps (``--gemms-every``; the run's ``gemms.jsonl``,
-:mod:`lowprec.analysis.gemms`).
+1e-2 (30 warm-up steps, cosine to lr/10; the demo's 3e-3 gave nvfp4 a smaller gap to
+bf16), the val loss over 16 val batches at the end, the low-precision GEMMs measured every
+50 steps (``--gemms-every``; the run's ``gemms.jsonl``, :mod:`lowprec.analysis.gemms`).
 
 Measured per run: the final val loss; from ``gemms.jsonl``, per GEMM kind (``forward``,
 ``input_grad``, ``weight_grad``) pooled over the float8 layers (the BF16 ones are not
@@ -36,7 +36,7 @@ machine, lscpu model and flags, torch, git revision, the configuration and every
 Finished runs in ``--runs`` are reused (``summary.json`` exists). ``--quick``: a tiny model,
 6 steps, 1 seed, JSON in the temp dir.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_fp4.py --jobs 2 --runs /tmp/fp4_runs
+    OMP_NUM_THREADS=1 python benchmarks/bench_fp4.py --jobs 2 --budget-s 4200 --runs /tmp/fp4_runs
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--gemms-every", type=int, default=50)
