@@ -228,6 +228,47 @@ def _overflow(rank: int) -> dict[str, Any]:
     return out
 
 
+def _unit(rank: int) -> dict[str, Any]:
+    """fp16-unit under DDP: ``prepare`` registers its sum/sqrt(N) hook; the same run with
+    that hook swapped for the FP8 one with ``divide_by`` = its divisor (the wiring of a
+    unit recipe). One step's gradients and 6 steps' losses of both."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def grads(p: Any) -> torch.Tensor:
+        x, y = _DATA.batch("train", 0)
+        with p.compute():
+            _, loss = p.model(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
+            p.scaler.scale(loss).backward()
+        g = torch.cat([q.grad.float().reshape(-1) for q in p.model.parameters()])
+        p.optimizer.zero_grad()
+        return g
+
+    ref = parallel.prepare(_model(), "fp16-unit", "ddp", _factory)
+    g_ref = grads(ref)
+    orig = DDP.register_comm_hook
+    divisors: list[float] = []
+
+    def swap(self: DDP, state: Any, hook: Any) -> None:
+        factor, group = state[0], state[1]  # the unit hook's (sqrt(N), group, ...)
+        divisors.append(factor)
+        orig(self, FP8CommState("e4m3fn", factor, group), fp8_allreduce_hook)
+
+    DDP.register_comm_hook = swap  # type: ignore[method-assign]
+    try:
+        p = parallel.prepare(_model(), "fp16-unit", "ddp", _factory)
+        q = parallel.prepare(_model(), "fp16-unit", "ddp", _factory)
+    finally:
+        DDP.register_comm_hook = orig  # type: ignore[method-assign]
+    g = grads(p)
+    return {
+        "divisors": divisors,
+        "rel_l2": float((g - g_ref).norm() / g_ref.norm()),
+        "norm_ratio": float(g.norm() / g_ref.norm()),
+        "losses": _train(q),
+        "reference": _train(ref),
+    }
+
+
 def _fsdp() -> dict[str, Any]:
     res: dict[str, Any] = {}
     with _counting() as seen:
@@ -261,6 +302,7 @@ def main(path: str) -> None:
         "nonfinite": _nonfinite(rank),
         "ddp": _ddp(),
         "overflow": _gather_obj(_overflow(rank)),
+        "unit": _unit(rank),
         "fsdp": _fsdp(),
     }
     if rank == 0:

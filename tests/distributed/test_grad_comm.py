@@ -119,6 +119,21 @@ def test_ddp_training_with_fp8_hook_matches_fp32(result: dict[str, Any]) -> None
 
 
 @pytest.mark.slow
+def test_fp8_hook_composes_with_unit_scaling_divisor(result: dict[str, Any]) -> None:
+    # fp16-unit reduces sum / sqrt(N); its DDP hook swapped for the FP8 one with
+    # divide_by = that divisor. One step's gradients: within the FP8 roundings (2 x 2^-4
+    # relative in L2) of the unit hook's, and of the same norm (a wrong divisor, N,
+    # would give a ratio of 1/sqrt(2)). Losses: 5e-3, the FP8 roundings of the fp32 case
+    # under u-μP's larger per-group learning rates (measured 2.0e-3).
+    u = result["unit"]
+    assert u["divisors"] == [math.sqrt(2), math.sqrt(2)]
+    assert u["rel_l2"] <= 2 * U["e4m3fn"]
+    assert abs(u["norm_ratio"] - 1) <= 0.02
+    assert u["losses"][0] == u["reference"][0]
+    assert _rel(u["losses"], u["reference"]) <= 5e-3
+
+
+@pytest.mark.slow
 def test_overflow_reaches_the_loss_scaler_on_every_rank(result: dict[str, Any]) -> None:
     # fp16-dynamic-ls under DDP with the FP8 hook; an Inf in rank 1's gradient at step 1.
     # Rank 0's own gradient after the hook is non-finite: the overflow travelled through
