@@ -141,8 +141,9 @@ def _check_divide_by(divide_by: object) -> float:
 class FP8CommState:
     """State of :func:`fp8_allreduce_hook` (and of :class:`FP8ReduceScatter`).
 
-    ``fmt``: a 1-byte float8 format; ``divide_by``: the divisor of the sum (``None``: the
-    group's size, a mean); ``group``: the process group (``None``: the world).
+    ``fmt``: a 1-byte float8 format; ``divide_by``: the hook's divisor of the sum
+    (``None``: the group's size, a mean; under FSDP2, FSDP2's own divide factor applies
+    instead); ``group``: the process group (``None``: the world; FSDP2 passes its own).
     ``bytes_sent`` counts what this rank sent (:func:`ring_bytes` of every collective,
     scalars included); ``last_scales`` holds the shared scales ``(s₁, s₂)`` of the last
     bucket (``s₂`` is NaN for a reduce-scatter), as a float32 tensor, for inspection.
