@@ -75,6 +75,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lowprec.amp import lean_optimizer
 from lowprec.distributed.float8_fsdp import enable_fp8_all_gather
+from lowprec.distributed.grad_comm import (
+    enable_fp8_reduce_scatter,
+    fsdp_reduce_policy,
+    grad_divide_factor,
+    register_fp8_allreduce,
+)
 from lowprec.distributed.scaling_sync import attach_scaling_sync
 from lowprec.recipes import compose
 from lowprec.recipes.prepared import OptimizerFactory, Prepared, build_optimizer, factory_lr
@@ -82,7 +88,9 @@ from lowprec.recipes.presets import get_recipe
 from lowprec.recipes.recipe import Recipe
 
 __all__ = [
+    "GRAD_COMM",
     "PARALLEL",
+    "GradComm",
     "Parallel",
     "fsdp_units",
     "mixed_precision_policy",
@@ -93,6 +101,8 @@ __all__ = [
 
 Parallel = Literal["fsdp", "ddp"]
 PARALLEL: tuple[str, ...] = ("fsdp", "ddp")
+GradComm = Literal["fp32", "bf16", "fp8"]
+GRAD_COMM: tuple[str, ...] = ("fp32", "bf16", "fp8")
 
 
 def _check_parallel(parallel: object) -> str:
@@ -153,6 +163,7 @@ def shard(
     units: Callable[[nn.Module], Iterable[nn.Module]] = fsdp_units,
     ddp_kwargs: dict[str, Any] | None = None,
     fp8_all_gather: bool | Literal["blocks"] = True,
+    grad_comm: GradComm = "fp32",
 ) -> nn.Module:
     """Step 2 of the order (see the module docstring): shard ``model``, to which the
     recipe's technique has already been applied.
@@ -170,11 +181,21 @@ def shard(
     (:func:`lowprec.distributed.float8_fsdp.enable_fp8_all_gather`; ``fp8_all_gather=False``
     gathers them in ``param_dtype``; ``"blocks"`` also gathers the row-local block layouts
     narrow, with ``blocks=True``).
+
+    ``grad_comm``: the gradients' reduction on the wire (:mod:`lowprec.distributed.grad_comm`):
+    ``"fp32"`` (default), ``"bf16"`` (DDP: the gradients divided, rounded to BF16 and
+    all-reduced in BF16; FSDP2: ``reduce_dtype=bfloat16``), ``"fp8"`` (E4M3, the
+    module's default, with shared scales, every sum in FP32: DDP's
+    :func:`~lowprec.distributed.grad_comm.register_fp8_allreduce`, FSDP2's
+    :func:`~lowprec.distributed.grad_comm.enable_fp8_reduce_scatter`). Unit recipes keep
+    their ``√N`` divisor with every choice.
     """
     _check_group()
     r = get_recipe(recipe)
     mode = _check_parallel(parallel)
     _check_recipe(r, mode)
+    if grad_comm not in GRAD_COMM:
+        raise ValueError(f"grad_comm must be one of {list(GRAD_COMM)}, got {grad_comm!r}")
     if fp8_all_gather not in (True, False, "blocks"):
         raise ValueError(f"fp8_all_gather must be True, False or 'blocks', got {fp8_all_gather!r}")
     if mode == "fsdp":
@@ -189,11 +210,16 @@ def shard(
             enable_fp8_all_gather(model, blocks=fp8_all_gather == "blocks")
     if mode == "ddp":
         ddp = DistributedDataParallel(model, **(ddp_kwargs or {}))
-        if r.unit is not None:
-            group = (ddp_kwargs or {}).get("process_group")
-            ddp.register_comm_hook((math.sqrt(dist.get_world_size(group)), group), _unit_allreduce)
+        group = (ddp_kwargs or {}).get("process_group")
+        if grad_comm == "fp8":
+            world = dist.get_world_size(group)
+            register_fp8_allreduce(ddp, divide_by=grad_divide_factor(r, world))
+        elif grad_comm == "bf16" or r.unit is not None:
+            low = torch.bfloat16 if grad_comm == "bf16" else None
+            factor = grad_divide_factor(r, dist.get_world_size(group))
+            ddp.register_comm_hook((factor, group, low), _scaled_allreduce)
         return ddp
-    policy = mixed_precision_policy(r)
+    policy = mixed_precision_policy(r) if grad_comm != "bf16" else fsdp_reduce_policy(r, "bf16")
     # scalify: the Scalified wrapper is the one unit (a module sharded inside it would
     # gather parameters that bypass scaled arithmetic).
     for unit in units(model) if r.scalify is None else ():
@@ -207,27 +233,35 @@ def shard(
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(math.sqrt(n))
                 m.set_force_sum_reduction_for_comms(not premul)
+    if grad_comm == "fp8":
+        enable_fp8_reduce_scatter(model)
     return model
 
 
-def _unit_allreduce(state: tuple[float, Any], bucket: Any) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook of unit recipes: the gradients' sum over the ranks of the
-    group ``state[1]`` divided by ``state[0]`` (``sqrt(N)``, see the module docstring)."""
-    factor, group = state
-    t: torch.Tensor = bucket.buffer().div_(factor)
+def _scaled_allreduce(
+    state: tuple[float, Any, torch.dtype | None], bucket: Any
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the gradients divided by ``state[0]`` (``N`` for the mean;
+    ``sqrt(N)`` for unit recipes, see the module docstring), then summed over the ranks of
+    the group ``state[1]``, in the bucket's dtype or in ``state[2]`` (BF16: the bucket is
+    rounded to it, summed in it, and written back)."""
+    factor, group, low = state
+    buf: torch.Tensor = bucket.buffer()
+    t = buf.div_(factor) if low is None else buf.div(factor).to(low)
     fut: torch.futures.Future[list[torch.Tensor]] = dist.all_reduce(
         t, group=group, async_op=True
     ).get_future()
 
-    def first(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        return f.value()[0]
+    def back(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out = f.value()[0]
+        return out if out is buf else buf.copy_(out)
 
-    return fut.then(first)
+    return fut.then(back)
 
 
 # DDP checks a hook's annotations as objects; ``from __future__ import annotations`` made
 # them strings.
-_unit_allreduce.__annotations__.update(
+_scaled_allreduce.__annotations__.update(
     bucket=torch._C._distributed_c10d.GradBucket, **{"return": torch.futures.Future[torch.Tensor]}
 )
 
@@ -243,6 +277,7 @@ def prepare(
     units: Callable[[nn.Module], Iterable[nn.Module]] = fsdp_units,
     ddp_kwargs: dict[str, Any] | None = None,
     fp8_all_gather: bool | Literal["blocks"] = True,
+    grad_comm: GradComm = "fp32",
 ) -> Prepared:
     """:func:`lowprec.recipes.prepare` under ``torch.distributed``: apply the technique,
     shard (:func:`shard`), then build the optimizer and the loss scaler on the sharded
@@ -253,7 +288,7 @@ def prepare(
     that round stochastically), broadcast from rank 0. ``mesh``: FSDP2's device mesh
     (default: every rank). ``units``: the modules sharded before the root (default
     :func:`fsdp_units`). ``ddp_kwargs``: extra arguments of ``DistributedDataParallel``.
-    ``fp8_all_gather``: see :func:`shard`.
+    ``fp8_all_gather``, ``grad_comm``: see :func:`shard`.
     u-μP parameter groups (unit recipes) keep their ``lr_mult`` on the sharded parameters.
     Under ``"fsdp"`` the returned :class:`~lowprec.recipes.Prepared` has a plain or lean
     optimizer (no ``MasterWeights``).
@@ -267,7 +302,7 @@ def prepare(
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     lr = factory_lr(factory) if r.unit is not None else 0.0
     # 1. the technique (as on one process)
-    model, groups = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip)
+    model, groups = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip, r.layers)
     names = {id(p): n for n, p in model.named_parameters()}
     named_groups = (
         [{**g, "params": [names[id(p)] for p in g["params"]]} for g in groups]
@@ -283,6 +318,7 @@ def prepare(
         units=units,
         ddp_kwargs=ddp_kwargs,
         fp8_all_gather=fp8_all_gather,
+        grad_comm=grad_comm,
     )
     # 3. optimizer and scaler, on the parameters sharding left
     now = dict(model.named_parameters())

@@ -158,6 +158,10 @@ def train(
             f"--batch-size {cfg.batch_size} is the global batch: it must be divisible by the "
             f"number of processes ({env.world_size()})"
         )
+    if cfg.grad_comm != "fp32" and parallel is None:
+        raise RunError(
+            f"--grad-comm {cfg.grad_comm} reduces gradients across processes: needs --parallel"
+        )
     if cfg.guard and parallel is not None:
         raise RunError("--guard runs on one process; it is not supported with --parallel")
     env.on_main(lambda: _prepare_dir(out, cfg, resume, parallel), RunError)

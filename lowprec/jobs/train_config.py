@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lowprec.analysis.gemms import DEFAULT_EVERY
+from lowprec.distributed.parallel import GRAD_COMM
 from lowprec.jobs.model import ModelConfig, check_model_name
 from lowprec.jobs.rundir import CONFIG, RunError, read_config
 from lowprec.recipes import Recipe, get_recipe
@@ -72,6 +73,13 @@ class TrainConfig:
         default=DEFAULT_EVERY,
         metadata={"help": "measure the low-precision GEMMs' casts every this many steps"},
     )
+    grad_comm: str = field(
+        default="fp32",
+        metadata={
+            "help": "the gradients' reduction on the wire under --parallel: fp32, bf16, or fp8 "
+            "(E4M3 with shared scales, sums in FP32; docs/distributed.md)"
+        },
+    )
     guard: bool = field(
         default=False,
         metadata={
@@ -100,6 +108,9 @@ class TrainConfig:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (ok and math.isfinite(value) and value > 0):
                 raise ValueError(f"lr must be a positive finite number, got {value!r}")
+        elif name == "grad_comm":
+            if value not in GRAD_COMM:
+                raise ValueError(f"grad_comm must be one of {list(GRAD_COMM)}, got {value!r}")
         elif name == "guard":
             if not isinstance(value, bool):
                 raise ValueError(f"guard must be a bool, got {value!r}")

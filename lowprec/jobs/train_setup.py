@@ -49,7 +49,15 @@ def build(
         return torch.optim.AdamW(ps, lr=cfg.lr)
 
     if parallel is not None:
-        return dist_prepare(model, cfg.recipe, parallel, factory, gen), data  # type: ignore[arg-type]
+        prepared = dist_prepare(
+            model,
+            cfg.recipe,
+            parallel,  # type: ignore[arg-type]
+            factory,
+            gen,
+            grad_comm=cfg.grad_comm,  # type: ignore[arg-type]
+        )
+        return prepared, data
     return prepare(model, cfg.recipe, factory, generator=gen), data
 
 

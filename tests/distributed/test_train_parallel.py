@@ -207,3 +207,24 @@ def test_sigint_stops_every_rank_at_one_step_and_resume_is_exact(
     assert [x["step"] for x in cut] == list(range(1, 7))
     assert [x["loss"] for x in cut] == [x["loss"] for x in straight]
     assert [x.get("val_loss") for x in cut] == [x.get("val_loss") for x in straight]
+
+
+@pytest.mark.parametrize(("mode", "comm"), [("fsdp", "bf16"), ("ddp", "fp8")])
+def test_grad_comm_trains_within_its_formats_bound(
+    runs: dict[str, Any], tmp_path: Path, mode: str, comm: str
+) -> None:
+    """``--grad-comm``: the gradients reduced in BF16 (FSDP2's reduce_dtype) or FP8 (DDP's
+    E4M3 hook, sums in FP32) against run A (FSDP2, FP32 reduce-scatter). Bounds: BF16 sums
+    round each partial sum to 2^-9 relative: 1e-3 on the loss, as between 2 processes and
+    one. E4M3 keeps 3 mantissa bits, rounded twice (the pieces, then the sum): each reduced
+    gradient within 2^-3 of its value, so Adam's update, and the loss's move from step 1,
+    within 2^-3 (plus the same 1e-3).
+    The run differs from A at all (the reduction was really replaced) and records it."""
+    out = tmp_path / f"{mode}-{comm}"
+    _ok(_torchrun(2, "--parallel", mode, "--grad-comm", comm, "--steps", "6", "--out", str(out)))
+    got, a = _losses(out), _losses(runs["A"])
+    assert got != a
+    rel = 2.0**-3 if comm == "fp8" else 0.0
+    for x, y in zip(got, a, strict=True):
+        assert abs(x - y) <= rel * abs(a[0] - y) + 1e-3 * abs(y), (got, a)
+    assert json.loads((out / "config.json").read_text())["train"]["grad_comm"] == comm
