@@ -365,8 +365,20 @@ def _place(v: Tensor, p: Tensor) -> Tensor:
                                       shape=v.shape, stride=_strides(tuple(v.shape)))  # fmt: skip
         return v.clone().to(p.device)
     if isinstance(v, DTensor) and not isinstance(p, DTensor):
-        return v.full_tensor().to(p.device, copy=True)
+        return _full_tensor(v).to(p.device, copy=True)
     return v.clone().to(p.device)
+
+
+def _full_tensor(v: DTensor) -> Tensor:
+    """``v.full_tensor()``, gathered as 32-bit integers where ``v``'s dtype is narrower
+    (gloo gathers no ``uint8`` or 16-bit types): the same bits."""
+    if v.dtype.itemsize >= 4:
+        return v.full_tensor()
+    local = v.to_local()
+    wide = (local.view(torch.int16) if local.is_floating_point() else local).to(torch.int32)
+    full = DTensor.from_local(wide, v.device_mesh, v.placements, run_check=False,
+                              shape=v.shape, stride=v.stride()).full_tensor()  # fmt: skip
+    return full.to(torch.int16).view(v.dtype) if v.is_floating_point() else full.to(v.dtype)
 
 
 class LeanAdamW(LeanOptimizer):

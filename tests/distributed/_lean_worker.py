@@ -137,6 +137,17 @@ def _grads_case(kw: dict[str, Any]) -> dict[str, Any]:
     dist.all_gather(gens, o_sh.generator.get_state())
     out["generators_equal_across_ranks"] = all(torch.equal(x, gens[0]) for x in gens)
     out["generator_equals_one_process"] = torch.equal(gens[0], o_ref.generator.get_state())
+    # torch-style state dicts cross over: one process's (full tensors) into the sharded
+    # optimizer (each rank takes its rows), the sharded one's (DTensors) into one process
+    o_sh2 = LeanAdamW(sh.parameters(), lr=1e-2, generator=_gen(), **kw)
+    o_sh2.load_state_dict(o_ref.state_dict())
+    o_ref2 = LeanAdamW(ref.parameters(), lr=1e-2, generator=_gen(), **kw)
+    o_ref2.load_state_dict(o_sh.state_dict())
+    out["state_dicts_cross"] = all(
+        _same(_full(o_sh2.state[ps][k]), v) and _same(o_ref2.state[pr][k], v)
+        for pr, ps in zip(ref.parameters(), sh.parameters(), strict=True)
+        for k, v in o_ref.state[pr].items()
+    )
     w = sh[2].weight
     codes = o_sh.state[w].get("exp_avg")
     if codes is not None and codes.dtype == torch.uint8:
@@ -213,6 +224,18 @@ def _dcp_two(base: Path) -> dict[str, Any]:
     return out
 
 
+def _dcp_ddp(base: Path) -> dict[str, Any]:
+    """fp8-lean under DDP: the replicated state (8-bit codes, scales, the generator in the
+    optimizer's state dict) saved after 2 steps and resumed by a fresh ``prepare``."""
+    p = dist_prepare(_model(), "fp8-lean", "ddp", _factory, _gen())
+    _train(p, 0, 2, True)
+    dcp_state.save(p, base / "ckpt-ddp", {"step": 2})
+    straight = _train(p, 2, STEPS, True)
+    q = dist_prepare(_model(), "fp8-lean", "ddp", _factory, torch.Generator().manual_seed(99))
+    dcp_state.load(q, base / "ckpt-ddp")
+    return {"straight": straight, "resumed": _train(q, 2, STEPS, True)}
+
+
 def _dcp_one(base: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for r in DCP:
@@ -239,6 +262,7 @@ def main(base: str, stage: str) -> None:
         result = {"grads": {k: _grads_case(kw) for k, kw in GRAD_CASES.items()}}
         result["train"] = _train_cases()
         result["dcp"] = _dcp_two(out)
+        result["dcp_ddp"] = _dcp_ddp(out)
     else:
         result = {"dcp": _dcp_one(out)}
     if dist.get_rank() == 0:

@@ -57,6 +57,7 @@ def test_sharded_update_is_the_one_process_update_bit_for_bit(
     assert r["params"] and r["max_param_diff"] == 0.0
     assert r["states"] and r["dtensor_states"]
     assert r["generators_equal_across_ranks"] and r["generator_equals_one_process"]
+    assert r["state_dicts_cross"]  # a one-process state dict loads sharded, and back
     if case.startswith("8bit"):
         # weight (7, 301) on 2 ranks: 4 rows here; 2 blocks per row (256 + 45 columns)
         assert r["weight2"] == {"codes": [[7, 301], [4, 301]], "scales": [[7, 2], [4, 2]]}
@@ -89,6 +90,12 @@ def test_dcp_resume_same_world_size_is_bit_exact(result: dict[str, Any], recipe:
     r = result["dcp"][recipe]
     assert r["step"] == 2 and r["loaded_equal"]
     assert r["resumed"] == r["straight"]
+
+
+@pytest.mark.slow
+def test_dcp_resume_under_ddp_is_bit_exact(result: dict[str, Any]) -> None:
+    r = result["dcp_ddp"]  # fp8-lean: 8-bit states and the generator, replicated
+    assert len(r["straight"]) == 2 and r["resumed"] == r["straight"]
 
 
 @pytest.mark.slow
