@@ -225,6 +225,7 @@ class Float8MatmulFn(torch.autograd.Function):
             x_base = xs
         ws_used: Tensor | None = None
         wq: Operand
+        gw: torch.Generator | None = None  # (a weight quantized before, e.g. FP8 all-gather)
         if isinstance(w, ScaledTensor) and not own_w:
             wq = from_parts((w.qdata.t(), w.scale, None), cf.weight, 0, w.dtype, cf)
             ws_seen: Tensor | None = w.scale

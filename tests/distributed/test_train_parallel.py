@@ -24,6 +24,7 @@ change of world size the BF16 gradients of other row splits are summed: BF16 rou
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -228,3 +229,18 @@ def test_grad_comm_trains_within_its_formats_bound(
     for x, y in zip(got, a, strict=True):
         assert abs(x - y) <= rel * abs(a[0] - y) + 1e-3 * abs(y), (got, a)
     assert json.loads((out / "config.json").read_text())["train"]["grad_comm"] == comm
+
+
+def test_float8_under_fsdp_measures_its_gemms(tmp_path: Path) -> None:
+    """fp8-tensorwise under FSDP2 with the FP8 all-gather (the weight arrives quantized)
+    while the run measures its GEMMs every step: it trains, and gemms.jsonl holds the
+    forward GEMMs (an unset generator made this fail before)."""
+    out = tmp_path / "fp8"
+    args = ("--parallel", "fsdp", "--steps", "2", "--gemms-every", "1", "--out", str(out))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += ["2", "-m", "lowprec", "train", *ARGS, *args]
+    cmd[cmd.index("bf16")] = "fp8-tensorwise"
+    _ok(subprocess.run(cmd, capture_output=True, text=True, timeout=300))
+    recs = [json.loads(line) for line in (out / "gemms.jsonl").read_text().splitlines()]
+    assert any(r.get("gemm") == "forward" for r in recs), recs[:2]
+    assert all(math.isfinite(x) for x in _losses(out))
