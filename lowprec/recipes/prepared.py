@@ -207,6 +207,8 @@ def prepare(
     recipe: str | Recipe,
     optimizer_factory: OptimizerFactory | None = None,
     generator: torch.Generator | None = None,
+    *,
+    param_groups: Callable[[nn.Module, list[Any]], list[Any]] | None = None,
 ) -> Prepared:
     """Apply ``recipe`` to ``model`` (in place: its parameters are cast) and build the
     optimizer (``optimizer_factory(params)``, default AdamW lr 1e-3) and the loss scaler.
@@ -227,7 +229,9 @@ def prepare(
 
     The optimizer: :func:`build_optimizer` (FP32 masters, remainders, lean optimizer
     states, as the policy says). ``generator`` drives stochastic rounding, if the recipe
-    uses it.
+    uses it. ``param_groups(model, params)``, if given, regroups the parameters of the
+    converted model (``params``: its parameters, or u-μP's groups) before the optimizer is
+    built, e.g. into weight-decay groups (keep each group's ``"lr_mult"``).
 
     Example:
         >>> p = prepare(nn.Linear(8, 8), "bf16")
@@ -242,6 +246,8 @@ def prepare(
     model, params = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip, r.layers)
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
+    if param_groups is not None:
+        params = param_groups(model, params)
     optimizer = build_optimizer(params, factory, r.policy, generator)
     return Prepared(model, optimizer, r.policy.make_scaler(), r)
 

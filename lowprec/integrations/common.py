@@ -1,0 +1,184 @@
+"""What every trainer adapter shares: module filters, weight-decay groups, lowprec's own
+checkpoint state.
+
+* :func:`with_module_filter`: a recipe whose float8 conversion skips the linears that
+  ``module_filter(module, fqn)`` refuses, in the style of Accelerate's
+  ``AORecipeKwargs(module_filter_func=...)``: each refused layer becomes a
+  :class:`~lowprec.recipes.layers.LayerRule` ``(fqn, None)`` in front of the recipe's own
+  rules (the first matching rule wins), so the filter is recorded in the recipe and in
+  every checkpoint that stores it.
+* :func:`decay_groups`: a ``param_groups`` callback for :func:`lowprec.recipes.prepare`
+  that splits each group (u-μP's included, their ``"lr_mult"`` kept) into the parameters
+  that decay and those that do not, as HF's ``Trainer`` does.
+* :func:`factory_of`: an optimizer factory that rebuilds a user's (fresh) optimizer over
+  the prepared parameters: its class and its defaults.
+* :func:`lowprec_state` / :func:`load_lowprec_state`: the part of a
+  :class:`~lowprec.recipes.Prepared` that a trainer's own checkpoint does not hold: the
+  recipe (checked on load), the model's buffers (float8 amax histories, static scales,
+  calibration maxima) and the progress of a static-scale calibration. Parameters,
+  optimizer (with FP32 masters, lean states and the stochastic-rounding generator) and
+  loss scaler are saved by the trainer as its model, optimizer and scaler.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> r = with_module_filter("fp8-tensorwise", m, lambda mod, fqn: mod.out_features > 2)
+    >>> [(rule.pattern, rule.float8) for rule in r.layers]
+    [('2', None)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowprec.recipes import OptimizerFactory, Prepared, Recipe, get_recipe
+from lowprec.recipes.layers import LayerRule
+
+__all__ = [
+    "ModuleFilter",
+    "decay_groups",
+    "factory_of",
+    "linear_layers",
+    "load_lowprec_state",
+    "lowprec_state",
+    "with_module_filter",
+]
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+STATE_VERSION = 1
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The ``(fqn, module)`` of every layer a float8 recipe converts: ``nn.Linear`` (and
+    subclasses) and HF transformers' ``Conv1D``."""
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+    ]
+
+
+def _escape(fqn: str) -> str:
+    """``fqn`` as an :func:`fnmatch.fnmatchcase` pattern that matches only itself."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in fqn)
+
+
+def with_module_filter(
+    recipe: str | Recipe, model: nn.Module, module_filter: ModuleFilter | None
+) -> Recipe:
+    """``recipe`` whose float8 conversion leaves in high precision every linear of ``model``
+    that ``module_filter(module, fqn)`` refuses (see the module docstring). ``None``
+    returns the recipe as it is. The fqns are those of ``model`` as given (a unit recipe
+    converts a unit-scaled copy with the same names)."""
+    r = get_recipe(recipe)
+    if module_filter is None:
+        return r
+    if not callable(module_filter):
+        raise TypeError(
+            f"module_filter must be a callable (module, fqn) -> bool, got "
+            f"{type(module_filter).__name__}"
+        )
+    if r.float8 is None:
+        raise ValueError(
+            f"module_filter: recipe {r.name!r} converts no layer to float8 (it has no float8 "
+            "technique), so there is nothing to filter"
+        )
+    refused = tuple(
+        LayerRule(_escape(fqn), None)
+        for fqn, m in linear_layers(model)
+        if not module_filter(m, fqn)
+    )
+    return replace(r, layers=refused + r.layers)
+
+
+def decay_groups(
+    decay: Collection[str] | Callable[[nn.Module], Collection[str]], weight_decay: float
+) -> Callable[[nn.Module, list[Any]], list[Any]]:
+    """A ``param_groups`` callback for :func:`lowprec.recipes.prepare`: every group (or
+    the one list of parameters) is split into the parameters whose name is in ``decay``
+    (``weight_decay``) and the others (``0.0``); empty groups are dropped, other group
+    options (u-μP's ``"lr"``, ``"lr_mult"``) are kept. ``decay`` may be a function of the
+    prepared model (names change when a technique wraps the model)."""
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)):
+        raise TypeError(f"weight_decay must be a number, got {type(weight_decay).__name__}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+    def regroup(model: nn.Module, params: list[Any]) -> list[Any]:
+        names = set(decay(model) if callable(decay) else decay)
+        decays = {id(p) for n, p in model.named_parameters() if n in names}
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        out: list[dict[str, Any]] = []
+        for g in groups:
+            ps = list(g["params"])
+            for wd, keep in ((float(weight_decay), True), (0.0, False)):
+                sel = [p for p in ps if (id(p) in decays) == keep]
+                if sel:
+                    out.append({**g, "params": sel, "weight_decay": wd})
+        return out
+
+    return regroup
+
+
+def factory_of(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
+    """A factory that builds ``type(optimizer)(params, **optimizer.defaults)``: the user's
+    optimizer over the prepared parameters. ``optimizer`` must be fresh (no state yet) and
+    have one parameter group (per-group options cannot follow the parameters through a
+    conversion; pass a factory and, for groups, ``param_groups`` instead)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if len(optimizer.state) > 0:
+        raise ValueError("optimizer: it has stepped already (state present); pass a fresh one")
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(
+            f"optimizer: {len(optimizer.param_groups)} parameter groups; lowprec rebuilds the "
+            "optimizer over the prepared parameters and keeps only its class and defaults: "
+            "pass one group (or an optimizer factory)"
+        )
+    cls, defaults = type(optimizer), dict(optimizer.defaults)
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    defaults.update({k: v for k, v in group.items() if k in defaults})
+
+    def factory(params: list[Any]) -> torch.optim.Optimizer:
+        return cls(params, **defaults)
+
+    return factory
+
+
+def lowprec_state(prepared: Prepared) -> dict[str, Any]:
+    """What a trainer's checkpoint lacks of ``prepared`` (see the module docstring): plain
+    tensors, numbers and strings only (``torch.load(weights_only=True)`` reads it)."""
+    sd = prepared.model.state_dict(keep_vars=True)
+    buffers = {k: v.detach().clone() for k, v in sd.items() if not isinstance(v, nn.Parameter)}
+    return {
+        "version": STATE_VERSION,
+        "recipe": prepared.recipe.to_dict(),
+        "buffers": buffers,
+        "calibration": prepared.calibration_progress(),
+    }
+
+
+def load_lowprec_state(prepared: Prepared, state: dict[str, Any]) -> None:
+    """Restore :func:`lowprec_state` into ``prepared`` (after the trainer loaded the
+    model's parameters). ``ValueError`` if it was saved with another recipe or holds
+    buffers the model does not have."""
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise ValueError(f"state: not a lowprec integration state (version {STATE_VERSION})")
+    saved = Recipe.from_dict(state["recipe"])
+    if saved != prepared.recipe:
+        raise ValueError(
+            f"state: saved with recipe {saved.name!r}, this run uses {prepared.recipe.name!r}"
+        )
+    buffers = state["buffers"]
+    _, unexpected = prepared.model.load_state_dict(buffers, strict=False)
+    if unexpected:
+        raise ValueError(f"state: buffers the model does not have: {sorted(unexpected)[:5]}")
+    prepared.resume_calibration(state.get("calibration"))

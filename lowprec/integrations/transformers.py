@@ -1,0 +1,383 @@
+"""lowprec inside HF transformers' ``Trainer``: :func:`make_trainer` and :class:`LowprecTrainer`.
+
+``make_trainer(model, args, recipe=..., **trainer_kwargs)`` returns a ``Trainer`` subclass
+that trains ``model`` with any lowprec recipe. Everything that makes the recipe is
+lowprec's own, reached through :func:`lowprec.recipes.prepare` and the loss scaler's
+``GradScaler`` API; nothing is re-implemented here:
+
+* the model: :func:`~lowprec.recipes.prepare` converts it (float8 linears, a unit-scaled
+  u-μP copy, a scalify wrapper, per-layer rules, the parameter dtype) on ``args.device``
+  before the ``Trainer`` (and Accelerate's DDP/FSDP wrapping) sees it;
+* the optimizer: the ``Trainer``'s own choice (``args.optim``, ``args.learning_rate``, or
+  ``optimizer_cls_and_kwargs``) built by ``prepare`` as the recipe's policy says: FP32
+  master weights, lean states, stochastic rounding (a generator seeded with ``args.seed``);
+  u-μP's parameter groups for unit recipes (``"lr_mult"`` per group; the ``Trainer``'s
+  scheduler scales each group's rate); weight decay groups as the ``Trainer`` makes them;
+* loss scaling: the recipe's loss scaler is the Accelerator's ``scaler``, so that
+  ``accelerator.backward`` scales the loss, the optimizer step is skipped on Inf/NaN
+  gradients (and the LR scheduler with it), gradients are unscaled before clipping, and the
+  ``Trainer`` saves and restores the scaler (``scaler.pt``) as it does ``GradScaler``'s;
+* forward and backward run inside :meth:`~lowprec.recipes.Prepared.compute` (autocast,
+  CPU FP16/BF16 matmuls, the calibration of static float8 scales), evaluation's forward too.
+
+Checkpoints. The ``Trainer``'s own checkpoint holds the model, the optimizer (FP32 masters,
+lean states, the generator), the scaler, the scheduler and the RNG states; each checkpoint
+folder also gets ``lowprec_state.pt`` (:func:`~lowprec.integrations.common.lowprec_state`:
+the recipe, the model's buffers such as float8 amax histories, calibration progress), read
+back with ``torch.load(weights_only=True)``. ``trainer.train(resume_from_checkpoint=...)``
+then continues exactly: the same losses and parameters, bit for bit, as a run that was
+never interrupted (``tests/integrations/test_transformers.py``).
+
+Run directory. With ``run_dir``, a :class:`~lowprec.jobs.recorder.RunRecorder` writes one
+metrics record per optimizer step (loss, loss scale, skipped, learning rate) and the
+numerics, which ``lowprec report RUN_DIR`` reads; a resumed run continues the directory
+after the checkpoint's step.
+
+Not supported (refused with a message): an optimizer instance in ``optimizers`` (lowprec
+builds the optimizer), ``model_init``, ``args.fp16``/``args.bf16`` (the recipe sets the
+precision), DeepSpeed. A step skipped for Inf/NaN gradients does not restore the model's
+buffers (``train_step(skip_nonfinite=True)`` does): a delayed-scaling amax history keeps
+that step's amax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+
+from lowprec.integrations.common import (
+    ModuleFilter,
+    decay_groups,
+    load_lowprec_state,
+    lowprec_state,
+    with_module_filter,
+)
+from lowprec.jobs.recorder import RunRecorder
+from lowprec.recipes import OptimizerFactory, Prepared, Recipe, prepare
+from lowprec.scalify.transform import Scalified
+
+__all__ = ["STATE_NAME", "LowprecTrainer", "make_trainer"]
+
+STATE_NAME = "lowprec_state.pt"
+
+
+class LowprecTrainer(Trainer):  # type: ignore[misc]
+    """A ``transformers.Trainer`` that trains with a lowprec recipe (module docstring).
+
+    Args:
+        model: the model (an HF ``PreTrainedModel`` or any ``nn.Module`` the ``Trainer``
+            accepts); converted in place or replaced (unit, scalify) by the recipe.
+        args: the ``TrainingArguments`` (not ``fp16``/``bf16``: the recipe sets the precision).
+        recipe: a recipe name (:func:`lowprec.recipes.recipe_names`) or a
+            :class:`~lowprec.recipes.Recipe`.
+        module_filter: ``(module, fqn) -> bool``: the linears a float8 recipe converts
+            (:func:`~lowprec.integrations.common.with_module_filter`).
+        run_dir: write a lowprec run directory there (``lowprec report`` reads it).
+        numerics_every: with ``run_dir``: record numerics every this many steps.
+        **trainer_kwargs: the ``Trainer``'s other arguments (``train_dataset``,
+            ``data_collator``, ``callbacks``, ``optimizer_cls_and_kwargs``, ``optimizers``
+            with ``None`` as optimizer and any scheduler, ...).
+
+    Attributes:
+        lowprec: the :class:`~lowprec.recipes.Prepared` (model, optimizer, scaler, recipe).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: TrainingArguments,
+        *,
+        recipe: str | Recipe,
+        module_filter: ModuleFilter | None = None,
+        run_dir: str | Path | None = None,
+        numerics_every: int | None = 100,
+        **trainer_kwargs: Any,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(args, TrainingArguments):
+            raise TypeError(f"args must be a TrainingArguments, got {type(args).__name__}")
+        if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+            raise ValueError(
+                "args: fp16/bf16 would add HF's autocast and GradScaler on top of the recipe; "
+                "leave them False, the recipe sets the precision"
+            )
+        if getattr(args, "deepspeed", None):
+            raise ValueError("args.deepspeed: DeepSpeed is not supported with lowprec recipes")
+        if trainer_kwargs.get("model_init") is not None:
+            raise ValueError("model_init: not supported; pass the model (lowprec converts it)")
+        optimizers = trainer_kwargs.get("optimizers", (None, None))
+        if optimizers[0] is not None:
+            raise TypeError(
+                "optimizers: lowprec builds the optimizer (masters, lean states, u-muP groups); "
+                "pass (None, scheduler) and choose it with args.optim or optimizer_cls_and_kwargs"
+            )
+        if run_dir is not None and not isinstance(run_dir, (str, Path)):
+            raise TypeError(f"run_dir must be a str, Path or None, got {type(run_dir).__name__}")
+        r = with_module_filter(recipe, model, module_filter)
+        model.to(args.device)  # the masters are made where the parameters are
+        generator = None
+        if r.policy.stochastic_rounding:
+            generator = torch.Generator(args.device).manual_seed(args.seed)
+        regroup = None
+        if args.weight_decay > 0:
+            regroup = decay_groups(self.get_decay_parameter_names, args.weight_decay)
+        self.lowprec: Prepared = prepare(
+            model,
+            r,
+            _factory(args, model, trainer_kwargs.get("optimizer_cls_and_kwargs")),
+            generator,
+            param_groups=regroup,
+        )
+        self._run_dir = None if run_dir is None else Path(run_dir)
+        self._numerics_every = numerics_every
+        self._recorder: RunRecorder | None = None
+        self._step_loss: Tensor | None = None
+        self._unscaled = False
+        callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), _LowprecCallback(self)]
+        with _hf_config_view(self.lowprec.model):
+            super().__init__(
+                model=self.lowprec.model, args=args, callbacks=callbacks, **trainer_kwargs
+            )
+        # The recipe's loss scaler is the Accelerator's: accelerate.backward scales the loss,
+        # AcceleratedOptimizer.step unscales, skips on Inf/NaN and updates it, the Trainer
+        # saves and loads it (GradScaler's API).
+        self.accelerator.scaler = self.lowprec.scaler
+        if isinstance(self.lowprec.model, Scalified):
+            self._inspect_wrapped(self.lowprec.model.module)
+
+    def _inspect_wrapped(self, inner: nn.Module) -> None:
+        """What the ``Trainer`` reads from the model's class and ``forward`` signature
+        (label names, loss kwargs, the dataset columns kept), read from the model a
+        scalify wrapper runs (whose own ``forward`` takes ``*args, **kwargs``)."""
+        from transformers.utils.generic import can_return_loss, find_labels
+
+        forward = inspect.signature(inner.forward).parameters
+        self.model_accepts_loss_kwargs = getattr(
+            inner,
+            "accepts_loss_kwargs",
+            any(p.kind == inspect.Parameter.VAR_KEYWORD for p in forward.values()),
+        )
+        if self.args.label_names is None:
+            self.label_names = find_labels(type(inner))  # type: ignore[no-untyped-call]
+        self.can_return_loss = can_return_loss(type(inner))  # type: ignore[no-untyped-call]
+        if hasattr(self, "_loss_shifts_labels"):  # causal LMs count labels[..., 1:]
+            from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+            config = getattr(inner, "config", None)
+            loss_type: Any = getattr(inner, "loss_type", None)
+            self._loss_shifts_labels = LOSS_MAPPING.get(
+                loss_type
+            ) is ForCausalLMLoss and not getattr(config, "is_encoder_decoder", False)
+        if self._signature_columns is None:
+            self._signature_columns: Any = [*forward, *{"label", "label_ids", *self.label_names}]
+
+    # -- the optimizer -------------------------------------------------------------------
+    def create_optimizer(self, model: nn.Module | None = None) -> Any:
+        """The optimizer that :func:`lowprec.recipes.prepare` built."""
+        self.optimizer = self.lowprec.optimizer
+        return self.optimizer
+
+    def _unscale(self) -> None:
+        """Unscale the gradients once per step (before clipping or measuring them)."""
+        if not self._unscaled:
+            self.lowprec.scaler.unscale_(self.lowprec.optimizer)
+            self._unscaled = True
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        self._unscale()
+        return super()._clip_grad_norm(model)  # type: ignore[no-untyped-call]
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if grad_norm is None:
+            self._unscale()
+        return super()._get_grad_norm(model, grad_norm)  # type: ignore[no-untyped-call]
+
+    def _get_learning_rate(self) -> float:
+        """The global learning rate (a u-μP group's rate divided by its ``lr_mult``)."""
+        lr = float(super()._get_learning_rate())
+        return lr / float(self.lowprec.optimizer.param_groups[0].get("lr_mult", 1.0))
+
+    # -- forward and backward ------------------------------------------------------------
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> Tensor:
+        """The ``Trainer``'s step (forward, scaled backward) inside the recipe's compute
+        context."""
+        model.train()
+        with self.lowprec.compute():
+            loss: Tensor = super().training_step(model, inputs, num_items_in_batch)
+        d = loss.detach()
+        self._step_loss = d if self._step_loss is None else self._step_loss + d
+        return loss
+
+    def prediction_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with self.lowprec.compute():
+            return super().prediction_step(model, *args, **kwargs)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The ``Trainer``'s optimizer and scheduler files, and ``lowprec_state.pt``."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            torch.save(lowprec_state(self.lowprec), os.path.join(output_dir, STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"resume_from_checkpoint: {checkpoint} has no {STATE_NAME} (not saved by a "
+                "lowprec trainer): the recipe's buffers and calibration cannot be restored"
+            )
+        device = next(self.lowprec.model.parameters()).device
+        load_lowprec_state(self.lowprec, torch.load(path, map_location=device, weights_only=True))
+        self._unscaled = False
+
+    def _save(
+        self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        """A scalify'd HF model is saved as the HF model it wraps (``save_pretrained``:
+        its config, tied weights handled); any other model as the ``Trainer`` saves it."""
+        inner = self.model.module if isinstance(self.model, Scalified) else None
+        if not isinstance(inner, PreTrainedModel):
+            super()._save(output_dir, state_dict)
+            return
+        out = str(output_dir if output_dir is not None else self.args.output_dir)
+        if self.args.should_save:
+            os.makedirs(out, exist_ok=True)
+            inner.save_pretrained(out, state_dict=state_dict)
+            torch.save(self.args, os.path.join(out, "training_args.bin"))
+
+    # -- the run directory ---------------------------------------------------------------
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        except BaseException:
+            self._close_recorder(summary=False)
+            raise
+
+    def _open_recorder(self, step: int, max_steps: int) -> None:
+        if self._run_dir is None or self._recorder is not None:
+            return
+        resume = step > 0 and (self._run_dir / "config.json").is_file()
+        self._recorder = RunRecorder(
+            self._run_dir,
+            self.lowprec.model,
+            recipe=self.lowprec.recipe,
+            config={"trainer": "transformers", "learning_rate": self.args.learning_rate},
+            steps=max_steps if max_steps > 0 else None,
+            scaler=self.lowprec.scaler,
+            numerics_every=self._numerics_every,
+            resume=resume,
+            resume_from=step if resume else None,
+            writer=self.is_world_process_zero(),
+        )
+
+    def _close_recorder(self, summary: bool = True) -> None:
+        if self._recorder is not None:
+            self._recorder.close(summary=summary)
+            self._recorder = None
+
+    def _end_step(self, step: int) -> None:
+        """After an optimizer step: reset the per-step state; log the step."""
+        self._unscaled = False
+        loss, self._step_loss = self._step_loss, None
+        if self._recorder is not None and loss is not None:
+            self._recorder.log(step, loss=loss, lr=self._get_learning_rate())
+
+
+class _LowprecCallback(TrainerCallback):  # type: ignore[misc]
+    """The :class:`LowprecTrainer`'s hooks into the ``Trainer``'s loop."""
+
+    def __init__(self, trainer: LowprecTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._open_recorder(state.global_step, state.max_steps)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # A skipped step leaves the optimizer's per-step state (the masters' copied
+        # gradients) behind; the Trainer zeroes only the model's gradients.
+        self.trainer.lowprec.optimizer.zero_grad(set_to_none=True)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._end_step(state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._close_recorder()
+
+
+@contextlib.contextmanager
+def _hf_config_view(model: nn.Module) -> Iterator[None]:
+    """While the ``Trainer`` is built: a scalify'd model's ``config`` (its frozen
+    :class:`~lowprec.scalify.ScalifyConfig`, which the ``Trainer`` would take for an HF
+    config and set ``use_cache`` on) reads as the wrapped HF model's config (or ``None``)."""
+    if not isinstance(model, Scalified):
+        yield
+        return
+    own = model.__dict__["config"]
+    model.__dict__["config"] = getattr(model.module, "config", None)
+    try:
+        yield
+    finally:
+        model.__dict__["config"] = own
+
+
+def _factory(
+    args: TrainingArguments,
+    model: nn.Module,
+    cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None,
+) -> OptimizerFactory:
+    """The optimizer the ``Trainer`` would build (``args.optim`` or ``cls_and_kwargs``), as
+    a factory over the parameters that :func:`~lowprec.recipes.prepare` gives it."""
+    if cls_and_kwargs is None:
+        hf_model: Any = model
+        cls_and_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, hf_model)
+    cls, kwargs = cls_and_kwargs
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"the optimizer (args.optim={args.optim!r}) must be a torch.optim.Optimizer class "
+            f"that takes parameter groups, got {cls!r}"
+        )
+    if any(k in kwargs for k in ("params", "model", "optimizer_dict")):
+        raise ValueError(f"args.optim={args.optim!r}: builds its own parameter list; not supported")
+    kw = dict(kwargs)
+
+    def factory(params: list[Any]) -> torch.optim.Optimizer:
+        return cls(params, **kw)
+
+    return factory
+
+
+def make_trainer(
+    model: nn.Module,
+    args: TrainingArguments,
+    *,
+    recipe: str | Recipe,
+    module_filter: Callable[[nn.Module, str], bool] | None = None,
+    run_dir: str | Path | None = None,
+    **trainer_kwargs: Any,
+) -> LowprecTrainer:
+    """A :class:`LowprecTrainer`: ``model`` trained by the HF ``Trainer`` with ``recipe``.
+
+    Example::
+
+        args = TrainingArguments("out", max_steps=100, save_steps=50, report_to=[])
+        trainer = make_trainer(model, args, recipe="fp8-tensorwise", train_dataset=ds,
+                               run_dir="runs/hf")
+        trainer.train()                      # later: trainer.train(resume_from_checkpoint=True)
+    """
+    return LowprecTrainer(
+        model, args, recipe=recipe, module_filter=module_filter, run_dir=run_dir, **trainer_kwargs
+    )

@@ -1,0 +1,165 @@
+"""lowprec inside HF transformers' Trainer: ``make_trainer`` trains a tiny Llama with a float8,
+a unit, a scalify and a loss-scaling recipe, and resumes exactly from a Trainer checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import transformers
+
+from lowprec.amp import MasterWeights
+from lowprec.cli import main
+from lowprec.integrations.transformers import STATE_NAME, make_trainer
+from lowprec.jobs.rundir import read_metrics
+from lowprec.recipes import get_recipe
+from tests.integrations._tiny import Tokens, tiny_llama
+
+STEPS, CKPT = 6, 3
+
+
+def _args(out: Path, **kw: Any) -> Any:
+    base: dict[str, Any] = {
+        "max_steps": STEPS,
+        "per_device_train_batch_size": 4,
+        "save_steps": CKPT,
+        "logging_steps": 1,
+        "learning_rate": 1e-3,
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+    }
+    return transformers.TrainingArguments(str(out), **{**base, **kw})
+
+
+def _losses(trainer: Any) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+# fp8-delayed: amax histories (buffers) must come back; fp16-dynamic-ls: the loss scaler;
+# bf16-unit: u-muP groups + FP32 masters; fp16-scalify: a wrapper model; fp8-lean: lean
+# 8-bit states and stochastic rounding (a generator); fp8-static: calibration across the cut.
+RECIPES = ["fp8-delayed", "fp16-dynamic-ls", "bf16-unit", "fp16-scalify", "fp8-lean", "fp8-static"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_trains_and_resumes_exactly_from_a_trainer_checkpoint(tmp_path: Path, recipe: str) -> None:
+    a = make_trainer(tiny_llama(), _args(tmp_path / "a"), recipe=recipe, train_dataset=Tokens())
+    a.train()
+    ckpt = tmp_path / "a" / f"checkpoint-{CKPT}"
+    assert (ckpt / STATE_NAME).is_file() and (ckpt / "scaler.pt").is_file()
+    b = make_trainer(tiny_llama(), _args(tmp_path / "b"), recipe=recipe, train_dataset=Tokens())
+    b.train(resume_from_checkpoint=str(ckpt))
+    la, lb = _losses(a), _losses(b)
+    assert len(la) == STEPS and all(math.isfinite(x) for x in la)
+    # Exact: the checkpoint holds everything (model, buffers, masters, optimizer and
+    # scaler state, generator, data order, RNG), so the resumed steps are bit-identical.
+    assert lb == la
+    pa, pb = dict(a.lowprec.model.named_parameters()), dict(b.lowprec.model.named_parameters())
+    assert pa.keys() == pb.keys()
+    assert all(torch.equal(pa[k], pb[k]) for k in pa), "parameters bit-identical"
+    ba, bb = dict(a.lowprec.model.named_buffers()), dict(b.lowprec.model.named_buffers())
+    assert all(torch.equal(ba[k], bb[k]) for k in ba), "buffers (amax histories) identical"
+    assert a.lowprec.scaler.state_dict() == b.lowprec.scaler.state_dict()
+    # It trained: the parameters moved from their initial values.
+    init = dict(make_trainer(tiny_llama(), _args(tmp_path / "c"), recipe=recipe).lowprec.model
+                .named_parameters())  # fmt: skip
+    assert any(not torch.equal(init[k], pa[k]) for k in pa)
+
+
+@pytest.mark.slow
+def test_the_recipe_reaches_the_model_and_the_optimizer(tmp_path: Path) -> None:
+    t = make_trainer(tiny_llama(), _args(tmp_path), recipe="bf16-unit", train_dataset=Tokens())
+    assert type(t.model).__name__.startswith("Unit"), "the unit-scaled copy is trained"
+    assert next(t.model.parameters()).dtype == torch.bfloat16
+    assert isinstance(t.lowprec.optimizer, MasterWeights)
+    mults = {g["lr_mult"] for g in t.lowprec.optimizer.param_groups}
+    assert len(mults) > 1, "u-muP groups with their own learning-rate multipliers"
+    t.train()
+    assert t.optimizer.optimizer is t.lowprec.optimizer, "Accelerate wraps lowprec's optimizer"
+    # The logged learning rate is the global one (the scheduler's, not a group's lr_mult times it).
+    assert max(h["learning_rate"] for h in t.state.log_history if "learning_rate" in h) <= 1e-3
+
+    f = make_trainer(tiny_llama(), _args(tmp_path / "f"), recipe="fp8-tensorwise",
+                     module_filter=lambda m, fqn: "mlp" not in fqn)  # fmt: skip
+    kinds = {n: type(m).__name__ for n, m in f.model.named_modules()}
+    assert kinds["model.layers.0.self_attn.q_proj"] == "Float8Linear"
+    assert kinds["model.layers.0.mlp.up_proj"] == "Linear", "the module filter kept it"
+
+
+@pytest.mark.slow
+def test_loss_scaling_skips_overflow_and_unscales_before_clipping(tmp_path: Path) -> None:
+    # A loss scale of 2^24 overflows FP16 gradients: the first steps are skipped and the
+    # scale backs off until the steps go through.
+    recipe = get_recipe("fp16-dynamic-ls", loss_scale=2.0**24)
+    t = make_trainer(tiny_llama(), _args(tmp_path, max_steps=12, save_steps=100), recipe=recipe,
+                     train_dataset=Tokens())  # fmt: skip
+    t.train()
+    hist = t.lowprec.scaler.history
+    assert len(hist) == 12 and hist[0].skipped and not hist[-1].skipped
+    assert hist[-1].scale < 2.0**24
+    norms = [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h]
+    applied = [n for n, r in zip(norms, hist, strict=True) if not r.skipped]
+    # Unscaled before clipping: the norm of the true gradient (O(1) here), not S times it.
+    assert applied and all(n < 100 for n in applied)
+    assert all(torch.isfinite(m).all() for m in t.lowprec.optimizer.master_params)
+
+
+@pytest.mark.slow
+def test_run_directory_is_written_resumed_and_read_by_lowprec_report(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    a = make_trainer(tiny_llama(), _args(tmp_path / "a"), recipe="fp16-dynamic-ls",
+                     train_dataset=Tokens(), run_dir=run)  # fmt: skip
+    a.train()
+    full = read_metrics(run)
+    assert [r["step"] for r in full] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in full] == pytest.approx(_losses(a), rel=0, abs=0)
+    assert all(r["loss_scale"] == 2.0**16 and not r["skipped"] for r in full)
+    # Resume into the same directory from the checkpoint: the records after it are
+    # replaced by the resumed run's, which are identical.
+    b = make_trainer(tiny_llama(), _args(tmp_path / "b"), recipe="fp16-dynamic-ls",
+                     train_dataset=Tokens(), run_dir=run)  # fmt: skip
+    b.train(resume_from_checkpoint=str(tmp_path / "a" / f"checkpoint-{CKPT}"))
+    again = read_metrics(run)
+    assert [r["step"] for r in again] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in again] == [r["loss"] for r in full]
+    config = json.loads((run / "config.json").read_text())
+    assert config["recipe"]["name"] == "fp16-dynamic-ls"
+    page = tmp_path / "report.html"
+    assert main(["report", str(run), "-o", str(page)]) == 0
+    assert "fp16-dynamic-ls" in page.read_text()
+
+
+def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+    m = tiny_llama()
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        make_trainer(m, _args(tmp_path, bf16=True), recipe="bf16")
+    with pytest.raises(TypeError, match="optimizers"):
+        make_trainer(m, _args(tmp_path), recipe="bf16",
+                     optimizers=(torch.optim.SGD(m.parameters(), lr=0.1), None))  # fmt: skip
+    with pytest.raises(TypeError, match="args must be a TrainingArguments"):
+        make_trainer(m, {"output_dir": "x"}, recipe="bf16")
+    with pytest.raises(ValueError, match="unknown name"):
+        make_trainer(m, _args(tmp_path), recipe="no-such-recipe")
+    with pytest.raises(ValueError, match="module_filter"):
+        make_trainer(m, _args(tmp_path), recipe="bf16", module_filter=lambda mod, fqn: True)
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_checkpoint_of_another_recipe(tmp_path: Path) -> None:
+    a = make_trainer(tiny_llama(), _args(tmp_path / "a", max_steps=CKPT), recipe="fp8-delayed",
+                     train_dataset=Tokens())  # fmt: skip
+    a.train()
+    b = make_trainer(tiny_llama(), _args(tmp_path / "b"), recipe="fp8-tensorwise",
+                     train_dataset=Tokens())  # fmt: skip
+    with pytest.raises(ValueError, match="saved with recipe 'fp8-delayed'"):
+        b.train(resume_from_checkpoint=str(tmp_path / "a" / f"checkpoint-{CKPT}"))
