@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
@@ -143,9 +144,10 @@ def factory_of(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
             "optimizer over the prepared parameters and keeps only its class and defaults: "
             "pass one group (or an optimizer factory)"
         )
-    cls, defaults = type(optimizer), dict(optimizer.defaults)
-    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    defaults.update({k: v for k, v in group.items() if k in defaults})
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters  # defaults may hold more keys
+    group = optimizer.param_groups[0]
+    defaults = {k: group.get(k, v) for k, v in optimizer.defaults.items() if k in accepted}
 
     def factory(params: list[Any]) -> torch.optim.Optimizer:
         return cls(params, **defaults)
