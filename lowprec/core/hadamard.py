@@ -154,7 +154,9 @@ def block_hadamard(x: Tensor, dim: int, block: int, seed: int) -> Tensor:
     if n % block:
         pad = [0, 0] * (x.dim() - 1 - dim) + [0, block - n % block]
         work = torch.nn.functional.pad(work, pad)
-    moved = work.movedim(dim, -1)
-    blocks = moved.reshape(*moved.shape[:-1], -1, block)
-    out = (blocks @ _matrix(block, seed, work.dtype, x.device)).reshape(moved.shape)
+    # One (rows, block) @ (block, block) product over a contiguous copy: a batched product
+    # over the blocks of a strided view would copy every block on its own (CPU bmm).
+    moved = work.movedim(dim, -1).contiguous()
+    blocks = moved.view(-1, block)
+    out = (blocks @ _matrix(block, seed, work.dtype, x.device)).view(moved.shape)
     return out.movedim(-1, dim)
