@@ -1,0 +1,123 @@
+"""lowprec in Lightning: ``Trainer(plugins=[LowprecPrecision(recipe)])`` trains a
+LightningModule and resumes exactly from a Lightning checkpoint; Fabric's plugin trains."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+L = pytest.importorskip("lightning")
+
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lowprec.amp import MasterWeights  # noqa: E402
+from lowprec.integrations.lightning import LowprecFabricPrecision, LowprecPrecision  # noqa: E402
+from tests.integrations._tiny import Tokens, tiny_llama  # noqa: E402
+
+
+class LM(L.LightningModule):  # type: ignore[misc]
+    """A tiny Llama as a LightningModule, with a StepLR schedule; records its losses."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.net = tiny_llama(seed)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], idx: int) -> torch.Tensor:
+        loss = self.net(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+
+
+def _loader() -> DataLoader[Any]:
+    return DataLoader(Tokens(16), batch_size=4, shuffle=False)  # 4 steps per epoch
+
+
+def _trainer(root: Path, recipe: str, **kw: Any) -> Any:
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1)
+    base: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 2,
+        "gradient_clip_val": 1.0,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(root),
+        "callbacks": [ckpt],
+    }
+    return L.Trainer(plugins=[LowprecPrecision(recipe)], **{**base, **kw})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp16-dynamic-ls", "bf16-unit"])
+def test_trains_and_resumes_exactly_from_a_lightning_checkpoint(
+    tmp_path: Path, recipe: str
+) -> None:
+    a_mod = LM()
+    a = _trainer(tmp_path / "a", recipe)
+    a.fit(a_mod, _loader())
+    plugin = a.precision_plugin
+    assert isinstance(plugin, LowprecPrecision)
+    assert len(a_mod.losses) == 8 and all(math.isfinite(x) for x in a_mod.losses)
+    assert isinstance(a.optimizers[0], MasterWeights), "the recipe's FP32 masters"
+    assert len(plugin.prepared.scaler.history) == 8
+    if recipe == "fp8-delayed":
+        assert type(a_mod.net.model.layers[0].mlp.up_proj).__name__ == "Float8Linear"
+    if recipe == "bf16-unit":
+        assert type(a_mod.net).__name__.startswith("Unit")
+        assert len({g["lr_mult"] for g in a.optimizers[0].param_groups}) > 1, "u-muP groups"
+    # Resume a fresh module (other initial weights) from the end of the first epoch.
+    b_mod = LM(seed=1)
+    b = _trainer(tmp_path / "b", recipe)
+    b.fit(b_mod, _loader(), ckpt_path=str(tmp_path / "a" / "ckpt" / "epoch=0-step=4.ckpt"))
+    assert b_mod.losses == a_mod.losses[4:], "the resumed steps are bit-identical"
+    sa, sb = a_mod.state_dict(), b_mod.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert (
+        b.lr_scheduler_configs[0].scheduler.get_last_lr()
+        == a.lr_scheduler_configs[0].scheduler.get_last_lr()
+    )
+
+
+@pytest.mark.slow
+def test_fabric_plugin_trains_with_loss_scaling_and_masters() -> None:
+    fabric = L.Fabric(
+        accelerator="cpu", devices=1, plugins=[LowprecFabricPrecision("fp16-dynamic-ls")]
+    )
+    model = fabric.setup_module(tiny_llama())
+    plugin = fabric.strategy.precision
+    opt = fabric.setup_optimizers(plugin.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    assert next(model.parameters()).dtype == torch.float16
+    assert isinstance(opt.optimizer, MasterWeights)
+    losses = []
+    for batch in _loader():
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        fabric.backward(loss)
+        norm = fabric.clip_gradients(model, opt, max_norm=1.0)
+        assert float(norm) < 100, "unscaled before clipping"
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert [r.scale for r in plugin.prepared.scaler.history] == [2.0**16] * 4
+    assert plugin.state_dict()["scaler"]["scale"] == 2.0**16
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown name"):
+        LowprecPrecision("no-such-recipe")
+    with pytest.raises(ValueError, match="module_filter"):
+        LowprecPrecision("bf16", module_filter=lambda m, fqn: True)
+    with pytest.raises(TypeError, match="module must be"):
+        LowprecPrecision("bf16", module=3)  # type: ignore[arg-type]
