@@ -49,7 +49,11 @@ else
 fi
 before=$("$VPY" -c 'import torch; print(torch.__version__)')
 echo "[bootstrap] installing lowprec ($TARGET)"
-"$VPY" -m pip install -q -e "$TARGET"
+# The extras (transformers, accelerate, lightning) depend on torch: pin the one installed.
+constraints=$(mktemp)
+echo "torch==$before" >"$constraints"
+"$VPY" -m pip install -q -c "$constraints" -e "$TARGET"
+rm -f "$constraints"
 after=$("$VPY" -c 'import torch; print(torch.__version__)')
 if [ "$before" != "$after" ]; then
     echo "[bootstrap] ERROR: installing lowprec replaced torch $before with $after" >&2
