@@ -29,6 +29,11 @@ PUBLIC = {
     "lowprec.analysis",
     "lowprec.recipes",
     "lowprec.distributed",
+    # the trainer adapters (issue 34), each an optional extra
+    "lowprec.integrations.transformers",
+    "lowprec.integrations.accelerate",
+    "lowprec.integrations.lightning",
+    "lowprec.integrations.torchtitan",
 }
 
 
