@@ -35,6 +35,9 @@ both rest on it; it imports nothing of lowprec but the formats.
 * :func:`draw_bits`: the random bits stochastic rounding consumes (drawn eagerly from a
   ``torch.Generator``; :func:`round_bits` takes them as a tensor, so a compiled kernel
   rounds with exactly the draws the eager path would take).
+* :func:`counter_bits`: counter-based draws, a hash of a key and each element's index:
+  elementwise integer arithmetic, so a kernel computes them in its loop instead of reading a
+  serial generator's output.
 
 ``tests/core/test_kernels.py`` checks :func:`encode` and :func:`decode` against torch's
 casts on every code, every rounding boundary and tie, the specials and random values,
@@ -50,7 +53,15 @@ from torch import Tensor
 
 from lowprec.core.formats import _NATIVE, BF16, FP16, FP32, Format, Rounding, get_format
 
-__all__ = ["BYTE_FORMATS", "decode", "draw_bits", "encode", "round_bits", "storage_dtype"]
+__all__ = [
+    "BYTE_FORMATS",
+    "counter_bits",
+    "decode",
+    "draw_bits",
+    "encode",
+    "round_bits",
+    "storage_dtype",
+]
 
 # ---------------------------------------------------------------------------------------
 # Rounding into any format
@@ -81,6 +92,33 @@ def draw_bits(
     ``generator``, the only random numbers :func:`round_bits` consumes."""
     _, idt, ms = _work_dtypes(dtype)
     return torch.randint(0, 2**ms, tuple(shape), generator=generator, dtype=idt, device=device)
+
+
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # the multiplier of a 32-bit integer hash (T. Mueller's, good avalanche)
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash of ``x`` (int64 holding values in ``[0, 2^32)``): two rounds
+    of xorshift-multiply. Every product stays below ``2^59``, so int64 never overflows."""
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    return (x >> 16) ^ x
+
+
+def counter_bits(keys: Tensor, index: Tensor) -> Tensor:
+    """Counter-based draws for stochastic rounding of float32 values: for each element
+    index ``i`` (int64 tensor) and a key ``k = keys[0] + 2^32·keys[1]`` (int64 tensor of
+    two values in ``[0, 2^32)``), the 23-bit draw
+
+        h(i) = mix(mix((i mod 2^32) ⊕ keys[0]) ⊕ keys[1] ⊕ ⌊i / 2^32⌋) >> 9
+
+    (int32; ``mix`` the 32-bit hash ``_mix32``). The draw of element ``i`` depends on the
+    key and ``i`` alone: a kernel computes it inside its loop, and any slice of a tensor
+    (a shard) draws what the same elements draw in the whole."""
+    k0, k1 = keys[0], keys[1]
+    h = _mix32(_mix32((index & _M32) ^ k0) ^ k1 ^ (index >> 32))
+    return (h >> 9).to(torch.int32)
 
 
 def _round_magnitude(a: Tensor, fmt: Format, rand: Tensor | None) -> Tensor:

@@ -65,7 +65,14 @@ import torch
 from torch import Tensor
 
 from lowprec.core import layout
-from lowprec.core.bits import BYTE_FORMATS, decode, encode, round_bits, storage_dtype
+from lowprec.core.bits import (
+    BYTE_FORMATS,
+    counter_bits,
+    decode,
+    encode,
+    round_bits,
+    storage_dtype,
+)
 from lowprec.core.formats import Format
 from lowprec.core.warn import warn_once
 
@@ -78,6 +85,7 @@ __all__ = [
     "run_group_round_trip",
     "run_kernel",
     "run_quantize",
+    "run_quantize_counter",
     "run_round_trip",
     "run_scaled_encode",
 ]
@@ -286,6 +294,24 @@ def run_quantize(
         return None
     out = out.view(d.shape)
     return out if d is x else layout.from_dense_view(out, x)
+
+
+def run_quantize_counter(x: Tensor, fmt: Format, saturate: bool, keys: Tensor) -> Tensor | None:
+    """Stochastic ``quantize`` of the contiguous float32 ``x`` with the counter-based draws
+    :func:`lowprec.core.bits.counter_bits` ``(keys, i)`` of each element's index ``i`` in
+    ``x`` (row-major), computed inside the kernel; ``None`` if the kernel cannot run."""
+    if not x.is_contiguous() or x.dtype != torch.float32:
+        return None
+
+    def build() -> Callable[..., Tensor]:
+        def kernel(t: Tensor, k: Tensor) -> Tensor:
+            idx = torch.arange(t.numel(), device=t.device, dtype=torch.int64)
+            return round_bits(t, fmt, "stochastic", saturate, rand=counter_bits(k, idx))
+
+        return kernel
+
+    out = run_kernel(("quantize-ctr", fmt.name, saturate), build, x.reshape(-1), keys)
+    return None if out is None else out.view(x.shape)
 
 
 def _encode_fn(

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from lowprec.core import kernels
-from lowprec.core.bits import draw_bits, round_bits, storage_dtype
+from lowprec.core.bits import counter_bits, draw_bits, round_bits, storage_dtype
 from lowprec.core.formats import _ELIDED, _NATIVE, Format, Rounding, get_format
 from lowprec.core.layout import dense_view, fast_paths
 
@@ -89,6 +89,7 @@ def quantize(
     rounding: Rounding = "nearest",
     saturate: bool = False,
     generator: torch.Generator | None = None,
+    seed: int | None = None,
 ) -> Tensor:
     """Round ``x`` to the nearest value of ``fmt``; return it in ``x``'s dtype.
 
@@ -97,7 +98,11 @@ def quantize(
     ``rounding="stochastic"`` rounds ``|x|`` down or up to its two neighbours ``lo < |x| < hi``
     with ``P(hi) = (|x| - lo) / (hi - lo)``, so ``E[quantize(x)] = x`` (exactly in the normal
     range; in the subnormal range the probability is quantised to ``2^-23``, or ``2^-52``
-    for float64 input). Pass a ``torch.Generator`` for reproducible draws.
+    for float64 input). Pass a ``torch.Generator`` for reproducible draws (one
+    ``torch.randint`` over ``x``'s shape: :func:`lowprec.core.bits.draw_bits`), or a ``seed``
+    (an int in ``[0, 2^64)``) for counter-based draws: element ``i`` of ``x`` in row-major
+    order draws :func:`lowprec.core.bits.counter_bits` of ``(seed, i)``, computed inside the
+    rounding kernel (float32, float16 and bfloat16 inputs; the result is contiguous).
     ``saturate=True`` clamps finite values beyond ``±fmt.max`` to ``±fmt.max``.
 
     If ``fmt`` has values that ``x``'s dtype cannot hold (``quantize(bf16_tensor, "fp16")``),
@@ -115,6 +120,8 @@ def quantize(
     _check_rounding(rounding, fmt, x.dtype)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if seed is not None:
+        return _quantize_counter(x, fmt, rounding, saturate, generator, seed)
     native = _native_for(x, fmt, rounding)
     if native is not None:
         return _quantize_native(x, fmt, native, saturate)
@@ -131,6 +138,29 @@ def quantize(
             if y is not None:
                 return y
     return round_bits(x, fmt, rounding, saturate, generator, rand)
+
+
+def _quantize_counter(
+    x: Tensor, fmt: Format, rounding: str, saturate: bool, generator: object, seed: object
+) -> Tensor:
+    """:func:`quantize` with ``seed``: stochastic rounding with counter-based draws."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2^64), got {seed!r}")
+    if rounding != "stochastic" or generator is not None:
+        raise ValueError(
+            "seed: counter-based draws are for rounding='stochastic' without a generator"
+        )
+    if x.dtype not in _FLOAT_INPUTS[:3]:
+        raise ValueError(f"seed: counter-based draws take float32/16-bit inputs, not {x.dtype}")
+    keys = torch.tensor([seed & 0xFFFFFFFF, seed >> 32], dtype=torch.int64, device=x.device)
+    xf = x.float().contiguous()
+    y = None
+    if kernels.takes(xf, threshold=kernels.MIN_NUMEL_SR):
+        y = kernels.run_quantize_counter(xf, fmt, saturate, keys)
+    if y is None:
+        idx = torch.arange(xf.numel(), dtype=torch.int64, device=x.device).view(xf.shape)
+        y = round_bits(xf, fmt, "stochastic", saturate, rand=counter_bits(keys, idx))
+    return y.to(x.dtype)
 
 
 def _native_for(x: Tensor, fmt: Format, rounding: str) -> torch.dtype | None:

@@ -107,9 +107,11 @@ def stochastic_parts(
     """:func:`quantize_parts` of a stochastic cast: the scales of the nearest cast (the
     same ``amax``, group scale and padding), then ``v = (t / s)`` (float32; float64 for a
     float64 ``t``) rounded by :func:`lowprec.core.rounding.quantize` with
-    ``rounding="stochastic"``, ``saturate=True`` and the draws of ``gen``: one
-    ``torch.randint(0, 2^23, v.shape)`` (``2^52`` for float64), so ``E[data·s] = t`` below
-    saturation. ``gen=None``: a generator seeded with
+    ``rounding="stochastic"``, ``saturate=True`` and draws from ``gen``: one key
+    ``torch.randint(0, 2^62, (1,))``, then the counter-based draws of that key
+    (``quantize(..., seed=key)``: :func:`lowprec.core.bits.counter_bits` of each element's
+    row-major index in ``v``); a float64 ``t``: one ``torch.randint(0, 2^52, v.shape)``.
+    So ``E[data·s] = t`` below saturation. ``gen=None``: a generator seeded with
     :func:`~lowprec.core.hadamard.stream_seed` ``(0)`` (reproducible; a layer passes the
     stream of its GEMM and role). Eager ops only (``torch.compile`` runs stochastic GEMMs
     outside its graph)."""
@@ -129,7 +131,11 @@ def stochastic_parts(
         pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
         s = _group_scale(amax(xp, g), cast, g.kind, fmt)
         v = apply_scale(xp, s, op="div")
-    q = quantize(v, fmt, "stochastic", saturate=True, generator=gen)
+    if v.dtype == torch.float64:
+        q = quantize(v, fmt, "stochastic", saturate=True, generator=gen)
+    else:  # one key from gen, then counter-based draws inside the rounding kernel
+        key = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device).item())
+        q = quantize(v, fmt, "stochastic", saturate=True, seed=key)
     return q.to(storage_dtype(fmt)), s, pad
 
 

@@ -196,3 +196,44 @@ def test_stochastic_kernel_takes_the_eager_draws(fmt: str, monkeypatch: pytest.M
                 assert torch.equal(g1.get_state(), g2.get_state())
     assert kernels._CACHE.get(("quantize-sr", f.name, True, torch.float32, "cpu")) is not None
     assert not kernels._BROKEN, kernels._BROKEN
+
+
+def test_counter_draws_kernel_eager_and_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quantize(..., seed=k)``: the compiled kernel gives the eager bits; the draws of a
+    slice of the element indices are the whole tensor's (a shard draws what its elements
+    draw in the whole); other seeds give other roundings; bad arguments are refused."""
+    monkeypatch.setenv("LOWPREC_EAGER_KERNELS_MIN_NUMEL", "1")
+    monkeypatch.setenv("LOWPREC_EAGER_KERNELS", "1")
+    v = probe_values("e4m3fn")
+    v = v[: v.numel() // 8 * 8].view(-1, 8)
+    for fmt in ("e2m1", "e4m3fn", "e3m2"):
+        for saturate in (False, True):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = v.to(dtype)
+                got = rounding.quantize(x, fmt, "stochastic", saturate, seed=2**40 + 3)
+                with layout.reference_paths():
+                    ref = rounding.quantize(x, fmt, "stochastic", saturate, seed=2**40 + 3)
+                assert same(got, ref), (fmt, saturate, dtype)
+    keys = torch.tensor([7, 9])
+    idx = torch.arange(1 << 12)
+    whole = bits.counter_bits(keys, idx)
+    assert torch.equal(bits.counter_bits(keys, idx[1000:2000]), whole[1000:2000])
+    assert int(whole.min()) >= 0 and int(whole.max()) < 2**23
+    # 23-bit draws, uniform: the mean of 4096 draws within 5 sd of 2^22
+    assert abs(float(whole.double().mean()) - 2**22) < 5 * 2**23 / (12 * 4096) ** 0.5
+    assert not torch.equal(whole, bits.counter_bits(torch.tensor([8, 9]), idx))
+    assert not torch.equal(whole, bits.counter_bits(torch.tensor([7, 10]), idx))
+    x = torch.randn(64, 64)
+    assert not torch.equal(
+        rounding.quantize(x, "e2m1", "stochastic", seed=1),
+        rounding.quantize(x, "e2m1", "stochastic", seed=2),
+    )
+    with pytest.raises(ValueError, match="seed"):
+        rounding.quantize(x, "e2m1", "stochastic", seed=-1)
+    with pytest.raises(ValueError, match="seed"):
+        rounding.quantize(x, "e2m1", "nearest", seed=1)
+    with pytest.raises(ValueError, match="seed"):
+        rounding.quantize(x.double(), "e2m1", "stochastic", seed=1)
+    with pytest.raises(ValueError, match="seed"):
+        rounding.quantize(x, "e2m1", "stochastic", generator=torch.Generator(), seed=1)
+    assert not kernels._BROKEN, kernels._BROKEN
