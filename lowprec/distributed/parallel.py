@@ -278,6 +278,7 @@ def prepare(
     ddp_kwargs: dict[str, Any] | None = None,
     fp8_all_gather: bool | Literal["blocks"] = True,
     grad_comm: GradComm = "fp32",
+    param_groups: Callable[[nn.Module, list[Any]], list[Any]] | None = None,
 ) -> Prepared:
     """:func:`lowprec.recipes.prepare` under ``torch.distributed``: apply the technique,
     shard (:func:`shard`), then build the optimizer and the loss scaler on the sharded
@@ -288,7 +289,8 @@ def prepare(
     that round stochastically), broadcast from rank 0. ``mesh``: FSDP2's device mesh
     (default: every rank). ``units``: the modules sharded before the root (default
     :func:`fsdp_units`). ``ddp_kwargs``: extra arguments of ``DistributedDataParallel``.
-    ``fp8_all_gather``, ``grad_comm``: see :func:`shard`.
+    ``fp8_all_gather``, ``grad_comm``: see :func:`shard`. ``param_groups``: as for
+    :func:`lowprec.recipes.prepare`, on the sharded parameters.
     u-μP parameter groups (unit recipes) keep their ``lr_mult`` on the sharded parameters.
     Under ``"fsdp"`` the returned :class:`~lowprec.recipes.Prepared` has a plain or lean
     optimizer (no ``MasterWeights``).
@@ -327,6 +329,8 @@ def prepare(
         params = [{**g, "params": [now[n] for n in g["params"]]} for g in named_groups]
     else:
         params = [p for p in model.parameters() if p.requires_grad]
+    if param_groups is not None:
+        params = param_groups(model, params)
     optimizer: Any
     if mode == "ddp" or _lean_shards(r):  # as on one process (on the shards: lean)
         optimizer = build_optimizer(params, factory, r.policy, generator)

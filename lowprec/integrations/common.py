@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from lowprec.recipes import OptimizerFactory, Prepared, Recipe, get_recipe
 from lowprec.recipes.layers import LayerRule
@@ -158,7 +159,7 @@ def factory_of(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
 def lowprec_state(prepared: Prepared) -> dict[str, Any]:
     """What a trainer's checkpoint lacks of ``prepared`` (see the module docstring): plain
     tensors, numbers and strings only (``torch.load(weights_only=True)`` reads it)."""
-    sd = prepared.model.state_dict(keep_vars=True)
+    sd = _unwrap(prepared.model).state_dict(keep_vars=True)
     buffers = {k: v.detach().clone() for k, v in sd.items() if not isinstance(v, nn.Parameter)}
     return {
         "version": STATE_VERSION,
@@ -166,6 +167,12 @@ def lowprec_state(prepared: Prepared) -> dict[str, Any]:
         "buffers": buffers,
         "calibration": prepared.calibration_progress(),
     }
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module a ``DistributedDataParallel`` wraps (its state's keys without
+    ``module.``): a checkpoint of a data-parallel run resumes on one process, and back."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def load_lowprec_state(prepared: Prepared, state: dict[str, Any]) -> None:
@@ -180,7 +187,7 @@ def load_lowprec_state(prepared: Prepared, state: dict[str, Any]) -> None:
             f"state: saved with recipe {saved.name!r}, this run uses {prepared.recipe.name!r}"
         )
     buffers = state["buffers"]
-    _, unexpected = prepared.model.load_state_dict(buffers, strict=False)
+    _, unexpected = _unwrap(prepared.model).load_state_dict(buffers, strict=False)
     if unexpected:
         raise ValueError(f"state: buffers the model does not have: {sorted(unexpected)[:5]}")
     prepared.resume_calibration(state.get("calibration"))

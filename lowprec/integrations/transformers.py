@@ -33,9 +33,15 @@ metrics record per optimizer step (loss, loss scale, skipped, learning rate) and
 numerics, which ``lowprec report RUN_DIR`` reads; a resumed run continues the directory
 after the checkpoint's step.
 
+Data parallel (``torchrun``, ``accelerate launch``; ``args.world_size > 1``): the run is
+built by :func:`lowprec.distributed.prepare` with ``"ddp"`` (the technique, DDP with the
+recipe's hooks: float8 scaling state reduced over the ranks, u-μP's ``sqrt(N)`` divisor;
+then optimizer and scaler), and the ``Trainer`` takes the wrapped model as it is. Every
+rank must build the same model.
+
 Not supported (refused with a message): an optimizer instance in ``optimizers`` (lowprec
 builds the optimizer), ``model_init``, ``args.fp16``/``args.bf16`` (the recipe sets the
-precision), DeepSpeed. A step skipped for Inf/NaN gradients does not restore the model's
+precision), DeepSpeed, FSDP through the ``Trainer`` (``args.fsdp``). A step skipped for Inf/NaN gradients does not restore the model's
 buffers (``train_step(skip_nonfinite=True)`` does): a delayed-scaling amax history keeps
 that step's amax.
 """
@@ -51,6 +57,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
 from lowprec.integrations.common import (
@@ -130,29 +137,35 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         regroup = None
         if args.weight_decay > 0:
             regroup = decay_groups(self.get_decay_parameter_names, args.weight_decay)
-        self.lowprec: Prepared = prepare(
-            model,
-            r,
-            _factory(args, model, trainer_kwargs.get("optimizer_cls_and_kwargs")),
-            generator,
-            param_groups=regroup,
-        )
+        factory = _factory(args, model, trainer_kwargs.get("optimizer_cls_and_kwargs"))
+        if _data_parallel(args):
+            # torchrun / accelerate launch: lowprec's own DDP order (technique, DDP wrap
+            # with the recipe's hooks, then optimizer and scaler); the Trainer takes the
+            # wrapped model as it is.
+            from lowprec.distributed import prepare as prepare_ddp
+
+            self.lowprec: Prepared = prepare_ddp(
+                model, r, "ddp", factory, generator, param_groups=regroup
+            )
+        else:
+            self.lowprec = prepare(model, r, factory, generator, param_groups=regroup)
+        net = _unwrap(self.lowprec.model)
         self._run_dir = None if run_dir is None else Path(run_dir)
         self._numerics_every = numerics_every
         self._recorder: RunRecorder | None = None
         self._step_loss: Tensor | None = None
         self._unscaled = False
         callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), _LowprecCallback(self)]
-        with _hf_config_view(self.lowprec.model):
-            super().__init__(
-                model=self.lowprec.model, args=args, callbacks=callbacks, **trainer_kwargs
-            )
+        with _hf_config_view(net):
+            super().__init__(model=net, args=args, callbacks=callbacks, **trainer_kwargs)
+        if net is not self.lowprec.model:
+            self.model_wrapped = self.lowprec.model  # the Trainer does not wrap it again
         # The recipe's loss scaler is the Accelerator's: accelerate.backward scales the loss,
         # AcceleratedOptimizer.step unscales, skips on Inf/NaN and updates it, the Trainer
         # saves and loads it (GradScaler's API).
         self.accelerator.scaler = self.lowprec.scaler
-        if isinstance(self.lowprec.model, Scalified):
-            self._inspect_wrapped(self.lowprec.model.module)
+        if isinstance(net, Scalified):
+            self._inspect_wrapped(net.module)
 
     def _inspect_wrapped(self, inner: nn.Module) -> None:
         """What the ``Trainer`` reads from the model's class and ``forward`` signature
@@ -249,7 +262,7 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
     ) -> None:
         """A scalify'd HF model is saved as the HF model it wraps (``save_pretrained``:
         its config, tied weights handled); any other model as the ``Trainer`` saves it."""
-        inner = self.model.module if isinstance(self.model, Scalified) else None
+        inner = self.model.module if isinstance(self.model, Scalified) else None  # not DDP
         if not isinstance(inner, PreTrainedModel):
             super()._save(output_dir, state_dict)
             return
@@ -273,7 +286,7 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         resume = step > 0 and (self._run_dir / "config.json").is_file()
         self._recorder = RunRecorder(
             self._run_dir,
-            self.lowprec.model,
+            _unwrap(self.lowprec.model),
             recipe=self.lowprec.recipe,
             config={"trainer": "transformers", "learning_rate": self.args.learning_rate},
             steps=max_steps if max_steps > 0 else None,
@@ -332,6 +345,22 @@ def _hf_config_view(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.__dict__["config"] = own
+
+
+def _data_parallel(args: TrainingArguments) -> bool:
+    """Whether the ``Trainer`` runs data-parallel over several processes (torchrun,
+    ``accelerate launch``); FSDP through the ``Trainer`` is refused."""
+    if getattr(args, "fsdp", None):
+        raise ValueError(
+            "args.fsdp: FSDP through the Trainer is not supported with lowprec recipes yet "
+            "(docs/integrations.md); DDP is (torchrun / accelerate launch)"
+        )
+    return bool(args.world_size > 1)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel``."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _factory(
