@@ -41,9 +41,9 @@ rank must build the same model.
 
 Not supported (refused with a message): an optimizer instance in ``optimizers`` (lowprec
 builds the optimizer), ``model_init``, ``args.fp16``/``args.bf16`` (the recipe sets the
-precision), DeepSpeed, FSDP through the ``Trainer`` (``args.fsdp``). A step skipped for Inf/NaN gradients does not restore the model's
-buffers (``train_step(skip_nonfinite=True)`` does): a delayed-scaling amax history keeps
-that step's amax.
+precision), DeepSpeed, FSDP through the ``Trainer`` (``args.fsdp``). A step skipped for
+Inf/NaN gradients does not restore the model's buffers (``train_step(skip_nonfinite=True)``
+does): a delayed-scaling amax history keeps that step's amax.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
+from lowprec.analysis.gemms import DEFAULT_EVERY
+from lowprec.autopilot.guard import Guard, GuardConfig, Move
 from lowprec.integrations.common import (
     ModuleFilter,
     decay_groups,
@@ -89,6 +91,12 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
             (:func:`~lowprec.integrations.common.with_module_filter`).
         run_dir: write a lowprec run directory there (``lowprec report`` reads it).
         numerics_every: with ``run_dir``: record numerics every this many steps.
+        gemms_every: measure the low-precision GEMMs every this many steps (the run
+            directory's ``gemms.jsonl``, and what the guard judges).
+        guard: ``True`` or a :class:`~lowprec.autopilot.guard.GuardConfig`: the guard
+            moves a float8 layer whose measured GEMMs fail to a safer format during
+            training (:mod:`lowprec.autopilot.guard`); its moves go into checkpoints (and
+            ``guard.jsonl`` of the run directory) and are replayed on resume. One process.
         **trainer_kwargs: the ``Trainer``'s other arguments (``train_dataset``,
             ``data_collator``, ``callbacks``, ``optimizer_cls_and_kwargs``, ``optimizers``
             with ``None`` as optimizer and any scheduler, ...).
@@ -106,6 +114,8 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         module_filter: ModuleFilter | None = None,
         run_dir: str | Path | None = None,
         numerics_every: int | None = 100,
+        gemms_every: int | None = DEFAULT_EVERY,
+        guard: bool | GuardConfig = False,
         **trainer_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -150,6 +160,16 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         else:
             self.lowprec = prepare(model, r, factory, generator, param_groups=regroup)
         net = _unwrap(self.lowprec.model)
+        self._guard: Guard | None = None
+        if not isinstance(guard, (bool, GuardConfig)):
+            raise TypeError(f"guard must be a bool or a GuardConfig, got {type(guard).__name__}")
+        if guard is not False:
+            if net is not self.lowprec.model:
+                raise ValueError("guard: it runs on one process, not data-parallel")
+            if r.float8 is None:
+                raise ValueError(f"guard: recipe {r.name!r} has no float8 layers to move")
+            self._guard = Guard(net, None if guard is True else guard)
+        self._gemms_every = gemms_every
         self._run_dir = None if run_dir is None else Path(run_dir)
         self._numerics_every = numerics_every
         self._recorder: RunRecorder | None = None
@@ -241,7 +261,10 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         """The ``Trainer``'s optimizer and scheduler files, and ``lowprec_state.pt``."""
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            torch.save(lowprec_state(self.lowprec), os.path.join(output_dir, STATE_NAME))
+            state = lowprec_state(self.lowprec)
+            if self._guard is not None:
+                state["guard"] = self._guard.state_dict()
+            torch.save(state, os.path.join(output_dir, STATE_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -254,7 +277,19 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
                 "lowprec trainer): the recipe's buffers and calibration cannot be restored"
             )
         device = next(self.lowprec.model.parameters()).device
-        load_lowprec_state(self.lowprec, torch.load(path, map_location=device, weights_only=True))
+        state = torch.load(path, map_location=device, weights_only=True)
+        saved_guard = state.get("guard") if isinstance(state, dict) else None
+        if self._guard is not None and saved_guard is not None:
+            # the layers the guard moved, as they were at the checkpoint, before its state
+            self._guard.replay([Move.from_dict(m) for m in saved_guard.get("moves", [])])
+        elif saved_guard is not None and saved_guard.get("moves"):
+            raise ValueError(
+                f"resume_from_checkpoint: {checkpoint} was saved by a run whose guard moved "
+                "layers; resume it with guard=True"
+            )
+        load_lowprec_state(self.lowprec, state)
+        if self._guard is not None and saved_guard is not None:
+            self._guard.load_state_dict(saved_guard)
         self._unscaled = False
 
     def _save(
@@ -281,20 +316,23 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
             raise
 
     def _open_recorder(self, step: int, max_steps: int) -> None:
-        if self._run_dir is None or self._recorder is not None:
+        if (self._run_dir is None and self._guard is None) or self._recorder is not None:
             return
-        resume = step > 0 and (self._run_dir / "config.json").is_file()
+        writer = self._run_dir is not None and self.is_world_process_zero()
+        out = self._run_dir or Path(str(self.args.output_dir)) / "lowprec-run"  # not written
+        resume = step > 0 and (not writer or (out / "config.json").is_file())
         self._recorder = RunRecorder(
-            self._run_dir,
+            out,
             _unwrap(self.lowprec.model),
             recipe=self.lowprec.recipe,
             config={"trainer": "transformers", "learning_rate": self.args.learning_rate},
             steps=max_steps if max_steps > 0 else None,
             scaler=self.lowprec.scaler,
             numerics_every=self._numerics_every,
+            gemms_every=self._gemms_every,
             resume=resume,
             resume_from=step if resume else None,
-            writer=self.is_world_process_zero(),
+            writer=writer,
         )
 
     def _close_recorder(self, summary: bool = True) -> None:
@@ -303,11 +341,22 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
             self._recorder = None
 
     def _end_step(self, step: int) -> None:
-        """After an optimizer step: reset the per-step state; log the step."""
+        """After an optimizer step: reset the per-step state; the guard judges the step
+        (not a skipped one); log the step."""
         self._unscaled = False
         loss, self._step_loss = self._step_loss, None
-        if self._recorder is not None and loss is not None:
-            self._recorder.log(step, loss=loss, lr=self._get_learning_rate())
+        rec = self._recorder
+        if rec is None or loss is None:
+            return
+        extra: dict[str, Any] = {}
+        history = self.lowprec.scaler.history
+        skipped = bool(history) and history[-1].skipped
+        if self._guard is not None and not skipped:
+            moves = self._guard.check(step, rec.gemm_records, float(loss))
+            if moves:
+                extra["guard_moves"] = len(moves)
+                rec.append("guard.jsonl", [m.to_dict() for m in moves])
+        rec.log(step, loss=loss, lr=self._get_learning_rate(), **extra)
 
 
 class _LowprecCallback(TrainerCallback):  # type: ignore[misc]
@@ -396,6 +445,7 @@ def make_trainer(
     recipe: str | Recipe,
     module_filter: Callable[[nn.Module, str], bool] | None = None,
     run_dir: str | Path | None = None,
+    guard: bool | GuardConfig = False,
     **trainer_kwargs: Any,
 ) -> LowprecTrainer:
     """A :class:`LowprecTrainer`: ``model`` trained by the HF ``Trainer`` with ``recipe``.
@@ -408,5 +458,11 @@ def make_trainer(
         trainer.train()                      # later: trainer.train(resume_from_checkpoint=True)
     """
     return LowprecTrainer(
-        model, args, recipe=recipe, module_filter=module_filter, run_dir=run_dir, **trainer_kwargs
+        model,
+        args,
+        recipe=recipe,
+        module_filter=module_filter,
+        run_dir=run_dir,
+        guard=guard,
+        **trainer_kwargs,
     )

@@ -163,3 +163,34 @@ def test_resume_refuses_a_checkpoint_of_another_recipe(tmp_path: Path) -> None:
                      train_dataset=Tokens())  # fmt: skip
     with pytest.raises(ValueError, match="saved with recipe 'fp8-delayed'"):
         b.train(resume_from_checkpoint=str(tmp_path / "a" / f"checkpoint-{CKPT}"))
+
+
+@pytest.mark.slow
+def test_the_guard_moves_layers_and_a_resumed_run_replays_them(tmp_path: Path) -> None:
+    # fp8-naive (no scaling) flushes small gradients; a low flush limit makes the guard move
+    # layers at the first measured steps. The resumed run replays the moves before loading.
+    from lowprec.autopilot.guard import GuardConfig
+
+    cfg = GuardConfig(flush_limit=0.01, saturate_limit=0.5, rel_err_limit=10.0)
+
+    def trainer(out: Path, run: Path | None) -> Any:
+        return make_trainer(tiny_llama(), _args(out), recipe="fp8-naive", train_dataset=Tokens(),
+                            guard=cfg, gemms_every=1, run_dir=run)  # fmt: skip
+
+    a = trainer(tmp_path / "a", tmp_path / "run")
+    a.train()
+    moves = a._guard.moves
+    assert moves and moves[0].frm == "naive", "the guard moved fp8-naive layers"
+    lines = (tmp_path / "run" / "guard.jsonl").read_text().splitlines()
+    assert len(lines) == len(moves)
+    assert any(r.get("guard_moves") for r in read_metrics(tmp_path / "run"))
+    b = trainer(tmp_path / "b", None)
+    b.train(resume_from_checkpoint=str(tmp_path / "a" / f"checkpoint-{CKPT}"))
+    assert [(m.step, m.layer, m.to) for m in b._guard.moves] == [
+        (m.step, m.layer, m.to) for m in moves
+    ]
+    assert _losses(b) == _losses(a)
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    kinds = {n: type(m).__name__ for n, m in a.model.named_modules()}
+    assert kinds == {n: type(m).__name__ for n, m in b.model.named_modules()}
