@@ -292,6 +292,17 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
             self._guard.load_state_dict(saved_guard)
         self._unscaled = False
 
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """As the ``Trainer``'s, on the HF model a scalify wrapper runs (its tied keys)."""
+        if not isinstance(self.model, Scalified):
+            super()._issue_warnings_after_load(load_result)
+            return
+        wrapper, self.model = self.model, self.model.module
+        try:
+            super()._issue_warnings_after_load(load_result)
+        finally:
+            self.model = wrapper
+
     def _save(
         self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
     ) -> None:

@@ -43,3 +43,15 @@ class Tokens(Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_gpt2(seed: int = 0) -> Any:
+    """A 1-layer GPT2LMHeadModel of width 32 (Conv1D linears, tied head, dropout)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=SEQ,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)

@@ -21,7 +21,7 @@ from lowprec.cli import main
 from lowprec.integrations.transformers import STATE_NAME, make_trainer
 from lowprec.jobs.rundir import read_metrics
 from lowprec.recipes import get_recipe
-from tests.integrations._tiny import Tokens, tiny_llama
+from tests.integrations._tiny import Tokens, tiny_gpt2, tiny_llama
 
 STEPS, CKPT = 6, 3
 
@@ -194,3 +194,30 @@ def test_the_guard_moves_layers_and_a_resumed_run_replays_them(tmp_path: Path) -
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     kinds = {n: type(m).__name__ for n, m in a.model.named_modules()}
     assert kinds == {n: type(m).__name__ for n, m in b.model.named_modules()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["fp16-scalify", "fp8-tensorwise"])
+def test_gpt2_with_accumulation_evaluation_and_weight_decay_resumes_exactly(
+    tmp_path: Path, recipe: str
+) -> None:
+    # GPT-2: Conv1D linears, a tied head (saved once by save_pretrained, also when scalify
+    # wraps the model), dropout (the RNG state must come back); 2 micro-batches per step,
+    # evaluation inside compute(), HF's weight-decay groups.
+    kw: dict[str, Any] = {
+        "max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2, "weight_decay": 0.1, "eval_strategy": "steps",
+        "eval_steps": 2, "per_device_eval_batch_size": 4,
+    }  # fmt: skip
+    a = make_trainer(tiny_gpt2(), _args(tmp_path / "a", **kw), recipe=recipe,
+                     train_dataset=Tokens(), eval_dataset=Tokens(8, seed=1))  # fmt: skip
+    a.train()
+    assert {g["weight_decay"] for g in a.lowprec.optimizer.param_groups} == {0.0, 0.1}
+    evals = [h["eval_loss"] for h in a.state.log_history if "eval_loss" in h]
+    assert len(evals) == 2 and all(math.isfinite(x) for x in evals)
+    b = make_trainer(tiny_gpt2(), _args(tmp_path / "b", **kw), recipe=recipe,
+                     train_dataset=Tokens(), eval_dataset=Tokens(8, seed=1))  # fmt: skip
+    b.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert _losses(b) == _losses(a)
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
