@@ -25,12 +25,13 @@ What it does, at the plugin hooks Lightning calls:
   closure, unscales (gradient clipping sees the true gradients, on the model's
   parameters: :meth:`main_params`), and steps through the scaler (skipped on Inf/NaN
   gradients, the scale updated);
-* checkpoints: the plugin's ``state_dict`` holds the loss scaler and
+* checkpoints: the plugin's ``state_dict`` holds the loss scaler,
   :func:`~lowprec.integrations.common.lowprec_state` (the recipe, the model's buffers,
-  calibration); the checkpoint's ``state_dict`` keeps only the keys the unconverted module
-  has (Lightning loads it before ``convert_module``), and the converted module's state is
-  loaded again after the conversion (``on_load_checkpoint``), so that
-  ``trainer.fit(module, ckpt_path=...)`` resumes exactly.
+  calibration) and torch's RNG states (which Lightning's checkpoints lack); the
+  checkpoint's ``state_dict`` keeps only the keys the unconverted module has (Lightning
+  loads it before ``convert_module``), and the converted module's state is loaded again
+  after the conversion (``on_load_checkpoint``), so that ``trainer.fit(module,
+  ckpt_path=...)`` resumes exactly.
 
 :class:`LowprecFabricPrecision` is Fabric's: ``Fabric(plugins=[LowprecFabricPrecision(r)])``
 converts the module in ``fabric.setup_module``/``fabric.setup``, builds the recipe's optimizer
@@ -155,13 +156,24 @@ class _Recipe:
         return self._need().model.parameters()
 
     def state_dict(self) -> dict[str, Any]:
+        """The loss scaler, the recipe state and torch's RNG states (CPU, CUDA): Lightning's
+        checkpoints hold no RNG state, and dropout or stochastic rounding without it would
+        draw other numbers after a resume."""
         p = self._need()
-        return {"scaler": p.scaler.state_dict(), "lowprec": lowprec_state(p)}
+        rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {"scaler": p.scaler.state_dict(), "lowprec": lowprec_state(p), "rng": rng}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         p = self._need()
         p.scaler.load_state_dict(state_dict["scaler"])
         load_lowprec_state(p, state_dict["lowprec"])
+        rng = state_dict.get("rng") or {}
+        if "cpu" in rng:
+            torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 class LowprecPrecision(_Recipe, Precision):  # type: ignore[misc]

@@ -17,15 +17,16 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lowprec.amp import MasterWeights  # noqa: E402
 from lowprec.integrations.lightning import LowprecFabricPrecision, LowprecPrecision  # noqa: E402
-from tests.integrations._tiny import Tokens, tiny_llama  # noqa: E402
+from tests.integrations._tiny import Tokens, tiny_gpt2, tiny_llama  # noqa: E402
 
 
 class LM(L.LightningModule):  # type: ignore[misc]
-    """A tiny Llama as a LightningModule, with a StepLR schedule; records its losses."""
+    """A tiny Llama (or GPT-2) as a LightningModule, with a StepLR schedule; records its
+    losses."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, arch: str = "llama") -> None:
         super().__init__()
-        self.net = tiny_llama(seed)
+        self.net = tiny_llama(seed) if arch == "llama" else tiny_gpt2(seed)
         self.losses: list[float] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], idx: int) -> torch.Tensor:
@@ -59,17 +60,25 @@ def _trainer(root: Path, recipe: str, **kw: Any) -> Any:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp16-dynamic-ls", "bf16-unit"])
+@pytest.mark.parametrize(
+    ("recipe", "arch"),
+    # gpt2: dropout (the plugin restores torch's RNG), tied head, Conv1D; scalify: a new module
+    [("fp8-delayed", "llama"), ("fp16-dynamic-ls", "llama"), ("bf16-unit", "llama"),
+     ("fp16-scalify", "gpt2")],
+)  # fmt: skip
 def test_trains_and_resumes_exactly_from_a_lightning_checkpoint(
-    tmp_path: Path, recipe: str
+    tmp_path: Path, recipe: str, arch: str
 ) -> None:
-    a_mod = LM()
+    a_mod = LM(arch=arch)
     a = _trainer(tmp_path / "a", recipe)
     a.fit(a_mod, _loader())
     plugin = a.precision_plugin
     assert isinstance(plugin, LowprecPrecision)
     assert len(a_mod.losses) == 8 and all(math.isfinite(x) for x in a_mod.losses)
-    assert isinstance(a.optimizers[0], MasterWeights), "the recipe's FP32 masters"
+    if recipe != "fp16-scalify":  # scalify keeps FP32 parameters: no masters
+        assert isinstance(a.optimizers[0], MasterWeights), "the recipe's FP32 masters"
+    else:
+        assert type(a_mod.net).__name__ == "Scalified", "the child replaced by the wrapper"
     assert len(plugin.prepared.scaler.history) == 8
     if recipe == "fp8-delayed":
         assert type(a_mod.net.model.layers[0].mlp.up_proj).__name__ == "Float8Linear"
@@ -77,7 +86,7 @@ def test_trains_and_resumes_exactly_from_a_lightning_checkpoint(
         assert type(a_mod.net).__name__.startswith("Unit")
         assert len({g["lr_mult"] for g in a.optimizers[0].param_groups}) > 1, "u-muP groups"
     # Resume a fresh module (other initial weights) from the end of the first epoch.
-    b_mod = LM(seed=1)
+    b_mod = LM(seed=1, arch=arch)
     b = _trainer(tmp_path / "b", recipe)
     b.fit(b_mod, _loader(), ckpt_path=str(tmp_path / "a" / "ckpt" / "epoch=0-step=4.ckpt"))
     assert b_mod.losses == a_mod.losses[4:], "the resumed steps are bit-identical"
