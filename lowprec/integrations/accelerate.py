@@ -29,12 +29,17 @@ and restore the scaler (``scaler.pt``) with the model and optimizer, and the par
 recipe's state they do not hold (buffers such as amax histories, static-scale calibration,
 the recipe, checked on load) is registered with ``accelerator.register_for_checkpointing``.
 
+Several processes (``accelerate launch``, DDP): the float8 scaling state is reduced over
+the ranks after each backward, so every rank casts with the same scales (a unit recipe's
+gradients are averaged by Accelerate's DDP: a WARNING says so).
+
 Refused: an Accelerator with ``mixed_precision`` other than ``"no"`` (its autocast or
 GradScaler would sit on top of the recipe's), and DeepSpeed.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +57,27 @@ from lowprec.recipes import OptimizerFactory, Prepared, Recipe
 from lowprec.recipes import prepare as prepare_recipe
 
 __all__ = ["LowprecCheckpoint", "prepare"]
+
+logger = logging.getLogger(__name__)
+
+
+def _data_parallel(prepared: Prepared) -> None:
+    """Several processes (``accelerate launch``): every rank uses the same float8 scales
+    (the scaling state reduced with MAX after each backward, as ``lowprec.distributed``
+    does); a unit recipe's gradients are averaged by Accelerate's DDP, not summed and
+    divided by ``sqrt(N)`` as :func:`lowprec.distributed.prepare` does (logged once)."""
+    from lowprec.distributed import attach_scaling_sync
+
+    if prepared.recipe.float8 is not None:
+        attach_scaling_sync(prepared.model)
+    if prepared.recipe.unit is not None:
+        logger.warning(
+            "lowprec.integrations.accelerate: unit recipe %r under DDP: Accelerate averages "
+            "the gradients (1/N), not the sqrt(N) divisor that keeps unit scaling's one-process "
+            "gradient; Adam hides the factor, SGD does not (lowprec.distributed.prepare and "
+            "make_trainer use sqrt(N))",
+            prepared.recipe.name,
+        )
 
 
 class LowprecCheckpoint:
@@ -122,6 +148,8 @@ def prepare(
     r = with_module_filter(recipe, model, module_filter)
     model.to(accelerator.device)  # the FP32 masters are made where the parameters are
     prepared = prepare_recipe(model, r, factory, generator, param_groups=param_groups)
+    if int(getattr(accelerator, "num_processes", 1)) > 1:
+        _data_parallel(prepared)
     accelerator.scaler = prepared.scaler
     wrapped_model, wrapped_optimizer = accelerator.prepare(prepared.model, prepared.optimizer)
     accelerator.register_for_checkpointing(LowprecCheckpoint(prepared))

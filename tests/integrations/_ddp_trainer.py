@@ -51,6 +51,40 @@ def main(out: Path, recipe: str) -> None:
     (out / f"result_{dist.get_rank()}.json").write_text(json.dumps(result))
 
 
+def accelerate_loop(out: Path, recipe: str) -> None:
+    """lowprec.integrations.accelerate.prepare on the same 2 processes: the replicas stay
+    identical (float8 scales reduced over the ranks)."""
+    from accelerate import Accelerator
+
+    from lowprec.integrations.accelerate import prepare
+
+    out.mkdir(parents=True, exist_ok=True)
+    acc = Accelerator(cpu=True)
+    m = tiny_llama()
+    model, opt, lp = prepare(acc, m, torch.optim.AdamW(m.parameters(), lr=1e-3), recipe)
+    ids = Tokens(16).ids
+    for i in range(3):
+        x = ids[4 * i + 2 * acc.process_index : 4 * i + 2 * acc.process_index + 2]
+        with lp.compute():
+            acc.backward(model(input_ids=x, labels=x).loss)
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().float().flatten() for p in lp.model.parameters()])
+    bufs = torch.cat([b.detach().float().flatten() for b in lp.model.buffers()])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    every_b = [torch.empty_like(bufs) for _ in range(dist.get_world_size())]
+    dist.all_gather(every_b, bufs)
+    result = {
+        "wrapped": type(model).__name__,
+        "replicas_equal": all(torch.equal(every[0], e) for e in every),
+        "scales_equal": all(torch.equal(every_b[0], e) for e in every_b),
+        "steps": len(lp.scaler.history),
+    }
+    (out / f"accelerate_{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
 if __name__ == "__main__":
     for name in sys.argv[2:]:
         main(Path(sys.argv[1]) / name, name)
+    accelerate_loop(Path(sys.argv[1]) / "accelerate", "fp8-delayed")

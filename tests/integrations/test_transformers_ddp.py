@@ -48,3 +48,9 @@ def test_accelerate_launch_two_processes_ddp(tmp_path: Path) -> None:
             assert res["resumed_losses"] == res["losses"] and len(res["losses"]) == 4
             assert res["steps"] == 4
         assert results[0]["losses"] == results[1]["losses"], "the logged loss is the ranks' mean"
+    # lowprec.integrations.accelerate.prepare on the same processes (fp8-delayed, each rank
+    # its own data): the amax histories are reduced over the ranks, the replicas identical.
+    for r in (0, 1):
+        res = json.loads((tmp_path / "accelerate" / f"accelerate_{r}.json").read_text())
+        assert res["wrapped"] == "DistributedDataParallel" and res["steps"] == 3
+        assert res["replicas_equal"] and res["scales_equal"]
