@@ -140,6 +140,13 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         if run_dir is not None and not isinstance(run_dir, (str, Path)):
             raise TypeError(f"run_dir must be a str, Path or None, got {type(run_dir).__name__}")
         r = with_module_filter(recipe, model, module_filter)
+        parallel = _data_parallel(args)
+        if not isinstance(guard, (bool, GuardConfig)):
+            raise TypeError(f"guard must be a bool or a GuardConfig, got {type(guard).__name__}")
+        if guard is not False and parallel:
+            raise ValueError("guard: it runs on one process, not data-parallel")
+        if guard is not False and r.float8 is None:
+            raise ValueError(f"guard: recipe {r.name!r} has no float8 layers to move")
         model.to(args.device)  # the masters are made where the parameters are
         generator = None
         if r.policy.stochastic_rounding:
@@ -148,7 +155,7 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         if args.weight_decay > 0:
             regroup = decay_groups(self.get_decay_parameter_names, args.weight_decay)
         factory = _factory(args, model, trainer_kwargs.get("optimizer_cls_and_kwargs"))
-        if _data_parallel(args):
+        if parallel:
             # torchrun / accelerate launch: lowprec's own DDP order (technique, DDP wrap
             # with the recipe's hooks, then optimizer and scaler); the Trainer takes the
             # wrapped model as it is.
@@ -160,15 +167,7 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         else:
             self.lowprec = prepare(model, r, factory, generator, param_groups=regroup)
         net = _unwrap(self.lowprec.model)
-        self._guard: Guard | None = None
-        if not isinstance(guard, (bool, GuardConfig)):
-            raise TypeError(f"guard must be a bool or a GuardConfig, got {type(guard).__name__}")
-        if guard is not False:
-            if net is not self.lowprec.model:
-                raise ValueError("guard: it runs on one process, not data-parallel")
-            if r.float8 is None:
-                raise ValueError(f"guard: recipe {r.name!r} has no float8 layers to move")
-            self._guard = Guard(net, None if guard is True else guard)
+        self._guard = None if guard is False else Guard(net, None if guard is True else guard)
         self._gemms_every = gemms_every
         self._run_dir = None if run_dir is None else Path(run_dir)
         self._numerics_every = numerics_every

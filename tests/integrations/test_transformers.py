@@ -152,6 +152,11 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         make_trainer(m, _args(tmp_path), recipe="no-such-recipe")
     with pytest.raises(ValueError, match="module_filter"):
         make_trainer(m, _args(tmp_path), recipe="bf16", module_filter=lambda mod, fqn: True)
+    with pytest.raises(ValueError, match="no float8 layers"):
+        make_trainer(m, _args(tmp_path), recipe="bf16", guard=True)
+    with pytest.raises(TypeError, match="guard must be"):
+        make_trainer(m, _args(tmp_path), recipe="fp8-delayed", guard="yes")
+    assert next(m.parameters()).dtype == torch.float32, "refused before converting the model"
 
 
 @pytest.mark.slow
