@@ -123,6 +123,39 @@ def test_fabric_plugin_trains_with_loss_scaling_and_masters() -> None:
     assert plugin.state_dict()["scaler"]["scale"] == 2.0**16
 
 
+@pytest.mark.slow
+def test_fabric_save_and_load_resume_exactly(tmp_path: Path) -> None:
+    def setup(seed: int) -> Any:
+        fabric = L.Fabric(
+            accelerator="cpu", devices=1, plugins=[LowprecFabricPrecision("fp8-delayed")]
+        )
+        model = fabric.setup_module(tiny_llama(seed))
+        plugin = fabric.strategy.precision
+        opt = plugin.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        return fabric, model, fabric.setup_optimizers(opt), plugin
+
+    def steps(fabric: Any, model: Any, opt: Any, batches: list[Any]) -> list[float]:
+        out = []
+        for batch in batches:
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            out.append(float(loss.detach()))
+        return out
+
+    batches = list(_loader())
+    fabric, model, opt, plugin = setup(0)
+    steps(fabric, model, opt, batches[:2])
+    fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt, "lowprec": plugin})
+    tail = steps(fabric, model, opt, batches[2:])
+    fabric2, model2, opt2, plugin2 = setup(1)  # other initial weights
+    fabric2.load(tmp_path / "ckpt.pt", {"model": model2, "optimizer": opt2, "lowprec": plugin2})
+    assert steps(fabric2, model2, opt2, batches[2:]) == tail
+    sa, sb = model.state_dict(), model2.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa), "parameters and amax histories"
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown name"):
         LowprecPrecision("no-such-recipe")
