@@ -37,6 +37,9 @@ Finished runs in ``--runs`` are reused (``summary.json`` exists). ``--quick``: a
 6 steps, 1 seed, JSON in the temp dir.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_fp4.py --jobs 2 --budget-s 4200 --runs /tmp/fp4_runs
+
+The recorded run, its provenance and the findings: ``benchmarks/README.md``, "FP4
+training: the parts of nvfp4-train".
 """
 
 from __future__ import annotations
