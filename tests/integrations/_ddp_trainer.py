@@ -88,3 +88,8 @@ if __name__ == "__main__":
     for name in sys.argv[2:]:
         main(Path(sys.argv[1]) / name, name)
     accelerate_loop(Path(sys.argv[1]) / "accelerate", "fp8-delayed")
+    # Destroy the gloo group before interpreter teardown: freed there, its threads can be
+    # destroyed while joinable and abort the process after its work (SIGABRT, seen in CI).
+    from lowprec.distributed import shutdown
+
+    shutdown()
