@@ -62,7 +62,6 @@ Example (one process here; under ``torchrun`` the group has N):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -231,7 +230,7 @@ def shard(
         premul = dist.get_backend(pg) == "nccl"  # gloo has no PREMUL_SUM: SUM, then divide
         for m in model.modules():
             if isinstance(m, FSDPModule):
-                m.set_gradient_divide_factor(math.sqrt(n))
+                m.set_gradient_divide_factor(grad_divide_factor(r, n))
                 m.set_force_sum_reduction_for_comms(not premul)
     if grad_comm == "fp8":
         enable_fp8_reduce_scatter(model)
