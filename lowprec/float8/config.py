@@ -58,7 +58,17 @@ from lowprec.float8.config_checks import GEMMS as GEMMS  # y = x Wᵀ, dx = g W,
 from lowprec.float8.config_checks import ROLES as ROLES
 from lowprec.float8.config_checks import check_gemms, check_hadamard
 
-__all__ = ["PRESETS", "CastConfig", "Float8Config", "Float8Recipe", "recipe_names"]
+__all__ = [
+    "ATTENTION_SCALINGS",
+    "PRESETS",
+    "CastConfig",
+    "Float8Config",
+    "Float8Recipe",
+    "recipe_names",
+]
+
+ATTENTION_SCALINGS = ("tensorwise", "headwise", "rowwise")
+"""Values of :attr:`Float8Config.attention` (:mod:`lowprec.float8.attention`)."""
 
 Scaling = Literal["dynamic", "delayed", "static"]
 
@@ -261,6 +271,13 @@ class Float8Config:
     * ``seed``: the run seed of stochastic rounding (``CastConfig.rounding``): each cast
       draws from :func:`lowprec.core.hadamard.stream_seed` ``(seed, layer key, step,
       GEMM, role)``, the layer key and step held by the layer (its ``rng_state`` buffer).
+    * ``attention``: ``None`` (default) leaves attention as the model computes it; one of
+      :data:`ATTENTION_SCALINGS` runs attention's two GEMMs ``S = Q Kᵀ`` and ``O = P V``
+      (and the four of its backward) in FP8, emulated, with dynamic scales per tensor
+      (``"tensorwise"``), per batch and head (``"headwise"``) or per row of each operand
+      along the GEMM's contracted dimension (``"rowwise"``); softmax in FP32
+      (:mod:`lowprec.float8.attention`). :func:`~lowprec.float8.apply` hooks it into the
+      reference model and HF transformers models (SDPA or eager attention).
 
     Use :meth:`from_name` for the presets (:func:`recipe_names`).
     """
@@ -278,6 +295,7 @@ class Float8Config:
     hadamard_block: int = 16
     hadamard_seed: int = 0
     seed: int = 0
+    attention: str | None = None
 
     def __post_init__(self) -> None:
         hp = self.high_precision_gemms
@@ -308,6 +326,10 @@ class Float8Config:
             raise ValueError(f"hadamard_block must be a power of two >= 2, got {b!r}")
         self._check_gemms()
         self._check_hadamard()
+        if self.attention is not None and self.attention not in ATTENTION_SCALINGS:
+            raise ValueError(
+                f"attention must be None or one of {ATTENTION_SCALINGS}, got {self.attention!r}"
+            )
         casts = [self.cast(role) for role in ROLES]
         casts += [c.cast(role) for g, c in self.gemms for role in GEMM_ROLES[g]]
         object.__setattr__(self, "_sr", any(c.rounding == "stochastic" for c in casts))
@@ -393,6 +415,8 @@ class Float8Config:
             out += f", {g}=high-precision"
         for g in self.hadamard:
             out += f", {g}=hadamard:{self.hadamard_block}"
+        if self.attention is not None:
+            out += f", attention={self.attention}"
         return out
 
     @classmethod
