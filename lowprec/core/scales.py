@@ -309,7 +309,7 @@ def mx_scale(amax: Tensor, fmt: str | Format) -> Tensor:
 _E4M3 = get_format("e4m3fn")
 
 
-def nv_scale(amax: Tensor, fmt: str | Format) -> Tensor:
+def nv_scale(amax: Tensor, fmt: str | Format, tensor_amax: Tensor | None = None) -> Tensor:
     """NVFP4-style two-level scales for block maxima ``amax`` (all blocks of one tensor).
 
     One float32 tensor scale ``s_t = max(amax) / (fmt.max · 448)`` maps the block scales
@@ -317,12 +317,19 @@ def nv_scale(amax: Tensor, fmt: str | Format) -> Tensor:
     a zero rounds to E4M3's smallest subnormal); the returned scale is ``s_b · s_t``.
     Non-finite block maxima are left out of ``s_t`` and get scale 1 (module docstring);
     a float64 ``amax`` beyond float32's range raises ``ValueError``.
+
+    ``tensor_amax``: where ``amax`` holds the blocks of several tensors (the experts of a
+    grouped GEMM), each block's tensor maximum ``max(amax)`` over the finite block maxima
+    of its own tensor, broadcastable to ``amax``; ``s_t`` is then one per tensor.
     """
     fmt = get_format(fmt, arg="fmt")
     a = _amax_arg(amax).float()
     ok = torch.isfinite(a)
     fin = torch.where(ok, a, 0.0)
-    t_amax = fin.amax() if fin.numel() else fin.new_zeros(())
+    if tensor_amax is not None:
+        t_amax = tensor_amax.float()
+    else:
+        t_amax = fin.amax() if fin.numel() else fin.new_zeros(())
     s_t = torch.where(t_amax > 0, _div_const(t_amax, fmt.max * _E4M3.max), 1.0)
     s_b = quantize(fin / (fmt.max * s_t), _E4M3, saturate=True)
     s = torch.where(s_b > 0, s_b, _E4M3.min_subnormal) * s_t

@@ -18,6 +18,7 @@ from lowprec.float8 import presets as _presets  # noqa: F401  (registers the pre
 from lowprec.float8.calibration import calibrate
 from lowprec.float8.config import PRESETS, CastConfig, Float8Config, Float8Recipe, recipe_names
 from lowprec.float8.convert import apply, convert_back, convert_to_float8
+from lowprec.float8.grouped import grouped_linear
 from lowprec.float8.linear import Float8Linear
 from lowprec.float8.mm import hardware_fp8_available, scaled_mm
 from lowprec.float8.quant import dequantize, quantize_operand
@@ -33,6 +34,7 @@ __all__ = [
     "convert_back",
     "convert_to_float8",
     "dequantize",
+    "grouped_linear",
     "hardware_fp8_available",
     "quantize_operand",
     "recipe_names",

@@ -1,0 +1,379 @@
+"""Float8 grouped GEMMs: the three GEMMs of the experts of an MoE layer in a narrow format.
+
+Tokens arrive grouped by expert: rows ``offs[e-1] ≤ i < offs[e]`` of ``x (M×K)`` belong to
+expert ``e`` (``offs``: the cumulative row ends, as ``torch._grouped_mm`` takes them), whose
+weight is ``W_e``, the ``e``-th matrix of ``w (E×N×K)``. :class:`GroupedFloat8Fn` computes,
+for every expert at once,
+
+=========  ===================================  ====================
+GEMM       per expert ``e``                     contracted dimension
+=========  ===================================  ====================
+forward    ``y_e = Q(x_e) Q(W_e)ᵀ``             K
+dgrad      ``dx_e = Q(g_e) Q(W_e)``             N
+wgrad      ``dW_e = Q(g_e)ᵀ Q(x_e)``            ``M_e`` (its tokens)
+=========  ===================================  ====================
+
+**Per-expert semantics.** Each expert's operands are quantized as :class:`Float8Linear`
+quantizes its own, with the cast :meth:`Float8Config.gemm_cast` gives the GEMM and role
+(:func:`~lowprec.float8.quant.quantize_parts` of ``x_e``, ``W_e``, ``g_e``): a tensor-wise
+cast has one scale per expert for the weight *and* one per expert's group of tokens for
+``x`` and ``g``; row-wise scales are per token row (or per column of a group, where the
+tokens are contracted); block, MX and NVFP4 blocks never straddle two experts (a group is
+zero-padded to whole blocks, the core padding policy); NVFP4's tensor-level scale is one
+per expert. So the grouped GEMM *is* the loop of per-expert GEMMs, without the loop:
+:func:`quantize_grouped` quantizes all groups in one pass (segment maxima for the per-group
+scales, a padded layout for blocks along the token dim) and the GEMMs are
+``torch._grouped_mm`` of the dequantized values (products of narrow values are exact in
+float32, accumulated in float32: the emulation of :mod:`lowprec.float8.mm`). An expert that
+receives no token gets ``dW_e = 0``.
+
+Scaling: dynamic, or ``static`` with a given ``static_scale`` (the same scale for every
+expert). Delayed and calibrated static scaling (one history per expert), stochastic
+rounding and Hadamard transforms are refused here with a ``ValueError``;
+:func:`grouped_config` gives the dynamic, nearest-rounding config
+:class:`~lowprec.float8.experts.Float8Experts` uses instead (logging which change it made).
+``high_precision_gemms`` multiply the unquantized operands; ``fp8_saved_activations`` does
+not apply (the high-precision input is saved for the weight gradient, which quantizes it
+with its own cast: the numerics of ``fp8_saved_activations=False``).
+
+On CUDA (compute capability 9.0, ``emulate`` not ``True``) the forward GEMM of E4M3
+tensor- or row-wise operands uses ``torch._scaled_grouped_mm`` (bf16 output): a tensor-wise
+scale per group is the row-wise scale of each of its rows, the same values. (That path is
+not exercised by the CPU test suite.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lowprec.core.formats import get_format
+from lowprec.core.granularity import apply_scale, pad_to_blocks
+from lowprec.core.rounding import to_format
+from lowprec.core.scales import amax, nonfinite_scale, nv_scale
+from lowprec.float8.config import GEMM_ROLES, GEMMS, ROLES, CastConfig, Float8Config
+from lowprec.float8.mm import autocast_off
+from lowprec.float8.operands import EMULATION_DTYPES
+from lowprec.float8.quant import dequantize_parts, quantize_parts
+
+__all__ = ["GroupedFloat8Fn", "grouped_config", "grouped_linear", "quantize_grouped"]
+
+log = logging.getLogger(__name__)
+
+
+def _groups(offs: Tensor, m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(gid, counts, starts)``: the group of each of the ``m`` rows, the rows per group
+    and each group's first row, from the cumulative row ends ``offs``."""
+    o = offs.long()
+    counts = torch.diff(o, prepend=o.new_zeros(1))
+    gid = torch.repeat_interleave(torch.arange(o.numel(), device=o.device), counts, output_size=m)
+    return gid, counts, o - counts
+
+
+def _segment_amax(v: Tensor, gid: Tensor, n: int) -> Tensor:
+    """The maximum of the rows of ``v`` (``≥ 0``) per group, ``(n, *v.shape[1:])``; 0 for an
+    empty group, NaN where a group holds NaN."""
+    out = v.new_zeros((n, *v.shape[1:]))
+    idx = gid.reshape(-1, *([1] * (v.dim() - 1))).expand_as(v)
+    return out.scatter_reduce(0, idx, v, "amax")
+
+
+def quantize_grouped(
+    t: Tensor,
+    offs: Tensor,
+    cast: CastConfig,
+    cd: int,
+    dtype: torch.dtype = torch.float32,
+    scale: Tensor | None = None,
+) -> Tensor:
+    """The dequantized values, in ``dtype``, of the 2-D ``t`` whose rows are grouped by
+    ``offs`` (cumulative row ends), each group quantized as its own matrix contracted over
+    its dim ``cd`` (0: the rows, 1: the columns): row for row what
+    ``dequantize_parts(*quantize_parts(t[group], cast, cd), dtype)`` gives, for all groups
+    in one pass. ``scale`` (tensor granularity): one given scale for every group."""
+    if t.dim() != 2:
+        raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
+    if cd not in (0, 1):
+        raise ValueError(f"cd must be 0 or 1, got {cd!r}")
+    g = cast.bound_granularity(cd)
+    fmt = get_format(cast.fmt)
+    m, n = t.shape
+    e = offs.numel()
+    if scale is not None and g.kind != "tensor":
+        raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
+    if g.kind == "axis" and cd == 1:  # one scale per row: the groups do not matter
+        data, s, pad = quantize_parts(t, cast, 1)
+        return dequantize_parts(data, s, pad, dtype)
+    gid, counts, starts = _groups(offs, m)
+    x = t if t.dtype == torch.float64 else t.float()
+    if g.kind in ("tensor", "axis"):
+        if scale is not None:
+            s = scale.reshape(1, 1).float().to(x.device).expand(m, 1)
+        elif g.kind == "tensor":  # one scale per group: amax of its rows
+            row = x.abs().amax(1) if n else x.new_zeros(m)
+            s = cast.scale_for(_segment_amax(row, gid, e))[gid].unsqueeze(1)
+        else:  # contracted over the rows: one scale per column of each group
+            s = cast.scale_for(_segment_amax(x.abs(), gid, e))[gid]
+        q = to_format(x / s, fmt, saturate=True)
+        return (q.float() * s).to(dtype)
+    # Blocks: a block along the rows never straddles two groups: each group is padded
+    # with zero rows to whole blocks (the core padding policy), so that blocks tile it as
+    # quantize_parts tiles the group alone; the columns are padded by quantize_parts.
+    p = g.padded_shape((1, 1))[0]
+    dest: Tensor | None = None
+    xp, gp = t, gid
+    if p > 1:
+        pc = (counts + p - 1) // p * p
+        pstarts = torch.cumsum(pc, 0) - pc
+        mp = int(pc.sum())
+        dest = torch.arange(m, device=t.device) - starts[gid] + pstarts[gid]
+        xp = t.new_zeros(mp, n).index_copy_(0, dest, t)
+        gp = torch.repeat_interleave(torch.arange(e, device=t.device), pc, output_size=mp)
+    if g.kind != "nv":
+        data, s, pad = quantize_parts(xp, cast, cd)
+        v = dequantize_parts(data, s, pad, dtype)
+    else:  # NVFP4: the tensor-level scale is one per group
+        xb = pad_to_blocks(xp if xp.dtype == torch.float64 else xp.float(), g)
+        a = amax(xb, g)
+        fin = torch.where(torch.isfinite(a), a, 0.0)
+        rows_per = xb.shape[0] // max(a.shape[0], 1)
+        ga = gp[:: max(rows_per, 1)][: a.shape[0]] if a.shape[0] else gp[:0]
+        t_amax = _segment_amax(fin.amax(1), ga, e)[ga].unsqueeze(1) if a.numel() else None
+        s = nonfinite_scale(nv_scale(a, fmt, t_amax), a, fmt, "nv")
+        q = to_format(apply_scale(xb, s, op="div"), fmt, saturate=True)
+        v = apply_scale(q.float(), s)[: xp.shape[0], :n].to(dtype)
+    return v if dest is None else v[dest]
+
+
+def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """Per group ``e``: ``a_e · b_e``. With a 3-D ``b (E×K×N)``, ``a (M×K)`` is grouped
+    by rows and the result is ``(M×N)``; with a 2-D ``b (M×K)``, ``a (N×M)`` and ``b`` are
+    grouped along the contracted ``M`` and the result is ``(E×N×K)`` (an empty group: 0).
+    ``torch._grouped_mm`` where it takes the dtype, else one ``bmm`` of the groups padded
+    to the largest one (float64)."""
+    o = offs.to(torch.int32)
+    a = a.contiguous() if 0 in a.stride() else a  # an expanded gradient (stride 0)
+    b = b.contiguous() if 0 in b.stride() else b
+    if a.dtype in (torch.float32, torch.bfloat16) and hasattr(torch, "_grouped_mm"):
+        with autocast_off(a.device.type):
+            out: Tensor = torch._grouped_mm(a, b, offs=o)
+        return out
+    m = a.shape[0] if b.dim() == 3 else b.shape[0]
+    gid, counts, starts = _groups(offs, m)
+    e, c = offs.numel(), int(counts.max()) if offs.numel() else 0
+    pos = torch.arange(m, device=a.device) - starts[gid]
+    if b.dim() == 3:
+        ap = a.new_zeros(e, c, a.shape[1])
+        ap[gid, pos] = a
+        return torch.bmm(ap, b)[gid, pos]
+    at, bp = a.new_zeros(e, c, a.shape[0]), b.new_zeros(e, c, b.shape[1])
+    at[gid, pos], bp[gid, pos] = a.t(), b
+    return torch.bmm(at.transpose(1, 2), bp)
+
+
+def _unsupported(r: Float8Config) -> list[str]:
+    """What of ``r`` the grouped GEMMs do not implement (empty: supported)."""
+    out = []
+    for gemm in GEMMS:
+        c = r.for_gemm(gemm)
+        for role in GEMM_ROLES[gemm]:
+            cast = c.cast(role)
+            if cast.scaling == "delayed" or (
+                cast.scaling == "static" and cast.static_scale is None
+            ):
+                out.append(f"{gemm}/{role}: scaling={cast.scaling!r}")
+            if cast.rounding != "nearest":
+                out.append(f"{gemm}/{role}: rounding={cast.rounding!r}")
+    if r.hadamard:
+        out.append(f"hadamard={r.hadamard!r}")
+    return sorted(set(out))
+
+
+def _dynamic(c: CastConfig) -> CastConfig:
+    keep = c.scaling == "static" and c.static_scale is not None
+    if keep and c.rounding == "nearest":
+        return c
+    scaling = c.scaling if keep else "dynamic"
+    return dataclasses.replace(c, scaling=scaling, rounding="nearest")
+
+
+def grouped_config(r: Float8Config) -> tuple[Float8Config, list[str]]:
+    """``(config, changes)``: ``r`` as the grouped GEMMs run it — delayed and calibrated
+    static casts made dynamic, stochastic rounding made nearest, no Hadamard transform —
+    and what was changed (empty: ``r`` itself)."""
+    changes = _unsupported(r)
+    if not changes:
+        return r, []
+    casts = {role: _dynamic(r.cast(role)) for role in ROLES}
+    gemms = tuple((g, c.replace(**{k: _dynamic(c.cast(k)) for k in ROLES})) for g, c in r.gemms)
+    return r.replace(**casts, gemms=gemms, hadamard=()), changes
+
+
+def _hardware_ok(x: Tensor, r: Float8Config, gemm: str, roles: tuple[str, str]) -> bool:
+    """``torch._scaled_grouped_mm`` applies: CUDA sm90, ``emulate`` not True, E4M3 tensor-
+    or row-wise casts of both roles, dims multiples of 16 (checked by the caller)."""
+    if r.emulate is True or x.device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    casts = [r.gemm_cast(gemm, role) for role in roles]
+    return all(
+        c.fmt == "e4m3fn" and c.bound_granularity(1).kind in ("tensor", "axis") for c in casts
+    )
+
+
+def _hardware_gemm(a: Tensor, offs: Tensor, ca: CastConfig, b: Tensor, cb: CastConfig) -> Tensor:
+    """``a_e · b_eᵀ`` for rows of ``a (M×K)`` grouped by ``offs`` and ``b (E×N×K)``, by
+    ``torch._scaled_grouped_mm`` on row-wise E4M3 payloads (a per-group tensor-wise scale
+    is the row-wise scale of each of its rows), bf16 output."""
+    e, nn_, k = b.shape
+    fmt = get_format("e4m3fn")
+
+    def rows(t: Tensor, o: Tensor, cast: CastConfig) -> tuple[Tensor, Tensor]:
+        gid, _, _ = _groups(o, t.shape[0])
+        x = t.float()
+        if cast.bound_granularity(1).kind == "tensor":
+            s = cast.scale_for(_segment_amax(x.abs().amax(1), gid, o.numel()))[gid]
+        else:
+            s = cast.scale_for(x.abs().amax(1))
+        return to_format(x / s.unsqueeze(1), fmt, saturate=True), s
+
+    qa, sa = rows(a, offs, ca)
+    bo = torch.arange(1, e + 1, device=b.device) * nn_
+    qb, sb = rows(b.reshape(e * nn_, k), bo, cb)
+    return torch._scaled_grouped_mm(  # type: ignore[attr-defined,no-any-return]
+        qa,
+        qb.reshape(e, nn_, k).transpose(1, 2),
+        sa,
+        sb.reshape(e, nn_),
+        offs=offs.to(torch.int32),
+        out_dtype=torch.bfloat16,
+    )
+
+
+class GroupedFloat8Fn(torch.autograd.Function):
+    """The forward, input-gradient and weight-gradient GEMMs of grouped experts
+    (module docstring): ``apply(x, w, offs, config, out_dtype)`` with ``x (M×K)`` grouped
+    by ``offs``, ``w (E×N×K)``; returns ``y (M×N)`` in ``out_dtype``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, w: Tensor, offs: Tensor, r: Float8Config, out_dtype: torch.dtype
+    ) -> Tensor:
+        ctx.save_for_backward(x, w, offs)
+        ctx.r = r
+        if "forward" in r.high_precision_gemms:
+            return _grouped_mm(x.to(out_dtype), w.to(out_dtype).transpose(1, 2), offs)
+        cf = r.for_gemm("forward")
+        _, n, k = w.shape
+        if _hardware_ok(x, r, "forward", ("input", "weight")) and n % 16 == k % 16 == 0:
+            return _hardware_gemm(x, offs, cf.input, w, cf.weight).to(out_dtype)
+        ed = EMULATION_DTYPES[cf.emulation_dtype]
+        xq = quantize_grouped(x, offs, cf.input, 1, ed, _given(cf.input))
+        wq = _quantize_weight(w, cf.weight, 1, ed)
+        return _grouped_mm(xq, wq.transpose(1, 2), offs).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, w, offs = ctx.saved_tensors
+        r: Float8Config = ctx.r
+        hp = r.high_precision_gemms
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            if "input_grad" in hp:
+                dx = _grouped_mm(g.to(x.dtype), w.to(x.dtype), offs)
+            else:
+                c = r.for_gemm("input_grad")
+                ed = EMULATION_DTYPES[c.emulation_dtype]
+                gq = quantize_grouped(g, offs, c.grad_output, 1, ed, _given(c.grad_output))
+                dx = _grouped_mm(gq, _quantize_weight(w, c.weight, 0, ed), offs).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            if "weight_grad" in hp:
+                dw = _grouped_mm(g.to(w.dtype).t(), x.to(w.dtype), offs)
+            else:
+                c = r.for_gemm("weight_grad")
+                ed = EMULATION_DTYPES[c.emulation_dtype]
+                gq = quantize_grouped(g, offs, c.grad_output, 0, ed, _given(c.grad_output))
+                xq = quantize_grouped(x, offs, c.input, 0, ed, _given(c.input))
+                dw = _grouped_mm(gq.t(), xq, offs).to(w.dtype)
+        return dx, dw, None, None, None
+
+
+def _given(cast: CastConfig) -> Tensor | None:
+    """The given static scale of ``cast`` (``None``: dynamic)."""
+    return None if cast.static_scale is None else torch.tensor(float(cast.static_scale))
+
+
+def _quantize_weight(w: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype) -> Tensor:
+    """The dequantized values of each ``W_e`` of ``w (E×N×K)`` quantized for a GEMM that
+    contracts its dim ``cd`` (1: K, forward; 0: N, input gradient), ``(E×N×K)``: the
+    experts are groups of equal size of one matrix (contracted over its columns)."""
+    e = w.shape[0]
+    wt = w if cd == 1 else w.transpose(1, 2)  # the contracted dim last
+    rows = wt.shape[1]
+    offs = torch.arange(1, e + 1, device=w.device) * rows
+    v = quantize_grouped(wt.reshape(e * rows, -1), offs, cast, 1, dtype, _given(cast))
+    v = v.reshape(e, rows, -1)
+    return v if cd == 1 else v.transpose(1, 2)
+
+
+def grouped_linear(
+    x: Tensor,
+    weight: Tensor,
+    offs: Tensor,
+    config: str | Float8Config = "tensorwise",
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``y_e = x_e W_eᵀ`` for the rows ``x_e`` of ``x (M×K)`` that ``offs`` (``(E,)``
+    cumulative row ends, ``offs[-1] == M``) gives expert ``e``, ``weight (E×N×K)``, with
+    the float8 GEMMs of ``config`` (a :class:`Float8Config` or a preset name) in forward
+    and backward (:class:`GroupedFloat8Fn`). ``out_dtype``: the output's dtype (default
+    ``x.dtype``).
+
+    Example:
+        >>> x, w = torch.randn(6, 32), torch.randn(3, 16, 32)
+        >>> grouped_linear(x, w, torch.tensor([2, 2, 6]), "rowwise").shape
+        torch.Size([6, 16])
+    """
+    r = Float8Config.from_name(config) if isinstance(config, str) else config
+    if not isinstance(r, Float8Config):
+        raise TypeError(f"config must be a Float8Config or a preset name, got {type(r).__name__}")
+    for name, t in (("x", x), ("weight", weight), ("offs", offs)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(
+            f"x: expected a floating-point (M, K) matrix, got {x.dtype} {tuple(x.shape)}"
+        )
+    if weight.dim() != 3 or weight.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"weight: expected (E, N, K={x.shape[1]}) expert weights, got {tuple(weight.shape)}"
+        )
+    if offs.dim() != 1 or offs.numel() != weight.shape[0] or offs.dtype.is_floating_point:
+        raise ValueError(
+            f"offs: expected ({weight.shape[0]},) integer cumulative row ends, got "
+            f"{offs.dtype} {tuple(offs.shape)}"
+        )
+    if not torch.compiler.is_compiling() and offs.numel():
+        o = offs.long()
+        if int(o[-1]) != x.shape[0] or bool((torch.diff(o, prepend=o.new_zeros(1)) < 0).any()):
+            raise ValueError(
+                f"offs: expected non-decreasing row ends ending at M={x.shape[0]}, got "
+                f"{offs.tolist()}"
+            )
+    bad = _unsupported(r)
+    if bad:
+        raise ValueError(
+            f"config: the grouped GEMMs do not implement {'; '.join(bad)} (grouped_config "
+            "gives the dynamic, nearest-rounding config)"
+        )
+    if out_dtype is not None and not (
+        isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point
+    ):
+        raise TypeError(f"out_dtype must be a floating-point torch.dtype, got {out_dtype!r}")
+    y: Tensor = GroupedFloat8Fn.apply(x, weight, offs, r, out_dtype or x.dtype)  # type: ignore[no-untyped-call]
+    return y
