@@ -278,6 +278,12 @@ class Float8Config:
       along the GEMM's contracted dimension (``"rowwise"``); softmax in FP32
       (:mod:`lowprec.float8.attention`). :func:`~lowprec.float8.apply` hooks it into the
       reference model and HF transformers models (SDPA or eager attention).
+    * ``fp8_router``: ``False`` (default) keeps the routers of MoE layers (the ``gate`` or
+      ``router`` next to an experts module, :func:`lowprec.float8.experts.router_ids`) in
+      high precision, as the routing decisions and the load-balancing loss are sensitive
+      to them and they are a small share of the FLOPs; ``True`` converts them too (an
+      ``nn.Linear`` router to :class:`~lowprec.float8.Float8Linear`, a ``TopKRouter`` to
+      :class:`~lowprec.float8.experts.Float8Router`).
 
     Use :meth:`from_name` for the presets (:func:`recipe_names`).
     """
@@ -296,6 +302,7 @@ class Float8Config:
     hadamard_seed: int = 0
     seed: int = 0
     attention: str | None = None
+    fp8_router: bool = False
 
     def __post_init__(self) -> None:
         hp = self.high_precision_gemms
@@ -317,6 +324,8 @@ class Float8Config:
             )
         if not isinstance(self.fp8_saved_activations, bool):
             raise TypeError("fp8_saved_activations must be a bool")
+        if not isinstance(self.fp8_router, bool):
+            raise TypeError(f"fp8_router must be a bool, got {type(self.fp8_router).__name__}")
         for name in ("hadamard_seed", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -417,6 +426,8 @@ class Float8Config:
             out += f", {g}=hadamard:{self.hadamard_block}"
         if self.attention is not None:
             out += f", attention={self.attention}"
+        if self.fp8_router:
+            out += ", router=fp8"
         return out
 
     @classmethod

@@ -1,0 +1,303 @@
+"""MoE experts and routers of HF transformers models in float8.
+
+In transformers 5 the experts of an MoE layer are one module holding 3-D expert weights
+(the ``…Experts`` classes decorated with ``use_experts_implementation``: attributes
+``has_gate``, ``has_bias``, ``is_transposed``, parameters ``gate_up_proj`` or ``up_proj``
+and ``down_proj``, ``(E, out, in)``, or ``(E, in, out)`` when ``is_transposed``; biases
+``<name>_bias``, ``(E, out)``). :class:`Float8Experts` computes what such a module's
+``grouped_mm`` implementation computes, for the ``S = T·k`` (token, expert) pairs of
+``T`` tokens routed to ``k`` experts each:
+
+    h = act(x_s W_up,eᵀ + b_up,e)          (``_apply_gate``: SwiGLU or GPT-OSS's clamped one)
+    y_t = Σ_{s of t} p_s · (h_s W_down,eᵀ + b_down,e)
+
+with both projections float8 grouped GEMMs (:func:`~lowprec.float8.grouped.grouped_linear`,
+per-expert scales, forward and backward). The module's own parameters, children
+(``act_fn``, a post-expert norm) and gate function are kept, so ``state_dict`` keys do not
+change and :func:`~lowprec.float8.convert_back` gives back the original module. Detection
+is by those attributes and 3-D parameters (:func:`is_experts`), not by class name.
+
+The router (``gate``/``router``, and gates such as Qwen2-MoE's ``shared_expert_gate``, next
+to an experts module: :func:`router_ids`) stays in high precision unless
+:attr:`Float8Config.fp8_router`; a router that is not an ``nn.Linear`` (a ``TopKRouter``
+computing ``F.linear(x, self.weight)`` among its softmax and top-k) then becomes a
+:class:`Float8Router`, whose forward runs the router's own with that one ``F.linear``
+computed by the float8 GEMM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lowprec.core.warn import warn_once
+from lowprec.float8.carry import _carry_extras, _carry_hooks
+from lowprec.float8.config import Float8Config
+from lowprec.float8.grouped import GroupedFloat8Fn, grouped_config
+from lowprec.float8.linear import Float8Linear
+from lowprec.float8.mm import autocast_off
+
+__all__ = ["Float8Experts", "Float8Router", "holds_expert_weights", "is_experts", "router_ids"]
+
+log = logging.getLogger(__name__)
+_FLAGS = ("has_gate", "has_bias", "is_transposed")
+
+
+def _weights(mod: nn.Module) -> tuple[str, str]:
+    return ("gate_up_proj" if mod.has_gate else "up_proj", "down_proj")
+
+
+def is_experts(mod: nn.Module) -> bool:
+    """Whether ``mod`` is an experts module of transformers 5 (module docstring): the
+    boolean flags ``has_gate``, ``has_bias``, ``is_transposed``, 3-D floating-point
+    ``gate_up_proj`` (``has_gate``; and a callable ``_apply_gate``) or ``up_proj`` (and a
+    callable ``act_fn``), ``down_proj``, and 2-D ``<name>_bias`` with ``has_bias``."""
+    if not all(isinstance(getattr(mod, f, None), bool) for f in _FLAGS):
+        return False
+    if not callable(getattr(mod, "_apply_gate" if mod.has_gate else "act_fn", None)):
+        return False
+    for name in _weights(mod):
+        p = mod._parameters.get(name)
+        if not isinstance(p, Tensor) or p.dim() != 3 or not p.dtype.is_floating_point:
+            return False
+        b = mod._parameters.get(name + "_bias")
+        if mod.has_bias and (not isinstance(b, Tensor) or b.dim() != 2):
+            return False
+    return True
+
+
+def holds_expert_weights(mod: nn.Module) -> bool:
+    """``mod`` holds a 3-D floating-point parameter of its own (expert weights that
+    :func:`is_experts` may not recognise)."""
+    return any(
+        isinstance(p, Tensor) and p.dim() == 3 and p.dtype.is_floating_point
+        for p in mod._parameters.values()
+    )
+
+
+def router_ids(model: nn.Module) -> set[int]:
+    """The ``id`` of each router of ``model``: a child named ``gate``, ``router`` or
+    ``…_gate`` with a 2-D ``weight``, next to an experts module (:func:`is_experts`, or
+    one converted already)."""
+
+    def experts(c: nn.Module) -> bool:
+        return isinstance(c, Float8Experts) or is_experts(c)
+
+    out: set[int] = set()
+    for m in model.modules():
+        if not any(experts(c) for c in m.children()):
+            continue
+        for name, c in m.named_children():
+            w = getattr(c, "weight", None)
+            named = name in ("gate", "router") or name.endswith("_gate")
+            if named and isinstance(w, Tensor) and w.dim() == 2 and not experts(c):
+                out.add(id(c))
+    return out
+
+
+class Float8Experts(nn.Module):
+    """An experts module (:func:`is_experts`) whose two projections are float8 grouped
+    GEMMs (module docstring), sharing the original's parameters and children.
+
+    ``recipe`` is the config asked for; :attr:`grouped_recipe` the one the grouped GEMMs
+    run (:func:`~lowprec.float8.grouped.grouped_config`: delayed or calibrated static
+    scaling made dynamic, stochastic rounding nearest, no Hadamard transform; a WARNING
+    names the change once).
+    """
+
+    def __init__(self, experts: nn.Module, recipe: str | Float8Config = "tensorwise") -> None:
+        super().__init__()
+        if isinstance(recipe, str):
+            recipe = Float8Config.from_name(recipe)
+        if not isinstance(recipe, Float8Config):
+            raise TypeError(
+                f"recipe must be a Float8Config or a preset name, got {type(recipe).__name__}"
+            )
+        if not isinstance(experts, nn.Module) or not is_experts(experts):
+            raise TypeError(
+                f"experts must be an experts module with 3-D expert weights (has_gate, "
+                f"has_bias, is_transposed, gate_up_proj/up_proj, down_proj), got "
+                f"{type(experts).__name__}"
+            )
+        self.recipe = recipe
+        self.grouped_recipe, changes = grouped_config(recipe)
+        if changes:
+            warn_once(
+                log,
+                f"float8:experts:{recipe}",
+                "float8: expert modules run %s with dynamic scaling and nearest rounding "
+                "(the grouped GEMMs do not implement %s)",
+                recipe.name,
+                "; ".join(changes),
+            )
+        object.__setattr__(self, "_lowprec_original", experts)
+        self.has_gate, self.has_bias = experts.has_gate, experts.has_bias
+        self.is_transposed = experts.is_transposed
+        for name, p in experts._parameters.items():
+            self._parameters[name] = p
+        _carry_extras(experts, self, set(experts._parameters))
+        _carry_hooks(experts, self)
+        self.train(experts.training)
+
+    @property
+    def original(self) -> nn.Module:
+        """The experts module this one replaced (its parameters are this module's)."""
+        orig: nn.Module = self.__dict__["_lowprec_original"]
+        return orig
+
+    def to_experts(self) -> nn.Module:
+        """The original experts module, holding this module's parameters and children."""
+        orig = self.original
+        orig._parameters.update(self._parameters)
+        orig._modules.update(self._modules)
+        orig.train(self.training)
+        return orig
+
+    def _linear(self, x: Tensor, name: str, offs: Tensor, ids: Tensor, dtype: Any) -> Tensor:
+        w = self._parameters[name]
+        assert w is not None
+        w3 = w.transpose(1, 2) if self.is_transposed else w  # (E, out, in)
+        with autocast_off(x.device.type):
+            y: Tensor = GroupedFloat8Fn.apply(x, w3, offs, self.grouped_recipe, dtype)  # type: ignore[no-untyped-call]
+        b = self._parameters.get(name + "_bias") if self.has_bias else None
+        return y if b is None else y + b[ids].to(y.dtype)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """``hidden_states (T, H)``, ``top_k_index (T, k)`` expert ids, ``top_k_weights
+        (T, k)`` routing weights → ``(T, H)`` (module docstring)."""
+        for name, a in (("hidden_states", hidden_states), ("top_k_index", top_k_index)):
+            if not isinstance(a, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__name__}")
+        if getattr(self.original, "_is_expert_parallel", False):
+            raise ValueError("experts: expert parallelism is not supported by Float8Experts")
+        up, down = _weights(self)
+        e = self._parameters[down].shape[0]  # type: ignore[union-attr]
+        k, t, h = top_k_index.shape[-1], hidden_states.shape[0], hidden_states.shape[-1]
+        ids = top_k_index.reshape(-1)
+        if not torch.compiler.is_compiling() and ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= e:
+                raise ValueError(f"top_k_index: expert ids must be in [0, {e}), got {lo}..{hi}")
+        ids_g, perm = torch.sort(ids, stable=True)
+        x_g = hidden_states[perm // k]
+        p_g = top_k_weights.reshape(-1)[perm]
+        offs = torch.cumsum(torch.bincount(ids_g, minlength=e), 0)
+        dev = x_g.device.type
+        amp = dev != "meta" and torch.is_autocast_enabled(dev)
+        dtype = torch.get_autocast_dtype(dev) if amp else x_g.dtype
+        y = self._linear(x_g, up, offs, ids_g, dtype)
+        orig = self.original
+        act: Any = orig._apply_gate if self.has_gate else orig.act_fn
+        y = act(y)
+        y = self._linear(y, down, offs, ids_g, dtype)
+        if getattr(orig, "has_post_expert_norm", False):
+            y = self._modules["post_expert_norm"](y)  # type: ignore[misc]
+        y = y * p_g.unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        out = y[inv].view(t, k, h).sum(dim=1)
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        w = self._parameters[_weights(self)[1]]
+        e = 0 if w is None else w.shape[0]
+        return f"experts={e}, recipe={self.recipe.name}, {self.grouped_recipe.describe()}"
+
+
+class _RouterLinear(TorchFunctionMode):
+    """Computes each ``F.linear(x, w, b)`` with ``w`` of the router's weight shape by the
+    router's float8 GEMM."""
+
+    def __init__(self, layer: Float8Router) -> None:
+        super().__init__()
+        self.layer, self.hit = layer, False
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if isinstance(w, Tensor) and w.shape == self.layer.weight.shape:
+                self.hit = True
+                y = self.layer.gemm(x, w)
+                return y if b is None else y + b.to(y.dtype)
+        return func(*args, **kwargs)
+
+
+class Float8Router(Float8Linear):
+    """A router module that is not an ``nn.Linear`` (a ``TopKRouter``: 2-D ``weight``
+    ``(E, H)``, optional ``bias``, a forward with its own softmax and top-k) with its
+    ``F.linear`` in float8 (module docstring).
+
+    :meth:`from_router` builds an instance of a subclass of both this class and the
+    router's class (``Float8<Router>``), holding the router's parameters, buffers and
+    attributes: code that finds routers by class (transformers' ``OutputRecorder`` of the
+    router logits, which the load-balancing loss reads) still finds it. Its forward is
+    the router's own, with each ``F.linear`` by the router's weight computed by
+    :meth:`Float8Linear.gemm`.
+    """
+
+    _router_cls: type[nn.Module] = nn.Module
+
+    @classmethod
+    def from_router(cls, mod: nn.Module, recipe: str | Float8Config) -> Float8Router:
+        w = getattr(mod, "weight", None)
+        if not isinstance(w, nn.Parameter) or w.dim() != 2:
+            raise TypeError(f"mod: a router needs a 2-D weight, got {type(mod).__name__}")
+        b = mod._parameters.get("bias")
+        sub = _subclass(type(mod))
+        new = sub.__new__(sub)
+        nn.Module.__init__(new)  # the router's own __init__ needs its model config
+        new.in_features, new.out_features = w.shape[1], w.shape[0]
+        new.weight = w
+        new.register_parameter("bias", b)
+        new._setup(recipe)
+        new.train(mod.training)
+        _carry_hooks(mod, new)
+        _carry_extras(mod, new, {"weight", "bias"})
+        for k, v in mod.__dict__.items():  # plain attributes (top_k, num_experts, ...)
+            if not k.startswith("_") and k not in new.__dict__ and k != "training":
+                new.__dict__[k] = v
+        object.__setattr__(new, "_lowprec_original", mod)
+        return new
+
+    def to_router(self) -> nn.Module:
+        """The original router, holding this module's parameters."""
+        orig: nn.Module = self.__dict__["_lowprec_original"]
+        own = orig._parameters
+        own.update({n: p for n, p in self._parameters.items() if n in own})
+        orig.train(self.training)
+        return orig
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        mode = _RouterLinear(self)
+        with mode:
+            out = self._router_cls.forward(self, *args, **kwargs)
+        if not mode.hit:
+            warn_once(
+                log,
+                f"float8:router:{self._router_cls.__name__}",
+                "float8: %s computes no F.linear with its weight; its GEMM stays in high precision",
+                self._router_cls.__name__,
+            )
+        return out
+
+
+_SUBCLASSES: dict[type[nn.Module], type[Float8Router]] = {}
+
+
+def _subclass(router_cls: type[nn.Module]) -> type[Float8Router]:
+    """``Float8<Router>``: a subclass of :class:`Float8Router` and ``router_cls`` (cached)."""
+    sub = _SUBCLASSES.get(router_cls)
+    if sub is None:
+        name = f"Float8{router_cls.__name__}"
+        sub = type(name, (Float8Router, router_cls), {"_router_cls": router_cls})
+        _SUBCLASSES[router_cls] = sub
+    return sub
