@@ -11,10 +11,12 @@ Quick start::
 
 Recipes (:func:`recipe_names`): ``tensorwise``, ``delayed``, ``static``, ``rowwise``,
 ``blockwise``, ``mxfp8``, ``mxfp4``, ``nvfp4``; or build a :class:`Float8Config` from one
-:class:`CastConfig` per role.
+:class:`CastConfig` per role. ``Float8Config(attention="rowwise")`` also runs attention's
+GEMMs in FP8 (:func:`fp8_attention`).
 """
 
 from lowprec.float8 import presets as _presets  # noqa: F401  (registers the presets)
+from lowprec.float8.attention import FP8Attention, fp8_attention
 from lowprec.float8.calibration import calibrate
 from lowprec.float8.config import PRESETS, CastConfig, Float8Config, Float8Recipe, recipe_names
 from lowprec.float8.convert import apply, convert_back, convert_to_float8
@@ -26,6 +28,7 @@ from lowprec.float8.quant import dequantize, quantize_operand
 __all__ = [
     "PRESETS",
     "CastConfig",
+    "FP8Attention",
     "Float8Config",
     "Float8Linear",
     "Float8Recipe",
@@ -34,6 +37,7 @@ __all__ = [
     "convert_back",
     "convert_to_float8",
     "dequantize",
+    "fp8_attention",
     "grouped_linear",
     "hardware_fp8_available",
     "quantize_operand",

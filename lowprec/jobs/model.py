@@ -15,6 +15,7 @@ architecture of :mod:`lowprec.jobs.hf_models` (``llama``, ``gpt2``, ...), sized 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,9 +67,17 @@ class _LayerNorm(nn.LayerNorm):
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention ``softmax(q kᵀ/√d + causal mask) v``.
+
+    ``attention_fn`` is the attention hook (:mod:`lowprec.float8.attention`): ``None``
+    computes the formula here (softmax in FP32 with ``fp32_sensitive``); a function called
+    with ``F.scaled_dot_product_attention``'s arguments replaces it (FP8 attention).
+    """
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
+        self.attention_fn: Callable[..., Tensor] | None = None
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
         self.proj = nn.Linear(cfg.width, cfg.width)
         self.fp32_softmax = cfg.fp32_sensitive
@@ -79,6 +88,9 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        if self.attention_fn is not None:
+            y = self.attention_fn(q, k, v, is_causal=True, scale=1.0 / math.sqrt(c // self.heads))
+            return self.proj(y.transpose(1, 2).reshape(b, t, c))  # type: ignore[no-any-return]
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.heads))
         mask: Tensor = self.mask  # type: ignore[assignment]
         att = att.masked_fill(~mask[:t, :t], float("-inf"))

@@ -1,0 +1,441 @@
+"""FP8 attention: the two GEMMs of ``softmax(Q Kᵀ·τ + M) V`` and the four of its backward
+in FP8 with dynamic scales, emulated; the softmax in FP32.
+
+For one batch and head, ``Q (L×D)``, ``K (N×D)``, ``V (N×E)``, the scale ``τ`` (default
+``1/√D``) and an additive mask ``M`` (``0`` or ``-inf`` for a boolean or causal mask)::
+
+    S  = τ · Q₈ K₈ᵀ              forward,  E4M3 operands, contracted over D
+    P  = softmax(S + M)           FP32 (a row with no allowed key gives P = 0)
+    P̃  = P ⊙ Z / (1 − p)          dropout p, Z ~ Bernoulli(1 − p) (P̃ = P without dropout)
+    O  = P̃₈ V₈                    forward,  E4M3 operands, contracted over N
+    dP̃ = dO₈ V₈ᵀ                  backward, dO in E5M2, contracted over E
+    dV = P̃₈ᵀ dO₈                  backward, contracted over L
+    dS = P ⊙ (dP − rowsum(dP ⊙ P)),  dP = dP̃ ⊙ Z / (1 − p)      FP32
+    dQ = τ · dS₈ K₈              backward, dS in E5M2, contracted over N
+    dK = τ · dS₈ᵀ Q₈             backward, contracted over L
+
+``X₈`` is ``X`` quantized for the GEMM it enters (:func:`~lowprec.float8.quant.quantize_values`,
+else :func:`~lowprec.float8.quant.quantize_parts`: the linears' casts) with a dynamic scale
+``s = amax / fmt.max`` over a group chosen by the ``scaling`` (:data:`ATTENTION_SCALINGS`):
+
+* ``tensorwise``: one scale for the whole operand (all batches and heads);
+* ``headwise``: one scale per batch and head (a ``L×D`` or ``L×N`` matrix);
+* ``rowwise``: one scale per index of the operand's non-contracted dimension (per query
+  row of ``Q`` and ``P``, per key of ``K``, per channel of ``V`` in ``P V``, ...): an
+  operand is quantized again for each GEMM that contracts it along another dimension.
+
+Each GEMM is the hardware formula of :func:`~lowprec.float8.mm.payload_mm`: the payloads'
+products (exact in FP32), accumulated in FP32, times the row and column scales. Forward
+operands are E4M3 (``e4m3fn``), the gradients ``dO`` and ``dS`` E5M2, as the linears'
+``grad_output`` of the float8 presets, whatever the formats of the model's linears: ``dS``
+spans the ratio of the largest to the smallest attention weight, which E5M2's range holds.
+Grouped-query attention repeats each key/value head for its query heads (the quantized
+values equal those of the unrepeated head at every granularity); the repeated heads'
+gradients are summed in FP32.
+
+Where it applies (:func:`apply_attention`, called by :func:`lowprec.float8.apply` when
+``Float8Config.attention`` is set):
+
+* a module with the *attention hook*: an instance attribute ``attention_fn`` set to
+  ``None`` in its ``__init__``; when it is not ``None`` the module calls
+  ``self.attention_fn(q, k, v, attn_mask=..., dropout_p=..., is_causal=..., scale=...,
+  enable_gqa=...)`` (``F.scaled_dot_product_attention``'s arguments) instead of its own
+  formula (the reference model's :class:`~lowprec.jobs.model.CausalSelfAttention`);
+* HF transformers models whose attention implementation is ``"sdpa"`` or ``"eager"``:
+  the function is registered in transformers' ``AttentionInterface`` (with SDPA's mask
+  function) as ``lowprec_fp8_<scaling>`` and the model switched to it with
+  ``set_attn_implementation``; :func:`remove_attention` switches it back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lowprec.float8.config import ATTENTION_SCALINGS, CastConfig, Float8Config
+from lowprec.float8.mm import autocast_off, payload_mm
+from lowprec.float8.quant import quantize_parts, quantize_values, upcast
+
+__all__ = [
+    "ATTENTION_GEMMS",
+    "ATTENTION_SCALINGS",
+    "FP8Attention",
+    "apply_attention",
+    "attention_gemms",
+    "fp8_attention",
+    "hf_attention_name",
+    "remove_attention",
+]
+
+log = logging.getLogger(__name__)
+
+FORWARD_FMT = "e4m3fn"  # Q, K, P, V
+GRAD_FMT = "e5m2"  # dO, dS
+HOOK = "attention_fn"  # the attention hook's attribute
+_ORIGINAL = "_lowprec_attn_original"  # an HF model's attention implementation before
+_HF_PREFIX = "lowprec_fp8_"
+Quantized = tuple[Tensor, Tensor, str]  # payload values (FP32), broadcastable scale, kind
+
+
+def _check_scaling(scaling: object) -> str:
+    if scaling not in ATTENTION_SCALINGS:
+        raise ValueError(f"scaling must be one of {ATTENTION_SCALINGS}, got {scaling!r}")
+    return str(scaling)
+
+
+def _cast(fmt: str, scaling: str) -> CastConfig:
+    return CastConfig(fmt, granularity="tensor" if scaling == "tensorwise" else "axis")
+
+
+def _values(m: Tensor, cast: CastConfig) -> tuple[Tensor, Tensor]:
+    """The FP32 payload values and scale of the 2-D ``m`` quantized with ``cast`` along its
+    dim 1 (one kernel where :func:`quantize_values` applies, else :func:`quantize_parts`)."""
+    vs = quantize_values(m, cast, 1, torch.float32)
+    if vs is None:
+        data, s, _ = quantize_parts(m, cast, 1)
+        vs = (upcast(data, torch.float32), s)
+    return vs
+
+
+def _quant(x: Tensor, cast: CastConfig, scaling: str, last: bool) -> Quantized:
+    """``x (..., R, C)`` quantized for a GEMM that contracts its last dim (``last``) or its
+    dim -2: the payload values in ``x``'s layout and a scale broadcastable to it."""
+    *lead, r, c = x.shape
+    if scaling == "tensorwise":
+        v, s = _values(x.reshape(-1, c), cast)
+        return v.view(x.shape), s.reshape((1,) * x.dim()), "tensor"
+    if scaling == "headwise":
+        v, s = _values(x.reshape(-1, r * c), cast)
+        return v.view(x.shape), s.reshape(*lead, 1, 1), "axis"
+    if last:
+        v, s = _values(x.reshape(-1, c), cast)
+        return v.view(x.shape), s.reshape(*lead, r, 1), "axis"
+    v, s = _values(x.transpose(-1, -2).reshape(-1, r), cast)
+    return v.view(*lead, c, r).transpose(-1, -2), s.reshape(*lead, c, 1).transpose(-1, -2), "axis"
+
+
+def _t(a: Quantized) -> Quantized:
+    return a[0].transpose(-1, -2), a[1].transpose(-1, -2), a[2]
+
+
+def _mm(a: Quantized, b: Quantized) -> Tensor:
+    """``a · b`` by the hardware formula (payload products, FP32 sums, then the scales)."""
+    return payload_mm(a[0], a[1], a[2], b[0], b[1], b[2], torch.float32)
+
+
+def _softmax(s: Tensor) -> Tensor:
+    """FP32 softmax over the last dim; a row whose every entry is ``-inf`` gives zeros
+    (NaN inputs still give NaN)."""
+    dead = s.amax(-1, keepdim=True) == -math.inf
+    return torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+
+
+class _FP8Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        bias: Tensor | None,
+        tau: float,
+        p: float,
+        scaling: str,
+    ) -> Tensor:
+        fwd = _cast(FORWARD_FMT, scaling)
+        with autocast_off(q.device.type):
+            s = _mm(_quant(q, fwd, scaling, True), _t(_quant(k, fwd, scaling, True))) * tau
+            if bias is not None:
+                s = s + bias
+            prob = _softmax(s)
+            keep = None
+            pd = prob
+            if p > 0.0:
+                keep = torch.empty_like(prob).bernoulli_(1.0 - p).bool()
+                pd = prob * keep / (1.0 - p)
+            out = _mm(_quant(pd, fwd, scaling, True), _quant(v, fwd, scaling, False))
+        ctx.save_for_backward(q, k, v, prob, keep)
+        ctx.tau, ctx.p, ctx.scaling = tau, p, scaling
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, prob, keep = ctx.saved_tensors
+        tau, p, scaling = ctx.tau, ctx.p, ctx.scaling
+        fwd, bwd = _cast(FORWARD_FMT, scaling), _cast(GRAD_FMT, scaling)
+        with autocast_off(q.device.type):
+            g = do.float()
+            pd = prob if keep is None else prob * keep / (1.0 - p)
+            dp = _mm(_quant(g, bwd, scaling, True), _t(_quant(v, fwd, scaling, True)))
+            dv = _mm(_t(_quant(pd, fwd, scaling, False)), _quant(g, bwd, scaling, False))
+            if keep is not None:
+                dp = dp * keep / (1.0 - p)
+            ds = prob * (dp - (dp * prob).sum(-1, keepdim=True))
+            dq = _mm(_quant(ds, bwd, scaling, True), _quant(k, fwd, scaling, False)) * tau
+            dk = _mm(_t(_quant(ds, bwd, scaling, False)), _quant(q, fwd, scaling, False)) * tau
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _float(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor) or not x.dtype.is_floating_point or x.dim() < 2:
+        what = f"shape {tuple(x.shape)}, dtype {x.dtype}" if isinstance(x, Tensor) else type(x)
+        raise ValueError(f"{name}: expected a floating-point (..., L, E) tensor, got {what}")
+    return x
+
+
+def fp8_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    scaling: str = "tensorwise",
+) -> Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, ...)`` with its GEMMs in FP8 (module
+    docstring), ``scaling`` one of :data:`ATTENTION_SCALINGS`; output in ``q``'s dtype.
+
+    ``q (..., H, L, D)``, ``k (..., H_kv, N, D)``, ``v (..., H_kv, N, E)``; ``attn_mask``
+    broadcastable to ``(..., H, L, N)``: boolean (``True`` = may attend) or additive
+    (float, no gradient); ``is_causal``: query ``i`` attends keys ``j ≤ i`` (top-left
+    aligned, as torch); ``enable_gqa``: ``H`` a multiple of ``H_kv``. Dropout ``p`` draws
+    from torch's global generator.
+
+    Example:
+        >>> q = torch.randn(2, 4, 16, 8); kv = torch.randn(2, 2, 16, 8)
+        >>> y = fp8_attention(q, kv, kv, is_causal=True, enable_gqa=True, scaling="rowwise")
+        >>> ref = torch.nn.functional.scaled_dot_product_attention(
+        ...     q, kv, kv, is_causal=True, enable_gqa=True)
+        >>> bool((y - ref).norm() < 0.1 * ref.norm())
+        True
+    """
+    scaling = _check_scaling(scaling)
+    q, k, v = _float("q", q), _float("k", k), _float("v", v)
+    if (
+        not (q.dim() == k.dim() == v.dim())
+        or k.shape[:-1] != v.shape[:-1]
+        or q.shape[-1] != k.shape[-1]
+    ):
+        raise ValueError(
+            f"q, k, v: shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} do not "
+            "form (..., H, L, D), (..., H_kv, N, D), (..., H_kv, N, E)"
+        )
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask, is_causal: give one of them, not both (as torch)")
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        if not enable_gqa or k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
+            raise ValueError(
+                f"q, k: {q.shape[-3]} query heads and {k.shape[-3]} key/value heads need "
+                "enable_gqa=True and a whole number of query heads per key/value head"
+            )
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    tau = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    n, length = k.shape[-2], q.shape[-2]
+    bias: Tensor | None = None
+    if is_causal:
+        allowed = torch.ones(length, n, dtype=torch.bool, device=q.device).tril()
+        bias = torch.zeros(length, n, device=q.device).masked_fill(~allowed, -math.inf)
+    elif attn_mask is not None:
+        if attn_mask.requires_grad:
+            raise ValueError("attn_mask: a mask that requires grad is not supported")
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, device=q.device).masked_fill(~attn_mask, -math.inf)
+        else:
+            bias = attn_mask.float()
+    out: Tensor = _FP8Attention.apply(q, k, v, bias, tau, float(dropout_p), scaling)  # type: ignore[no-untyped-call]
+    return out
+
+
+ATTENTION_GEMMS = ("qk", "pv", "dp", "dv", "dq", "dk")
+"""The GEMMs of :func:`attention_gemms`: ``S = Q Kᵀ``, ``O = P V``, ``dP = dO Vᵀ``,
+``dV = Pᵀ dO``, ``dQ = dS K``, ``dK = dSᵀ Q`` (without the factor ``τ``)."""
+
+
+def attention_gemms(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, bias: Tensor | None = None,
+    scale: float | None = None, *, scaling: str = "tensorwise",
+) -> dict[str, tuple[Tensor, Tensor]]:  # fmt: skip
+    """Each GEMM of :data:`ATTENTION_GEMMS` on the operands of FP32 attention (``P`` and
+    ``dS`` from FP32 ``q, k, v`` and output gradient ``do``, all ``(..., H, L, D)`` with
+    as many key/value heads as query heads; ``bias`` an additive mask), as
+    ``(FP8 product, FP32 product)``: the FP8 one quantizes both operands as
+    :func:`fp8_attention` does with ``scaling``, so the pair measures that GEMM's
+    quantization error alone (e.g. its SQNR)."""
+    scaling = _check_scaling(scaling)
+    fwd, bwd = _cast(FORWARD_FMT, scaling), _cast(GRAD_FMT, scaling)
+    q, k, v, g = (t.detach().float() for t in (q, k, v, do))
+    tau = q.shape[-1] ** -0.5 if scale is None else scale
+    s = q @ k.transpose(-1, -2) * tau
+    prob = _softmax(s if bias is None else s + bias)
+    dp = g @ v.transpose(-1, -2)
+    ds = prob * (dp - (dp * prob).sum(-1, keepdim=True))
+    pairs = {  # (a, a's cast, b, b's cast, b transposed): a · (bᵀ if transposed else b)
+        "qk": (q, fwd, k, fwd, True), "pv": (prob, fwd, v, fwd, False),
+        "dp": (g, bwd, v, fwd, True), "dv": (prob.transpose(-1, -2), fwd, g, bwd, False),
+        "dq": (ds, bwd, k, fwd, False), "dk": (ds.transpose(-1, -2), bwd, q, fwd, False),
+    }  # fmt: skip
+    out = {}
+    for name, (a, ca, b, cb, bt) in pairs.items():
+        qa = _quant(a, ca, scaling, True)
+        qb = _t(_quant(b, cb, scaling, True)) if bt else _quant(b, cb, scaling, False)
+        out[name] = (_mm(qa, qb), a @ (b.transpose(-1, -2) if bt else b))
+    return out
+
+
+@dataclass(frozen=True)
+class FP8Attention:
+    """The attention hook's function (module docstring): :func:`fp8_attention` with
+    ``scaling``, called with ``F.scaled_dot_product_attention``'s arguments."""
+
+    scaling: str = "tensorwise"
+
+    def __post_init__(self) -> None:
+        _check_scaling(self.scaling)
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        return fp8_attention(
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, scaling=self.scaling
+        )
+
+
+# ---- HF transformers ----------------------------------------------------------------------
+
+
+def hf_attention_name(scaling: str) -> str:
+    """The name of the FP8 attention with ``scaling`` in transformers' ``AttentionInterface``
+    (``lowprec_fp8_tensorwise``, ...)."""
+    return _HF_PREFIX + _check_scaling(scaling)
+
+
+def _hf_forward(kind: str) -> Any:
+    """The ``AttentionInterface`` function of :func:`fp8_attention` with scaling ``kind``:
+    transformers' SDPA function's arguments and causal rule, output ``(B, L, H, E)``."""
+
+    def forward(
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, None]:
+        for unsupported in ("softcap", "s_aux", "position_bias"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(
+                    f"{unsupported}: not supported by lowprec's FP8 attention "
+                    f"({type(module).__name__}); convert without Float8Config.attention"
+                )
+        length = query.shape[2]
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        causal = bool(causal) and length > 1 and attention_mask is None
+        if causal and key.shape[2] > length:  # a prefill that attends to its own keys only
+            key, value = key[:, :, :length], value[:, :, :length]
+        out = fp8_attention(
+            query, key, value, attention_mask, dropout, causal, scaling,
+            enable_gqa=key.shape[1] != query.shape[1], scaling=kind,
+        )  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
+
+    forward.__name__ = f"{_HF_PREFIX}{kind}_attention_forward"
+    return forward
+
+
+def _register(name: str, scaling: str) -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _hf_forward(scaling))
+        AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def _hf_models(model: nn.Module) -> list[Any]:
+    """The outermost HF ``PreTrainedModel``s of ``model`` (each sets its submodels')."""
+    found: list[Any] = []
+    inner: set[int] = set()
+    for m in model.modules():
+        if id(m) in inner:
+            continue
+        config = getattr(m, "config", None)
+        if hasattr(m, "set_attn_implementation") and hasattr(config, "_attn_implementation"):
+            found.append(m)
+            inner.update(id(x) for x in m.modules())
+    return found
+
+
+def apply_attention(model: nn.Module, config: Float8Config) -> int:
+    """Run ``model``'s attention in FP8 with ``config.attention`` (module docstring):
+    every module with the attention hook gets :class:`FP8Attention`, every HF model using
+    ``"sdpa"`` or ``"eager"`` attention is switched to :func:`hf_attention_name`. Returns
+    the number of hooks and HF models converted; ``ValueError`` for an HF model with
+    another attention implementation (checked before anything changes), a WARNING when
+    there is none to convert. ``config.attention=None``: nothing to do (returns 0)."""
+    if config.attention is None:
+        return 0
+    hooks = [m for m in model.modules() if HOOK in m.__dict__]
+    hf = _hf_models(model)
+    name = hf_attention_name(config.attention)
+    for m in hf:
+        impl = m.config._attn_implementation
+        if impl not in ("sdpa", "eager") and not str(impl).startswith(_HF_PREFIX):
+            raise ValueError(
+                f"model: {type(m).__name__} uses attn_implementation={impl!r}; FP8 attention "
+                "replaces 'sdpa' or 'eager' (load the model with one of them)"
+            )
+    for m in hooks:
+        setattr(m, HOOK, FP8Attention(config.attention))
+    for m in hf:
+        _register(name, config.attention)
+        before = m.config._attn_implementation
+        m.set_attn_implementation(name)
+        if m.config._attn_implementation != name:
+            raise ValueError(
+                f"model: {type(m).__name__} does not dispatch its attention through "
+                "transformers' AttentionInterface; FP8 attention cannot replace it"
+            )
+        m.__dict__.setdefault(_ORIGINAL, before)
+    if not hooks and not hf:
+        log.warning(
+            "float8.apply: attention=%r but the model has no attention it can convert "
+            "(a module with the attention hook, or an HF model using sdpa/eager attention)",
+            config.attention,
+        )
+    return len(hooks) + len(hf)
+
+
+def remove_attention(model: nn.Module) -> None:
+    """Undo :func:`apply_attention`: hooks back to ``None``, HF models back to the
+    attention implementation they had."""
+    for m in model.modules():
+        if isinstance(m.__dict__.get(HOOK), FP8Attention):
+            setattr(m, HOOK, None)
+        before = m.__dict__.pop(_ORIGINAL, None)
+        hf: Any = m
+        if before is not None and hasattr(hf, "set_attn_implementation"):
+            hf.set_attn_implementation(before)
