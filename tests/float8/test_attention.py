@@ -33,7 +33,13 @@ from torch import Tensor
 
 import lowprec.float8 as f8
 from lowprec.float8 import CastConfig, Float8Config
-from lowprec.float8.attention import FP8Attention, fp8_attention, hf_attention_name
+from lowprec.float8.attention import (
+    ATTENTION_GEMMS,
+    FP8Attention,
+    attention_gemms,
+    fp8_attention,
+    hf_attention_name,
+)
 from lowprec.float8.quant import quantize_parts
 from lowprec.jobs.model import ModelConfig, build_model
 from lowprec.recipes.serial import decode, encode
@@ -136,8 +142,8 @@ def test_rowwise_is_finer_than_tensorwise() -> None:
     assert err["rowwise"] < err["tensorwise"]
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_masks_and_fully_masked_rows(mask_kind: str) -> None:
+@pytest.mark.parametrize(("mask_kind", "scaling"), [("bool", "headwise"), ("float", "rowwise")])
+def test_masks_and_fully_masked_rows(mask_kind: str, scaling: str) -> None:
     """A padding mask (batch 1 keeps 10 keys), and a query row with no allowed key: its
     output and gradients are 0, nothing is NaN (as SDPA's math backend)."""
     q, k, v, g = _inputs(3)
@@ -146,8 +152,8 @@ def test_masks_and_fully_masked_rows(mask_kind: str) -> None:
     allowed[0, :, 5, :] = False  # a fully masked query row
     bias = torch.zeros(allowed.shape).masked_fill(~allowed, -math.inf)
     mask = allowed if mask_kind == "bool" else bias
-    got = _run(q, k, v, g, attn_mask=mask, scaling="headwise")
-    for a, b in zip(got, _reference(q, k, v, g, bias, 0.25, "headwise"), strict=True):
+    got = _run(q, k, v, g, attn_mask=mask, scaling=scaling)
+    for a, b in zip(got, _reference(q, k, v, g, bias, 0.25, scaling), strict=True):
         assert torch.isfinite(a).all()
         _close(a, b)
     assert got[0][0, :, 5].abs().max() == 0 and got[1][0, :, 5].abs().max() == 0
@@ -189,6 +195,22 @@ def test_bf16_inputs_and_autocast() -> None:
     with torch.autocast("cpu", torch.bfloat16):
         ya = fp8_attention(q, k, v, is_causal=True)
     assert torch.equal(ya, y32)  # computed in FP32 whatever the autocast
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_attention_gemms_pairs(scaling: str) -> None:
+    """Each GEMM's FP32 product is the product of FP32 attention's operands; its FP8
+    product quantizes them as fp8_attention does: the forward GEMMs of the FP64 reference
+    (same P: no mask, so S and P come from q, k alone) within the FP32 accumulation
+    tolerance, and every GEMM within one unit roundoff of its FP32 product."""
+    q, k, v, g = _inputs(8)
+    pairs = attention_gemms(q, k, v, g, scaling=scaling)
+    assert set(pairs) == set(ATTENTION_GEMMS)
+    torch.testing.assert_close(pairs["qk"][1], q @ k.transpose(-1, -2))
+    want = _qd(q, "e4m3fn", scaling, 1) @ _qd(k, "e4m3fn", scaling, 1).transpose(-1, -2)
+    _close(pairs["qk"][0], want)
+    for name, (fp8, ref) in pairs.items():
+        assert _rel_rms(fp8, ref) < (U_E4M3 if name in ("qk", "pv") else U_E5M2), name
 
 
 def test_bad_options_name_the_argument() -> None:
