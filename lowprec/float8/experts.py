@@ -35,10 +35,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lowprec.core.scalers import DelayedScaler
 from lowprec.core.warn import warn_once
 from lowprec.float8.carry import _carry_extras, _carry_hooks
-from lowprec.float8.config import Float8Config
-from lowprec.float8.grouped import GroupedFloat8Fn, grouped_config
+from lowprec.float8.config import ROLES, Float8Config
+from lowprec.float8.gemm_options import role_scale
+from lowprec.float8.grouped import GroupedFloat8Fn, GroupedScales, group_amax, grouped_config
 from lowprec.float8.linear import Float8Linear
 from lowprec.float8.mm import autocast_off
 
@@ -105,9 +107,16 @@ class Float8Experts(nn.Module):
     GEMMs (module docstring), sharing the original's parameters and children.
 
     ``recipe`` is the config asked for; :attr:`grouped_recipe` the one the grouped GEMMs
-    run (:func:`~lowprec.float8.grouped.grouped_config`: delayed or calibrated static
-    scaling made dynamic, stochastic rounding nearest, no Hadamard transform; a WARNING
-    names the change once).
+    run (:func:`~lowprec.float8.grouped.grouped_config`: calibrated static scaling made
+    dynamic, stochastic rounding nearest, no Hadamard transform; a WARNING names the change
+    once).
+
+    Delayed scaling keeps one ``amax`` history per expert for each projection and role:
+    buffers ``<weight name>_<role>_amax_history`` of shape ``(history_len, E)`` (float32
+    whatever the module's dtype; recorded in training mode; a plain checkpoint without them
+    still loads, the histories then start fresh). Expert ``e``'s scale is its own delayed
+    ``amax`` (:class:`~lowprec.core.scalers.DelayedScaler`); an expert that receives no
+    token records 0, which the ``max`` history ignores.
     """
 
     def __init__(self, experts: nn.Module, recipe: str | Float8Config = "tensorwise") -> None:
@@ -125,7 +134,7 @@ class Float8Experts(nn.Module):
                 f"{type(experts).__name__}"
             )
         self.recipe = recipe
-        self.grouped_recipe, changes = grouped_config(recipe)
+        self.grouped_recipe, changes = grouped_config(recipe, delayed=True)
         if changes:
             warn_once(
                 log,
@@ -143,6 +152,76 @@ class Float8Experts(nn.Module):
         _carry_extras(experts, self, set(experts._parameters))
         _carry_hooks(experts, self)
         self.train(experts.training)
+        self._scalers: dict[str, DelayedScaler] = {}  # buffer name -> its scaler
+        for name in _weights(self):
+            w = self._parameters[name]
+            assert w is not None
+            for role in ROLES:
+                c = self.grouped_recipe.cast(role)
+                if c.scaling == "delayed":
+                    buf = f"{name}_{role}_amax_history"
+                    h = torch.zeros(c.history_len, w.shape[0], device=w.device)
+                    self.register_buffer(buf, h)
+                    self._scalers[buf] = DelayedScaler(
+                        c.fmt, c.history_len, c.algo, margin=c.margin, power_of_two=c.power_of_two
+                    )
+
+    def scaling_buffers(self) -> list[str]:
+        """The names of the per-expert ``amax`` history buffers (delayed scaling)."""
+        return list(self._scalers)
+
+    def _role_scale(self, name: str, role: str, a: Tensor, update: bool) -> Tensor | None:
+        """Role ``role``'s per-expert scales for weight ``name`` from its history (recording
+        the per-expert ``amax`` ``a`` when ``update``)."""
+        buf = f"{name}_{role}_amax_history"
+        sc = self._scalers[buf]
+        cast = self.grouped_recipe.cast(role)
+        state = self._buffers[buf]
+        return role_scale(sc, cast, None, update=update, calibrating=False, state=state, amax=a)
+
+    def _scales(self, name: str, x: Tensor, w3: Tensor, offs: Tensor) -> GroupedScales | None:
+        """The per-expert scales of the delayed roles of weight ``name``'s GEMMs."""
+        if not self._scalers:
+            return None
+        upd, has = self.training, {b.split("_amax_history")[0] for b in self._scalers}
+        xs = ws = None
+        if f"{name}_input" in has:
+            xs = self._role_scale(name, "input", group_amax(x.detach(), offs), upd)
+        if f"{name}_weight" in has:
+            ws = self._role_scale(name, "weight", w3.detach().abs().amax(dim=(1, 2)), upd)
+        go = None
+        if f"{name}_grad_output" in has:
+
+            def go(a: Tensor) -> Tensor | None:
+                return self._role_scale(name, "grad_output", a, upd)
+
+        return GroupedScales(xs, ws, go)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Float8Experts:
+        """``nn.Module._apply``, except that the ``amax`` histories keep float32 (they move
+        device with the module but are never cast)."""
+        order = list(self._buffers)
+        state = {n: self._buffers.pop(n) for n in self._scalers}
+        try:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        finally:
+            for n, b in state.items():
+                if b is not None:
+                    moved = fn(b)
+                    state[n] = moved if moved.dtype == b.dtype else b.to(device=moved.device)
+            self._buffers = {n: state[n] if n in state else self._buffers[n] for n in order}
+        return self
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name in self._scalers:  # amax histories: finite and >= 0
+            t = state_dict.get(prefix + name)
+            if isinstance(t, Tensor) and t.device.type != "meta":
+                if not bool((torch.isfinite(t) & (t >= 0)).all()):
+                    raise ValueError(f"state_dict[{prefix + name!r}] must be finite and >= 0")
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        missing: list[str] = args[2]
+        own = {prefix + n for n in self._scalers}
+        missing[:] = [k for k in missing if k not in own]  # plain checkpoints load: fresh state
 
     @property
     def original(self) -> nn.Module:
@@ -162,8 +241,9 @@ class Float8Experts(nn.Module):
         w = self._parameters[name]
         assert w is not None
         w3 = w.transpose(1, 2) if self.is_transposed else w  # (E, out, in)
+        scales = self._scales(name, x, w3, offs)
         with autocast_off(x.device.type):
-            y: Tensor = GroupedFloat8Fn.apply(x, w3, offs, self.grouped_recipe, dtype)  # type: ignore[no-untyped-call]
+            y: Tensor = GroupedFloat8Fn.apply(x, w3, offs, self.grouped_recipe, dtype, scales)  # type: ignore[no-untyped-call]
         b = self._parameters.get(name + "_bias") if self.has_bias else None
         return y if b is None else y + b[ids].to(y.dtype)
 

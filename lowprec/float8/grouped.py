@@ -27,11 +27,13 @@ scales, a padded layout for blocks along the token dim) and the GEMMs are
 float32, accumulated in float32: the emulation of :mod:`lowprec.float8.mm`). An expert that
 receives no token gets ``dW_e = 0``.
 
-Scaling: dynamic, or ``static`` with a given ``static_scale`` (the same scale for every
-expert). Delayed and calibrated static scaling (one history per expert), stochastic
-rounding and Hadamard transforms are refused here with a ``ValueError``;
-:func:`grouped_config` gives the dynamic, nearest-rounding config
-:class:`~lowprec.float8.experts.Float8Experts` uses instead (logging which change it made).
+Scaling: dynamic, ``static`` with a given ``static_scale`` (the same scale for every
+expert), or per-expert scales chosen by the caller (:class:`GroupedScales`: delayed scaling
+with one ``amax`` history per expert, which :class:`~lowprec.float8.experts.Float8Experts`
+keeps). Calibrated static scaling, stochastic rounding and Hadamard transforms are refused
+with a ``ValueError`` (:func:`grouped_linear`, which keeps no history, refuses delayed
+scaling too); :func:`grouped_config` gives the dynamic, nearest-rounding config that
+``Float8Experts`` runs instead (logging which change it made).
 ``high_precision_gemms`` multiply the unquantized operands; ``fp8_saved_activations`` does
 not apply (the high-precision input is saved for the weight gradient, which quantizes it
 with its own cast: the numerics of ``fp8_saved_activations=False``).
@@ -46,6 +48,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,7 +64,14 @@ from lowprec.float8.mm import autocast_off
 from lowprec.float8.operands import EMULATION_DTYPES
 from lowprec.float8.quant import dequantize_parts, quantize_parts
 
-__all__ = ["GroupedFloat8Fn", "grouped_config", "grouped_linear", "quantize_grouped"]
+__all__ = [
+    "GroupedFloat8Fn",
+    "GroupedScales",
+    "group_amax",
+    "grouped_config",
+    "grouped_linear",
+    "quantize_grouped",
+]
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +105,8 @@ def quantize_grouped(
     ``offs`` (cumulative row ends), each group quantized as its own matrix contracted over
     its dim ``cd`` (0: the rows, 1: the columns): row for row what
     ``dequantize_parts(*quantize_parts(t[group], cast, cd), dtype)`` gives, for all groups
-    in one pass. ``scale`` (tensor granularity): one given scale for every group."""
+    in one pass. ``scale`` (tensor granularity): given scales, one for every group (one
+    element) or one per group (``(E,)``: delayed scaling per expert)."""
     if t.dim() != 2:
         raise ValueError(f"t: expected a 2-D matrix, got shape {tuple(t.shape)}")
     if cd not in (0, 1):
@@ -112,7 +124,10 @@ def quantize_grouped(
     x = t if t.dtype == torch.float64 else t.float()
     if g.kind in ("tensor", "axis"):
         if scale is not None:
-            s = scale.reshape(1, 1).float().to(x.device).expand(m, 1)
+            sv = scale.reshape(-1).float().to(x.device)
+            if sv.numel() not in (1, e):
+                raise ValueError(f"scale: expected 1 or {e} scales, got shape {tuple(scale.shape)}")
+            s = sv.expand(e)[gid].unsqueeze(1)
         elif g.kind == "tensor":  # one scale per group: amax of its rows
             row = x.abs().amax(1) if n else x.new_zeros(m)
             s = cast.scale_for(_segment_amax(row, gid, e))[gid].unsqueeze(1)
@@ -175,14 +190,44 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     return torch.bmm(at.transpose(1, 2), bp)
 
 
-def _unsupported(r: Float8Config) -> list[str]:
-    """What of ``r`` the grouped GEMMs do not implement (empty: supported)."""
+def group_amax(t: Tensor, offs: Tensor) -> Tensor:
+    """``amax`` of each group of rows of the 2-D ``t`` (``offs``: cumulative row ends),
+    ``(E,)`` float32; 0 for an empty group, NaN where a group holds NaN."""
+    gid, _, _ = _groups(offs, t.shape[0])
+    row = t.abs().amax(1).float() if t.shape[1] else t.new_zeros(t.shape[0], dtype=torch.float32)
+    return _segment_amax(row, gid, offs.numel())
+
+
+@dataclass(frozen=True, eq=False)
+class GroupedScales:
+    """Per-expert scales of the base roles, chosen outside :class:`GroupedFloat8Fn` (delayed
+    scaling, :class:`~lowprec.float8.experts.Float8Experts`): ``input`` and ``weight``, ``(E,)``
+    or ``None`` (the cast's own); ``grad_output``, a function of the gradient's per-expert
+    :func:`group_amax` that returns its ``(E,)`` scales (recording them), or ``None``. A
+    GEMM whose cast of a role is its own (:meth:`Float8Config.own_cast`) does not use them."""
+
+    input: Tensor | None = None
+    weight: Tensor | None = None
+    grad_output: Callable[[Tensor], Tensor | None] | None = None
+
+
+def _scale(r: Float8Config, gemm: str, role: str, base: Tensor | None) -> Tensor | None:
+    """The given scale GEMM ``gemm`` quantizes ``role`` with: ``base`` (the role's
+    per-expert scales) unless the GEMM has its own cast, else the cast's static scale."""
+    if base is None or r.own_cast(gemm, role):
+        return _given(r.gemm_cast(gemm, role))
+    return base
+
+
+def _unsupported(r: Float8Config, delayed: bool = False) -> list[str]:
+    """What of ``r`` the grouped GEMMs do not implement (empty: supported); ``delayed``:
+    the caller keeps per-expert histories (:class:`GroupedScales`)."""
     out = []
     for gemm in GEMMS:
         c = r.for_gemm(gemm)
         for role in GEMM_ROLES[gemm]:
             cast = c.cast(role)
-            if cast.scaling == "delayed" or (
+            if (cast.scaling == "delayed" and not delayed) or (
                 cast.scaling == "static" and cast.static_scale is None
             ):
                 out.append(f"{gemm}/{role}: scaling={cast.scaling!r}")
@@ -193,23 +238,28 @@ def _unsupported(r: Float8Config) -> list[str]:
     return sorted(set(out))
 
 
-def _dynamic(c: CastConfig) -> CastConfig:
-    keep = c.scaling == "static" and c.static_scale is not None
+def _dynamic(c: CastConfig, delayed: bool) -> CastConfig:
+    keep = (c.scaling == "static" and c.static_scale is not None) or (
+        delayed and c.scaling == "delayed"
+    )
     if keep and c.rounding == "nearest":
         return c
     scaling = c.scaling if keep else "dynamic"
     return dataclasses.replace(c, scaling=scaling, rounding="nearest")
 
 
-def grouped_config(r: Float8Config) -> tuple[Float8Config, list[str]]:
-    """``(config, changes)``: ``r`` as the grouped GEMMs run it — delayed and calibrated
-    static casts made dynamic, stochastic rounding made nearest, no Hadamard transform —
-    and what was changed (empty: ``r`` itself)."""
-    changes = _unsupported(r)
+def grouped_config(r: Float8Config, delayed: bool = False) -> tuple[Float8Config, list[str]]:
+    """``(config, changes)``: ``r`` as the grouped GEMMs run it — calibrated static casts
+    (and delayed ones, unless ``delayed``: the caller keeps per-expert histories) made
+    dynamic, stochastic rounding made nearest, no Hadamard transform — and what was
+    changed (empty: ``r`` itself)."""
+    changes = _unsupported(r, delayed)
     if not changes:
         return r, []
-    casts = {role: _dynamic(r.cast(role)) for role in ROLES}
-    gemms = tuple((g, c.replace(**{k: _dynamic(c.cast(k)) for k in ROLES})) for g, c in r.gemms)
+    casts = {role: _dynamic(r.cast(role), delayed) for role in ROLES}
+    gemms = tuple(
+        (g, c.replace(**{k: _dynamic(c.cast(k), delayed) for k in ROLES})) for g, c in r.gemms
+    )
     return r.replace(**casts, gemms=gemms, hadamard=()), changes
 
 
@@ -222,7 +272,10 @@ def _hardware_ok(x: Tensor, r: Float8Config, gemm: str, roles: tuple[str, str]) 
         return False
     casts = [r.gemm_cast(gemm, role) for role in roles]
     return all(
-        c.fmt == "e4m3fn" and c.bound_granularity(1).kind in ("tensor", "axis") for c in casts
+        c.fmt == "e4m3fn"
+        and c.scaling == "dynamic"
+        and c.bound_granularity(1).kind in ("tensor", "axis")
+        for c in casts
     )
 
 
@@ -257,50 +310,69 @@ def _hardware_gemm(a: Tensor, offs: Tensor, ca: CastConfig, b: Tensor, cb: CastC
 
 class GroupedFloat8Fn(torch.autograd.Function):
     """The forward, input-gradient and weight-gradient GEMMs of grouped experts
-    (module docstring): ``apply(x, w, offs, config, out_dtype)`` with ``x (M×K)`` grouped
-    by ``offs``, ``w (E×N×K)``; returns ``y (M×N)`` in ``out_dtype``."""
+    (module docstring): ``apply(x, w, offs, config, out_dtype, scales)`` with ``x (M×K)``
+    grouped by ``offs``, ``w (E×N×K)``, ``scales`` a :class:`GroupedScales` or ``None``;
+    returns ``y (M×N)`` in ``out_dtype``."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, w: Tensor, offs: Tensor, r: Float8Config, out_dtype: torch.dtype
+        ctx: Any,
+        x: Tensor,
+        w: Tensor,
+        offs: Tensor,
+        r: Float8Config,
+        out_dtype: torch.dtype,
+        scales: GroupedScales | None = None,
     ) -> Tensor:
         ctx.save_for_backward(x, w, offs)
-        ctx.r = r
+        ctx.r, ctx.scales = r, scales or GroupedScales()
+        sc: GroupedScales = ctx.scales
         if "forward" in r.high_precision_gemms:
             return _grouped_mm(x.to(out_dtype), w.to(out_dtype).transpose(1, 2), offs)
         cf = r.for_gemm("forward")
         _, n, k = w.shape
-        if _hardware_ok(x, r, "forward", ("input", "weight")) and n % 16 == k % 16 == 0:
+        hw = _hardware_ok(x, r, "forward", ("input", "weight"))
+        if hw and sc.input is None and sc.weight is None and n % 16 == k % 16 == 0:
             return _hardware_gemm(x, offs, cf.input, w, cf.weight).to(out_dtype)
         ed = EMULATION_DTYPES[cf.emulation_dtype]
-        xq = quantize_grouped(x, offs, cf.input, 1, ed, _given(cf.input))
-        wq = _quantize_weight(w, cf.weight, 1, ed)
+        xq = quantize_grouped(x, offs, cf.input, 1, ed, _scale(r, "forward", "input", sc.input))
+        wq = _quantize_weight(w, cf.weight, 1, ed, _scale(r, "forward", "weight", sc.weight))
         return _grouped_mm(xq, wq.transpose(1, 2), offs).to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, w, offs = ctx.saved_tensors
         r: Float8Config = ctx.r
+        sc: GroupedScales = ctx.scales
         hp = r.high_precision_gemms
         dx = dw = None
+        fp8 = [gm for i, gm in ((0, "input_grad"), (1, "weight_grad")) if ctx.needs_input_grad[i]]
+        base = [gm for gm in fp8 if gm not in hp and not r.own_cast(gm, "grad_output")]
+        gs = sc.grad_output(group_amax(g, offs)) if sc.grad_output and base else None
         if ctx.needs_input_grad[0]:
             if "input_grad" in hp:
                 dx = _grouped_mm(g.to(x.dtype), w.to(x.dtype), offs)
             else:
                 c = r.for_gemm("input_grad")
                 ed = EMULATION_DTYPES[c.emulation_dtype]
-                gq = quantize_grouped(g, offs, c.grad_output, 1, ed, _given(c.grad_output))
-                dx = _grouped_mm(gq, _quantize_weight(w, c.weight, 0, ed), offs).to(x.dtype)
+                gq = quantize_grouped(
+                    g, offs, c.grad_output, 1, ed, _scale(r, "input_grad", "grad_output", gs)
+                )
+                ws = _scale(r, "input_grad", "weight", sc.weight)
+                dx = _grouped_mm(gq, _quantize_weight(w, c.weight, 0, ed, ws), offs).to(x.dtype)
         if ctx.needs_input_grad[1]:
             if "weight_grad" in hp:
                 dw = _grouped_mm(g.to(w.dtype).t(), x.to(w.dtype), offs)
             else:
                 c = r.for_gemm("weight_grad")
                 ed = EMULATION_DTYPES[c.emulation_dtype]
-                gq = quantize_grouped(g, offs, c.grad_output, 0, ed, _given(c.grad_output))
-                xq = quantize_grouped(x, offs, c.input, 0, ed, _given(c.input))
+                gq = quantize_grouped(
+                    g, offs, c.grad_output, 0, ed, _scale(r, "weight_grad", "grad_output", gs)
+                )
+                xs = _scale(r, "weight_grad", "input", sc.input)
+                xq = quantize_grouped(x, offs, c.input, 0, ed, xs)
                 dw = _grouped_mm(gq.t(), xq, offs).to(w.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _given(cast: CastConfig) -> Tensor | None:
@@ -308,15 +380,18 @@ def _given(cast: CastConfig) -> Tensor | None:
     return None if cast.static_scale is None else torch.tensor(float(cast.static_scale))
 
 
-def _quantize_weight(w: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype) -> Tensor:
+def _quantize_weight(
+    w: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype, scale: Tensor | None
+) -> Tensor:
     """The dequantized values of each ``W_e`` of ``w (E×N×K)`` quantized for a GEMM that
     contracts its dim ``cd`` (1: K, forward; 0: N, input gradient), ``(E×N×K)``: the
-    experts are groups of equal size of one matrix (contracted over its columns)."""
+    experts are groups of equal size of one matrix (contracted over its columns);
+    ``scale``: given scales (one, or one per expert)."""
     e = w.shape[0]
     wt = w if cd == 1 else w.transpose(1, 2)  # the contracted dim last
     rows = wt.shape[1]
     offs = torch.arange(1, e + 1, device=w.device) * rows
-    v = quantize_grouped(wt.reshape(e * rows, -1), offs, cast, 1, dtype, _given(cast))
+    v = quantize_grouped(wt.reshape(e * rows, -1), offs, cast, 1, dtype, scale)
     v = v.reshape(e, rows, -1)
     return v if cd == 1 else v.transpose(1, 2)
 

@@ -13,7 +13,13 @@ import torch
 from torch import Tensor
 
 from lowprec.float8 import CastConfig, Float8Config, grouped_linear
-from lowprec.float8.grouped import grouped_config, quantize_grouped
+from lowprec.float8.grouped import (
+    GroupedFloat8Fn,
+    GroupedScales,
+    group_amax,
+    grouped_config,
+    quantize_grouped,
+)
 from lowprec.float8.quant import dequantize_parts, quantize_parts
 
 # Groups with an empty expert, one smaller and one larger than a 32/128 block along tokens.
@@ -194,3 +200,49 @@ def test_bad_input_names_the_argument() -> None:
         grouped_linear(x, w, offs, "delayed")
     with pytest.raises(ValueError, match="cd"):
         quantize_grouped(x, offs, CastConfig(), 2)
+
+
+def test_per_expert_scales_given_by_the_caller() -> None:
+    """Delayed scaling's per-expert scales (:class:`GroupedScales`): expert ``e``'s
+    operands are quantized with the given scale ``s_e`` (``quantize_parts(t, cast, cd,
+    scale=s_e)`` per expert), the gradient's scales computed in backward from its
+    per-expert ``amax`` (handed to the callback)."""
+    r = Float8Config.from_name("tensorwise")
+    x, w, g, offs = _data(5)
+    e = len(COUNTS)
+    sx, sw, sg = (
+        torch.rand(e, generator=torch.Generator().manual_seed(i)) + 0.5 for i in (1, 2, 3)
+    )
+    sx, sw, sg = sx * 8, sw * 0.05, sg * 1e-4  # some values saturate: the scales are used
+    seen: list[Tensor] = []
+
+    def go(a: Tensor) -> Tensor:
+        seen.append(a)
+        return sg
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = GroupedFloat8Fn.apply(xr, wr, offs, r, torch.float32, GroupedScales(sx, sw, go))
+    y.backward(g)
+    assert torch.equal(seen[0], group_amax(g, offs))
+    assert torch.equal(group_amax(g, offs)[1], torch.tensor(0.0))  # the expert with no token
+
+    def q(t: Tensor, cast: CastConfig, cd: int, s: Tensor) -> Tensor:
+        if t.numel() == 0:
+            return t.float()
+        return dequantize_parts(*quantize_parts(t, cast, cd, s), torch.float32)
+
+    fwd, dgrad, wgrad = [], [], []
+    for i, (xe, ge) in enumerate(zip(torch.split(x, COUNTS), torch.split(g, COUNTS), strict=True)):
+        fwd.append((q(xe, r.input, 1, sx[i]).double(), q(w[i].t(), r.weight, 0, sw[i]).double()))
+        dgrad.append(
+            (q(ge, r.grad_output, 1, sg[i]).double(), q(w[i], r.weight, 0, sw[i]).double())
+        )
+        wgrad.append(
+            (q(ge.t(), r.grad_output, 1, sg[i]).double(), q(xe, r.input, 0, sx[i]).double())
+        )
+    _close(y, fwd, stack=False)
+    assert xr.grad is not None and wr.grad is not None
+    _close(xr.grad, dgrad, stack=False)
+    _close(wr.grad, wgrad, stack=True)
+    with pytest.raises(ValueError, match="scale"):
+        quantize_grouped(x, offs, r.input, 1, scale=torch.ones(e + 1))
