@@ -180,6 +180,19 @@ def test_grouped_config_makes_unsupported_casts_dynamic() -> None:
     assert changes and not r.hadamard and not r.stochastic
     r0 = Float8Config.from_name("naive")
     assert grouped_config(r0) == (r0, [])  # a given static scale is supported
+    rd = Float8Config.from_name("delayed")
+    assert grouped_config(rd, delayed=True) == (rd, [])  # the caller keeps the histories
+
+
+def test_nv_scale_per_tensor_maxima() -> None:
+    """``nv_scale(tensor_amax=)``: the blocks of two tensors side by side, each with its own
+    tensor maximum, get the scales each tensor gets alone."""
+    from lowprec.core.scales import nv_scale
+
+    a, b = torch.rand(4, 3) * 5, torch.rand(2, 3) * 1e-3
+    t_amax = torch.cat([a.amax().expand(4, 1), b.amax().expand(2, 1)])
+    both = nv_scale(torch.cat([a, b]), "e2m1", tensor_amax=t_amax)
+    assert torch.equal(both, torch.cat([nv_scale(a, "e2m1"), nv_scale(b, "e2m1")]))
 
 
 def test_bad_input_names_the_argument() -> None:
