@@ -63,6 +63,7 @@ __all__ = [
     "git_revision",
     "launched",
     "lm_step_fn",
+    "lscpu",
     "machine_info",
     "mlp",
     "optional_import",
@@ -99,10 +100,26 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def lscpu() -> dict[str, Any]:
+    """``lscpu``'s model name and the CPU flags that decide how BF16/FP16/FP8 arithmetic
+    runs (AVX2/FMA/F16C, AVX-512 and its BF16/FP16 extensions, AMX); ``{}`` where ``lscpu``
+    cannot run."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = info.get("Flags", "").split()
+    keep = [f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma", "f16c"))]
+    return {"model": info.get("Model name", "").strip(), "flags": keep}
+
+
 def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Platform, CPU model, core count, torch threads, whether the CPU has BF16 matrix
-    instructions (lowprec's own test, ``lowprec.amp.native_bf16_matmul``: without them
-    the recipes run BF16 products in FP32) and (on CUDA) the GPU name."""
+    """Platform, CPU model, core count, :func:`lscpu` (model and flags), torch's CPU
+    capability (the vector ISA its kernels were dispatched to), torch threads, whether the
+    CPU has BF16 matrix instructions (lowprec's own test,
+    ``lowprec.amp.native_bf16_matmul``: without them the recipes run BF16 products in FP32)
+    and (on CUDA) the GPU name."""
     from lowprec.amp import native_bf16_matmul
 
     info: dict[str, Any] = {
@@ -110,6 +127,8 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_model": _cpu_model(),
         "cpu_cores": os.cpu_count(),
+        "lscpu": lscpu(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_native_bf16_matmul": native_bf16_matmul(),
         "torch_num_threads": torch.get_num_threads(),
     }

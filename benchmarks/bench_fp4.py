@@ -58,7 +58,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from _common import arg_parser, parse_args, print_table, run_record, write_json
+from _common import arg_parser, lscpu, parse_args, print_table, run_record, write_json
 
 from lowprec.jobs.rundir import read_metrics
 from lowprec.recipes import Recipe, get_recipe
@@ -166,18 +166,6 @@ def paired(vals: list[float | None], ref: list[float | None]) -> dict[str, Any]:
         "sd": statistics.stdev(ok) if len(ok) > 1 else None,
         "n": len(ok),
     }
-
-
-def lscpu() -> dict[str, Any]:
-    """lscpu's model name and the CPU flags that decide how BF16/FP8 products run."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = info.get("Flags", "").split()
-    keep = [f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma", "f16c"))]
-    return {"model": info.get("Model name", "").strip(), "flags": keep}
 
 
 def _pct(x: float | None) -> float | None:
