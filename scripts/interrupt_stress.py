@@ -11,7 +11,8 @@ without a fault that finishes it. Its ``metrics.jsonl`` (step, loss, val loss, l
 scale, skipped) must equal the uninterrupted run's exactly.
 
 Usage: ``python scripts/interrupt_stress.py --trials 500 --out /tmp/stress`` prints a
-table per recipe and writes ``results.json``; exit status 1 if any resumed run differs.
+line per trial as it ends, then a table per recipe, and writes ``results.json``; exit
+status 1 if any resumed run differs. ``--threads 0`` keeps torch's default thread count.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -94,6 +96,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (0: default)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # an ignored signal stays ignored in the
+        if signal.getsignal(sig) is signal.SIG_IGN:  # children (a background job's SIGINT):
+            signal.signal(sig, signal.SIG_DFL)  # their placed "int"/"term" faults would not fire
     rng = random.Random(a.seed)
     shutil.rmtree(a.out, ignore_errors=True)
     a.out.mkdir(parents=True)
@@ -112,8 +117,16 @@ def main() -> int:
             k = 1 if p == "startup" else rng.randint(1, a.max_k if p != "checkpoint" else 8)
             faults.append(f"{p}:{k}:{rng.choice(a.hows)}")
         plans.append((recipe, faults, a.out / f"trial-{i:04d}"))
+
+    def run(plan: tuple[str, list[str], Path]) -> dict[str, Any]:
+        r = _trial(plan[0], plan[1], plan[2], refs[plan[0]], a.threads)
+        status = "exact" if r["exact"] else f"INEXACT, first difference {r['first_diff']}"
+        print(f"{plan[2].name} {r['recipe']} {' '.join(r['faults'])}: {r['fired']} fired, "
+              f"{status}", flush=True)  # fmt: skip
+        return r
+
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        results = list(pool.map(lambda p: _trial(p[0], p[1], p[2], refs[p[0]], a.threads), plans))
+        results = list(pool.map(run, plans))
     summary: dict[str, dict[str, int]] = {}
     for r in results:
         s = summary.setdefault(r["recipe"], {"trials": 0, "interrupts": 0, "inexact": 0})
