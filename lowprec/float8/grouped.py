@@ -55,6 +55,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lowprec.core import kernels
+from lowprec.core.bits import BYTE_FORMATS
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import apply_scale, pad_to_blocks
 from lowprec.core.rounding import to_format
@@ -133,6 +135,11 @@ def quantize_grouped(
             s = cast.scale_for(_segment_amax(row, gid, e))[gid].unsqueeze(1)
         else:  # contracted over the rows: one scale per column of each group
             s = cast.scale_for(_segment_amax(x.abs(), gid, e))[gid]
+        fast = dtype in (torch.float32, torch.bfloat16) and x.dtype != torch.float64
+        if fast and fmt in BYTE_FORMATS and kernels.takes(x, fmt):
+            v = kernels.run_round_trip(x, s.float(), fmt, True, dtype)  # one pass, same bits
+            if v is not None:
+                return v
         q = to_format(x / s, fmt, saturate=True)
         return (q.float() * s).to(dtype)
     # Blocks: a block along the rows never straddles two groups: each group is padded

@@ -259,3 +259,27 @@ def test_per_expert_scales_given_by_the_caller() -> None:
     _close(wr.grad, wgrad, stack=True)
     with pytest.raises(ValueError, match="scale"):
         quantize_grouped(x, offs, r.input, 1, scale=torch.ones(e + 1))
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "mxfp8"])
+def test_large_operands_take_the_kernels_with_the_same_bits(name: str) -> None:
+    """Above the kernels' size threshold (2^19 elements) the tensor- and row-wise casts run
+    one compiled pass (``kernels.run_round_trip``): the same values as the eager path and
+    as the per-group quantization."""
+    from lowprec.core import layout
+
+    counts = [700, 0, 400, 33]
+    gen = torch.Generator().manual_seed(6)
+    x = (
+        torch.randn(sum(counts), 512, generator=gen)
+        * torch.rand(sum(counts), 1, generator=gen).mul(8).exp2()
+    )
+    offs = torch.cumsum(torch.tensor(counts), 0)
+    for role in ("input", "grad_output"):
+        cast = Float8Config.from_name(name).cast(role)
+        for cd in (0, 1):
+            got = quantize_grouped(x, offs, cast, cd)
+            with layout.reference_paths():
+                assert torch.equal(got, quantize_grouped(x, offs, cast, cd))
+            want = torch.cat([_q(xe, cast, cd) for xe in torch.split(x, counts)])
+            assert torch.equal(got, want)
