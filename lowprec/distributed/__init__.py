@@ -16,6 +16,7 @@ from lowprec.distributed.float8_fsdp import (
     enable_fp8_all_gather,
     fp8_all_gather_eligible,
     fp8_all_gather_layout,
+    fp8_weights_updated,
 )
 from lowprec.distributed.float8_tp import Float8ColwiseParallel
 from lowprec.distributed.grad_comm import (
@@ -51,6 +52,7 @@ __all__ = [
     "fp8_all_gather_eligible",
     "fp8_all_gather_layout",
     "fp8_allreduce_hook",
+    "fp8_weights_updated",
     "fsdp_reduce_policy",
     "fsdp_units",
     "grad_divide_factor",

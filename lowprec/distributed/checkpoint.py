@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -69,8 +70,9 @@ from torch.distributed.tensor import DTensor
 from lowprec.distributed.parallel import unwrap
 from lowprec.recipes.prepared import Prepared
 from lowprec.recipes.recipe import Recipe
+from lowprec.scalify.transform import Scalified
 
-__all__ = ["FORMAT", "is_sharded", "load", "save"]
+__all__ = ["FORMAT", "full_state_dict", "is_sharded", "load", "save"]
 
 FORMAT = 2
 """The checkpoint format :func:`save` writes and :func:`load` reads (1: a pickled
@@ -101,6 +103,22 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
                 stride=t.stride(),
             )
     return t
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with every FSDP2 shard gathered into the whole tensor (an
+    FP8 all-gather weight as its FP32 master), on every rank: a collective that every rank
+    of the mesh calls, in the same order. Plain tensors (replicated buffers) are detached
+    as they are. For writing the unsharded model (``save_pretrained``) from one rank."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in unwrap(model).state_dict().items():
+        if isinstance(v, DTensor):
+            whole = _plain(v)
+            assert isinstance(whole, DTensor)
+            out[k] = whole.full_tensor()
+        else:
+            out[k] = v.detach()
+    return out
 
 
 _SCALARS = (str, int, bool, type(None))
@@ -242,6 +260,13 @@ def _read_metadata(f: IO[bytes] | io.IOBase) -> Metadata:
 _OPTIONS = StateDictOptions(strict=True)
 
 
+def _root(prepared: Prepared) -> nn.Module:
+    """The module whose attribute paths are its state dict's keys, as DCP's state dicts
+    need: a :class:`~lowprec.scalify.transform.Scalified` wrapper's keys are those of the
+    model it wraps (no ``module.``), so that model."""
+    return prepared.model.module if isinstance(prepared.model, Scalified) else prepared.model
+
+
 def _optimizer_extra(optimizer: Any) -> dict[str, Any]:
     """What ``get_state_dict`` drops of a sharded optimizer's state: the generator of a
     lean optimizer (``{}`` for others)."""
@@ -254,7 +279,7 @@ def _live_state(prepared: Prepared) -> dict[str, Any]:
     by parameter name, and :func:`_optimizer_extra`), plus the scaler and the recipe."""
     extra: dict[str, Any] = {}
     if is_sharded(prepared):
-        model, optim = get_state_dict(prepared.model, prepared.optimizer, options=_OPTIONS)
+        model, optim = get_state_dict(_root(prepared), prepared.optimizer, options=_OPTIONS)
         mode = "fsdp"
         extra = _optimizer_extra(prepared.optimizer)
     else:
@@ -345,7 +370,7 @@ def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
     state = _decode(index["state"], wanted)
     if live["layout"] == "fsdp":
         set_state_dict(
-            prepared.model,
+            _root(prepared),
             prepared.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],

@@ -23,9 +23,13 @@ delayed scaler's scale from its history and ``amax(W)`` (delayed) needs the glob
 optimizer step bumps each shard's version counter) the local ``amax`` of *every* wrapped
 weight on that mesh is stacked into one tensor and reduced with a single
 ``all_reduce(MAX)``; all scales are then cached until the weights change again, so the
-re-gather in backward reuses the forward's scale. No call by the user is needed; for a
-delayed weight the global ``amax`` is recorded in ``weight_amax_history`` once per
-weight update in training mode (as a single process records it once per forward).
+re-gather in backward reuses the forward's scale. The foreach and fused kernels of
+``torch.optim`` (``foreach=True``, CUDA's default; ``fused=True``, the HF ``Trainer``'s)
+update DTensor shards without bumping their version counter: :func:`fp8_weights_updated`
+marks the weights changed, and :func:`lowprec.distributed.prepare` calls it after every
+optimizer step (a step post-hook), so no call by the user is needed. For a delayed weight
+the global ``amax`` is recorded in ``weight_amax_history`` once per weight update in
+training mode (as a single process records it once per forward).
 
 **Which layouts gather in the narrow format.** Tensor-wise weights with ``dynamic`` or
 ``delayed`` scaling (the presets ``tensorwise``, ``delayed``, ``static`` — whose weight is
@@ -67,7 +71,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity
@@ -82,6 +86,7 @@ __all__ = [
     "enable_fp8_all_gather",
     "fp8_all_gather_eligible",
     "fp8_all_gather_layout",
+    "fp8_weights_updated",
 ]
 
 log = logging.getLogger(__name__)
@@ -177,11 +182,12 @@ class Float8AllGatherWeight(Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        first: Float8AllGatherWeight | None = None
-        for a in (*args, *(kwargs or {}).values()):
-            if isinstance(a, Float8AllGatherWeight):
-                first = a
-                break
+        # the first wrapper, also inside the tensor lists of foreach and fused optimizer ops
+        # (torch.optim's fused AdamW, which the HF Trainer chooses on the CPU too)
+        first = next(
+            (a for a in tree_leaves((args, kwargs or {})) if isinstance(a, Float8AllGatherWeight)),
+            None,
+        )
         assert first is not None
         slot, group = first._slot, first._group
         unwrap = tree_map_only(Float8AllGatherWeight, lambda t: t._hp, (args, kwargs or {}))
@@ -403,6 +409,21 @@ def enable_fp8_all_gather(model: nn.Module, *, blocks: bool = False) -> int:
             ", ".join(skipped),
         )
     return len(group.slots)
+
+
+def fp8_weights_updated(model: nn.Module) -> int:
+    """Mark every FP8-gathered weight of ``model`` as changed (after an optimizer step):
+    the next all-gather recomputes the scales (one ``all_reduce(MAX)``), even when the
+    update did not bump the shards' version counters (module docstring). Returns the
+    number of weights marked."""
+    n = 0
+    for m in model.modules():
+        w = m.weight if isinstance(m, Float8Linear) else None
+        local = w._local_tensor if isinstance(w, DTensor) else w
+        if isinstance(local, Float8AllGatherWeight):
+            local._slot.key = None
+            n += 1
+    return n
 
 
 def fp8_all_gather_reductions(model: nn.Module) -> int:

@@ -62,6 +62,7 @@ Example (one process here; under ``torchrun`` the group has N):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -73,7 +74,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lowprec.amp import lean_optimizer
-from lowprec.distributed.float8_fsdp import enable_fp8_all_gather
+from lowprec.distributed.float8_fsdp import enable_fp8_all_gather, fp8_weights_updated
 from lowprec.distributed.grad_comm import (
     enable_fp8_reduce_scatter,
     fsdp_reduce_policy,
@@ -278,6 +279,7 @@ def prepare(
     fp8_all_gather: bool | Literal["blocks"] = True,
     grad_comm: GradComm = "fp32",
     param_groups: Callable[[nn.Module, list[Any]], list[Any]] | None = None,
+    sync_module_states: bool = False,
 ) -> Prepared:
     """:func:`lowprec.recipes.prepare` under ``torch.distributed``: apply the technique,
     shard (:func:`shard`), then build the optimizer and the loss scaler on the sharded
@@ -289,7 +291,11 @@ def prepare(
     (default: every rank). ``units``: the modules sharded before the root (default
     :func:`fsdp_units`). ``ddp_kwargs``: extra arguments of ``DistributedDataParallel``.
     ``fp8_all_gather``, ``grad_comm``: see :func:`shard`. ``param_groups``: as for
-    :func:`lowprec.recipes.prepare`, on the sharded parameters.
+    :func:`lowprec.recipes.prepare`, on the sharded parameters. ``sync_module_states``:
+    after the technique and before sharding, every parameter and buffer is broadcast from
+    the group's first rank (DDP does so itself), so ranks whose models differ (weights
+    loaded on rank 0 only; a u-μP conversion, which draws its init from torch's global
+    generator, on ranks with different generator states) start from rank 0's model.
     u-μP parameter groups (unit recipes) keep their ``lr_mult`` on the sharded parameters.
     Under ``"fsdp"`` the returned :class:`~lowprec.recipes.Prepared` has a plain or lean
     optimizer (no ``MasterWeights``).
@@ -300,10 +306,20 @@ def prepare(
     _check_group()
     r = get_recipe(recipe)
     _check_recipe(r, mode)
+    if not isinstance(sync_module_states, bool):
+        raise TypeError(f"sync_module_states must be a bool, got {sync_module_states!r}")
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     lr = factory_lr(factory) if r.unit is not None else 0.0
     # 1. the technique (as on one process)
     model, groups = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip, r.layers)
+    if sync_module_states:
+        pg = mesh.get_group() if mesh is not None and mode == "fsdp" else None
+        if mode == "ddp":
+            pg = (ddp_kwargs or {}).get("process_group")
+        src = dist.get_global_rank(pg, 0) if pg is not None else 0
+        with torch.no_grad():
+            for t in itertools.chain(model.parameters(), model.buffers()):
+                dist.broadcast(t.data, src=src, group=pg)
     names = {id(p): n for n, p in model.named_parameters()}
     named_groups = (
         [{**g, "params": [names[id(p)] for p in g["params"]]} for g in groups]
@@ -338,6 +354,10 @@ def prepare(
                                    generator=generator)  # fmt: skip
     else:
         optimizer = factory(params)
+    if mode == "fsdp" and r.float8 is not None and fp8_all_gather:
+        # foreach/fused optimizer kernels leave the shards' version counters alone: the
+        # FP8 all-gather's scales are refreshed after every step (float8_fsdp)
+        optimizer.register_step_post_hook(lambda *_: fp8_weights_updated(model))
     group = mesh.get_group() if mesh is not None and mode == "fsdp" else None
     if mode == "ddp":
         group = (ddp_kwargs or {}).get("process_group")
