@@ -39,11 +39,19 @@ recipe's hooks: float8 scaling state reduced over the ranks, u-μP's ``sqrt(N)``
 then optimizer and scaler), and the ``Trainer`` takes the wrapped model as it is. Every
 rank must build the same model.
 
+FSDP2 (``accelerate launch --use_fsdp --fsdp_version 2``, or ``TrainingArguments(fsdp=True,
+fsdp_config={"version": 2})``): the run is built by :func:`lowprec.distributed.prepare`
+with ``"fsdp"`` from rank 0's weights, the ``Trainer``'s Accelerator is kept out of FSDP
+and takes the sharded model as prepared, and checkpoints are sharded (DCP) with the
+unsharded model written by rank 0 (:mod:`lowprec.integrations.hf_parallel`).
+
 Not supported (refused with a message): an optimizer instance in ``optimizers`` (lowprec
 builds the optimizer), ``model_init``, ``args.fp16``/``args.bf16`` (the recipe sets the
-precision), DeepSpeed, FSDP through the ``Trainer`` (``args.fsdp``). A step skipped for
-Inf/NaN gradients does not restore the model's buffers (``train_step(skip_nonfinite=True)``
-does): a delayed-scaling amax history keeps that step's amax.
+precision), DeepSpeed, FSDP1 and the FSDP settings lowprec's FSDP2 does not honour
+(:func:`~lowprec.integrations.hf_parallel.parallel_mode`), ``load_best_model_at_end``
+under FSDP2. A step skipped for Inf/NaN gradients does not restore the model's buffers
+(``train_step(skip_nonfinite=True)`` does): a delayed-scaling amax history keeps that
+step's amax.
 """
 
 from __future__ import annotations
@@ -68,6 +76,15 @@ from lowprec.integrations.common import (
     load_lowprec_state,
     lowprec_state,
     with_module_filter,
+)
+from lowprec.integrations.hf_parallel import (
+    FSDP_DIR,
+    accelerator_without_fsdp,
+    check_materialized,
+    check_sharded,
+    load_sharded,
+    parallel_mode,
+    save_sharded,
 )
 from lowprec.jobs.recorder import RunRecorder
 from lowprec.recipes import OptimizerFactory, Prepared, Recipe, prepare
@@ -140,13 +157,19 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         if run_dir is not None and not isinstance(run_dir, (str, Path)):
             raise TypeError(f"run_dir must be a str, Path or None, got {type(run_dir).__name__}")
         r = with_module_filter(recipe, model, module_filter)
-        parallel = _data_parallel(args)
+        parallel = parallel_mode(args)
         if not isinstance(guard, (bool, GuardConfig)):
             raise TypeError(f"guard must be a bool or a GuardConfig, got {type(guard).__name__}")
         if guard is not False and parallel:
             raise ValueError("guard: it runs on one process, not data-parallel")
         if guard is not False and r.float8 is None:
             raise ValueError(f"guard: recipe {r.name!r} has no float8 layers to move")
+        if parallel == "fsdp" and args.load_best_model_at_end:
+            raise ValueError(
+                "args.load_best_model_at_end: not supported under FSDP2 (lowprec's sharded "
+                "checkpoints restore the model with its optimizer)"
+            )
+        self._parallel = parallel  # read by create_accelerator_and_postprocess
         model.to(args.device)  # the masters are made where the parameters are
         generator = None
         if r.policy.stochastic_rounding:
@@ -156,17 +179,28 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
             regroup = decay_groups(self.get_decay_parameter_names, args.weight_decay)
         factory = _factory(args, model, trainer_kwargs.get("optimizer_cls_and_kwargs"))
         if parallel:
-            # torchrun / accelerate launch: lowprec's own DDP order (technique, DDP wrap
-            # with the recipe's hooks, then optimizer and scaler); the Trainer takes the
-            # wrapped model as it is.
-            from lowprec.distributed import prepare as prepare_ddp
+            # torchrun / accelerate launch: lowprec's own order (technique, DDP wrap or
+            # fully_shard with the recipe's hooks, then optimizer and scaler); the Trainer
+            # takes the wrapped or sharded model as it is.
+            from lowprec.distributed import prepare as prepare_parallel
 
-            self.lowprec: Prepared = prepare_ddp(
-                model, r, "ddp", factory, generator, param_groups=regroup
-            )
+            fsdp = parallel == "fsdp"
+            if fsdp:
+                check_materialized(model)
+            try:  # FSDP2: rank 0's converted model on every rank (DDP broadcasts it itself)
+                self.lowprec: Prepared = prepare_parallel(
+                    model, r, parallel, factory, generator, param_groups=regroup,
+                    sync_module_states=fsdp,
+                )  # fmt: skip
+            except ValueError as e:
+                if not fsdp:
+                    raise
+                raise ValueError(f"{e} (under FSDP2; without an FSDP config the run is DDP)") from e
         else:
             self.lowprec = prepare(model, r, factory, generator, param_groups=regroup)
         net = _unwrap(self.lowprec.model)
+        if parallel == "fsdp":  # Accelerate's prepare leaves it as it is (no DDP wrap)
+            object.__setattr__(net, "_is_accelerate_prepared", True)
         self._guard = None if guard is False else Guard(net, None if guard is True else guard)
         self._gemms_every = gemms_every
         self._run_dir = None if run_dir is None else Path(run_dir)
@@ -185,6 +219,23 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         self.accelerator.scaler = self.lowprec.scaler
         if isinstance(net, Scalified):
             self._inspect_wrapped(net.module)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The ``Trainer``'s Accelerator; under FSDP2 built without Accelerate's FSDP
+        plugin (:func:`~lowprec.integrations.hf_parallel.accelerator_without_fsdp`)."""
+        if getattr(self, "_parallel", None) != "fsdp":
+            super().create_accelerator_and_postprocess()
+            return
+        with accelerator_without_fsdp(self.args):
+            super().create_accelerator_and_postprocess()
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            raise RuntimeError(
+                "FSDP2: an Accelerator with Accelerate's FSDP plugin already exists in this "
+                "process (Accelerate's state is shared); lowprec shards the model itself: "
+                "build the trainer before any Accelerator"
+            )
 
     def _inspect_wrapped(self, inner: nn.Module) -> None:
         """What the ``Trainer`` reads from the model's class and ``forward`` signature
@@ -257,7 +308,11 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
 
     # -- checkpoints ---------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The ``Trainer``'s optimizer and scheduler files, and ``lowprec_state.pt``."""
+        """The ``Trainer``'s optimizer and scheduler files, and ``lowprec_state.pt``; under
+        FSDP2 the sharded checkpoint ``lowprec_fsdp/`` and the scheduler instead."""
+        if self._parallel == "fsdp":
+            save_sharded(self.lowprec, self.lr_scheduler, output_dir, self.args.should_save)
+            return
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
             state = lowprec_state(self.lowprec)
@@ -265,11 +320,29 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
                 state["guard"] = self._guard.state_dict()
             torch.save(state, os.path.join(output_dir, STATE_NAME))
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The model's weights; under FSDP2 nothing here: the sharded checkpoint restores
+        them with the optimizer (:meth:`_load_optimizer_and_scheduler`)."""
+        if self._parallel != "fsdp":
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        else:
+            check_sharded(resume_from_checkpoint)  # before training starts
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self._parallel == "fsdp":
+            if checkpoint is not None:
+                load_sharded(self.lowprec, self.lr_scheduler, checkpoint)
+                self._unscaled = False
+            return
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
         path = os.path.join(checkpoint, STATE_NAME)
+        if os.path.isdir(os.path.join(checkpoint, FSDP_DIR)):
+            raise ValueError(
+                f"resume_from_checkpoint: {checkpoint} was saved under FSDP2 (sharded, "
+                f"{FSDP_DIR}/); resume it under FSDP2"
+            )
         if not os.path.isfile(path):
             raise ValueError(
                 f"resume_from_checkpoint: {checkpoint} has no {STATE_NAME} (not saved by a "
@@ -306,8 +379,16 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
     ) -> None:
         """A scalify'd HF model is saved as the HF model it wraps (``save_pretrained``:
-        its config, tied weights handled); any other model as the ``Trainer`` saves it."""
+        its config, tied weights handled); any other model as the ``Trainer`` saves it.
+        Under FSDP2 every rank gathers the unsharded state, which rank 0 writes."""
         inner = self.model.module if isinstance(self.model, Scalified) else None  # not DDP
+        if self._parallel == "fsdp" and state_dict is None:
+            from lowprec.distributed.checkpoint import full_state_dict
+
+            whole: nn.Module = inner if inner is not None else self.model  # type: ignore[assignment]
+            state_dict = full_state_dict(whole)
+            if not self.args.should_save:
+                return
         if not isinstance(inner, PreTrainedModel):
             super()._save(output_dir, state_dict)
             return
@@ -404,17 +485,6 @@ def _hf_config_view(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.__dict__["config"] = own
-
-
-def _data_parallel(args: TrainingArguments) -> bool:
-    """Whether the ``Trainer`` runs data-parallel over several processes (torchrun,
-    ``accelerate launch``); FSDP through the ``Trainer`` is refused."""
-    if getattr(args, "fsdp", None):
-        raise ValueError(
-            "args.fsdp: FSDP through the Trainer is not supported with lowprec recipes yet "
-            "(docs/integrations.md); DDP is (torchrun / accelerate launch)"
-        )
-    return bool(args.world_size > 1)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
