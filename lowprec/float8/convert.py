@@ -16,6 +16,13 @@ from torch.nn.utils import parametrize
 from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import GEMMS, Float8Config
 from lowprec.float8.conv1d import Float8Conv1D, is_conv1d
+from lowprec.float8.experts import (
+    Float8Experts,
+    Float8Router,
+    holds_expert_weights,
+    is_experts,
+    router_ids,
+)
 from lowprec.float8.linear import Float8Linear
 
 __all__ = [
@@ -45,6 +52,12 @@ def apply(
     layers, weight stored ``(in, out)``) becomes :class:`~lowprec.float8.conv1d.Float8Conv1D`,
     which keeps that parameter's name and shape (HF checkpoints still load) and computes
     exactly what the equivalent ``nn.Linear`` would. Parameters are shared, not copied.
+    The experts of an HF transformers MoE layer (a module holding 3-D expert weights,
+    :func:`~lowprec.float8.experts.is_experts`) become a
+    :class:`~lowprec.float8.experts.Float8Experts` (float8 grouped GEMMs, the same
+    ``state_dict`` keys); the MoE routers stay in high precision unless
+    ``fp8_router`` (:class:`~lowprec.float8.Float8Config`). ``module_filter`` sees the
+    experts module and the router (by their fqns) as it sees a linear.
 
     ``module_filter(module, fqn)`` returns True for the layers to convert (default: all), or
     a :class:`~lowprec.float8.Float8Config`: the layer is converted with that config instead
@@ -81,11 +94,14 @@ def apply(
     def wanted(mod: nn.Module, fqn: str) -> bool:
         conv1d = is_conv1d(mod)
         name = fqn or "the model"
-        if isinstance(mod, Float8Linear):
+        if isinstance(mod, (Float8Linear, Float8Experts)):
             return False
-        if not (conv1d or isinstance(mod, nn.Linear)):
+        experts, router = is_experts(mod), id(mod) in routers
+        if not (conv1d or isinstance(mod, nn.Linear) or experts or router):
             if _looks_linear(mod):
                 skipped[name] = f"{type(mod).__name__}: not an nn.Linear or an HF Conv1D"
+            elif holds_expert_weights(mod):
+                skipped[name] = f"{type(mod).__name__}: 3-D weights, not an experts module"
             return False
         chosen = recipe if module_filter is None else module_filter(mod, fqn)
         if chosen is None or chosen is False:
@@ -96,6 +112,13 @@ def apply(
                 f"module_filter must return a bool, a Float8Config or None, got "
                 f"{type(chosen).__name__} for {name}"
             )
+        cfg = recipe if chosen is True else chosen
+        if router and not cfg.fp8_router:  # MoE routers: high precision unless asked
+            skipped[name] = f"{type(mod).__name__}: router (fp8_router=False)"
+            return False
+        if experts or (router and not isinstance(mod, nn.Linear)):
+            configs[id(mod)], fqns[id(mod)] = cfg, fqn
+            return True
         if not conv1d and type(mod) is not nn.Linear and not computes_linear(mod):
             skipped[name] = f"{type(mod).__name__}: nn.Linear subclass, own forward"
             return False
@@ -115,26 +138,35 @@ def apply(
     configs: dict[int, Float8Config] = {}
     fqns: dict[int, str] = {}  # keys of the stochastic-rounding streams
 
-    def make(mod: nn.Module) -> Float8Linear:
+    def make(mod: nn.Module) -> nn.Module:
         cfg = configs[id(mod)]
         new: Float8Linear
+        if is_experts(mod):
+            return Float8Experts(mod, cfg)
         if isinstance(mod, nn.Linear):
             new = Float8Linear.from_linear(mod, cfg)
             if type(mod) is not nn.Linear:  # convert_back gives the subclass back
                 object.__setattr__(new, "_lowprec_original", mod)
-        else:
+        elif is_conv1d(mod):
             new = Float8Conv1D.from_conv1d(mod, cfg)
+        else:  # a router that is not an nn.Linear
+            new = Float8Router.from_router(mod, cfg)
         new.set_rng_key(fqns[id(mod)])
         return new
 
+    routers = router_ids(model)
     if wanted(model, ""):
         return make(model)
-    done: dict[int, Float8Linear] = {}
+    done: dict[int, nn.Module] = {}
     _convert_children(model, wanted, make, done)
     # What the caller's module_filter excluded was asked for: INFO. Anything else is a
     # linear-like layer that stays in high precision against the caller's wish: WARNING.
     for level, chosen in ((logging.INFO, True), (logging.WARNING, False)):
-        part = {k: v for k, v in skipped.items() if v.endswith(": module_filter") == chosen}
+        part = {
+            k: v
+            for k, v in skipped.items()
+            if v.endswith((": module_filter", "(fp8_router=False)")) == chosen
+        }
         if part:
             log.log(
                 level,
@@ -208,8 +240,8 @@ def _looks_linear(mod: nn.Module) -> bool:
 def _convert_children(
     model: nn.Module,
     wanted: Callable[[nn.Module, str], bool],
-    make: Callable[[nn.Module], Float8Linear],
-    done: dict[int, Float8Linear],
+    make: Callable[[nn.Module], nn.Module],
+    done: dict[int, nn.Module],
 ) -> None:  # a module used at several places stays one module
     for fqn, mod in list(model.named_modules(remove_duplicate=False)):
         for name, child in list(mod._modules.items()):
@@ -228,7 +260,11 @@ def convert_back(model: nn.Module) -> nn.Module:
     :class:`~lowprec.float8.conv1d.Float8Conv1D` by the ``Conv1D`` it came from, sharing
     their parameters (the scaling state is dropped). Returns ``model`` (or the new module)."""
 
-    def plain(m: Float8Linear) -> nn.Module:
+    def plain(m: Float8Linear | Float8Experts) -> nn.Module:
+        if isinstance(m, Float8Experts):
+            return m.to_experts()
+        if isinstance(m, Float8Router):
+            return m.to_router()
         if isinstance(m, Float8Conv1D):
             return m.to_conv1d()
         orig = m.__dict__.get("_lowprec_original")
@@ -243,12 +279,12 @@ def convert_back(model: nn.Module) -> nn.Module:
         _carry_extras(m, new, {"weight", "bias", *m.scaling_buffers()})
         return new
 
-    if isinstance(model, Float8Linear):
+    if isinstance(model, (Float8Linear, Float8Experts)):
         return plain(model)
     done: dict[int, nn.Module] = {}
     for mod in list(model.modules(remove_duplicate=False)):
         for name, child in list(mod._modules.items()):
-            if isinstance(child, Float8Linear):
+            if isinstance(child, (Float8Linear, Float8Experts)):
                 if id(child) not in done:
                     done[id(child)] = plain(child)
                 setattr(mod, name, done[id(child)])

@@ -1,0 +1,412 @@
+"""Float8 conversion of HF transformers MoE models (experts with 3-D weights, routers).
+
+Tiny random configs of each family, built from their config classes (no download).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+transformers = pytest.importorskip("transformers")
+moe = pytest.importorskip("transformers.integrations.moe")
+
+from lowprec.float8 import Float8Config, Float8Linear, apply, convert_back  # noqa: E402
+from lowprec.float8.config import GEMMS  # noqa: E402
+from lowprec.float8.experts import Float8Experts, Float8Router, is_experts, router_ids  # noqa: E402
+
+_COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _config(family: str, layers: int = 2) -> Any:
+    c = dict(_COMMON, num_hidden_layers=layers)
+    T = transformers
+    if family == "qwen2_moe":
+        return T.Qwen2MoeConfig(
+            **c,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    if family == "qwen3_moe":
+        return T.Qwen3MoeConfig(
+            **c,
+            head_dim=8,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    if family == "mixtral":
+        return T.MixtralConfig(
+            **c, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2
+        )
+    if family == "olmoe":
+        return T.OlmoeConfig(**c, intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    if family == "gpt_oss":
+        return T.GptOssConfig(
+            **c,
+            head_dim=8,
+            intermediate_size=24,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"][:layers],
+            sliding_window=16,
+        )
+    assert family == "deepseek_v3"
+    return T.DeepseekV3Config(
+        **c,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1 if layers > 1 else 0,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+
+
+FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3"]
+
+
+def _model(family: str, layers: int = 2, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    m = transformers.AutoModelForCausalLM.from_config(_config(family, layers))
+    with torch.no_grad():  # some families initialise expert weights to zeros or empty
+        for p in m.parameters():
+            if p.dim() == 3 or not torch.isfinite(p).all():
+                p.normal_(0.0, 0.05)
+    return m
+
+
+def _ids(seed: int = 1) -> Tensor:
+    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def _pair(family: str, config: Any = "tensorwise", **kw: Any) -> tuple[nn.Module, nn.Module]:
+    plain = _model(family, **kw)
+    conv = _model(family, **kw)
+    conv.load_state_dict(plain.state_dict())
+    return plain, apply(conv, config)
+
+
+def _matmul_share(plain: nn.Module, conv: nn.Module) -> float:
+    """Share of matmul weights (linear weights and 3-D expert weights; embeddings, the LM
+    head and the routers excluded) that sit in float8 modules of ``conv``."""
+    routers = {n for n, m in plain.named_modules() if id(m) in router_ids(plain)}
+    total = fp8 = 0
+    for n, m in conv.named_modules():
+        if n in routers or n.endswith("lm_head"):
+            continue
+        if isinstance(m, Float8Experts) or is_experts(m):
+            k = sum(p.numel() for p in m.parameters(recurse=False) if p.dim() == 3)
+        elif isinstance(m, nn.Linear):
+            k = m.weight.numel()
+        else:
+            continue
+        total += k
+        fp8 += k if isinstance(m, (Float8Experts, Float8Linear)) else 0
+    return fp8 / total
+
+
+# Measured on these configs (tensorwise): 100% of the matmul weights for every family.
+@pytest.mark.parametrize("family", FAMILIES)
+def test_share_keys_output_backward_and_convert_back(family: str) -> None:
+    plain, conv = _pair(family)
+    share = _matmul_share(plain, conv)
+    assert share >= 0.95, share
+    assert any(isinstance(m, Float8Experts) for m in conv.modules())
+    for i in router_ids(plain):  # routers stay the plain modules
+        assert not any(isinstance(m, Float8Linear) and id(m) == i for m in conv.modules())
+    assert list(conv.state_dict()) == list(plain.state_dict())
+    ids = _ids()
+    ref = plain(input_ids=ids).logits
+    out = conv(input_ids=ids, labels=ids)
+    # E4M3 rounds each operand by at most 2^-4 relatively (3 mantissa bits), so a GEMM's
+    # output errs by at most ~2^-3 of Σ|a||b| and, with errors of random sign, by about
+    # 2^-4 of its norm; a token's logits pass through ~10 GEMMs in series (2 layers of
+    # q/k/v/o, up, down, and the head), which adds up to sqrt(10)·2^-4 ≈ 0.2 of the
+    # logits' norm where routing does not flip. Bound: 0.25.
+    rel = float((out.logits - ref).norm() / ref.norm())
+    assert rel < 0.25, rel
+    out.loss.backward()
+    for n, p in conv.named_parameters():
+        assert p.grad is None or bool(torch.isfinite(p.grad).all()), n
+    experts = [m for m in conv.modules() if isinstance(m, Float8Experts)]
+    assert all(p.grad is not None for m in experts for p in m.parameters(recurse=False))
+    # checkpoints load both ways, strictly
+    plain.load_state_dict(conv.state_dict())
+    conv.load_state_dict(plain.state_dict())
+    back = convert_back(conv)
+    assert [type(m) for m in back.modules()] == [type(m) for m in plain.modules()]
+    torch.testing.assert_close(back(input_ids=ids).logits, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_high_precision_experts_equal_the_plain_model(family: str) -> None:
+    """With all three GEMMs in high precision, Float8Experts computes what the model's
+    grouped_mm experts compute, the same kernels in the same order: logits and gradients
+    equal to float32 rounding (1e-6 relative)."""
+    hp = Float8Config.from_name("tensorwise", high_precision_gemms=GEMMS)
+    plain = _model(family)
+    conv = _model(family)
+    conv.load_state_dict(plain.state_dict())
+    conv = apply(conv, hp, module_filter=lambda m, fqn: fqn.endswith("experts"))
+    ids = _ids()
+    a, b = plain(input_ids=ids, labels=ids), conv(input_ids=ids, labels=ids)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-6, atol=1e-6)
+    a.loss.backward()
+    b.loss.backward()
+    pg = dict(plain.named_parameters())
+    for n, p in conv.named_parameters():
+        if pg[n].grad is not None:
+            torch.testing.assert_close(p.grad, pg[n].grad, rtol=1e-5, atol=1e-7)
+
+
+def _router(model: nn.Module) -> nn.Module:
+    """The first MoE layer's router (``gate`` or ``router``)."""
+    ids = router_ids(model)
+    return next(
+        m
+        for n, m in model.named_modules()
+        if id(m) in ids and n.endswith(("gate", "router")) and not n.endswith("_gate")
+    )
+
+
+def _router_io(model: nn.Module, ids: Tensor) -> tuple[list[Tensor], Any]:
+    """The first router's input and outputs, and the model output (aux loss on)."""
+    seen: list[Tensor] = []
+    h = _router(model).register_forward_hook(lambda m, i, o: seen.extend([i[0], *o]))
+    kw = (
+        {}
+        if isinstance(model, transformers.DeepseekV3ForCausalLM)
+        else {"output_router_logits": True}
+    )
+    out = model(input_ids=ids, labels=ids, **kw)
+    h.remove()
+    return seen, out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routing_and_load_balancing_loss_unchanged(family: str) -> None:
+    """Experts in float8 (one MoE layer): the router sees the same hidden states, so its
+    logits, top-k weights and indices and the load-balancing loss are bit for bit the plain
+    model's, while the output differs (the experts ran in float8). Whole model converted:
+    the router is the plain module and computes the plain router's function of its input."""
+    ids = _ids()
+    plain = _model(family, layers=1)
+    conv = _model(family, layers=1)
+    conv.load_state_dict(plain.state_dict())
+    conv = apply(conv, "tensorwise", module_filter=lambda m, fqn: fqn.endswith("experts"))
+    (a, oa), (b, ob) = _router_io(plain, ids), _router_io(conv, ids)
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    if family != "deepseek_v3":  # DeepSeek-V3 has no load-balancing loss
+        assert torch.equal(oa.aux_loss, ob.aux_loss)
+    assert not torch.equal(oa.logits, ob.logits)
+    _, full = _pair(family, layers=1)
+    r = _router(full)
+    assert type(r) is type(_router(plain)) and not isinstance(r, Float8Linear)
+    (x, *outs), _ = _router_io(full, ids)
+    for u, v in zip(_router(plain)(x), outs, strict=True):
+        assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("config", ["rowwise", "mxfp8", "nvfp4", "blockwise"])
+def test_training_steps_reduce_the_loss(family: str, config: str) -> None:
+    _, conv = _pair(family, config)
+    opt = torch.optim.AdamW(conv.parameters(), lr=3e-3)
+    ids = _ids(2)
+    losses = []
+    for _ in range(6):
+        loss = conv(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_fp8_router_converts_the_routers(family: str) -> None:
+    """``fp8_router=True``: the TopKRouter becomes a Float8Router (Qwen2-MoE's
+    shared_expert_gate, an nn.Linear, a Float8Linear); keys and convert_back unchanged."""
+    cfg = Float8Config.from_name("tensorwise", fp8_router=True)
+    plain, conv = _pair(family, cfg)
+    routers = [m for m in conv.modules() if isinstance(m, Float8Router)]
+    assert len(routers) == 2
+    assert list(conv.state_dict()) == list(plain.state_dict())
+    ids = _ids()
+    out = conv(input_ids=ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    assert all(r.weight.grad is not None for r in routers)
+    ref = plain(input_ids=ids, output_router_logits=True)
+    rel = float((out.router_logits[0] - ref.router_logits[0]).norm() / ref.router_logits[0].norm())
+    assert 0 < rel < 0.25, rel  # the router's own GEMM in E4M3 (bound as above)
+    back = convert_back(conv)
+    assert [type(m) for m in back.modules()] == [type(m) for m in plain.modules()]
+
+
+def test_module_filter_and_recipe_layers_apply_to_experts() -> None:
+    from lowprec.recipes import get_recipe, prepare
+    from lowprec.recipes.layers import LayerRule
+
+    plain = _model("mixtral")
+    seen: list[str] = []
+
+    def pick(m: nn.Module, fqn: str) -> bool | Float8Config:
+        seen.append(fqn)
+        if fqn == "model.layers.0.mlp.experts":
+            return Float8Config.from_name("mxfp8")
+        return fqn != "model.layers.1.mlp.experts"
+
+    conv = apply(_model("mixtral"), "tensorwise", module_filter=pick)
+    assert "model.layers.0.mlp.experts" in seen
+    e0, e1 = conv.model.layers[0].mlp.experts, conv.model.layers[1].mlp.experts
+    assert isinstance(e0, Float8Experts) and e0.recipe.name == "mxfp8"
+    assert type(e1) is type(plain.model.layers[1].mlp.experts)
+    r = get_recipe("fp8-tensorwise")
+    r = dataclasses.replace(r, layers=(LayerRule("*.layers.1.mlp.experts", None), *r.layers))
+    p = prepare(_model("mixtral"), r)
+    assert isinstance(p.model.model.layers[0].mlp.experts, Float8Experts)
+    assert not isinstance(p.model.model.layers[1].mlp.experts, Float8Experts)
+
+
+def test_static_config_runs_experts_dynamic_with_a_warning(caplog: Any) -> None:
+    """Calibrated static scaling is not implemented for experts: dynamic, logged once."""
+    with caplog.at_level(logging.WARNING, logger="lowprec.float8.experts"):
+        _, conv = _pair("qwen3_moe", "static")
+    ex = conv.model.layers[0].mlp.experts
+    assert isinstance(ex, Float8Experts)
+    assert ex.grouped_recipe.input.scaling == "dynamic"
+    assert conv.model.layers[0].self_attn.q_proj.recipe.input.scaling == "static"
+    assert "dynamic scaling" in caplog.text
+
+
+def test_delayed_scaling_keeps_one_history_per_expert() -> None:
+    """``delayed``: each expert records its own amax (its tokens' for the input, its
+    matrix's for the weight; 0 for an expert without tokens) in training mode only; the
+    histories are float32 buffers a plain checkpoint need not hold."""
+    m = _model("mixtral")
+    ex = Float8Experts(m.model.layers[0].mlp.experts, "delayed")
+    hist = ex.gate_up_proj_input_amax_history
+    assert hist.shape == (16, 4) and len(ex.scaling_buffers()) == 6
+    x = torch.randn(6, 32)
+    idx = torch.tensor([[0, 1], [1, 3], [3, 0], [0, 1], [1, 0], [3, 1]])  # expert 2: none
+    ex(x, idx, torch.rand(6, 2)).sum().backward()
+    want = torch.stack(
+        [
+            x[(idx == e).any(1)].abs().amax() if (idx == e).any() else torch.tensor(0.0)
+            for e in range(4)
+        ]
+    )
+    assert torch.equal(hist[0], want)
+    assert torch.equal(
+        ex.gate_up_proj_weight_amax_history[0], ex.gate_up_proj.detach().abs().amax((1, 2))
+    )
+    go = ex.down_proj_grad_output_amax_history[0]
+    assert bool((go[[0, 1, 3]] > 0).all()) and float(go[2]) == 0.0
+    ex.eval()
+    ex(x, idx, torch.rand(6, 2))
+    assert torch.equal(hist[1], torch.zeros(4))  # evaluation records nothing
+    plain_sd = m.model.layers[0].mlp.experts.state_dict()
+    ex.load_state_dict(plain_sd)  # strict: the histories are not required
+    assert set(ex.state_dict()) - set(plain_sd) == set(ex.scaling_buffers())
+    ex.to(torch.bfloat16)
+    assert hist.dtype == torch.float32 and ex.gate_up_proj_input_amax_history.dtype == torch.float32
+    with pytest.raises(ValueError, match="finite"):
+        ex.load_state_dict({**plain_sd, "down_proj_input_amax_history": torch.full((16, 4), -1.0)})
+
+
+def test_delayed_model_trains() -> None:
+    _, conv = _pair("gpt_oss", "delayed")
+    opt = torch.optim.AdamW(conv.parameters(), lr=3e-3)
+    ids = _ids(2)
+    losses = []
+    for _ in range(6):
+        loss = conv(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_generic_detection_of_an_unlisted_experts_class(caplog: Any) -> None:
+    """A user's experts class decorated with ``use_experts_implementation`` (transposed
+    weights, biases, no gate) converts; a module with 3-D weights but no flags is named
+    in the WARNING."""
+
+    class Cfg:
+        _experts_implementation = "grouped_mm"
+
+    @moe.use_experts_implementation(is_transposed=True, has_bias=True, has_gate=False)
+    class MyExperts(nn.Module):
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+            self.num_experts = 3
+            self.up_proj = nn.Parameter(torch.randn(3, 16, 24) * 0.2)
+            self.up_proj_bias = nn.Parameter(torch.randn(3, 24) * 0.1)
+            self.down_proj = nn.Parameter(torch.randn(3, 24, 16) * 0.2)
+            self.down_proj_bias = nn.Parameter(torch.randn(3, 16) * 0.1)
+            self.act_fn = nn.GELU()
+
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, 4, 4))
+
+    holder = nn.Module()
+    holder.experts = MyExperts(Cfg())
+    holder.odd = Odd()
+    x = torch.randn(7, 16)
+    idx = torch.tensor([[0, 2], [2, 2], [1, 0], [0, 0], [2, 0], [2, 1], [0, 2]])
+    wts = torch.rand(7, 2)
+    ref = holder.experts(x, idx, wts)
+    with caplog.at_level(logging.WARNING, logger="lowprec.float8.convert"):
+        apply(holder, Float8Config.from_name("tensorwise", high_precision_gemms=GEMMS))
+    assert isinstance(holder.experts, Float8Experts)
+    assert "odd" in caplog.text
+    torch.testing.assert_close(holder.experts(x, idx, wts), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_input_and_config_round_trip() -> None:
+    c = Float8Config.from_name("rowwise", fp8_router=True)
+    assert Float8Config.from_dict(c.to_dict()) == c
+    assert "router=fp8" in c.describe()
+    with pytest.raises(TypeError, match="fp8_router"):
+        Float8Config(fp8_router=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="experts"):
+        Float8Experts(nn.Linear(2, 2))
+    m = _model("mixtral")
+    ex = m.model.layers[0].mlp.experts
+    with pytest.raises(TypeError, match="recipe"):
+        Float8Experts(ex, 3)  # type: ignore[arg-type]
+    f = Float8Experts(ex, "tensorwise")
+    with pytest.raises(ValueError, match="top_k_index"):
+        f(torch.randn(3, 32), torch.full((3, 2), 9), torch.rand(3, 2))
+    with pytest.raises(TypeError, match="hidden_states"):
+        f([1.0], torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="router"):
+        Float8Router.from_router(nn.ReLU(), "tensorwise")
