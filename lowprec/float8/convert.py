@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from lowprec.float8.attention import apply_attention, remove_attention
 from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import GEMMS, Float8Config
 from lowprec.float8.conv1d import Float8Conv1D, is_conv1d
@@ -63,7 +64,9 @@ def apply(
     a :class:`~lowprec.float8.Float8Config`: the layer is converted with that config instead
     of ``config`` (per-layer configs, as a recipe's ``layers`` give them; ``None`` or False
     leaves the layer); it sees the original module (an ``nn.Linear`` or a ``Conv1D``, whose
-    sizes are ``nx`` and ``nf``). A layer used at several places becomes one float8 layer
+    sizes are ``nx`` and ``nf``). ``config.attention`` (not a filter's config) also runs
+    the model's attention in FP8 (:func:`~lowprec.float8.attention.apply_attention`;
+    :func:`convert_back` undoes it). A layer used at several places becomes one float8 layer
     used at all of them; its hooks carry over. What is not converted is named in one
     WARNING: layers the filter refused, subclasses of ``nn.Linear`` and parametrized linears
     (e.g. ``weight_norm``), whose own forward would be lost. A subclass whose forward
@@ -88,6 +91,7 @@ def apply(
         )
     if module_filter is not None and not callable(module_filter):
         raise TypeError("module_filter must be a callable (module, fqn) -> bool")
+    apply_attention(model, recipe)  # config.attention: FP8 attention (float8/attention.py)
 
     skipped: dict[str, str] = {}  # fqn -> why
 
@@ -258,7 +262,9 @@ def _convert_children(
 def convert_back(model: nn.Module) -> nn.Module:
     """Replace every :class:`Float8Linear` by a plain ``nn.Linear`` and every
     :class:`~lowprec.float8.conv1d.Float8Conv1D` by the ``Conv1D`` it came from, sharing
-    their parameters (the scaling state is dropped). Returns ``model`` (or the new module)."""
+    their parameters (the scaling state is dropped), and gives back the attention that FP8
+    attention replaced (:func:`~lowprec.float8.attention.remove_attention`). Returns
+    ``model`` (or the new module)."""
 
     def plain(m: Float8Linear | Float8Experts) -> nn.Module:
         if isinstance(m, Float8Experts):
@@ -281,6 +287,7 @@ def convert_back(model: nn.Module) -> nn.Module:
 
     if isinstance(model, (Float8Linear, Float8Experts)):
         return plain(model)
+    remove_attention(model)
     done: dict[int, nn.Module] = {}
     for mod in list(model.modules(remove_duplicate=False)):
         for name, child in list(mod._modules.items()):
