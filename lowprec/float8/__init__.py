@@ -20,6 +20,7 @@ from lowprec.float8.attention import FP8Attention, fp8_attention
 from lowprec.float8.calibration import calibrate
 from lowprec.float8.config import PRESETS, CastConfig, Float8Config, Float8Recipe, recipe_names
 from lowprec.float8.convert import apply, convert_back, convert_to_float8
+from lowprec.float8.experts import Float8Experts
 from lowprec.float8.grouped import grouped_linear
 from lowprec.float8.linear import Float8Linear
 from lowprec.float8.mm import hardware_fp8_available, scaled_mm
@@ -30,6 +31,7 @@ __all__ = [
     "CastConfig",
     "FP8Attention",
     "Float8Config",
+    "Float8Experts",
     "Float8Linear",
     "Float8Recipe",
     "apply",

@@ -16,9 +16,15 @@ from torch import Tensor, nn
 transformers = pytest.importorskip("transformers")
 moe = pytest.importorskip("transformers.integrations.moe")
 
-from lowprec.float8 import Float8Config, Float8Linear, apply, convert_back  # noqa: E402
+from lowprec.float8 import (  # noqa: E402
+    Float8Config,
+    Float8Experts,
+    Float8Linear,
+    apply,
+    convert_back,
+)
 from lowprec.float8.config import GEMMS  # noqa: E402
-from lowprec.float8.experts import Float8Experts, Float8Router, is_experts, router_ids  # noqa: E402
+from lowprec.float8.experts import Float8Router, is_experts, router_ids  # noqa: E402
 
 _COMMON = dict(
     vocab_size=64,
