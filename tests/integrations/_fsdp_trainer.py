@@ -114,6 +114,31 @@ def fsdp(out: Path, recipe: str) -> None:
     (out / f"result_{dist.get_rank()}.json").write_text(json.dumps(result, default=str))
 
 
+def extras(out: Path) -> None:
+    """fp8-delayed with gradient accumulation and a run directory (rank 0 writes it, every
+    rank measures), then ``trainer.save_model``: the unsharded model loads with
+    ``from_pretrained``. ``extras_<rank>.json``."""
+    import torch.distributed as dist
+
+    from lowprec.distributed.checkpoint import full_state_dict
+
+    args = _args(out / "extras", 2, ddp_backend="gloo", gradient_accumulation_steps=2)
+    t = make_trainer(tiny_llama(), args, recipe="fp8-delayed", train_dataset=Tokens(),
+                     run_dir=str(out / "run"), numerics_every=2, gemms_every=2)  # fmt: skip
+    t.train()
+    t.save_model(str(out / "final"))
+    whole = full_state_dict(t.model)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(str(out / "final")).state_dict()
+    result = {
+        "losses": _losses(t),
+        "loaded_equal": all(torch.equal(v, whole[k]) for k, v in loaded.items()),
+        "metrics": len((out / "run" / "metrics.jsonl").read_text().splitlines())
+        if dist.get_rank() == 0
+        else None,
+    }
+    (out / f"extras_{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
 def refused(out: Path) -> None:
     """What FSDP2 refuses, with a ValueError on every rank: a recipe that rounds FP32
     master weights stochastically (the all-gather casts the FP32 shards to nearest), and
@@ -140,6 +165,7 @@ if __name__ == "__main__":
     for name in sys.argv[3:]:
         (single if mode == "single" else fsdp)(root / name, name)
     if mode == "fsdp":
+        extras(root)
         refused(root)
         # Destroy the gloo group before interpreter teardown: freed there, its threads can
         # be destroyed while joinable and abort the process after its work (SIGABRT).

@@ -94,6 +94,11 @@ def test_accelerate_launch_two_processes_fsdp2(tmp_path: Path) -> None:
     # torch's fused AdamW, the Trainer's default, though it leaves the version counters)
     amax = json.loads((tmp_path / "fp8-delayed" / "result_0.json").read_text())
     assert amax["weight_amax_records"] and set(amax["weight_amax_records"]) == {4}
+    # gradient accumulation, a run directory written by rank 0, save_model's unsharded
+    # model read back by from_pretrained (every weight as gathered from the shards)
+    extras = [json.loads((tmp_path / f"extras_{r}.json").read_text()) for r in (0, 1)]
+    assert extras[0]["losses"] == extras[1]["losses"] and len(extras[0]["losses"]) == 4
+    assert all(e["loaded_equal"] for e in extras) and extras[0]["metrics"] == 4
     # a recipe FSDP2 cannot run: the same clear error on both ranks
     for r in (0, 1):
         sr, best = json.loads((tmp_path / f"refused_{r}.json").read_text())["errors"]
