@@ -9,6 +9,8 @@ that the continued run appends exactly the steps it redoes. Process-group runs g
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
 import random
 from pathlib import Path
@@ -31,7 +33,9 @@ from lowprec.jobs.rundir import (
 )
 from lowprec.recipes import Prepared
 
-__all__ = ["cut_logs", "nonfinite_state", "restore", "save"]
+__all__ = ["cut_logs", "fingerprint", "nonfinite_state", "restore", "save", "unrestored"]
+
+log = logging.getLogger(__name__)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -43,6 +47,35 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`_rng_state` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+
+
+def fingerprint(state: Any, path: str = "") -> dict[str, str]:
+    """A digest of every leaf of a nested state (dicts, lists, tensors, Python values),
+    keyed by its path (``"optimizer.state.3.exp_avg"``): a tensor's by its dtype, shape and
+    bytes (BLAKE2b of its contiguous copy), any other value by its ``repr``. Two states
+    are bit-identical exactly when their fingerprints are equal (up to hash collisions)."""
+    out: dict[str, str] = {}
+    if isinstance(state, dict):
+        for k, v in state.items():
+            out.update(fingerprint(v, f"{path}.{k}" if path else str(k)))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(fingerprint(v, f"{path}.{i}" if path else str(i)))
+    elif isinstance(state, torch.Tensor):
+        t = state.detach().cpu().contiguous()
+        h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        out[path] = h.hexdigest()
+    else:
+        out[path] = repr(state)
+    return out
+
+
+def unrestored(saved: dict[str, str], live: dict[str, str]) -> list[str]:
+    """The paths whose fingerprints differ between a saved state and the live one after
+    restoring it (in ``saved``'s order; a path present on one side only counts)."""
+    return [k for k in saved if live.get(k) != saved[k]] + [k for k in live if k not in saved]
 
 
 def nonfinite_state(prepared: Prepared) -> str | None:
@@ -84,7 +117,8 @@ def save(
     if parallel is not None:
         par.save_checkpoint(out, prepared, step, parallel)
         return
-    state = {"step": step, "run": prepared.state_dict(), "rng": _rng_state()}
+    run = prepared.state_dict()
+    state = {"step": step, "run": run, "rng": _rng_state(), "fingerprint": fingerprint(run)}
     if guard is not None:
         state["guard"] = guard.state_dict()
     save_checkpoint(out, state)
@@ -115,6 +149,16 @@ def restore(
                 guard.load_state_dict(state.get("guard", {}))
         except (ValueError, KeyError, RuntimeError, TypeError) as e:
             raise RunError(f"--resume: checkpoint {out / CHECKPOINT} does not fit ({e})") from None
+        saved = state.get("fingerprint")  # (checkpoints before it have none)
+        if isinstance(saved, dict):
+            bad = unrestored(saved, fingerprint(prepared.state_dict()))
+            if bad:  # never expected: a load that changes what it loads
+                log.warning(
+                    "lowprec train --resume: the restored state differs from the checkpoint's "
+                    "in %d entries (first: %s); the run continues, not bit-exactly",
+                    len(bad),
+                    bad[0],
+                )
         _set_rng_state(state["rng"])
         start = int(state["step"])
     cut_logs(out, start)

@@ -31,6 +31,7 @@ parameters or optimizer state.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from lowprec.amp import NoLossScaler
 from lowprec.amp.footprint import training_state_bytes
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
 from lowprec.autopilot.guard import Guard
+from lowprec.core.warn import warn_once
 from lowprec.distributed import env
 from lowprec.distributed.parallel import PARALLEL
 from lowprec.jobs import checkpoints
@@ -91,6 +93,9 @@ __all__ = [
     "train",
 ]
 
+log = logging.getLogger(__name__)
+# What a step redone after --resume must reproduce exactly (_Loop._check_redo).
+_REDO_KEYS = ("loss", "loss_scale", "skipped", "val_loss")
 # Formats whose ranges the numerics records measure (lowprec.analysis.tracking).
 TRACK_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
 ON_NONFINITE = ("stop", "skip")  # what a step with an Inf/NaN loss or gradient does
@@ -167,6 +172,7 @@ def train(
     env.on_main(lambda: _prepare_dir(out, cfg, resume, parallel), RunError)
     prepared, data = build(cfg, data, parallel)
     guard = Guard(prepared.model) if cfg.guard else None
+    logged = _logged(out) if resume and env.is_main() else []  # read before restore cuts them
     start = checkpoints.restore(out, prepared, parallel, guard) if resume else 0
     has_ckpt = env.on_main(
         lambda: (out / (CHECKPOINT if parallel is None else par.POINTER)).exists(), RunError
@@ -197,6 +203,7 @@ def train(
         _faults.point("startup")
         end = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
         loop = _Loop(cfg, prepared, data, recorder, on_nonfinite, max_skips, parallel, guard)
+        loop.redo = {r["step"]: r for r in logged if r["step"] > start}
         loop.last_ckpt = start if has_ckpt else None
         show = progress and env.is_main()
         bar = Progress(cfg.steps, start, label or cfg.recipe_name, enabled=show)
@@ -252,6 +259,35 @@ class _Loop:
         self.meter = GradMeter(prepared.model)
         self.skips = 0  # consecutive skipped steps
         self.last_ckpt: int | None = None  # the step of the checkpoint on disk
+        # after --resume: the records an interrupted process logged past the checkpoint
+        self.redo: dict[int, dict[str, Any]] = {}
+
+    def _check_redo(self, done: int, rec: dict[str, Any]) -> None:
+        """A step redone after ``--resume`` must log what the interrupted process logged for
+        it (the same state, batch and arithmetic): if its loss, loss scale, skip or
+        validation loss differs, mark the record (``resume_mismatch``, with the earlier
+        ``resume_loss_before``) and warn once. A restored state that differs from the
+        checkpoint's is checked on its own (:func:`lowprec.jobs.checkpoints.restore`), so
+        a mismatch here, after an exact restore, means this machine computed the same step
+        differently the second time."""
+        old = self.redo.pop(done, None)
+        if old is None:
+            return
+        keys = [k for k in _REDO_KEYS if k in old or k in rec]
+        if all(old.get(k) == rec.get(k) for k in keys):
+            return
+        rec["resume_mismatch"] = True
+        rec["resume_loss_before"] = old.get("loss")
+        warn_once(
+            log,
+            "train:redo",
+            "lowprec train --resume: step %d, redone from the checkpoint, logged loss %r where "
+            "the interrupted process logged %r; from here the run is not bit-exact "
+            "(metrics.jsonl marks such steps resume_mismatch)",
+            done,
+            rec.get("loss"),
+            old.get("loss"),
+        )
 
     def step(self, step: int) -> dict[str, Any]:
         """Run step ``step`` (0-based) to its end, its records written; the metrics record."""
@@ -280,6 +316,7 @@ class _Loop:
             rec["stopped"] = "nonfinite"
         elif done % cfg.eval_every == 0 or done == cfg.steps:
             rec["val_loss"] = evaluate(self.prepared, self.data, cfg.eval_batches)
+        self._check_redo(done, rec)
         rec = self.recorder.log(done, **rec)  # the step's numerics, then its metrics line
         if stop is not None:
             self.recorder.write_summary()  # rank 0 writes
@@ -294,6 +331,15 @@ class _Loop:
                 done,
             )
         return rec
+
+
+def _logged(out: Path) -> list[dict[str, Any]]:
+    """The metrics records of ``out`` before a resume cuts them (``[]`` where there are
+    none or they cannot be read: the restore then reports what is wrong)."""
+    try:
+        return read_metrics(out) if (out / METRICS).is_file() else []
+    except (RunError, OSError, ValueError):
+        return []
 
 
 def _train_step(

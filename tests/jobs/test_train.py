@@ -36,21 +36,84 @@ def _model_state(out: Path) -> dict[str, torch.Tensor]:
     return model
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "bf16", "fp16-dynamic-ls", "amp-bf16", "fp8-delayed"])
-def test_resume_is_bit_exact(tmp_path: Path, recipe: str) -> None:
-    """N steps straight == N/2 steps, stop, resume, N/2 steps: identical losses and weights."""
+@pytest.mark.parametrize(
+    "recipe",
+    ["fp32", "bf16", "fp16-dynamic-ls", "amp-bf16", "fp8-delayed", "fp8-static", "fp16-scalify",
+     "bf16-unit", "fp8-lean"],
+)  # fmt: skip
+def test_resume_is_bit_exact(tmp_path: Path, recipe: str, caplog: pytest.LogCaptureFixture) -> None:
+    """N steps straight == N/2 steps, stop, resume, N/2 steps: identical losses and weights.
+    Then a kill after two steps past a checkpoint (the checkpoint of step 4 put back after
+    steps 5 and 6 were logged): the resumed run redoes them, and its restored state and its
+    redone steps equal what was saved and logged (no warning, no ``resume_mismatch``)."""
     cfg = replace(TINY, recipe=recipe)
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(cfg, straight, progress=False)
     assert train(cfg, split, progress=False, stop_after=4) == {"stopped_at": 4}
     assert len(read_metrics(split)) == 4
+    ck4 = (split / "checkpoint.pt").read_bytes()
+    caplog.set_level("WARNING", logger="lowprec.jobs")
+    train(cfg, split, resume=True, progress=False, stop_after=6)
+    (split / "checkpoint.pt").write_bytes(ck4)  # killed after step 6, before its checkpoint
     train(cfg, split, resume=True, progress=False)
+    assert not [r for r in caplog.records if r.name.startswith("lowprec.jobs")], caplog.text
+    recs = read_metrics(split)
+    assert not any("resume_mismatch" in r for r in recs)
     assert _losses(straight) == _losses(split)
-    assert [r.get("val_loss") for r in read_metrics(straight)] == [
-        r.get("val_loss") for r in read_metrics(split)
-    ]
+    assert [r.get("val_loss") for r in read_metrics(straight)] == [r.get("val_loss") for r in recs]
     a, b = _model_state(straight), _model_state(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_redone_step_that_differs_is_marked_and_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a kill past the checkpoint (steps 5 and 6 logged, checkpoint of step 4), the
+    resumed run compares each redone step with the interrupted process's record: a record
+    that differs (here: step 5's loss edited by one unit in the last place, as a machine
+    that computes the same step differently would log it) marks that step
+    ``resume_mismatch`` with the earlier loss, and warns once; step 6, equal, is not
+    marked. A restored state that differs from the saved fingerprint warns too."""
+    from lowprec.core.warn import reset_warnings
+
+    reset_warnings("train:")
+    out = tmp_path / "r"
+    cfg = replace(TINY, recipe="fp16-dynamic-ls")
+    train(cfg, out, progress=False, stop_after=4)
+    ck4 = torch.load(out / "checkpoint.pt", weights_only=True)
+    train(cfg, out, resume=True, progress=False, stop_after=6)
+    recs = read_metrics(out)
+    before = recs[4]["loss"]
+    recs[4]["loss"] = math.nextafter(before, math.inf)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    key = next(k for k in ck4["fingerprint"] if k.startswith("optimizer."))
+    ck4["fingerprint"][key] = "0" * 32  # a saved entry the restored state will not match
+    torch.save(ck4, out / "checkpoint.pt")
+    caplog.set_level("WARNING", logger="lowprec.jobs")
+    train(cfg, out, resume=True, progress=False)
+    recs = read_metrics(out)
+    assert recs[4]["resume_mismatch"] is True
+    assert recs[4]["resume_loss_before"] == math.nextafter(before, math.inf)
+    assert recs[4]["loss"] == before  # the step itself is computed as before
+    assert not any("resume_mismatch" in r for r in recs[:4] + recs[5:])
+    text = caplog.text
+    assert "step 5, redone from the checkpoint" in text
+    assert f"the restored state differs from the checkpoint's in 1 entries (first: {key})" in text
+
+
+def test_fingerprint_names_the_entries_that_differ() -> None:
+    a = {"m": {"w": torch.ones(3, dtype=torch.bfloat16), "b": torch.zeros(2)}, "lr": 0.1,
+         "g": [torch.tensor(1, dtype=torch.int64)], "e": torch.empty(0)}  # fmt: skip
+    fa = checkpoints.fingerprint(a)
+    assert list(fa) == ["m.w", "m.b", "lr", "g.0", "e"]
+    assert checkpoints.unrestored(fa, checkpoints.fingerprint(a)) == []
+    b = {**a, "m": {"w": a["m"]["w"].clone(), "b": torch.zeros(2, dtype=torch.float64)}}
+    b["m"]["w"][1] = torch.tensor(1.0078125, dtype=torch.bfloat16)  # one ulp above 1
+    assert checkpoints.unrestored(fa, checkpoints.fingerprint(b)) == ["m.w", "m.b"]
+    assert checkpoints.unrestored(fa, checkpoints.fingerprint({**a, "lr": 0.2})) == ["lr"]
+    assert checkpoints.unrestored(fa, checkpoints.fingerprint({**a, "x": 1})) == ["x"]
+    c = {**a, "e": torch.empty(0, 1)}  # same bytes (none), another shape
+    assert checkpoints.unrestored(fa, checkpoints.fingerprint(c)) == ["e"]
 
 
 def test_ctrl_c_takes_effect_at_the_step_boundary_and_resume_continues(
