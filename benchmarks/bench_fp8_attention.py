@@ -22,6 +22,13 @@ final checkpoint); for each scaling (tensorwise, headwise, rowwise):
 * end to end: :func:`lowprec.float8.fp8_attention`'s output and ``q, k, v`` gradients
   against FP32 attention's (``F.scaled_dot_product_attention``).
 
+The gradients ``dO``, ``dS`` are E5M2 (the preset's ``grad_output`` format), and, for the
+trained model, also E4M3 (``grad_fmt="e4m3fn"``, what a recipe with E4M3 gradients such as
+``fp8-deepseek`` gives attention).
+
+Cost: forward + backward of one attention call (the first trained layer's inputs) per
+scaling and for FP32 SDPA, median of 9 repeats of the thread's CPU time, one thread.
+
 Prints the tables and writes ``--out`` (default ``benchmarks/results/fp8_attention_cpu.json``:
 machine, lscpu model and flags, torch, git revision, the configuration and every run).
 Finished runs in ``--runs`` are reused. ``--quick``: a tiny model, 6 steps, 1 seed, JSON in
@@ -47,7 +54,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import arg_parser, parse_args, print_table, run_record, write_json
+from _common import arg_parser, parse_args, print_table, run_record, time_many, write_json
 from bench_fp4 import LOWPREC, lscpu, paired, run_cmd
 from torch import Tensor
 
@@ -60,6 +67,9 @@ from lowprec.jobs.train_setup import build
 from lowprec.recipes import Recipe, get_recipe
 
 BASE = "fp8-tensorwise"
+SQNR_CASES = (  # (name, trained, gradient format)
+    ("init", False, "e5m2"), ("trained", True, "e5m2"), ("trained, E4M3 gradients", True, "e4m3fn"),
+)  # fmt: skip
 END_TO_END = ("out", "grad_q", "grad_k", "grad_v")
 
 
@@ -113,19 +123,21 @@ def _acc(acc: dict[str, list[float]], key: str, got: Tensor, ref: Tensor) -> Non
     a[1] += float(((got.double() - ref.double()) ** 2).sum())
 
 
-def sqnr(layers: list[tuple[Tensor, ...]]) -> dict[str, dict[str, float | None]]:
-    """Per scaling, pooled over ``layers``: each GEMM's and the end-to-end SQNR (dB)."""
+def sqnr(layers: list[tuple[Tensor, ...]], grad_fmt: str) -> dict[str, dict[str, float | None]]:
+    """Per scaling, pooled over ``layers``: each GEMM's and the end-to-end SQNR (dB), the
+    gradients in ``grad_fmt``."""
     n = layers[0][0].shape[-2]
     causal = torch.zeros(n, n).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
     out: dict[str, dict[str, float | None]] = {}
     for scaling in ATTENTION_SCALINGS:
         acc: dict[str, list[float]] = {}
         for q, k, v, do, scale in layers:
-            for name, (fp8, ref) in attention_gemms(q, k, v, do, causal, scale,
-                                                    scaling=scaling).items():  # fmt: skip
+            for name, (fp8, ref) in attention_gemms(q, k, v, do, causal, scale, scaling=scaling,
+                                                    grad_fmt=grad_fmt).items():  # fmt: skip
                 _acc(acc, name, fp8, ref)
             ins = [t.clone().requires_grad_() for t in (q, k, v)]
-            y = fp8_attention(*ins, is_causal=True, scale=scale, scaling=scaling)
+            y = fp8_attention(*ins, is_causal=True, scale=scale, scaling=scaling,
+                              grad_fmt=grad_fmt)  # fmt: skip
             y.backward(do)
             ref_ins = [t.clone().requires_grad_() for t in (q, k, v)]
             r = F.scaled_dot_product_attention(*ref_ins, is_causal=True, scale=scale)
@@ -136,6 +148,28 @@ def sqnr(layers: list[tuple[Tensor, ...]]) -> dict[str, dict[str, float | None]]
                 _acc(acc, key, got, want)
         out[scaling] = {k: (10 * math.log10(s / e) if e > 0 else None) for k, (s, e) in acc.items()}
     return out
+
+
+def cost(layer: tuple[Tensor, ...], repeats: int) -> dict[str, Any]:
+    """Forward + backward of one attention call on ``layer``'s inputs, per scaling and for
+    FP32 SDPA: median ms over ``repeats`` (thread CPU time, one thread)."""
+    q, k, v, do, scale = layer
+
+    def call(scaling: str | None) -> Any:
+        def run() -> None:
+            ins = [t.clone().requires_grad_() for t in (q, k, v)]
+            if scaling is None:
+                y = F.scaled_dot_product_attention(*ins, is_causal=True, scale=scale)
+            else:
+                y = fp8_attention(*ins, is_causal=True, scale=scale, scaling=scaling)
+            y.backward(do)
+
+        return run
+
+    calls = {"fp32 sdpa": call(None), **{s: call(s) for s in ATTENTION_SCALINGS}}
+    torch.set_num_threads(1)
+    t = time_many(calls, repeats=repeats, clock="thread")
+    return {n: x.median_ms for n, x in t.items()} | {"shape": list(q.shape)}
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -203,13 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     pool.shutdown()
     t_sqnr = time.perf_counter()
     sq: dict[str, dict[str, Any]] = {}
-    for when in ("init", "trained"):
-        per_seed = [sqnr(capture(root / f"seed{s}" / BASE, when == "trained")) for s in seeds]
+    for when, trained, grad_fmt in SQNR_CASES:
+        per_seed = [sqnr(capture(root / f"seed{s}" / BASE, trained), grad_fmt) for s in seeds]
         sq[when] = {
             sc: {k: statistics.fmean(x[sc][k] for x in per_seed) for k in per_seed[0][sc]}
             for sc in ATTENTION_SCALINGS
         }
     sqnr_s = time.perf_counter() - t_sqnr
+    timing = cost(capture(root / f"seed{seeds[0]}" / BASE, True)[0], 3 if a.quick else 9)
 
     def vals(n: str) -> list[float | None]:
         return [runs[n][str(s)]["val_loss"] for s in seeds]
@@ -243,12 +278,19 @@ def main(argv: list[str] | None = None) -> int:
             [[sc, *(d[k] for k in (*ATTENTION_GEMMS, *END_TO_END))] for sc, d in table.items()],
             "per GEMM: that GEMM alone on FP32 attention's operands; out, grad_q/k/v: end to end",
         )  # fmt: skip
+    print_table(
+        "cost: forward + backward of one attention call (ms, thread CPU time, one thread)",
+        ["", *(k for k in timing if k != "shape")],
+        [["median ms", *(v for k, v in timing.items() if k != "shape")]],
+        f"q, k, v, dO of shape {timing['shape']} (batch, heads, tokens, head dim), causal",
+    )
     total_s = time.perf_counter() - t_start
     print(f"total {total_s:.0f} s (SQNR {sqnr_s:.0f} s)")
     record = run_record(
         "fp8_attention", "cpu", lscpu=lscpu(), seeds=seeds, jobs=a.jobs, threads_per_job=1,
         train=train_cfg, rows={n: r.to_dict() for n, r in recipes.items()}, summary=summary,
-        sqnr_db=sq, runs=runs, total_s=total_s, argv=sys.argv[1:] if argv is None else argv,
+        sqnr_db=sq, cost_ms=timing, runs=runs, total_s=total_s,
+        argv=sys.argv[1:] if argv is None else argv,
     )  # fmt: skip
     print(f"JSON: {write_json(record, a.out)}")
     return 0

@@ -4,14 +4,14 @@ in FP8 with dynamic scales, emulated; the softmax in FP32.
 For one batch and head, ``Q (L×D)``, ``K (N×D)``, ``V (N×E)``, the scale ``τ`` (default
 ``1/√D``) and an additive mask ``M`` (``0`` or ``-inf`` for a boolean or causal mask)::
 
-    S  = τ · Q₈ K₈ᵀ              forward,  E4M3 operands, contracted over D
+    S  = τ · Q₈ K₈ᵀ              forward,  contracted over D
     P  = softmax(S + M)           FP32 (a row with no allowed key gives P = 0)
     P̃  = P ⊙ Z / (1 − p)          dropout p, Z ~ Bernoulli(1 − p) (P̃ = P without dropout)
-    O  = P̃₈ V₈                    forward,  E4M3 operands, contracted over N
-    dP̃ = dO₈ V₈ᵀ                  backward, dO in E5M2, contracted over E
+    O  = P̃₈ V₈                    forward,  contracted over N
+    dP̃ = dO₈ V₈ᵀ                  backward, contracted over E
     dV = P̃₈ᵀ dO₈                  backward, contracted over L
     dS = P ⊙ (dP − rowsum(dP ⊙ P)),  dP = dP̃ ⊙ Z / (1 − p)      FP32
-    dQ = τ · dS₈ K₈              backward, dS in E5M2, contracted over N
+    dQ = τ · dS₈ K₈              backward, contracted over N
     dK = τ · dS₈ᵀ Q₈             backward, contracted over L
 
 ``X₈`` is ``X`` quantized for the GEMM it enters (:func:`~lowprec.float8.quant.quantize_values`,
@@ -25,37 +25,23 @@ else :func:`~lowprec.float8.quant.quantize_parts`: the linears' casts) with a dy
   operand is quantized again for each GEMM that contracts it along another dimension.
 
 Each GEMM is the hardware formula of :func:`~lowprec.float8.mm.payload_mm`: the payloads'
-products (exact in FP32), accumulated in FP32, times the row and column scales. Forward
-operands are E4M3 (``e4m3fn``), the gradients ``dO`` and ``dS`` E5M2, as the linears'
-``grad_output`` of the float8 presets, whatever the formats of the model's linears: ``dS``
-spans the ratio of the largest to the smallest attention weight, which E5M2's range holds.
-Grouped-query attention repeats each key/value head for its query heads (the quantized
-values equal those of the unrepeated head at every granularity); the repeated heads'
-gradients are summed in FP32.
-
-Where it applies (:func:`apply_attention`, called by :func:`lowprec.float8.apply` when
-``Float8Config.attention`` is set):
-
-* a module with the *attention hook*: an instance attribute ``attention_fn`` set to
-  ``None`` in its ``__init__``; when it is not ``None`` the module calls
-  ``self.attention_fn(q, k, v, attn_mask=..., dropout_p=..., is_causal=..., scale=...,
-  enable_gqa=...)`` (``F.scaled_dot_product_attention``'s arguments) instead of its own
-  formula (the reference model's :class:`~lowprec.jobs.model.CausalSelfAttention`);
-* HF transformers models whose attention implementation is ``"sdpa"`` or ``"eager"``:
-  the function is registered in transformers' ``AttentionInterface`` (with SDPA's mask
-  function) as ``lowprec_fp8_<scaling>`` and the model switched to it with
-  ``set_attn_implementation``; :func:`remove_attention` switches it back.
+products (exact in FP32), accumulated in FP32, times the row and column scales. ``Q, K, P,
+V`` are in ``fmt``, ``dO`` and ``dS`` in ``grad_fmt`` (:data:`FP8_FORMATS`; by default E4M3
+and E5M2, :func:`attention_formats` gives a config's: its linears' input and gradient
+formats). Grouped-query attention repeats each key/value head for its query heads (the
+quantized values equal those of the unrepeated head at every granularity); the repeated
+heads' gradients are summed in FP32. Where it is applied to models:
+:mod:`lowprec.float8.attention_apply`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lowprec.float8.config import ATTENTION_SCALINGS, CastConfig, Float8Config
 from lowprec.float8.mm import autocast_off, payload_mm
@@ -64,21 +50,15 @@ from lowprec.float8.quant import quantize_parts, quantize_values, upcast
 __all__ = [
     "ATTENTION_GEMMS",
     "ATTENTION_SCALINGS",
+    "FP8_FORMATS",
     "FP8Attention",
-    "apply_attention",
+    "attention_formats",
     "attention_gemms",
     "fp8_attention",
-    "hf_attention_name",
-    "remove_attention",
 ]
 
-log = logging.getLogger(__name__)
-
-FORWARD_FMT = "e4m3fn"  # Q, K, P, V
-GRAD_FMT = "e5m2"  # dO, dS
-HOOK = "attention_fn"  # the attention hook's attribute
-_ORIGINAL = "_lowprec_attn_original"  # an HF model's attention implementation before
-_HF_PREFIX = "lowprec_fp8_"
+FP8_FORMATS = ("e4m3fn", "e5m2")
+"""The formats of attention's operands."""
 Quantized = tuple[Tensor, Tensor, str]  # payload values (FP32), broadcastable scale, kind
 
 
@@ -86,6 +66,20 @@ def _check_scaling(scaling: object) -> str:
     if scaling not in ATTENTION_SCALINGS:
         raise ValueError(f"scaling must be one of {ATTENTION_SCALINGS}, got {scaling!r}")
     return str(scaling)
+
+
+def _check_fmt(name: str, fmt: object) -> str:
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"{name} must be one of {FP8_FORMATS}, got {fmt!r}")
+    return str(fmt)
+
+
+def attention_formats(config: Float8Config) -> tuple[str, str]:
+    """``(fmt, grad_fmt)`` of FP8 attention under ``config``: its ``input`` and
+    ``grad_output`` formats, each where it is one of :data:`FP8_FORMATS`, else E4M3 and
+    E5M2 (a recipe whose linears run FP4 keeps attention in FP8)."""
+    f, g = config.input.fmt, config.grad_output.fmt
+    return (f if f in FP8_FORMATS else "e4m3fn", g if g in FP8_FORMATS else "e5m2")
 
 
 def _cast(fmt: str, scaling: str) -> CastConfig:
@@ -146,8 +140,9 @@ class _FP8Attention(torch.autograd.Function):
         tau: float,
         p: float,
         scaling: str,
+        fmts: tuple[str, str],
     ) -> Tensor:
-        fwd = _cast(FORWARD_FMT, scaling)
+        fwd = _cast(fmts[0], scaling)
         with autocast_off(q.device.type):
             s = _mm(_quant(q, fwd, scaling, True), _t(_quant(k, fwd, scaling, True))) * tau
             if bias is not None:
@@ -160,14 +155,14 @@ class _FP8Attention(torch.autograd.Function):
                 pd = prob * keep / (1.0 - p)
             out = _mm(_quant(pd, fwd, scaling, True), _quant(v, fwd, scaling, False))
         ctx.save_for_backward(q, k, v, prob, keep)
-        ctx.tau, ctx.p, ctx.scaling = tau, p, scaling
+        ctx.tau, ctx.p, ctx.scaling, ctx.fmts = tau, p, scaling, fmts
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, prob, keep = ctx.saved_tensors
         tau, p, scaling = ctx.tau, ctx.p, ctx.scaling
-        fwd, bwd = _cast(FORWARD_FMT, scaling), _cast(GRAD_FMT, scaling)
+        fwd, bwd = _cast(ctx.fmts[0], scaling), _cast(ctx.fmts[1], scaling)
         with autocast_off(q.device.type):
             g = do.float()
             pd = prob if keep is None else prob * keep / (1.0 - p)
@@ -178,7 +173,7 @@ class _FP8Attention(torch.autograd.Function):
             ds = prob * (dp - (dp * prob).sum(-1, keepdim=True))
             dq = _mm(_quant(ds, bwd, scaling, True), _quant(k, fwd, scaling, False)) * tau
             dk = _mm(_t(_quant(ds, bwd, scaling, False)), _quant(q, fwd, scaling, False)) * tau
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _float(name: str, x: object) -> Tensor:
@@ -199,9 +194,12 @@ def fp8_attention(
     enable_gqa: bool = False,
     *,
     scaling: str = "tensorwise",
+    fmt: str = "e4m3fn",
+    grad_fmt: str = "e5m2",
 ) -> Tensor:
     """``F.scaled_dot_product_attention(q, k, v, ...)`` with its GEMMs in FP8 (module
-    docstring), ``scaling`` one of :data:`ATTENTION_SCALINGS`; output in ``q``'s dtype.
+    docstring), ``scaling`` one of :data:`ATTENTION_SCALINGS`, operands in ``fmt`` and
+    gradients in ``grad_fmt`` (:data:`FP8_FORMATS`); output in ``q``'s dtype.
 
     ``q (..., H, L, D)``, ``k (..., H_kv, N, D)``, ``v (..., H_kv, N, E)``; ``attn_mask``
     broadcastable to ``(..., H, L, N)``: boolean (``True`` = may attend) or additive
@@ -218,6 +216,7 @@ def fp8_attention(
         True
     """
     scaling = _check_scaling(scaling)
+    fmts = (_check_fmt("fmt", fmt), _check_fmt("grad_fmt", grad_fmt))
     q, k, v = _float("q", q), _float("k", k), _float("v", v)
     if (
         not (q.dim() == k.dim() == v.dim())
@@ -255,7 +254,7 @@ def fp8_attention(
             bias = torch.zeros(attn_mask.shape, device=q.device).masked_fill(~attn_mask, -math.inf)
         else:
             bias = attn_mask.float()
-    out: Tensor = _FP8Attention.apply(q, k, v, bias, tau, float(dropout_p), scaling)  # type: ignore[no-untyped-call]
+    out: Tensor = _FP8Attention.apply(q, k, v, bias, tau, float(dropout_p), scaling, fmts)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -266,16 +265,18 @@ ATTENTION_GEMMS = ("qk", "pv", "dp", "dv", "dq", "dk")
 
 def attention_gemms(
     q: Tensor, k: Tensor, v: Tensor, do: Tensor, bias: Tensor | None = None,
-    scale: float | None = None, *, scaling: str = "tensorwise",
+    scale: float | None = None, *, scaling: str = "tensorwise", fmt: str = "e4m3fn",
+    grad_fmt: str = "e5m2",
 ) -> dict[str, tuple[Tensor, Tensor]]:  # fmt: skip
     """Each GEMM of :data:`ATTENTION_GEMMS` on the operands of FP32 attention (``P`` and
     ``dS`` from FP32 ``q, k, v`` and output gradient ``do``, all ``(..., H, L, D)`` with
     as many key/value heads as query heads; ``bias`` an additive mask), as
     ``(FP8 product, FP32 product)``: the FP8 one quantizes both operands as
-    :func:`fp8_attention` does with ``scaling``, so the pair measures that GEMM's
-    quantization error alone (e.g. its SQNR)."""
+    :func:`fp8_attention` does with ``scaling``, ``fmt`` and ``grad_fmt``, so the pair
+    measures that GEMM's quantization error alone (e.g. its SQNR)."""
     scaling = _check_scaling(scaling)
-    fwd, bwd = _cast(FORWARD_FMT, scaling), _cast(GRAD_FMT, scaling)
+    fwd = _cast(_check_fmt("fmt", fmt), scaling)
+    bwd = _cast(_check_fmt("grad_fmt", grad_fmt), scaling)
     q, k, v, g = (t.detach().float() for t in (q, k, v, do))
     tau = q.shape[-1] ** -0.5 if scale is None else scale
     s = q @ k.transpose(-1, -2) * tau
@@ -297,13 +298,18 @@ def attention_gemms(
 
 @dataclass(frozen=True)
 class FP8Attention:
-    """The attention hook's function (module docstring): :func:`fp8_attention` with
-    ``scaling``, called with ``F.scaled_dot_product_attention``'s arguments."""
+    """The attention hook's function (:mod:`lowprec.float8.attention_apply`):
+    :func:`fp8_attention` with ``scaling``, ``fmt`` and ``grad_fmt``, called with
+    ``F.scaled_dot_product_attention``'s arguments."""
 
     scaling: str = "tensorwise"
+    fmt: str = "e4m3fn"
+    grad_fmt: str = "e5m2"
 
     def __post_init__(self) -> None:
         _check_scaling(self.scaling)
+        _check_fmt("fmt", self.fmt)
+        _check_fmt("grad_fmt", self.grad_fmt)
 
     def __call__(
         self,
@@ -317,125 +323,6 @@ class FP8Attention:
         enable_gqa: bool = False,
     ) -> Tensor:
         return fp8_attention(
-            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, scaling=self.scaling
-        )
-
-
-# ---- HF transformers ----------------------------------------------------------------------
-
-
-def hf_attention_name(scaling: str) -> str:
-    """The name of the FP8 attention with ``scaling`` in transformers' ``AttentionInterface``
-    (``lowprec_fp8_tensorwise``, ...)."""
-    return _HF_PREFIX + _check_scaling(scaling)
-
-
-def _hf_forward(kind: str) -> Any:
-    """The ``AttentionInterface`` function of :func:`fp8_attention` with scaling ``kind``:
-    transformers' SDPA function's arguments and causal rule, output ``(B, L, H, E)``."""
-
-    def forward(
-        module: nn.Module,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask: Tensor | None,
-        dropout: float = 0.0,
-        scaling: float | None = None,
-        is_causal: bool | None = None,
-        **kwargs: Any,
-    ) -> tuple[Tensor, None]:
-        for unsupported in ("softcap", "s_aux", "position_bias"):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(
-                    f"{unsupported}: not supported by lowprec's FP8 attention "
-                    f"({type(module).__name__}); convert without Float8Config.attention"
-                )
-        length = query.shape[2]
-        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        causal = bool(causal) and length > 1 and attention_mask is None
-        if causal and key.shape[2] > length:  # a prefill that attends to its own keys only
-            key, value = key[:, :, :length], value[:, :, :length]
-        out = fp8_attention(
-            query, key, value, attention_mask, dropout, causal, scaling,
-            enable_gqa=key.shape[1] != query.shape[1], scaling=kind,
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            scaling=self.scaling, fmt=self.fmt, grad_fmt=self.grad_fmt,
         )  # fmt: skip
-        return out.transpose(1, 2).contiguous(), None
-
-    forward.__name__ = f"{_HF_PREFIX}{kind}_attention_forward"
-    return forward
-
-
-def _register(name: str, scaling: str) -> None:
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    if name not in AttentionInterface._global_mapping:
-        AttentionInterface.register(name, _hf_forward(scaling))
-        AttentionMaskInterface.register(name, sdpa_mask)
-
-
-def _hf_models(model: nn.Module) -> list[Any]:
-    """The outermost HF ``PreTrainedModel``s of ``model`` (each sets its submodels')."""
-    found: list[Any] = []
-    inner: set[int] = set()
-    for m in model.modules():
-        if id(m) in inner:
-            continue
-        config = getattr(m, "config", None)
-        if hasattr(m, "set_attn_implementation") and hasattr(config, "_attn_implementation"):
-            found.append(m)
-            inner.update(id(x) for x in m.modules())
-    return found
-
-
-def apply_attention(model: nn.Module, config: Float8Config) -> int:
-    """Run ``model``'s attention in FP8 with ``config.attention`` (module docstring):
-    every module with the attention hook gets :class:`FP8Attention`, every HF model using
-    ``"sdpa"`` or ``"eager"`` attention is switched to :func:`hf_attention_name`. Returns
-    the number of hooks and HF models converted; ``ValueError`` for an HF model with
-    another attention implementation (checked before anything changes), a WARNING when
-    there is none to convert. ``config.attention=None``: nothing to do (returns 0)."""
-    if config.attention is None:
-        return 0
-    hooks = [m for m in model.modules() if HOOK in m.__dict__]
-    hf = _hf_models(model)
-    name = hf_attention_name(config.attention)
-    for m in hf:
-        impl = m.config._attn_implementation
-        if impl not in ("sdpa", "eager") and not str(impl).startswith(_HF_PREFIX):
-            raise ValueError(
-                f"model: {type(m).__name__} uses attn_implementation={impl!r}; FP8 attention "
-                "replaces 'sdpa' or 'eager' (load the model with one of them)"
-            )
-    for m in hooks:
-        setattr(m, HOOK, FP8Attention(config.attention))
-    for m in hf:
-        _register(name, config.attention)
-        before = m.config._attn_implementation
-        m.set_attn_implementation(name)
-        if m.config._attn_implementation != name:
-            raise ValueError(
-                f"model: {type(m).__name__} does not dispatch its attention through "
-                "transformers' AttentionInterface; FP8 attention cannot replace it"
-            )
-        m.__dict__.setdefault(_ORIGINAL, before)
-    if not hooks and not hf:
-        log.warning(
-            "float8.apply: attention=%r but the model has no attention it can convert "
-            "(a module with the attention hook, or an HF model using sdpa/eager attention)",
-            config.attention,
-        )
-    return len(hooks) + len(hf)
-
-
-def remove_attention(model: nn.Module) -> None:
-    """Undo :func:`apply_attention`: hooks back to ``None``, HF models back to the
-    attention implementation they had."""
-    for m in model.modules():
-        if isinstance(m.__dict__.get(HOOK), FP8Attention):
-            setattr(m, HOOK, None)
-        before = m.__dict__.pop(_ORIGINAL, None)
-        hf: Any = m
-        if before is not None and hasattr(hf, "set_attn_implementation"):
-            hf.set_attn_implementation(before)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from lowprec.float8.attention import apply_attention, remove_attention
+from lowprec.float8.attention_apply import apply_attention, remove_attention
 from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import GEMMS, Float8Config
 from lowprec.float8.conv1d import Float8Conv1D, is_conv1d

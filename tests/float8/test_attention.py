@@ -36,10 +36,11 @@ from lowprec.float8 import CastConfig, Float8Config
 from lowprec.float8.attention import (
     ATTENTION_GEMMS,
     FP8Attention,
+    attention_formats,
     attention_gemms,
     fp8_attention,
-    hf_attention_name,
 )
+from lowprec.float8.attention_apply import hf_attention_name
 from lowprec.float8.quant import quantize_parts
 from lowprec.jobs.model import ModelConfig, build_model
 from lowprec.recipes.serial import decode, encode
@@ -64,9 +65,9 @@ def _qd(x: Tensor, fmt: str, scaling: str, cd: int) -> Tensor:
     return out
 
 
-def _reference(q, k, v, g, bias, tau, scaling, keep=None, p=0.0):  # type: ignore[no-untyped-def]
-    """FP64 output and gradients of the quantized attention (module docstring)."""
-    e4, e5 = "e4m3fn", "e5m2"
+def _reference(q, k, v, g, bias, tau, scaling, keep=None, p=0.0, e4="e4m3fn", e5="e5m2"):  # type: ignore[no-untyped-def]
+    """FP64 output and gradients of the quantized attention (module docstring): operands
+    in ``e4``, gradients in ``e5``."""
     s = _qd(q, e4, scaling, 1) @ _qd(k, e4, scaling, 1).transpose(-1, -2) * tau
     if bias is not None:
         s = s + bias.double()
@@ -100,7 +101,7 @@ def _run(q, k, v, g, **kw):  # type: ignore[no-untyped-def]
 
 
 def _close(got: Tensor, want: Tensor, rtol: float = 2e-5) -> None:
-    err = float((got.double() - want).abs().max())
+    err = float((got.detach().double() - want).abs().max())
     assert err <= rtol * float(want.abs().max()), (err, float(want.abs().max()))
 
 
@@ -118,6 +119,24 @@ def test_matches_fp64_quantized_reference(scaling: str) -> None:
     want = _reference(q, k, v, g, bias, tau, scaling)
     for a, b in zip(got, want, strict=True):
         _close(a, b)
+
+
+def test_e4m3_gradients_match_reference_and_lose_less() -> None:
+    """``grad_fmt="e4m3fn"`` (as fp8-deepseek's linears): the FP64 reference with E4M3
+    gradients; against unquantized attention each gradient loses less than with E5M2 (one
+    more mantissa bit, the range held by the dynamic scale)."""
+    q, k, v, g = _inputs(9)
+    got = _run(q, k, v, g, is_causal=True, scaling="rowwise", grad_fmt="e4m3fn")
+    causal = torch.ones(24, 24, dtype=torch.bool).tril()
+    bias = torch.zeros(24, 24).masked_fill(~causal, -math.inf)
+    want = _reference(q, k, v, g, bias, 0.25, "rowwise", e5="e4m3fn")
+    for a, b in zip(got, want, strict=True):
+        _close(a, b)
+    e5 = _run(q, k, v, g, is_causal=True, scaling="rowwise")
+    q2, k2, v2 = (t.double().requires_grad_() for t in (q, k, v))
+    F.scaled_dot_product_attention(q2, k2, v2, is_causal=True).backward(g.double())
+    for a, b, ref in zip(got[1:], e5[1:], (q2.grad, k2.grad, v2.grad), strict=True):
+        assert ref is not None and _rel_rms(a, ref) < _rel_rms(b, ref)
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
@@ -223,6 +242,10 @@ def test_bad_options_name_the_argument() -> None:
         fp8_attention(q, k, v, scaling="mx")
     with pytest.raises(ValueError, match="scaling"):
         FP8Attention("blockwise")
+    with pytest.raises(ValueError, match="grad_fmt"):
+        fp8_attention(q, k, v, grad_fmt="e2m1")
+    with pytest.raises(ValueError, match="fmt"):
+        FP8Attention("rowwise", fmt="bf16")
     with pytest.raises(ValueError, match="dropout_p"):
         fp8_attention(q, k, v, dropout_p=1.0)
     with pytest.raises(ValueError, match="is_causal"):
@@ -239,6 +262,17 @@ def test_config_round_trip() -> None:
         assert Float8Config.from_dict(c.to_dict()) == c
         assert decode(Float8Config, encode(c)) == c
     assert "attention=rowwise" in Float8Config(attention="rowwise").describe()
+
+
+def test_formats_follow_the_linears() -> None:
+    """FP8 attention takes the config's input and gradient formats where they are FP8,
+    else E4M3 and E5M2 (an FP4 recipe keeps attention in FP8)."""
+    assert attention_formats(Float8Config.from_name("tensorwise")) == ("e4m3fn", "e5m2")
+    assert attention_formats(Float8Config.from_name("fp8-deepseek")) == ("e4m3fn", "e4m3fn")
+    assert attention_formats(Float8Config.from_name("nvfp4")) == ("e4m3fn", "e5m2")
+    assert hf_attention_name(FP8Attention("rowwise")) == "lowprec_fp8_rowwise"
+    name = hf_attention_name(FP8Attention("headwise", grad_fmt="e4m3fn"))
+    assert name == "lowprec_fp8_headwise_e4m3fn_e4m3fn"
 
 
 # ---- models -------------------------------------------------------------------------------
@@ -295,7 +329,7 @@ def test_reference_model_hook() -> None:
 
 def test_no_attention_found_warns(caplog: pytest.LogCaptureFixture) -> None:
     m = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    with caplog.at_level(logging.WARNING, "lowprec.float8.attention"):
+    with caplog.at_level(logging.WARNING, "lowprec.float8.attention_apply"):
         f8.apply(m, Float8Config(attention="tensorwise"))
     assert "no attention it can convert" in caplog.text
 
@@ -310,7 +344,7 @@ def test_hf_models_convert_train_and_convert_back(name: str, impl: str) -> None:
     """Llama (grouped-query attention, rotary) and GPT-2 (attention dropout 0.1, Conv1D)."""
     att = _convert_and_compare(name, attn_implementation=impl)
     hf = att.model  # type: ignore[union-attr]
-    assert hf.config._attn_implementation == hf_attention_name("rowwise")
+    assert hf.config._attn_implementation == hf_attention_name(FP8Attention("rowwise"))
     att.train()
     losses = _train(att)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
