@@ -25,6 +25,7 @@ from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify import fallback as _fallback  # noqa: F401  (registers the rules)
 from lowprec.scalify import rules as _rules  # noqa: F401
 from lowprec.scalify import rules_attn as _rules_attn  # noqa: F401
+from lowprec.scalify import rules_moe as _rules_moe  # noqa: F401
 from lowprec.scalify import rules_nn as _rules_nn  # noqa: F401
 from lowprec.scalify.config import ScalifyConfig, pop, push
 from lowprec.scalify.core import compiling

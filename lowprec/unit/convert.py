@@ -210,8 +210,8 @@ def convert_modules(model: nn.Module) -> tuple[list[str], list[str]]:
     for name, m in model.named_modules():
         own = dict(m.named_parameters(recurse=False))
         cls = type(m)
-        if list(m.children()):
-            continue
+        if list(m.children()) or getattr(cls, "_unit_form", None) in ("experts", "router"):
+            continue  # (MoE experts and routers: lowprec.unit.moe)
         if isinstance(m, _TORCH_TYPES):
             _convert_subclass(name, m, converted)
             continue
@@ -264,8 +264,9 @@ def _convert_subclass(name: str, m: nn.Module, converted: list[str]) -> None:
 
 
 def reinit(model: nn.Module) -> list[str]:
-    """Unit-variance init in place: linear-like weights (torch's and converted) and
-    embeddings ``N(0, 1)`` (an embedding's ``padding_idx`` row zero, as torch's init),
+    """Unit-variance init in place: linear-like weights (torch's and converted), MoE
+    expert and router weights (:mod:`lowprec.unit.moe`) and embeddings ``N(0, 1)`` (an
+    embedding's ``padding_idx`` row zero, as torch's init),
     biases 0, norm gains 1; a weight tied to an earlier module's (an output layer sharing
     the input embedding) keeps that module's init. Returns ``"name (Class): parameters
     [...]"`` for each module whose own parameters (biases aside) it left at their init
@@ -286,6 +287,9 @@ def reinit(model: nn.Module) -> list[str]:
                     m.weight[pad].zero_()
                 if isinstance(getattr(m, "bias", None), Tensor):
                     nn.init.zeros_(m.bias)
+            elif form in ("experts", "router"):  # lowprec.unit.moe: weights N(0, 1), biases 0
+                for pname, p in m.named_parameters(recurse=False):
+                    (nn.init.zeros_ if pname.endswith("bias") else nn.init.normal_)(p)
             elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or "norm" in form:
                 if getattr(m, "weight", None) is not None:  # gain 1: w = 1, or 0 in (1 + w)
                     (nn.init.zeros_ if "1 + w" in form else nn.init.ones_)(m.weight)

@@ -23,12 +23,14 @@ GPT-J's, a hand-written one) gets two rules on top of the ops':
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, cast
 
@@ -42,7 +44,7 @@ from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import scale_fwd
 
-__all__ = ["UNIT_OPS", "UnitMode"]
+__all__ = ["UNIT_OPS", "UnitMode", "plain_ops"]
 
 log = logging.getLogger("lowprec.unit")
 
@@ -52,6 +54,21 @@ for _op_name in dir(U):
     if callable(_f) and hasattr(_f, "__wrapped__"):
         UNIT_OPS[_f] = _f.__wrapped__
 UNIT_OPS[scale_fwd] = scale_fwd.__wrapped__  # type: ignore[attr-defined]
+
+_PLAIN = threading.local()
+
+
+@contextlib.contextmanager
+def plain_ops() -> Iterator[None]:
+    """While this runs (this thread), every :class:`UnitMode` passes ops through unchanged:
+    code that must compute what the plain model computes (an MoE router's softmax and
+    top-k, the load-balancing loss) runs inside it. Nested uses are counted."""
+    _PLAIN.depth = getattr(_PLAIN, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PLAIN.depth -= 1
+
 
 _MATMUL = {torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.mm,
            Tensor.mm}  # fmt: skip
@@ -225,6 +242,8 @@ class UnitMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kw = kwargs or {}
+        if getattr(_PLAIN, "depth", 0):
+            return func(*args, **kw)  # plain_ops(): the plain model's computation
         if not torch.compiler.is_compiling() and _from_compiled_code():
             return func(*args, **kw)  # a call of a graph Dynamo traced: already converted
         rt = self.runtime

@@ -244,7 +244,7 @@ class _Recorder(TorchFunctionMode):
         if func in _NORM_FNS and self.stack and self.stack[-1].pending:
             self._normalised(self.stack[-1], _tensors((args, kw), 2))
         out = func(*args, **kw)
-        ins = _tensors((args, kw), 2)
+        ins = _tensors((args, kw), 3)  # (3: tensors in a list argument, torch.cat's)
         p = _EMPTY.union(*(self.prov.get(t, _EMPTY) for t in ins))
         ops = add_operands(func, args, kw)
         if ops is not None and self.stack and isinstance(out, Tensor):

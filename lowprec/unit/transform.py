@@ -80,6 +80,7 @@ from lowprec.unit.convert import convert_modules
 from lowprec.unit.convert import reinit as _reinit
 from lowprec.unit.core import scale_fwd
 from lowprec.unit.graphs import _apply_fx
+from lowprec.unit.moe import convert_moe, route_aux_losses
 from lowprec.unit.residual_fx import find_residual_modules
 from lowprec.unit.wrapper import _example, _finish, _Plan, _unit_forward_class
 
@@ -202,7 +203,9 @@ def unit_scale(
                   for m in model.modules() if isinstance(m, _NO_RULE_TYPES)})  # fmt: skip
     if bad and cfg.strict:
         raise NotImplementedError(f"unit_scale: no unit-scaling rule for modules {bad}")
+    moe = convert_moe(model, cfg)
     converted, left = convert_modules(model)
+    converted = moe + converted
     if reinit:
         named = {entry.split(" (")[0] for entry in left}
         left += [f"{entry} keep their init: no unit-variance init rule for them"
@@ -219,6 +222,8 @@ def unit_scale(
         if cfg.float8 and not cfg.float8_readout:
             head_module.forward = types.MethodType(_readout_forward, head_module)  # type: ignore[method-assign]
     _route_loss_modules(model)
+    if moe:
+        route_aux_losses(model)
     model.__class__ = _unit_forward_class(type(model))
     object.__setattr__(model, "_unit_config", cfg)
     object.__setattr__(model, "unit_report", {

@@ -9,7 +9,8 @@ role           found as                               learning rate
 =============  ====================================  ===================================
 ``embedding``  ``nn.Embedding.weight``                ``η``
 ``weight``     hidden ``nn.Linear``/``Conv1d`` weight ``η / √fan_in · depth^-½``
-``readout``    the readout ``nn.Linear`` weight       ``η`` (its forward has ``1/fan_in``)
+``readout``    the readout ``nn.Linear`` weight,      ``η`` (its forward has ``1/fan_in``)
+               an MoE router's weight
 ``bias``       any bias                               ``η / √fan_in`` (its layer's fan-in)
 ``norm``       LayerNorm/RMSNorm gains and biases     ``η / √width``
 =============  ====================================  ===================================
@@ -31,6 +32,11 @@ is the *relative* step of a tensor whose scale is 1 (all are, at unit-scaled ini
   GPT-2 and BERT): one group, under its first module's role, ``embedding``. Both roles
   have the same rule here (``η``, decayed), so the tie changes no learning rate.
 * a weight stored ``(in, out)`` (HF's ``Conv1D``): its fan-in is ``shape[0]``.
+* MoE (:mod:`lowprec.unit.moe`): each expert's slice of a 3-D expert weight is a hidden
+  weight of fan-in ``H`` (up projection) or ``I`` (down projection), ``shape[-1]``, or
+  ``shape[-2]`` when the module stores them transposed; an expert bias takes its
+  weight's fan-in. The router (fan-in ``H``, fan-out ``E`` fixed) is output-like: the
+  readout's rule, with its forward ``1/fan_in``.
 
 ``depth`` (optional, the number of residual layers): depth-μP's ``1/√depth`` on hidden
 weights, paired with the residual rule of :func:`umup_taus`: the embedding carries weight
@@ -78,13 +84,24 @@ def _fan_in(module: nn.Module, p: Tensor) -> int:
     ``(in, out)`` (HF's ``Conv1D``, converted by :func:`lowprec.unit.unit_scale`)."""
     if getattr(module, "_unit_weight_in_dim", None) == 0:
         return int(p.shape[0])
+    if getattr(type(module), "_unit_form", "") == "experts" and p.dim() == 3:
+        return int(p.shape[-2] if getattr(module, "is_transposed", False) else p.shape[-1])
     return p.numel() // p.shape[0]
 
 
 def _bias_fan_in(module: nn.Module, p: Tensor) -> int:
     """Fan-in of the layer a bias belongs to (its module's ≥2-D ``weight``), else its size."""
     w = getattr(module, "weight", None)
+    if getattr(type(module), "_unit_form", "") == "experts":
+        w = next((q for n, q in module.named_parameters(recurse=False)
+                  if q is not p and n.endswith("_proj") and q.dim() == 3
+                  and getattr(module, n + "_bias", None) is p), None)  # fmt: skip
     return _fan_in(module, w) if isinstance(w, Tensor) and w.dim() >= 2 else p.numel()
+
+
+def _expert_bias(module: nn.Module, pname: str) -> bool:
+    """An MoE expert bias, ``<weight>_bias`` ``(E, out)`` (:mod:`lowprec.unit.moe`)."""
+    return getattr(type(module), "_unit_form", "") == "experts" and pname.endswith("_bias")
 
 
 def _readout_name(model: nn.Module) -> str | None:
@@ -120,9 +137,11 @@ def tag_params(model: nn.Module) -> dict[str, Role]:
                 isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or getattr(m, "_unit_role", "") == "norm"
             ):
                 role = "norm"
-            elif pname == "bias" or p.dim() < 2:
+            elif pname == "bias" or p.dim() < 2 or _expert_bias(m, pname):
                 role = "bias"
-            elif mname == head and isinstance(m, nn.Linear):
+            elif (mname == head and isinstance(m, nn.Linear)) or getattr(
+                type(m), "_unit_form", ""
+            ) == "router":
                 role = "readout"
             else:
                 role = "weight"
