@@ -15,7 +15,9 @@ with both projections float8 grouped GEMMs (:func:`~lowprec.float8.grouped.group
 per-expert scales, forward and backward). The module's own parameters, children
 (``act_fn``, a post-expert norm) and gate function are kept, so ``state_dict`` keys do not
 change and :func:`~lowprec.float8.convert_back` gives back the original module. Detection
-is by those attributes and 3-D parameters (:func:`is_experts`), not by class name.
+is by those attributes and 3-D parameters (:func:`is_experts`), not by class name; a
+hand-written experts class without the attributes converts where a probe shows that it
+computes the same (:func:`experts_flags`).
 
 The router (``gate``/``router``, and gates such as Qwen2-MoE's ``shared_expert_gate``, next
 to an experts module: :func:`router_ids`) stays in high precision unless
@@ -28,6 +30,7 @@ computed by the float8 GEMM.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -44,7 +47,14 @@ from lowprec.float8.grouped import GroupedFloat8Fn, GroupedScales, group_amax, g
 from lowprec.float8.linear import Float8Linear
 from lowprec.float8.mm import autocast_off
 
-__all__ = ["Float8Experts", "Float8Router", "holds_expert_weights", "is_experts", "router_ids"]
+__all__ = [
+    "Float8Experts",
+    "Float8Router",
+    "experts_flags",
+    "holds_expert_weights",
+    "is_experts",
+    "router_ids",
+]
 
 log = logging.getLogger(__name__)
 _FLAGS = ("has_gate", "has_bias", "is_transposed")
@@ -54,23 +64,103 @@ def _weights(mod: nn.Module) -> tuple[str, str]:
     return ("gate_up_proj" if mod.has_gate else "up_proj", "down_proj")
 
 
-def is_experts(mod: nn.Module) -> bool:
-    """Whether ``mod`` is an experts module of transformers 5 (module docstring): the
-    boolean flags ``has_gate``, ``has_bias``, ``is_transposed``, 3-D floating-point
-    ``gate_up_proj`` (``has_gate``; and a callable ``_apply_gate``) or ``up_proj`` (and a
-    callable ``act_fn``), ``down_proj``, and 2-D ``<name>_bias`` with ``has_bias``."""
-    if not all(isinstance(getattr(mod, f, None), bool) for f in _FLAGS):
+Flags = tuple[bool, bool, bool]  # (has_gate, has_bias, is_transposed)
+_FOUND: weakref.WeakKeyDictionary[nn.Module, Flags | None] = weakref.WeakKeyDictionary()
+
+
+def _declared(mod: nn.Module, f: Flags) -> bool:
+    """``mod`` holds the parameters flags ``f`` name (3-D weights, 2-D biases) and the gate
+    (``_apply_gate``) or activation (``act_fn``) its forward applies."""
+    has_gate, has_bias, _ = f
+    if not callable(getattr(mod, "_apply_gate" if has_gate else "act_fn", None)):
         return False
-    if not callable(getattr(mod, "_apply_gate" if mod.has_gate else "act_fn", None)):
-        return False
-    for name in _weights(mod):
+    for name in ("gate_up_proj" if has_gate else "up_proj", "down_proj"):
         p = mod._parameters.get(name)
         if not isinstance(p, Tensor) or p.dim() != 3 or not p.dtype.is_floating_point:
             return False
         b = mod._parameters.get(name + "_bias")
-        if mod.has_bias and (not isinstance(b, Tensor) or b.dim() != 2):
+        if has_bias and (not isinstance(b, Tensor) or b.dim() != 2):
             return False
     return True
+
+
+def experts_flags(mod: nn.Module) -> Flags | None:
+    """``(has_gate, has_bias, is_transposed)`` of an experts module, else ``None``.
+
+    A ``use_experts_implementation`` class states them (boolean attributes) and holds the
+    parameters they name. Another module with 3-D ``gate_up_proj`` (and ``_apply_gate``)
+    or ``up_proj`` (and ``act_fn``) and ``down_proj`` expert weights, optional
+    ``<name>_bias``, no other parameters, and a ``forward(hidden_states, top_k_index,
+    top_k_weights)`` (a hand-written experts class) is one where the flags its shapes
+    allow make :class:`Float8Experts`, with high-precision GEMMs, compute what its own
+    forward computes on a random probe (6 tokens, top-2; ``rtol = max(8ε, 1e-5)`` of the
+    weight dtype, ``atol = rtol·max|y|``; NaN equal to NaN), as
+    :func:`~lowprec.float8.convert.computes_linear` checks a linear subclass. Results are
+    cached per module (not for one on the meta device)."""
+    if all(isinstance(getattr(mod, f, None), bool) for f in _FLAGS):
+        f: Flags = (bool(mod.has_gate), bool(mod.has_bias), bool(mod.is_transposed))
+        return f if _declared(mod, f) else None
+    if mod in _FOUND:
+        return _FOUND[mod]
+    found = _inferred(mod)
+    if all(p.device.type != "meta" for p in mod.parameters(recurse=False)):
+        _FOUND[mod] = found  # (a module on the meta device is probed once it has data)
+    return found
+
+
+def _inferred(mod: nn.Module) -> Flags | None:
+    """The flags of an undecorated experts module (:func:`experts_flags`), or ``None``."""
+    has_gate = "gate_up_proj" in mod._parameters
+    up = mod._parameters.get("gate_up_proj" if has_gate else "up_proj")
+    down = mod._parameters.get("down_proj")
+    names = {"gate_up_proj" if has_gate else "up_proj", "down_proj"}
+    has_bias = all(n + "_bias" in mod._parameters for n in names)
+    if set(mod._parameters) != names | ({n + "_bias" for n in names} if has_bias else set()):
+        return None
+    if not isinstance(up, Tensor) or not isinstance(down, Tensor) or up.dim() != 3:
+        return None
+    if down.dim() != 3 or up.shape[0] != down.shape[0] or up.device.type == "meta":
+        return None
+    mult = 2 if has_gate else 1
+    for tr in (False, True):
+        h, i = (down.shape[2], down.shape[1]) if tr else (down.shape[1], down.shape[2])
+        shape = (h, mult * i) if tr else (mult * i, h)
+        f = (has_gate, has_bias, tr)
+        if tuple(up.shape[1:]) == shape and _declared(mod, f) and _probe(mod, f, h):
+            return f
+    return None
+
+
+def _probe(mod: nn.Module, f: Flags, hidden: int) -> bool:
+    """``mod``'s own forward equals :class:`Float8Experts`' with flags ``f`` and
+    high-precision GEMMs on a random probe (:func:`experts_flags`)."""
+    w = mod._parameters["down_proj"]
+    assert w is not None
+    e, k = w.shape[0], min(2, w.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, hidden, generator=gen).to(device=w.device, dtype=w.dtype)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(6)]).to(w.device)
+    p = torch.rand(6, k, generator=gen).to(device=w.device, dtype=w.dtype)
+    hp = Float8Config(high_precision_gemms=("forward", "input_grad", "weight_grad"))
+    try:
+        with torch.no_grad():
+            ref = type(mod).forward(mod, x, idx, p)
+            got = Float8Experts.forward(Float8Experts(mod, hp, flags=f), x, idx, p)
+    except Exception:  # a forward of another contract: not an experts module
+        return False
+    if not isinstance(ref, Tensor) or ref.shape != got.shape or ref.dtype != got.dtype:
+        return False
+    rtol = max(8 * torch.finfo(w.dtype).eps, 1e-5)
+    fin = ref.float()[torch.isfinite(ref)]  # (weights not initialised yet: NaN, Inf alike)
+    atol = rtol * float(fin.abs().max()) if fin.numel() else 0.0
+    return bool(torch.allclose(got.float(), ref.float(), rtol=rtol, atol=atol, equal_nan=True))
+
+
+def is_experts(mod: nn.Module) -> bool:
+    """Whether ``mod`` is an experts module (:func:`experts_flags`): a transformers 5
+    ``use_experts_implementation`` class (module docstring), or a hand-written one that
+    computes the same."""
+    return experts_flags(mod) is not None
 
 
 def holds_expert_weights(mod: nn.Module) -> bool:
@@ -106,6 +196,9 @@ class Float8Experts(nn.Module):
     """An experts module (:func:`is_experts`) whose two projections are float8 grouped
     GEMMs (module docstring), sharing the original's parameters and children.
 
+    ``flags``: ``(has_gate, has_bias, is_transposed)``, by default
+    :func:`experts_flags` of ``experts``.
+
     ``recipe`` is the config asked for; :attr:`grouped_recipe` the one the grouped GEMMs
     run (:func:`~lowprec.float8.grouped.grouped_config`: calibrated static scaling made
     dynamic, stochastic rounding nearest, no Hadamard transform; a WARNING names the change
@@ -119,7 +212,12 @@ class Float8Experts(nn.Module):
     token records 0, which the ``max`` history ignores.
     """
 
-    def __init__(self, experts: nn.Module, recipe: str | Float8Config = "tensorwise") -> None:
+    def __init__(
+        self,
+        experts: nn.Module,
+        recipe: str | Float8Config = "tensorwise",
+        flags: Flags | None = None,
+    ) -> None:
         super().__init__()
         if isinstance(recipe, str):
             recipe = Float8Config.from_name(recipe)
@@ -127,7 +225,9 @@ class Float8Experts(nn.Module):
             raise TypeError(
                 f"recipe must be a Float8Config or a preset name, got {type(recipe).__name__}"
             )
-        if not isinstance(experts, nn.Module) or not is_experts(experts):
+        if flags is None and isinstance(experts, nn.Module):
+            flags = experts_flags(experts)
+        if not isinstance(experts, nn.Module) or flags is None:
             raise TypeError(
                 f"experts must be an experts module with 3-D expert weights (has_gate, "
                 f"has_bias, is_transposed, gate_up_proj/up_proj, down_proj), got "
@@ -145,8 +245,7 @@ class Float8Experts(nn.Module):
                 "; ".join(changes),
             )
         object.__setattr__(self, "_lowprec_original", experts)
-        self.has_gate, self.has_bias = experts.has_gate, experts.has_bias
-        self.is_transposed = experts.is_transposed
+        self.has_gate, self.has_bias, self.is_transposed = flags
         for name, p in experts._parameters.items():
             self._parameters[name] = p
         _carry_extras(experts, self, set(experts._parameters))

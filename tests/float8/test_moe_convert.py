@@ -24,7 +24,12 @@ from lowprec.float8 import (  # noqa: E402
     convert_back,
 )
 from lowprec.float8.config import GEMMS  # noqa: E402
-from lowprec.float8.experts import Float8Router, is_experts, router_ids  # noqa: E402
+from lowprec.float8.experts import (  # noqa: E402
+    Float8Router,
+    experts_flags,
+    is_experts,
+    router_ids,
+)
 
 _COMMON = dict(
     vocab_size=64,
@@ -397,6 +402,53 @@ def test_generic_detection_of_an_unlisted_experts_class(caplog: Any) -> None:
     torch.testing.assert_close(holder.experts(x, idx, wts), ref, rtol=1e-6, atol=1e-6)
 
 
+class _HandWritten(nn.Module):
+    """An experts class without ``use_experts_implementation`` (as Step3p7's): concatenated
+    gate/up, a per-expert loop; ``scale`` 2 makes its forward differ from the formula."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(3, 2 * 12, 16) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(3, 16, 12) * 0.2)
+        self.act_fn = nn.SiLU()
+        self.scale = scale
+
+    def _apply_gate(self, h: Tensor) -> Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):
+            tok, pos = torch.where(top_k_index == e)
+            h = self._apply_gate(x[tok] @ self.gate_up_proj[e].t())
+            y = (h @ self.down_proj[e].t()) * top_k_weights[tok, pos, None] * self.scale
+            out.index_add_(0, tok, y)
+        return out
+
+
+def test_hand_written_experts_convert_where_a_probe_agrees(caplog: Any) -> None:
+    """Without the decorator's flags, a module with 3-D expert weights converts when its
+    own forward equals Float8Experts' on a probe (flags inferred from the shapes); one
+    whose forward computes something else stays, named in the WARNING."""
+    holder = nn.Module()
+    holder.experts, holder.other = _HandWritten(), _HandWritten(scale=2.0)
+    assert experts_flags(holder.experts) == (True, False, False)
+    assert experts_flags(holder.other) is None
+    x, idx, wts = torch.randn(7, 16), torch.randint(0, 3, (7, 2)), torch.rand(7, 2)
+    ref = holder.experts(x, idx, wts)
+    with caplog.at_level(logging.WARNING, logger="lowprec.float8.convert"):
+        apply(holder, "tensorwise")
+    assert isinstance(holder.experts, Float8Experts) and type(holder.other) is _HandWritten
+    assert "other (_HandWritten: 3-D weights" in caplog.text
+    rel = float((holder.experts(x, idx, wts) - ref).norm() / ref.norm())
+    assert 0 < rel < 0.25, rel  # the E4M3 bound of the model tests
+    flags = (True, False, False)
+    with pytest.raises(TypeError, match="experts"):
+        Float8Experts(nn.Linear(2, 2), "tensorwise")
+    assert Float8Experts(_HandWritten(scale=2.0), "tensorwise", flags=flags).has_gate
+
+
 def test_bad_input_and_config_round_trip() -> None:
     c = Float8Config.from_name("rowwise", fp8_router=True)
     assert Float8Config.from_dict(c.to_dict()) == c
@@ -416,3 +468,94 @@ def test_bad_input_and_config_round_trip() -> None:
         f([1.0], torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="router"):
         Float8Router.from_router(nn.ReLU(), "tensorwise")
+
+
+def _shrunk(config_cls: type) -> list[Any]:
+    """``config_cls()`` and its sub-configs with every size a tiny one (hidden 32,
+    intermediate 24, at most 4 experts), grouped_mm experts; [] if it does not build."""
+    try:
+        cfg = config_cls()
+    except Exception:  # a config that needs arguments: skipped
+        return []
+    subs = [cfg] + [
+        v
+        for a in dir(cfg)
+        if a.endswith("_config")
+        and isinstance(v := getattr(cfg, a, None), transformers.PretrainedConfig)
+    ]
+    for sc in subs:
+        for a, v in list(vars(sc).items()):
+            if isinstance(v, bool) or not isinstance(v, int):
+                continue
+            if a in ("hidden_size", "d_model"):
+                setattr(sc, a, 32)
+            elif "intermediate" in a or "ffn_dim" in a:
+                setattr(sc, a, 24)
+            elif "expert" in a and "per_tok" not in a and "top" not in a and v > 4:
+                setattr(sc, a, 4)
+        sc._experts_implementation = "grouped_mm"
+    return subs
+
+
+@pytest.mark.slow
+def test_every_experts_class_of_the_installed_transformers_converts() -> None:
+    """Models we do not list: every ``…Experts`` class of the installed transformers (the
+    ``use_experts_implementation`` ones, and hand-written ones such as Step3p7's) that
+    builds from its (shrunk) default config is detected, computes with
+    high-precision GEMMs what its grouped_mm implementation computes (1e-6 relative), and
+    with tensorwise GEMMs within the E4M3 bound of the model tests (0.25 of the norm).
+    (65 classes of transformers 5.24 build here; a handful need configs this generic
+    shrinking cannot give them.)"""
+    import importlib
+    import inspect
+    import pkgutil
+
+    hp = Float8Config.from_name("tensorwise", high_precision_gemms=GEMMS)
+    checked = []
+    for info in pkgutil.iter_modules(transformers.models.__path__):
+        name = info.name
+        try:
+            mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            cfg_mod = importlib.import_module(f"transformers.models.{name}.configuration_{name}")
+        except Exception:  # optional dependencies of other models
+            continue
+        experts = [
+            c
+            for n, c in vars(mod).items()
+            if inspect.isclass(c)
+            and c.__module__ == mod.__name__
+            and n.endswith("Experts")
+            and hasattr(c, "_apply_gate")
+        ]
+        configs = [
+            c for n, c in vars(cfg_mod).items() if inspect.isclass(c) and n.endswith("Config")
+        ]
+        for cls in experts:
+            built = None
+            for sc in (s for c in configs for s in _shrunk(c)):
+                try:
+                    torch.manual_seed(0)
+                    built = cls(sc)
+                    break
+                except Exception:  # the wrong sub-config
+                    continue
+            if built is None:
+                continue
+            with torch.no_grad():
+                for p in built.parameters():
+                    p.normal_(0.0, 0.1)
+            flags = experts_flags(built)  # hand-written classes too (Step3p7Experts)
+            assert flags is not None, cls.__name__
+            down = built.down_proj
+            e, h = down.shape[0], down.shape[2] if flags[2] else down.shape[1]
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(9, h, generator=gen)
+            idx = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(9)])
+            w = torch.rand(9, 2, generator=gen)
+            ref = built(x, idx, w)
+            got = Float8Experts(built, hp)(x, idx, w)
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+            f8 = Float8Experts(built, "tensorwise")(x, idx, w)
+            assert float((f8 - ref).norm() / ref.norm()) < 0.25, cls.__name__
+            checked.append(cls.__name__)
+    assert len(checked) >= 50, checked
