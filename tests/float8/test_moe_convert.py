@@ -559,3 +559,24 @@ def test_every_experts_class_of_the_installed_transformers_converts() -> None:
             assert float((f8 - ref).norm() / ref.norm()) < 0.25, cls.__name__
             checked.append(cls.__name__)
     assert len(checked) >= 50, checked
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-static", "nvfp4-train"])
+def test_recipes_prepare_and_train_an_moe_model(recipe: str) -> None:
+    """``prepare`` with float8 recipes: the experts convert (``fp8-static``'s calibration of
+    the linears runs beside dynamic experts; ``nvfp4-train``'s stochastic rounding and
+    Hadamard transforms are the linears'), and a few steps reduce the loss."""
+    from lowprec.recipes import prepare
+
+    p = prepare(_model("qwen3_moe"), recipe)
+    assert sum(isinstance(m, Float8Experts) for m in p.model.modules()) == 2
+    ids, losses = _ids(2), []
+    for _ in range(4):
+        with p.compute():
+            loss = p.model(input_ids=ids, labels=ids).loss
+            p.scaler.scale(loss).backward()
+        p.scaler.step(p.optimizer)
+        p.scaler.update()
+        p.optimizer.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.05, losses
