@@ -46,6 +46,13 @@ run as the plain model's ops (:func:`lowprec.unit.mode.plain_ops`), so the routi
 auxiliary loss are exactly what the plain router with weight ``W/H`` computes from the
 same hidden states. The router stays in the model's dtype under ``float8``.
 
+**Shared experts.** A block that adds a dense *shared expert* to the routed output
+(DeepSeek-V3's ``shared_experts``; Qwen2-MoE's ``shared_expert`` gated by
+``σ(shared_expert_gate(x))``) sums two independent branches of variance 1 and ``v_s``
+(``1``, or ``E[σ(Z)²] ≈ 0.293`` for a gate of unit-normal ``Z``): its output gets the
+forward-only factor ``1/√(1 + v_s)``, as the unit ``add`` of two branches
+(:func:`lowprec.unit.functional.add`: each branch's gradient stays unit).
+
 Not handled (``NotImplementedError`` naming the module): expert parallelism, experts
 modules without a router next to them.
 """
@@ -56,6 +63,7 @@ import inspect
 import math
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -63,8 +71,9 @@ from torch.overrides import TorchFunctionMode
 
 from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
-from lowprec.unit.core import scale_bwd
+from lowprec.unit.core import scale_bwd, scale_fwd
 from lowprec.unit.mode import UNIT_OPS, plain_ops
+from lowprec.unit.moments import gauss_moment
 
 __all__ = ["convert_moe", "is_experts", "route_aux_losses", "routing_moment"]
 
@@ -249,6 +258,29 @@ def _router_of(parent: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+class _SharedSum:
+    """Forward hook of a block with a shared expert: its output times ``factor``
+    (forward only; module doc)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def __call__(self, module: nn.Module, args: Any, out: Any) -> Any:
+        if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
+            return (scale_fwd(out[0], self.factor), *out[1:])
+        return scale_fwd(out, self.factor) if isinstance(out, Tensor) else out
+
+
+def _shared_variance(block: nn.Module) -> float | None:
+    """``v_s`` of the block's shared expert (module doc), or ``None`` without one."""
+    names = dict(block.named_children())
+    if "shared_experts" in names or "shared_expert" in names:
+        if isinstance(names.get("shared_expert_gate"), nn.Linear):
+            return gauss_moment(lambda z: 1.0 / (1.0 + np.exp(-z)))
+        return 1.0
+    return None
+
+
 def _swap(m: nn.Module, forward: Any, form: str) -> None:
     cls = type(m)
     attrs = {"forward": forward, "__module__": cls.__module__, "_unit_form": form}
@@ -292,7 +324,12 @@ def convert_moe(model: nn.Module, cfg: UnitConfig) -> list[str]:
             _swap(mod, _experts_forward, "experts")
             object.__setattr__(mod, "_unit_rho", rho)
             object.__setattr__(mod, "_unit_cfg", cfg)
-            done.append(f"{where} ({ecls}: experts, rho={rho:.4g})")
+            v = _shared_variance(parent)
+            shared = ""
+            if v is not None:
+                parent.register_forward_hook(_SharedSum((1.0 + v) ** -0.5))
+                shared = f", shared expert: output /{math.sqrt(1.0 + v):.4g}"
+            done.append(f"{where} ({ecls}: experts, rho={rho:.4g}{shared})")
     return done
 
 

@@ -165,7 +165,7 @@ def test_a_few_steps_reduce_the_loss(family: str, fmt: str) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.3, losses
 
 

@@ -149,6 +149,32 @@ def test_combination_factor_is_the_expected_sum_of_squared_weights() -> None:
         assert abs(float(y.pow(2).mean().sqrt()) - 1.0) < 0.1  # RMS of 4096·32 entries
 
 
+@pytest.mark.parametrize(("family", "factor"), [("deepseek_v3", 2**-0.5), ("qwen2_moe", 0.8793)])
+def test_a_shared_expert_sum_is_a_unit_add(family: str, factor: float) -> None:
+    """Routed + shared expert: output ×1/√(1 + v_s), forward only (DeepSeek-V3: v_s = 1;
+    Qwen2-MoE: the σ-gated shared expert, v_s = E[σ(Z)²] = 0.2933), so the block's output
+    has unit RMS (measured on 4096 unit-normal tokens: within 0.1) and the gradient into
+    each branch is the plain one."""
+    u = apply(_moe.model(family))
+    blk = _blocks(u)[0][0]
+    assert any(f"shared expert: output /{1 / factor:.4g}" in c
+               for c in u.unit_report["converted_modules"])  # fmt: skip
+    hook = next(iter(blk._forward_hooks.values()))
+    assert hook.factor == pytest.approx(factor, abs=1e-4)
+    x = torch.randn(1, 4096, u.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    xs = x.clone().requires_grad_(True)
+    with UnitMode(u._unit_config):
+        y = blk(xs)
+        y.backward(torch.ones_like(y))
+    assert abs(float(y.detach().pow(2).mean().sqrt()) - 1.0) < 0.1
+    g_hooked = xs.grad.clone()
+    xs.grad = None
+    with UnitMode(u._unit_config):
+        blk._forward_hooks.clear()
+        blk(xs).backward(torch.ones_like(y))
+    torch.testing.assert_close(g_hooked, xs.grad)  # forward only: the same gradients
+
+
 def test_routing_moment_arguments() -> None:
     _, r, _ = _blocks(apply(_moe.model("mixtral", layers=1)))[0]
     before = r.weight.detach().clone()
@@ -307,7 +333,7 @@ def test_a_few_fp16_steps_reduce_the_loss(family: str, preset: str) -> None:
         assert all(torch.isfinite(p.grad).all() for p in u.parameters() if p.grad is not None)
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.3, losses
 
 
