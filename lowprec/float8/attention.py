@@ -30,7 +30,10 @@ V`` are in ``fmt``, ``dO`` and ``dS`` in ``grad_fmt`` (:data:`FP8_FORMATS`; by d
 and E5M2, :func:`attention_formats` gives a config's: its linears' input and gradient
 formats). Grouped-query attention repeats each key/value head for its query heads (the
 quantized values equal those of the unrepeated head at every granularity); the repeated
-heads' gradients are summed in FP32. Where it is applied to models:
+heads' gradients are summed in FP32. The six GEMMs and the softmax are one op: they run
+without autocast and without torch function handling, so a torch function mode around the
+model (e.g. unit scaling's op rewriting) does not rewrite the ops inside it. Where it is
+applied to models:
 :mod:`lowprec.float8.attention_apply`.
 """
 
@@ -143,7 +146,7 @@ class _FP8Attention(torch.autograd.Function):
         fmts: tuple[str, str],
     ) -> Tensor:
         fwd = _cast(fmts[0], scaling)
-        with autocast_off(q.device.type):
+        with autocast_off(q.device.type), torch._C.DisableTorchFunction():
             s = _mm(_quant(q, fwd, scaling, True), _t(_quant(k, fwd, scaling, True))) * tau
             if bias is not None:
                 s = s + bias
@@ -163,7 +166,7 @@ class _FP8Attention(torch.autograd.Function):
         q, k, v, prob, keep = ctx.saved_tensors
         tau, p, scaling = ctx.tau, ctx.p, ctx.scaling
         fwd, bwd = _cast(ctx.fmts[0], scaling), _cast(ctx.fmts[1], scaling)
-        with autocast_off(q.device.type):
+        with autocast_off(q.device.type), torch._C.DisableTorchFunction():
             g = do.float()
             pd = prob if keep is None else prob * keep / (1.0 - p)
             dp = _mm(_quant(g, bwd, scaling, True), _t(_quant(v, fwd, scaling, True)))

@@ -6,7 +6,8 @@ order they are applied: unit scaling (:class:`~lowprec.unit.UnitConfig`), then f
 (:class:`~lowprec.scalify.ScalifyConfig`). Accepted: none, any one, or unit + float8 (a
 unit-scaled model whose linears cast their GEMM operands with a float8 scaling recipe).
 Refused, with the reason (:func:`check`): scalify with anything else, unit's own
-unscaled FP8 casts together with a float8 recipe, scalify with non-FP32 parameters, loss
+unscaled FP8 casts together with a float8 recipe, unit with float8's FP8 attention
+(``Float8Config.attention``: it has no unit rule), scalify with non-FP32 parameters, loss
 scaling or autocast.
 
 Unit + float8. A unit-scaled linear is ``y = s_out·(x' W'ᵀ)`` with ``x' = x`` and
@@ -103,6 +104,12 @@ def check(policy: Policy, technique: tuple[TechniqueConfig, ...]) -> None:
             "technique: UnitConfig(float8=True) rounds matmul operands to FP8 unscaled; with a "
             "Float8Config the linears would be cast twice. Use UnitConfig(float8=False) with "
             "the Float8Config (scaled casts), or UnitConfig(float8=True) alone"
+        )
+    if unit is not None and getattr(by.get("float8"), "attention", None) is not None:
+        raise ValueError(
+            "technique: Float8Config.attention replaces the model's attention by FP8 "
+            "attention, which has no unit-scaling rule: with a UnitConfig the attention "
+            "would lose unit scaling's scales. Use Float8Config(attention=None) with unit"
         )
 
 

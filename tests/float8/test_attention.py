@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -325,6 +326,33 @@ def test_reference_model_hook() -> None:
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     f8.convert_back(att)
     assert all(m.attention_fn is None for m in att.modules() if "attention_fn" in m.__dict__)
+
+
+def test_unit_scaling_refused_in_recipes_and_ops_not_rewritten() -> None:
+    """A recipe with unit scaling and FP8 attention is refused (FP8 attention has no unit
+    rule). Called directly inside a unit-scaled model (whose torch function mode rewrites
+    matmuls and softmax into unit ops), FP8 attention computes what it computes outside."""
+    from lowprec.recipes.compose import check
+    from lowprec.recipes.policy import Policy
+    from lowprec.unit import UnitConfig
+    from lowprec.unit import apply as unit_apply
+
+    with pytest.raises(ValueError, match="attention"):
+        check(Policy(), (UnitConfig(), Float8Config(attention="tensorwise")))
+    torch.manual_seed(0)
+    model = unit_apply(build_model("reference", CFG))
+    att = next(m for m in model.modules() if "attention_fn" in m.__dict__)
+    seen: list[tuple[Any, ...]] = []
+
+    def fn(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
+        y = fp8_attention(q, k, v, **kw)
+        seen.append((q.detach(), k.detach(), v.detach(), y.detach(), kw))
+        return y
+
+    att.attention_fn = fn
+    model(torch.randint(0, CFG.vocab_size, (2, CFG.seq_len)))
+    q, k, v, y, kw = seen[0]
+    assert torch.equal(y, fp8_attention(q, k, v, **kw))
 
 
 def test_no_attention_found_warns(caplog: pytest.LogCaptureFixture) -> None:
