@@ -283,7 +283,7 @@ class Float8Config:
       high precision, as the routing decisions and the load-balancing loss are sensitive
       to them and they are a small share of the FLOPs; ``True`` converts them too (an
       ``nn.Linear`` router to :class:`~lowprec.float8.Float8Linear`, a ``TopKRouter`` to
-      :class:`~lowprec.float8.experts.Float8Router`).
+      :class:`~lowprec.float8.router.Float8Router`).
 
     Use :meth:`from_name` for the presets (:func:`recipe_names`).
     """

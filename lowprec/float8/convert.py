@@ -17,14 +17,9 @@ from lowprec.float8.attention_apply import apply_attention, remove_attention
 from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import GEMMS, Float8Config
 from lowprec.float8.conv1d import Float8Conv1D, is_conv1d
-from lowprec.float8.experts import (
-    Float8Experts,
-    Float8Router,
-    holds_expert_weights,
-    is_experts,
-    router_ids,
-)
+from lowprec.float8.experts import Float8Experts, holds_expert_weights, is_experts, router_ids
 from lowprec.float8.linear import Float8Linear
+from lowprec.float8.router import Float8Router
 
 __all__ = [
     "ModuleFilter",

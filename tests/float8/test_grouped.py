@@ -13,13 +13,8 @@ import torch
 from torch import Tensor
 
 from lowprec.float8 import CastConfig, Float8Config, grouped_linear
-from lowprec.float8.grouped import (
-    GroupedFloat8Fn,
-    GroupedScales,
-    group_amax,
-    grouped_config,
-    quantize_grouped,
-)
+from lowprec.float8.grouped import GroupedFloat8Fn, GroupedScales, grouped_config
+from lowprec.float8.grouped_quant import group_amax, quantize_grouped
 from lowprec.float8.quant import dequantize_parts, quantize_parts
 
 # Groups with an empty expert, one smaller and one larger than a 32/128 block along tokens.

@@ -24,12 +24,8 @@ from lowprec.float8 import (  # noqa: E402
     convert_back,
 )
 from lowprec.float8.config import GEMMS  # noqa: E402
-from lowprec.float8.experts import (  # noqa: E402
-    Float8Router,
-    experts_flags,
-    is_experts,
-    router_ids,
-)
+from lowprec.float8.experts import experts_flags, is_experts, router_ids  # noqa: E402
+from lowprec.float8.router import Float8Router  # noqa: E402
 
 _COMMON = dict(
     vocab_size=64,
