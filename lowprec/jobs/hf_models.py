@@ -20,7 +20,15 @@ the reference model. Each entry maps the reference model's shape
 ``falcon``     ``FalconForCausalLM``: ``FalconLinear`` (an ``nn.Linear`` subclass, own
                ``forward``), parallel branches summed in place (``+=``), multi-query
                attention, fused q/k/v
+``qwen3moe``   ``Qwen3MoeForCausalLM``: Llama-style attention with QK norm; each MLP is 8
+               experts (hidden ``2·width``, 3-D weights in one ``Qwen3MoeExperts`` module),
+               top-2 routing with renormalised weights
+``mixtral``    ``MixtralForCausalLM``: Llama's attention; 8 experts (hidden ``2·width``),
+               top-2 routing
 =============  ==============================================================================
+
+The MoE models' loss adds the model's load-balancing loss (``router_aux_loss_coef · aux``,
+as the HF model adds it when it computes the loss itself).
 
 transformers is the optional extra ``lowprec[hf]``; it is imported only when a model is built.
 The model is wrapped in :class:`CausalLM`, which gives it the reference model's contract
@@ -95,6 +103,27 @@ def _falcon(c: ModelConfig) -> dict[str, Any]:
     return {"hidden_size": c.width, "num_hidden_layers": c.depth, "num_attention_heads": c.heads}
 
 
+_EXPERTS, _TOP_K = 8, 2  # the MoE models: 8 experts, each token routed to 2
+
+
+def _moe(c: ModelConfig) -> dict[str, Any]:
+    """Llama's attention and shape, its MLP replaced by ``8`` experts of hidden size
+    ``2·width`` with top-2 routing (as much compute per token as the dense ``4·width`` MLP);
+    ``output_router_logits`` so the model returns its load-balancing loss."""
+    return {
+        **_llama(c),
+        "intermediate_size": 2 * c.width,
+        "num_local_experts": _EXPERTS,
+        "num_experts_per_tok": _TOP_K,
+        "output_router_logits": True,
+    }
+
+
+def _qwen3moe(c: ModelConfig) -> dict[str, Any]:
+    return {**_moe(c), "moe_intermediate_size": 2 * c.width, "norm_topk_prob": True,
+            "head_dim": c.width // c.heads}  # fmt: skip
+
+
 # name -> (config class, model class, config kwargs of a ModelConfig, one-line description)
 HF_MODELS: dict[str, tuple[str, str, Callable[[ModelConfig], dict[str, Any]], str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", _llama, "Llama: RMSNorm, SwiGLU, RoPE, GQA"),
@@ -109,6 +138,13 @@ HF_MODELS: dict[str, tuple[str, str, Callable[[ModelConfig], dict[str, Any]], st
     "gemma": ("GemmaConfig", "GemmaForCausalLM", _gemma, "Gemma: scaled embedding, (1+w) norm"),
     "phi": ("PhiConfig", "PhiForCausalLM", _gpt_neox, "Phi: parallel branches, one shared norm"),
     "falcon": ("FalconConfig", "FalconForCausalLM", _falcon, "Falcon: Linear subclass, MQA"),
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        _qwen3moe,
+        "Qwen3-MoE: 8 experts (3-D weights), top-2, QK norm",
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", _moe, "Mixtral: 8 experts, top-2"),
 }
 
 
@@ -148,6 +184,10 @@ class CausalLM(nn.Module):
         out = self.model(input_ids=idx, use_cache=False)
         logits: Tensor = out.logits if hasattr(out, "logits") else out[0]
         loss = None if targets is None else cross_entropy_fp32(logits, targets)
+        aux = getattr(out, "aux_loss", None)  # an MoE model's load-balancing loss
+        if loss is not None and aux is not None:
+            coef = float(self.model.config.router_aux_loss_coef)
+            loss = loss + coef * aux.float()
         return logits, loss
 
 

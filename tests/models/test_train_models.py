@@ -84,3 +84,50 @@ def test_cli_model_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         main(["train", "--model", "bert"])
     assert e.value.code == 2
     assert "--model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+def test_moe_models_add_their_load_balancing_loss(name: str) -> None:
+    """The MoE models: 8 experts in one module of 3-D weights per layer, top-2 routing; the
+    job's loss is the FP32 cross-entropy plus ``router_aux_loss_coef`` times the model's
+    own load-balancing loss, whose gradient reaches the router."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=30, width=32, depth=2, heads=4, seq_len=16)
+    m = build_model(name, cfg)
+    assert isinstance(m, CausalLM)
+    hf = m.model.config  # type: ignore[union-attr]
+    assert (hf.num_local_experts, hf.num_experts_per_tok) == (8, 2)
+    mlp = m.model.model.layers[0].mlp  # type: ignore[union-attr]
+    assert mlp.experts.gate_up_proj.shape == (8, 2 * 64, 32)  # (experts, gate+up, width)
+    x = torch.randint(0, 30, (2, 16))
+    y = torch.randint(0, 30, (2, 16))
+    logits, loss = m(x, y)
+    assert loss is not None
+    out = m.model(input_ids=x, use_cache=False)
+    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    aux = out.aux_loss
+    assert float(aux.detach()) > 1.0  # E·Σ f_i·P_i is about top_k at a uniform router: 2
+    coef = hf.router_aux_loss_coef
+    assert torch.allclose(loss, ce + coef * aux, rtol=0, atol=1e-6)
+    # the router's gradient: the cross-entropy's plus coef times the auxiliary loss's
+    grads = []
+    for part in ("all", "ce", "aux"):
+        m.zero_grad()
+        logits, loss = m(x, y)
+        assert loss is not None
+        ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        {"all": loss, "ce": ce, "aux": (loss - ce) / coef}[part].backward()
+        grads.append(mlp.gate.weight.grad.clone())
+    g_all, g_ce, g_aux = grads
+    assert g_aux.abs().max() > 0
+    assert torch.allclose(g_all, g_ce + coef * g_aux, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_cli_trains_a_moe_model(tmp_path: Path) -> None:
+    out = tmp_path / "moe"
+    assert main(_args(out, "--model", "qwen3moe", "--recipe", "bf16")) == 0
+    recs = read_metrics(out)
+    assert len(recs) == 4 and all(r["loss"] == r["loss"] for r in recs)
+    state = torch.load(out / "checkpoint.pt", weights_only=True)["run"]["model"]
+    assert state["model.model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 128, 32)
