@@ -186,7 +186,7 @@ class CausalLM(nn.Module):
         loss = None if targets is None else cross_entropy_fp32(logits, targets)
         aux = getattr(out, "aux_loss", None)  # an MoE model's load-balancing loss
         if loss is not None and aux is not None:
-            coef = float(self.model.config.router_aux_loss_coef)
+            coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0))
             loss = loss + coef * aux.float()
         return logits, loss
 
