@@ -78,7 +78,8 @@ from lowprec.core.granularity import Granularity
 from lowprec.core.rounding import storage_dtype, to_format
 from lowprec.core.tensor import ScaledTensor, register_rule
 from lowprec.core.warn import warn_once
-from lowprec.distributed import fsdp_blocks
+from lowprec.distributed import fsdp_blocks, fsdp_experts
+from lowprec.float8.experts import Float8Experts
 from lowprec.float8.linear import Float8Linear
 
 __all__ = [
@@ -119,8 +120,10 @@ _PRESERVE = {
 class _Slot:
     """What every shard/view of one wrapped weight shares: its layer and scale cache."""
 
-    layer: weakref.ref[Float8Linear]
-    mode: str = "tensor"  # "tensor": one global scale; "blocks": row-local block scales
+    layer: weakref.ref[Any]  # its Float8Linear or Float8Experts
+    # "tensor": one global scale; "blocks": row-local block scales; "experts": one per expert
+    mode: str = "tensor"
+    param: str = "weight"  # the parameter's name in its module
     sharded: weakref.ref[DTensor] | None = None  # FSDP's sharded parameter
     key: tuple[int, int, bool] | None = None  # (id, version, training) the scale is for
     scale: Tensor | None = None
@@ -136,7 +139,8 @@ class _Group:
 
 
 class Float8AllGatherWeight(Tensor):
-    """A ``Float8Linear`` weight that FSDP2 all-gathers in FP8 (see the module docstring).
+    """A ``Float8Linear`` weight (or a ``Float8Experts`` expert weight) that FSDP2
+    all-gathers in FP8 (see the module docstring).
 
     It wraps the master tensor (``._hp``) and behaves like it: every op but the few FSDP2
     uses to shard and copy parameters runs on the plain master tensor and returns plain
@@ -211,10 +215,10 @@ class Float8AllGatherWeight(Tensor):
     ) -> tuple[tuple[Tensor, ...], Any]:
         layer = self._slot.layer()
         if layer is None:
-            raise RuntimeError("Float8AllGatherWeight: its Float8Linear no longer exists")
+            raise RuntimeError("Float8AllGatherWeight: its float8 module no longer exists")
         if self._slot.mode == "blocks":
             return fsdp_blocks.pre_gather(self._hp, layer, mesh, outer_size, mp_policy)
-        w = layer.weight  # sharded now: FSDP installs the gathered weight after this call
+        w = getattr(layer, self._slot.param)  # sharded: FSDP installs the gathered one later
         if isinstance(w, DTensor) and w._local_tensor is self:
             self._slot.sharded = weakref.ref(w)
         # FSDP2's MixedPrecisionPolicy: quantize the weight as it would have been gathered
@@ -222,8 +226,11 @@ class Float8AllGatherWeight(Tensor):
         pd = getattr(mp_policy, "param_dtype", None)
         self._group.param_dtype = pd
         scale = _scale_for(self._slot, self._group, mesh)
-        cast = layer.recipe.weight
         hp = self._hp if pd is None else self._hp.to(pd)
+        if self._slot.mode == "experts":
+            fmt = layer.grouped_recipe.cast("weight").fmt
+            return fsdp_experts.pre_gather(hp, scale, fmt, mesh, outer_size)
+        cast = layer.recipe.weight
         rows = -(-int(outer_size[0]) // mesh.size())  # FSDP pads every shard to this
         if hp.shape[0] != rows:
             padded = hp.new_zeros((rows, *hp.shape[1:]))
@@ -240,6 +247,8 @@ class Float8AllGatherWeight(Tensor):
         *,
         out: Tensor | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...]] | None:
+        if metadata[0] == "experts":
+            return fsdp_experts.post_gather(all_gather_outputs, metadata, param_dtype, out)
         if metadata[0] != "tensor":
             return fsdp_blocks.post_gather(all_gather_outputs, metadata, param_dtype, out)
         (raw,) = all_gather_outputs
@@ -267,7 +276,7 @@ def _sharded_of(slot: _Slot) -> DTensor:
     d = slot.sharded() if slot.sharded is not None else None
     if d is None:
         layer = slot.layer()
-        w = None if layer is None else layer.weight
+        w = None if layer is None else getattr(layer, slot.param)
         if isinstance(w, DTensor) and isinstance(w._local_tensor, Float8AllGatherWeight):
             d = w
     if d is None:
@@ -278,7 +287,7 @@ def _sharded_of(slot: _Slot) -> DTensor:
     return d
 
 
-def _key(d: DTensor, layer: Float8Linear) -> tuple[int, int, bool]:
+def _key(d: DTensor, layer: nn.Module) -> tuple[int, int, bool]:
     # The optimizer's in-place updates bump the sharded parameter's version counter.
     return (id(d), d._version, layer.training)
 
@@ -296,46 +305,56 @@ def _scale_for(slot: _Slot, group: _Group, mesh: DeviceMesh) -> Tensor:
 
 
 def _refresh(group: _Group, mesh: DeviceMesh) -> None:
-    """Recompute the scale of every live weight of ``group``: one ``all_reduce(MAX)``."""
-    live = [s for s in group.slots if s.layer() is not None and s.mode == "tensor"]
+    """Recompute the scale of every live weight of ``group``: one ``all_reduce(MAX)`` of
+    the linears' ``amax`` and the experts' per-expert ``amax`` vectors
+    (:func:`~lowprec.distributed.fsdp_experts.local_amax`) concatenated."""
+    live = [s for s in group.slots if s.layer() is not None and s.mode in ("tensor", "experts")]
     shards = [_sharded_of(s) for s in live]
-    hps = [d._local_tensor._hp for d in shards]  # type: ignore[attr-defined]
-    amaxes = torch.stack(
-        [
-            h.detach().abs().amax().float() if h.numel() else h.new_zeros((), dtype=torch.float32)
-            for h in hps
-        ]
-    )
+    parts = []
+    for s, d in zip(live, shards, strict=True):
+        h = d._local_tensor._hp  # type: ignore[attr-defined]
+        if s.mode == "experts":
+            dim0 = any(getattr(p, "dim", None) == 0 for p in d.placements)
+            parts.append(fsdp_experts.local_amax(h, d.shape[0], dim0, mesh))
+        else:
+            z = h.new_zeros(1, dtype=torch.float32)
+            parts.append(h.detach().abs().amax().float().reshape(1) if h.numel() else z)
+    amaxes = torch.cat(parts)
     if group.param_dtype is not None:  # amax(round(W)) = round(amax(W)): rounding is monotonic
         amaxes = amaxes.to(group.param_dtype).float()
     dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
     group.reductions += 1
-    for s, d, a in zip(live, shards, amaxes, strict=True):
+    split = torch.split(amaxes, [p.numel() for p in parts])
+    for s, d, a in zip(live, shards, split, strict=True):
         m = s.layer()
         assert m is not None
-        scale = m.role_scale("weight", amax=a)  # dynamic or delayed (eligible layers only)
+        if s.mode == "experts":  # (E,) scales: dynamic or delayed per expert
+            scale = m.weight_scales(s.param, a)
+        else:
+            scale = m.role_scale("weight", amax=a[0])  # dynamic or delayed (eligible layers)
         assert scale is not None
         s.scale = scale
         s.key = _key(d, m)
 
 
 def _plain_state_dict(module: nn.Module, sd: dict[str, Any], prefix: str, meta: Any) -> None:
-    """``state_dict()`` holds the master weight itself (a plain tensor, or a DTensor of
+    """``state_dict()`` holds the master weights themselves (plain tensors, or DTensors of
     plain local shards, sharing storage): checkpoints (``torch.save``, DCP) never see the
     wrapper, and a checkpoint loads into a model with or without FP8 all-gather."""
-    key = prefix + "weight"
-    v = sd.get(key)
-    if isinstance(v, DTensor) and isinstance(v._local_tensor, Float8AllGatherWeight):
-        sd[key] = DTensor.from_local(
-            v._local_tensor._hp,
-            v.device_mesh,
-            v.placements,
-            run_check=False,
-            shape=v.shape,
-            stride=v.stride(),
-        )
-    elif isinstance(v, Float8AllGatherWeight):
-        sd[key] = v._hp
+    for name in module._parameters:
+        key = prefix + name
+        v = sd.get(key)
+        if isinstance(v, DTensor) and isinstance(v._local_tensor, Float8AllGatherWeight):
+            sd[key] = DTensor.from_local(
+                v._local_tensor._hp,
+                v.device_mesh,
+                v.placements,
+                run_check=False,
+                shape=v.shape,
+                stride=v.stride(),
+            )
+        elif isinstance(v, Float8AllGatherWeight):
+            sd[key] = v._hp
 
 
 def fp8_all_gather_eligible(layer: Float8Linear) -> bool:
@@ -357,10 +376,13 @@ def fp8_all_gather_layout(layer: Float8Linear, blocks: bool = True) -> str | Non
 
 
 def enable_fp8_all_gather(model: nn.Module, *, blocks: bool = False) -> int:
-    """Make FSDP2 all-gather ``model``'s ``Float8Linear`` weights in FP8.
+    """Make FSDP2 all-gather ``model``'s ``Float8Linear`` weights (and ``Float8Experts``'
+    expert weights: :mod:`~lowprec.distributed.fsdp_experts`) in FP8.
 
     Call it on every rank after converting to float8 and before ``fully_shard``. Eligible
-    weights (:func:`fp8_all_gather_eligible`) are wrapped in :class:`Float8AllGatherWeight`;
+    weights (:func:`fp8_all_gather_eligible`; experts:
+    :func:`~lowprec.distributed.fsdp_experts.experts_reason` is ``None``, whatever
+    ``blocks``) are wrapped in :class:`Float8AllGatherWeight`;
     with ``blocks=True`` so are the row-local block layouts (row-wise, ``1xB``, MX, ``RxB``
     tiles; :func:`fp8_all_gather_layout`), whose input-gradient GEMM then sees a second
     rounding of the weight (module docstring). The others are left alone (gathered in their
@@ -374,6 +396,9 @@ def enable_fp8_all_gather(model: nn.Module, *, blocks: bool = False) -> int:
     group = _Group()
     skipped: list[str] = []
     for name, m in model.named_modules():
+        if isinstance(m, Float8Experts):
+            _wrap_experts(m, name, group, skipped)
+            continue
         if not isinstance(m, Float8Linear):
             continue
         w = m.weight
@@ -411,36 +436,61 @@ def enable_fp8_all_gather(model: nn.Module, *, blocks: bool = False) -> int:
     return len(group.slots)
 
 
+def _wrap_experts(m: Float8Experts, name: str, group: _Group, skipped: list[str]) -> None:
+    """Wrap the expert weights of ``m`` (or name it in ``skipped`` with the reason)."""
+    names = fsdp_experts.expert_weight_names(m)
+    wrapped = [n for n in names if isinstance(m._parameters[n], Float8AllGatherWeight)]
+    for n in names:
+        w = m._parameters[n]
+        if isinstance(w, DTensor):
+            raise ValueError(
+                f"model: {name or 'model'}.{n} is already a DTensor; call "
+                "enable_fp8_all_gather before fully_shard"
+            )
+    why = fsdp_experts.experts_reason(m)
+    if why is not None:
+        skipped.append(f"{name or 'model'} (experts {why})")
+        return
+    for n in names:
+        w = m._parameters[n]
+        if n in wrapped or w is None:
+            continue
+        slot = _Slot(weakref.ref(m), "experts", n)
+        group.slots.append(slot)
+        m._parameters[n] = nn.Parameter(
+            Float8AllGatherWeight(w.detach(), slot, group), requires_grad=w.requires_grad
+        )
+    if not wrapped:
+        m.register_state_dict_post_hook(_plain_state_dict)  # type: ignore[no-untyped-call]
+
+
+def _wrapped(model: nn.Module) -> list[Float8AllGatherWeight]:
+    """The local wrappers of ``model``'s FP8-gathered weights (linears and experts)."""
+    out: list[Float8AllGatherWeight] = []
+    for m in model.modules():
+        if not isinstance(m, Float8Linear | Float8Experts):
+            continue
+        for w in m._parameters.values():
+            local = w._local_tensor if isinstance(w, DTensor) else w
+            if isinstance(local, Float8AllGatherWeight):
+                out.append(local)
+    return out
+
+
 def fp8_weights_updated(model: nn.Module) -> int:
     """Mark every FP8-gathered weight of ``model`` as changed (after an optimizer step):
     the next all-gather recomputes the scales (one ``all_reduce(MAX)``), even when the
     update did not bump the shards' version counters (module docstring). Returns the
     number of weights marked."""
     n = 0
-    for m in model.modules():
-        w = m.weight if isinstance(m, Float8Linear) else None
-        local = w._local_tensor if isinstance(w, DTensor) else w
-        if isinstance(local, Float8AllGatherWeight):
-            local._slot.key = None
-            n += 1
+    for local in _wrapped(model):
+        local._slot.key = None
+        n += 1
     return n
 
 
 def fp8_all_gather_reductions(model: nn.Module) -> int:
     """How many scale all-reduces the FP8 all-gather of ``model`` has issued so far
     (one per weight update once every weight has been gathered)."""
-    groups = {
-        id(g): g
-        for m in model.modules()
-        if isinstance(m, Float8Linear)
-        for g in [_group_of(m)]
-        if g is not None
-    }
+    groups = {id(w._group): w._group for w in _wrapped(model)}
     return sum(g.reductions for g in groups.values())
-
-
-def _group_of(m: Float8Linear) -> _Group | None:
-    w = m.weight
-    if isinstance(w, DTensor):
-        w = w._local_tensor
-    return w._group if isinstance(w, Float8AllGatherWeight) else None

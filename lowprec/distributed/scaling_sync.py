@@ -3,8 +3,8 @@ static calibration maxima.
 
 Each rank records the ``amax`` of *its* activations and gradients in the delayed histories
 (``<role>_amax_history``) and static calibration maxima (``<role>_static_amax``) of its
-``Float8Linear`` layers. Left alone, the ranks' scales drift apart and every rank's
-checkpoint is different. Because
+``Float8Linear`` layers (and the per-expert histories of ``Float8Experts``). Left alone,
+the ranks' scales drift apart and every rank's checkpoint is different. Because
 
     amax(x_1 ∪ … ∪ x_R) = max_r amax(x_r),
 
@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from lowprec.float8.experts import Float8Experts
 from lowprec.float8.linear import Float8Linear
 
 __all__ = ["attach_scaling_sync", "scaling_state", "sync_scaling_state"]
@@ -38,11 +39,15 @@ __all__ = ["attach_scaling_sync", "scaling_state", "sync_scaling_state"]
 
 def scaling_state(model: nn.Module) -> dict[str, Tensor]:
     """The float8 scaling buffers of ``model`` by state-dict name (histories and static
-    maxima of every ``Float8Linear``), as the tensors themselves (no copy)."""
+    maxima of every ``Float8Linear``, per-expert histories of every ``Float8Experts``), as
+    the tensors themselves (no copy)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     out: dict[str, Tensor] = {}
     for name, m in model.named_modules():
+        if isinstance(m, Float8Experts):  # (history_len, E) per weight and role
+            for key in m.scaling_buffers():
+                out[f"{name}.{key}" if name else key] = m.get_buffer(key)
         if not isinstance(m, Float8Linear):
             continue
         state = m.scaling_state()

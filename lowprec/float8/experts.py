@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lowprec.core.scalers import DelayedScaler
+from lowprec.core.tensor import ScaledTensor
 from lowprec.core.warn import warn_once
 from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import ROLES, Float8Config
@@ -272,15 +273,33 @@ class Float8Experts(nn.Module):
         state = self._buffers[buf]
         return role_scale(sc, cast, None, update=update, calibrating=False, state=state, amax=a)
 
-    def _scales(self, name: str, x: Tensor, w3: Tensor, offs: Tensor) -> GroupedScales | None:
-        """The per-expert scales of the delayed roles of weight ``name``'s GEMMs."""
+    def weight_scales(self, name: str, amax: Tensor) -> Tensor:
+        """The per-expert scales ``(E,)`` the GEMMs give weight ``name`` when the ``amax``
+        of each whole expert matrix is ``amax`` (``(E,)``, already reduced across ranks):
+        ``s_e = amax_e · 2^margin / fmt.max`` (dynamic), or the delayed scale from its
+        history, recording ``amax`` in training as the forward does. For distributed code
+        that quantizes the weight before the GEMMs (an FP8 all-gather) and hands it over as
+        a :class:`~lowprec.core.tensor.ScaledTensor` ``(Q(W_e / s_e), s_e)``."""
+        if f"{name}_weight_amax_history" in self._scalers:
+            s = self._role_scale(name, "weight", amax, self.training)
+            assert s is not None
+            return s
+        return self.grouped_recipe.cast("weight").scale_for(amax)
+
+    def _scales(
+        self, name: str, x: Tensor, w3: Tensor, offs: Tensor, given: Tensor | None = None
+    ) -> GroupedScales | None:
+        """The per-expert scales of the delayed roles of weight ``name``'s GEMMs; ``given``:
+        the weight's scales when it arrives quantized (:meth:`weight_scales`)."""
         if not self._scalers:
-            return None
+            return None if given is None else GroupedScales(weight=given)
         upd, has = self.training, {b.split("_amax_history")[0] for b in self._scalers}
         xs = ws = None
         if f"{name}_input" in has:
             xs = self._role_scale(name, "input", group_amax(x.detach(), offs), upd)
-        if f"{name}_weight" in has:
+        if given is not None:
+            ws = given
+        elif f"{name}_weight" in has:
             ws = self._role_scale(name, "weight", w3.detach().abs().amax(dim=(1, 2)), upd)
         go = None
         if f"{name}_grad_output" in has:
@@ -331,10 +350,14 @@ class Float8Experts(nn.Module):
         return orig
 
     def _linear(self, x: Tensor, name: str, offs: Tensor, ids: Tensor, dtype: Any) -> Tensor:
-        w = self._parameters[name]
+        w: Tensor | None = self._parameters[name]
         assert w is not None
+        given = None
+        if isinstance(w, ScaledTensor):  # FP8-gathered (lowprec.distributed): Q(W_e/s_e), s_e
+            # the GEMMs quantize Q(W_e/s_e)·s_e with s_e again: the identity on its values
+            given, w = w.scale.reshape(-1), w.dequantize()
         w3 = w.transpose(1, 2) if self.is_transposed else w  # (E, out, in)
-        scales = self._scales(name, x, w3, offs)
+        scales = self._scales(name, x, w3, offs, given)
         with autocast_off(x.device.type):
             y: Tensor = GroupedFloat8Fn.apply(x, w3, offs, self.grouped_recipe, dtype, scales)  # type: ignore[no-untyped-call]
         b = self._parameters.get(name + "_bias") if self.has_bias else None
