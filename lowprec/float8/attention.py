@@ -33,8 +33,7 @@ quantized values equal those of the unrepeated head at every granularity); the r
 heads' gradients are summed in FP32. The six GEMMs and the softmax are one op: they run
 without autocast and without torch function handling, so a torch function mode around the
 model (e.g. unit scaling's op rewriting) does not rewrite the ops inside it. Where it is
-applied to models:
-:mod:`lowprec.float8.attention_apply`.
+applied to models: :mod:`lowprec.float8.attention_apply`.
 """
 
 from __future__ import annotations
