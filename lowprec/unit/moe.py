@@ -209,9 +209,10 @@ def _experts_forward(
     n_exp = w_down.shape[0]
     k, t, h = top_k_index.shape[-1], hidden_states.shape[0], hidden_states.shape[-1]
     ids = top_k_index.reshape(-1)
-    lo, hi = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
-    if lo < 0 or hi >= n_exp:
-        raise ValueError(f"top_k_index: expert ids must be in [0, {n_exp}), got {lo}..{hi}")
+    if ids.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= n_exp:
+            raise ValueError(f"top_k_index: expert ids must be in [0, {n_exp}), got {lo}..{hi}")
     ids_g, perm = torch.sort(ids, stable=True)
     x_g = hidden_states[perm // k]
     counts = torch.bincount(ids_g, minlength=n_exp).tolist()
@@ -243,8 +244,7 @@ def _experts_forward(
         y = self.post_expert_norm(y)
     p_g = scale_bwd(top_k_weights.reshape(-1)[perm].to(y.dtype), 1.0 / (alpha * math.sqrt(h)))
     y = y * p_g.unsqueeze(-1)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    inv = torch.argsort(perm)  # perm's inverse permutation
     out: Tensor = y[inv].view(t, k, h).sum(dim=1) * alpha
     return out.to(hidden_states.dtype)
 
