@@ -1,0 +1,232 @@
+"""Worker of ``test_moe_fsdp.py``: run under ``torch.distributed.run --nproc-per-node 2``.
+
+``python -m torch.distributed.run --nproc-per-node 2 tests/distributed/_moe_worker.py
+OUT.json`` trains tiny HF MoE models (:func:`lowprec.jobs.hf_models.build_hf_model`: 8
+experts of 3-D weights, top-2, 2 layers) under FSDP2 with
+:func:`lowprec.distributed.parallel.prepare` (each rank on its half of the global batch)
+for every (model, recipe) of :data:`CASES`; each rank also trains the one-process
+reference (:func:`lowprec.recipes.prepare`, the whole batch) and computes the
+one-process loss of its own half batch at the initial weights. The experts' all-gather
+inputs are recorded (:func:`_record`) and the bytes on the wire counted
+(:class:`CountingAllGather`), here and in a run that gathers in ``param_dtype``
+(``fp8_all_gather=False``). A DCP checkpoint (:mod:`lowprec.distributed.checkpoint`) of
+the fp8 runs is saved after 2 steps and resumed in a fresh ``prepare``. One launch for
+all: a process start costs seconds. Rank 0 writes the results.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+from lowprec.distributed import checkpoint as dcp_state
+from lowprec.distributed import fsdp_experts, shutdown
+from lowprec.distributed.parallel import prepare as dist_prepare
+from lowprec.float8 import Float8Experts, Float8Linear
+from lowprec.jobs.data import CharData
+from lowprec.jobs.hf_models import build_hf_model
+from lowprec.jobs.model import ModelConfig
+from lowprec.recipes import prepare
+from lowprec.recipes.step import train_step
+
+STEPS = 4
+CASES: list[tuple[str, str]] = [
+    ("qwen3moe", "fp8-tensorwise"),
+    ("qwen3moe", "fp8-delayed"),
+    ("qwen3moe", "bf16"),
+    ("qwen3moe", "fp8-rowwise"),
+    ("mixtral", "fp8-tensorwise"),
+]
+RESUME = ["fp8-tensorwise", "fp8-delayed"]
+EXPERTS = 8
+_DATA = CharData(32, 8, seed=0)
+_GATHERS: list[dict[str, Any]] = []
+
+
+class CountingAllGather(DefaultAllGather):
+    """FSDP2's default all-gather, counting the bytes each rank puts on the wire."""
+
+    bytes = 0
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
+    ) -> Any:  # type: ignore[override]
+        CountingAllGather.bytes += input_tensor.numel() * input_tensor.element_size()
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+def _record() -> None:
+    """Record every expert weight's all-gather input (dtype, elements, scales)."""
+    inner = fsdp_experts.pre_gather
+
+    def pre_gather(*args: Any, **kwargs: Any) -> Any:
+        inputs, meta = inner(*args, **kwargs)
+        _GATHERS.append(
+            {
+                "dtype": str(inputs[0].dtype),
+                "numel": inputs[0].numel(),
+                "shape": list(args[0].shape),
+                "scale": meta[1].tolist(),
+            }
+        )
+        return inputs, meta
+
+    fsdp_experts.pre_gather = pre_gather  # type: ignore[assignment]
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_hf_model(name, ModelConfig(65, 32, 2, 2, 32))
+
+
+def _factory(ps: list[Any]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(ps, lr=3e-3)
+
+
+def _half(s: int, parallel: bool) -> tuple[Tensor, Tensor]:
+    x, y = _DATA.batch("train", s)
+    if not parallel:
+        return x, y
+    r, w = dist.get_rank(), dist.get_world_size()
+    n = x.shape[0] // w
+    return x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
+
+
+def _train(p: Any, start: int, end: int, parallel: bool) -> tuple[list[float], list[float]]:
+    """Per step: the global batch's loss (the mean of the ranks' equal halves) and this
+    rank's own loss."""
+    out, own = [], []
+    for s in range(start, end):
+        res = train_step(p, *_half(s, parallel), 3e-3, skip_nonfinite=True)
+        loss = res.loss.detach().float().clone()
+        own.append(float(loss))
+        if parallel:
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        out.append(float(loss))
+    return out, own
+
+
+def _counting(p: Any) -> None:
+    for mod in p.model.modules():
+        if hasattr(mod, "set_custom_all_gather"):
+            mod.set_custom_all_gather(CountingAllGather())
+
+
+def _ref_scales(name: str, recipe: str) -> dict[str, list[float]]:
+    """One process's per-expert weight scales at the initial weights (the grouped GEMMs'
+    tensor-wise weight cast of the model's weights in ``param_dtype``)."""
+    q = prepare(_model(name), recipe, _factory)
+    out = {}
+    for n, m in q.model.named_modules():
+        if isinstance(m, Float8Experts):
+            cast = m.grouped_recipe.cast("weight")
+            for w in fsdp_experts.expert_weight_names(m):
+                a = m.get_parameter(w).detach().abs().amax(dim=(1, 2)).float()
+                out[f"{n}.{w}"] = cast.scale_for(a).tolist()
+    return out
+
+
+def _case(name: str, recipe: str) -> dict[str, Any]:
+    _GATHERS.clear()
+    CountingAllGather.bytes = 0
+    p = dist_prepare(_model(name), recipe, "fsdp", _factory)
+    _counting(p)
+    wrapped = sum(
+        type(getattr(w, "_local_tensor", w)).__name__ == "Float8AllGatherWeight"
+        for m in p.model.modules()
+        if isinstance(m, Float8Experts)
+        for w in m._parameters.values()
+    )
+    par, own = _train(p, 0, STEPS, True)
+    gathers, fp8_bytes = list(_GATHERS), CountingAllGather.bytes
+    hist = {k: v.tolist() for k, v in p.model.named_buffers() if "weight_amax_history" in k}
+    ref_model = prepare(_model(name), recipe, _factory)
+    ref, _ = _train(ref_model, 0, STEPS, False)
+    ref_hist = {
+        k: v.tolist() for k, v in ref_model.model.named_buffers() if "weight_amax_history" in k
+    }
+    x, y = _half(0, True)  # one process, this rank's half batch, the initial weights
+    half = float(train_step(prepare(_model(name), recipe, _factory), x, y, 3e-3).loss)
+    out = {
+        "parallel": par,
+        "reference": ref,
+        "own_first": own[0],
+        "half_first": half,
+        "wrapped": wrapped,
+        "gathers": gathers,
+        "bytes": fp8_bytes,
+        "experts_hist": {k: v[:STEPS] for k, v in hist.items() if "experts" in k},
+        "ref_experts_hist": {k: v[:STEPS] for k, v in ref_hist.items() if "experts" in k},
+    }
+    if recipe.startswith("fp8") and wrapped:
+        out["ref_scales"] = _ref_scales(name, recipe)
+        CountingAllGather.bytes = 0  # the same run, gathered in param_dtype
+        h = dist_prepare(_model(name), recipe, "fsdp", _factory, fp8_all_gather=False)
+        _counting(h)
+        out["hp_parallel"], _ = _train(h, 0, STEPS, True)
+        out["hp_bytes"] = CountingAllGather.bytes
+        out["linear_numel"] = sum(
+            m.weight.numel() for m in h.model.modules() if isinstance(m, Float8Linear)
+        )
+    return out
+
+
+def _resume(recipe: str, base: Path) -> dict[str, Any]:
+    """2 steps, DCP save, 2 more (straight); a fresh ``prepare`` loads and redoes them."""
+    p = dist_prepare(_model("qwen3moe"), recipe, "fsdp", _factory)
+    _train(p, 0, 2, True)
+    dcp_state.save(p, base / f"moe-{recipe}", {"step": 2})
+    saved = {k: v.tolist() for k, v in p.model.named_buffers() if "amax" in k}
+    straight, _ = _train(p, 2, STEPS, True)
+    q = dist_prepare(_model("qwen3moe"), recipe, "fsdp", _factory)
+    extra = dcp_state.load(q, base / f"moe-{recipe}")
+    loaded = {k: v.tolist() for k, v in q.model.named_buffers() if "amax" in k}
+    resumed, _ = _train(q, 2, STEPS, True)
+    return {
+        "step": extra["step"],
+        "straight": straight,
+        "resumed": resumed,
+        "state_equal": saved == loaded,
+        "experts_amax": sum("experts" in k for k in saved),
+    }
+
+
+def main(path: str) -> None:
+    dist.init_process_group("gloo")
+    _record()
+    result: dict[str, Any] = {}
+    for name, recipe in CASES:
+        r = _case(name, recipe)
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, {k: r.pop(k) for k in ("own_first", "half_first")})
+        r["first"] = ranks
+        result[f"{name}/{recipe}"] = r
+    for recipe in RESUME:
+        result[f"resume/{recipe}"] = _resume(recipe, Path(path).parent)
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(result))
+    shutdown()
+
+
+def launch(out: Path) -> dict[str, Any]:
+    """Run the worker on 2 processes (gloo); rank 0's results."""
+    path = out / "moe.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += ["2", __file__, str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
