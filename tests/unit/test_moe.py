@@ -339,7 +339,8 @@ def test_a_few_fp16_steps_reduce_the_loss(family: str, preset: str) -> None:
 
 def test_float8_rounds_the_expert_gemms() -> None:
     """With ``float8`` every expert GEMM's operands are E4M3 values: the output differs
-    from the unrounded one by about E4M3's unit roundoff (2⁻⁴), not more."""
+    from the unrounded one by about E4M3's unit roundoff (2⁻⁴), not more; the router's
+    logits are not rounded."""
     plain = _moe.model("qwen3_moe", layers=1)
     a, b = apply(plain), apply(plain, "float8", reinit=False)
     b.load_state_dict(a.state_dict())
@@ -352,6 +353,11 @@ def test_float8_rounds_the_expert_gemms() -> None:
         yb = eb(x, idx, w.float())
     rel = float((ya - yb).norm() / ya.norm())
     assert 2.0**-8 < rel < 2.0**-3
+    (_, ra, _), (_, rb, _) = _blocks(a)[0], _blocks(b)[0]
+    with torch.no_grad(), UnitMode(b._unit_config):
+        la = ra(x)[0]
+        lb = rb(x)[0]
+    assert torch.equal(la, lb)  # the router is not rounded to FP8
 
 
 # ---- bad input ----------------------------------------------------------------------------
