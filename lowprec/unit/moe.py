@@ -27,18 +27,20 @@ unit-normal inputs, computed once at conversion (Monte Carlo, 8192 rows).
 ``r²``. ``ρ`` is computed at conversion by running the layer's own router, with a
 unit-variance weight drawn for the purpose (so it does not depend on the weights the
 model holds), on 8192 unit-normal rows: the expectation over tokens at unit-scaled init,
-the static estimate the scale needs. ``α`` multiplies both passes, so the gradient
-reaching ``x_t`` through the experts, ``Σ_j α p_tj J_jᵀ g_t``, also has variance
-``α²ρ = 1``. The gradient reaching an expert's output is ``α p g``, of mean square
-``α²·ρ/k = 1/k`` over the pairs, so the expert weights' gradients are multiplied by
-``√k`` (cut edges: ``∂W_e`` is ``√(k/n_e)·gᵀx``). The gradient of the routing weights,
+the static estimate the scale needs. ``α`` multiplies both passes, so the routing adds
+no factor to the gradient reaching ``x_t`` through the experts, ``Σ_j α p_tj J_jᵀ g_t``
+(``E[Σ_j α²p_tj²] = 1``; the linears' own tied scales remain, as in a dense MLP). The
+gradient reaching an expert's output is ``α p g``, of mean square ``α²·ρ/k = 1/k`` over
+the pairs, so the expert weights' gradients are multiplied by ``√k`` (cut edges:
+``∂W_e`` is ``√(k/n_e)·gᵀx``). The gradient of the routing weights,
 ``∂p_tj = α g_t·f(x_t)``, sums ``H`` unit products: it is multiplied by ``1/(α√H)``
 (unit); that factor also scales the router path's share of ``∂x``, as the readout's
 backward differs from its forward.
 
 **The router** is an output-like weight in μP's sense (fan-in ``H`` grows with width,
-fan-out ``E`` does not): its logits are ``x Wᵀ/H`` (:func:`lowprec.unit.functional.
-linear_readout`: unit linear with a further forward ``1/√H``; weight ``N(0, 1)``), so
+fan-out ``E`` does not): its logits are ``x Wᵀ/H``
+(:func:`~lowprec.unit.functional.linear_readout`: the unit linear with a further forward
+``1/√H``; weight ``N(0, 1)``), so
 routing is near-uniform at init at any width, and u-μP gives it the readout's learning
 rate ``η`` (:mod:`lowprec.unit.umup`). Everything else in the router (softmax, top-k,
 renormalisation, DeepSeek's sigmoid and group-limited choice) and the load-balancing loss
