@@ -26,8 +26,10 @@ to an experts module: :func:`router_ids`) stays in high precision unless
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -185,6 +187,36 @@ def router_ids(model: nn.Module) -> set[int]:
             if named and isinstance(w, Tensor) and w.dim() == 2 and not experts(c):
                 out.add(id(c))
     return out
+
+
+class _Payload:
+    """A saved weight kept as its gathered payload (:func:`_saved_as_payload`)."""
+
+    def __init__(self, st: ScaledTensor) -> None:
+        self.st = st
+
+
+@contextlib.contextmanager
+def _saved_as_payload(w3: Tensor, st: ScaledTensor | None, transposed: bool) -> Iterator[None]:
+    """Autograd keeps the dequantized gathered weight ``w3`` as the gathered ``st`` (whose
+    payload FSDP2 frees after forward and gathers again before backward) and dequantizes
+    it again when backward reads it: no unsharded high-precision copy outlives forward."""
+    if st is None:
+        yield
+        return
+
+    def pack(t: Tensor) -> Any:
+        return _Payload(st) if t is w3 else t
+
+    def unpack(p: Any) -> Tensor:
+        if not isinstance(p, _Payload):
+            return p  # type: ignore[no-any-return]
+        with torch.no_grad():
+            v = p.st.dequantize()
+        return v.transpose(1, 2) if transposed else v
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 class Float8Experts(nn.Module):
@@ -352,13 +384,13 @@ class Float8Experts(nn.Module):
     def _linear(self, x: Tensor, name: str, offs: Tensor, ids: Tensor, dtype: Any) -> Tensor:
         w: Tensor | None = self._parameters[name]
         assert w is not None
-        given = None
+        given = gathered = None
         if isinstance(w, ScaledTensor):  # FP8-gathered (lowprec.distributed): Q(W_e/s_e), s_e
             # the GEMMs quantize Q(W_e/s_e)·s_e with s_e again: the identity on its values
-            given, w = w.scale.reshape(-1), w.dequantize()
+            gathered, given, w = w, w.scale.reshape(-1), w.dequantize()
         w3 = w.transpose(1, 2) if self.is_transposed else w  # (E, out, in)
         scales = self._scales(name, x, w3, offs, given)
-        with autocast_off(x.device.type):
+        with autocast_off(x.device.type), _saved_as_payload(w3, gathered, self.is_transposed):
             y: Tensor = GroupedFloat8Fn.apply(x, w3, offs, self.grouped_recipe, dtype, scales)  # type: ignore[no-untyped-call]
         b = self._parameters.get(name + "_bias") if self.has_bias else None
         return y if b is None else y + b[ids].to(y.dtype)
