@@ -52,6 +52,10 @@ of that operand (at most one step of the format per element) which a high-precis
 gather does not have — except for ``RxB`` tiles, the same tiles in both orientations.
 Hence ``blocks`` is off by default.
 
+**MoE experts.** The 3-D expert weights of a :class:`~lowprec.float8.Float8Experts`
+(sharded on dim 0, the experts) gather in FP8 with one scale per expert, joined to the
+same all-reduce: :mod:`~lowprec.distributed.fsdp_experts`.
+
 Gathered in ``param_dtype`` (one WARNING naming the reason): static weights; ``nv:16``
 (NVFP4's second-level per-tensor scale needs the global ``amax``); ``RxB`` tiles whose
 shards do not hold a multiple of ``R`` rows; block weights whose rows do not divide evenly
