@@ -12,6 +12,10 @@ inputs are recorded (:func:`_record`) and the bytes on the wire counted
 (``fp8_all_gather=False``). A DCP checkpoint (:mod:`lowprec.distributed.checkpoint`) of
 the fp8 runs is saved after 2 steps and resumed in a fresh ``prepare``. One launch for
 all: a process start costs seconds. Rank 0 writes the results.
+
+Stage ``uneven`` (3 processes): a tiny GPT-OSS (4 experts of transposed 3-D weights
+``(E, in, out)`` with biases, clamped SwiGLU) sharded 2, 2, 0 experts over the ranks,
+trained with the FP8 and the BF16 gather of the expert weights.
 """
 
 from __future__ import annotations
@@ -200,8 +204,68 @@ def _resume(recipe: str, base: Path) -> dict[str, Any]:
     }
 
 
-def main(path: str) -> None:
+def _gpt_oss() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        head_dim=8,
+        intermediate_size=24,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+    )
+    m = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # GPT-OSS leaves its expert weights uninitialised
+        for p in m.parameters():
+            if p.dim() == 3 or not torch.isfinite(p).all():
+                p.normal_(0.0, 0.05)
+    return m
+
+
+def _uneven(recipe: str, fp8: bool) -> dict[str, Any]:
+    p = dist_prepare(_gpt_oss(), recipe, "fsdp", _factory, fp8_all_gather=fp8)
+    local = [
+        getattr(w, "_local_tensor", w)
+        for m in p.model.modules()
+        if isinstance(m, Float8Experts)
+        for w in m._parameters.values()
+        if w.dim() == 3
+    ]
+    losses = []
+    for s in range(3):
+        g = torch.Generator().manual_seed(10 * s + dist.get_rank())
+        ids = torch.randint(0, 64, (2, 12), generator=g)
+        with p.compute():
+            loss = p.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        p.optimizer.step()
+        p.optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {
+        "losses": losses,
+        "experts": [t.shape[0] for t in local],
+        "wrapped": sum(type(t).__name__ == "Float8AllGatherWeight" for t in local),
+    }
+
+
+def main(path: str, stage: str = "two") -> None:
     dist.init_process_group("gloo")
+    if stage == "uneven":
+        out = {r: {"fp8": _uneven(r, True), "hp": _uneven(r, False)} for r in RESUME}
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, out)
+        if dist.get_rank() == 0:
+            Path(path).write_text(json.dumps(ranks))
+        shutdown()
+        return
     _record()
     result: dict[str, Any] = {}
     for name, recipe in CASES:
@@ -217,16 +281,22 @@ def main(path: str) -> None:
     shutdown()
 
 
-def launch(out: Path) -> dict[str, Any]:
-    """Run the worker on 2 processes (gloo); rank 0's results."""
-    path = out / "moe.json"
+def _run(out: Path, n: int, stage: str) -> Any:
+    path = out / f"moe-{stage}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd += ["2", __file__, str(path)]
+    cmd += [str(n), __file__, str(path), stage]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result: dict[str, Any] = json.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def launch(out: Path) -> dict[str, Any]:
+    """Run the worker on 2 processes (gloo), then stage ``uneven`` on 3; rank 0's results
+    of the first, every rank's of the second under ``"uneven"``."""
+    result: dict[str, Any] = _run(out, 2, "two")
+    result["uneven"] = _run(out, 3, "uneven")
     return result
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "two")

@@ -4,7 +4,8 @@ One launch of ``_moe_worker.py`` trains tiny Qwen3-MoE and Mixtral models (8 exp
 3-D weights, top-2, 2 layers; AdamW, lr 3e-3, global batch 8: 4 rows per rank) for 4
 steps with :func:`lowprec.distributed.parallel.prepare` and the one-process reference
 (:func:`lowprec.recipes.prepare`, the whole batch). FSDP2 shards the expert weights
-``(8, 2I, H)`` / ``(8, H, I)`` on dim 0: 4 experts per rank.
+``(8, 2I, H)`` / ``(8, H, I)`` on dim 0: 4 experts per rank. A second launch (3
+processes) trains a tiny GPT-OSS whose 4 transposed experts shard unevenly.
 
 What can differ between 2 processes and one, and the tolerance (relative, every step's
 loss; the same as ``test_parallel.py``'s for the reference model):
@@ -123,3 +124,18 @@ def test_dcp_resume_is_exact(result: dict[str, Any], recipe: str) -> None:
     assert r["resumed"] == r["straight"] and len(r["straight"]) == STEPS - 2
     if recipe == "fp8-delayed":  # input/weight/grad_output histories of 2 weights x 2 layers
         assert r["experts_amax"] == 12
+
+
+@pytest.mark.parametrize("recipe", RESUME)
+def test_uneven_shards_of_transposed_experts(result: dict[str, Any], recipe: str) -> None:
+    """GPT-OSS on 3 processes: 4 transposed expert weights ``(E, in, out)`` with biases are
+    sharded 2, 2, 0 experts (the last rank gathers zero-padded payloads and still takes part
+    in the scale all-reduce); the FP8 gather gives every rank the losses of the BF16 gather
+    to the bit (the payload, cut to the 4 real experts, is one process's)."""
+    ranks = result["uneven"]
+    assert len(ranks) == 3
+    for r in ranks:
+        fp8, hp = r[recipe]["fp8"], r[recipe]["hp"]
+        assert fp8["wrapped"] == 4 and hp["wrapped"] == 0
+        assert fp8["losses"] == hp["losses"]
+    assert [r[recipe]["fp8"]["experts"] for r in ranks] == [[2] * 4, [2] * 4, [0] * 4]
