@@ -12,7 +12,7 @@ load-balancing loss added). Rows, each a :class:`~lowprec.recipes.Recipe`: the p
 
 Each (model, row, seed) is one ``lowprec train --model M --recipe <row>.json --seed S``
 subprocess (``bench_fp4.run_cmd``: ``OMP_NUM_THREADS=1``, ``--jobs`` at a time); defaults:
-width 64, depth 4, 4 heads, batch 8x64 characters, 200 steps, AdamW lr 3e-3 (20 warm-up
+width 64, depth 4, 4 heads, batch 8x64 characters, 120 steps, AdamW lr 3e-3 (12 warm-up
 steps, cosine to lr/10), the val loss over 8 val batches at the end.
 
 Measured:
@@ -147,14 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--rows", nargs="+", default=None, help="row names (default: all)")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=12)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--jobs", type=int, default=2, help="training subprocesses at a time")
     p.add_argument("--runs", default=None, help="folder for the runs (default: a temp dir)")
