@@ -181,9 +181,12 @@ def _index_put(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     acc = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
 
     def call(t: Tensor, u: Tensor, plain_inplace: bool) -> Tensor:
+        # the aten ops: ``t[:, idx] = u`` holds None in ``indices``, which only they take
         if plain_inplace:
-            return t.index_put_(indices, u.to(t.dtype), acc)
-        return torch.index_put(t, indices, u.to(t.dtype), acc)
+            out: Tensor = aten.index_put_.default(t, indices, u.to(t.dtype), acc)
+            return out
+        res: Tensor = aten.index_put.default(t, indices, u.to(t.dtype), acc)
+        return res
 
     return _write(func, args, kwargs, dst, src, call, acc)
 

@@ -271,6 +271,43 @@ def test_writes_into_a_tensor_keep_tiny_values() -> None:
     check(plain, torch.index_add(zeros, 0, idx, v))
 
 
+def test_index_put_with_a_sliced_dimension() -> None:
+    """``t[:, idx] = u`` (Falcon's cache writes) passes ``None`` for the sliced dimension in
+    ``index_put``'s indices (which only the aten op takes): the rule writes it into a scaled
+    tensor, and a scalify'd
+    module with it gives the plain module's loss and weight gradient within FP16 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(2, 2, 4, generator=gen)
+    v = u.half().float() * TINY
+    idx = torch.tensor([0, 2])
+    want = torch.zeros(2, 3, 4)
+    want[:, idx] = v
+    dst = _st(torch.zeros(2, 3, 4), TINY)
+    dst[:, idx] = _st(u)
+    torch.testing.assert_close(dst.dequantize(), want, rtol=2.0**-10, atol=0)
+
+    class Write(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 8, generator=gen))
+
+        def forward(self, x: Tensor) -> Tensor:
+            t = torch.zeros(2, 4, 8)
+            t[:, idx] = x[:, :2] * self.w[:2]
+            return (t * t).sum()
+
+    m, x = Write(), torch.randn(2, 4, 8, generator=gen)
+    ref = m(x)
+    ref.backward()
+    g = m.w.grad.clone()  # type: ignore[union-attr]
+    m.w.grad = None
+    out = apply(m, "fp16")(x)
+    val = out.dequantize() if isinstance(out, ScaledTensor) else out
+    torch.testing.assert_close(val.float(), ref.detach(), rtol=2.0**-8, atol=0)
+    val.backward()
+    torch.testing.assert_close(m.w.grad, g, rtol=2.0**-8, atol=2.0**-8 * float(g.abs().max()))
+
+
 def test_clamp_and_factories() -> None:
     x = torch.linspace(-3, 3, 13)
     sx = _st(x, 2.0**-20)
