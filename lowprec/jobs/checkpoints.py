@@ -13,6 +13,7 @@ import hashlib
 import logging
 import math
 import random
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,26 +50,35 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
+def _leaves(state: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """``(path, leaf)`` of a nested state of dicts, lists and tuples, in order; a path
+    joins the keys and indices with dots (``"optimizer.state.3.exp_avg"``)."""
+    if isinstance(state, dict):
+        items: Iterable[tuple[Any, Any]] = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        yield path, state
+        return
+    for k, v in items:
+        yield from _leaves(v, f"{path}.{k}" if path else str(k))
+
+
 def fingerprint(state: Any, path: str = "") -> dict[str, str]:
     """A digest of every leaf of a nested state (dicts, lists, tensors, Python values),
     keyed by its path (``"optimizer.state.3.exp_avg"``): a tensor's by its dtype, shape and
     bytes (BLAKE2b of its contiguous copy), any other value by its ``repr``. Two states
     are bit-identical exactly when their fingerprints are equal (up to hash collisions)."""
     out: dict[str, str] = {}
-    if isinstance(state, dict):
-        for k, v in state.items():
-            out.update(fingerprint(v, f"{path}.{k}" if path else str(k)))
-    elif isinstance(state, (list, tuple)):
-        for i, v in enumerate(state):
-            out.update(fingerprint(v, f"{path}.{i}" if path else str(i)))
-    elif isinstance(state, torch.Tensor):
-        t = state.detach().cpu().contiguous()
-        h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        out[path] = h.hexdigest()
-    else:
-        out[path] = repr(state)
+    for name, leaf in _leaves(state, path):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().cpu().contiguous()
+            h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            out[name] = h.hexdigest()
+        else:
+            out[name] = repr(leaf)
     return out
 
 
@@ -80,18 +90,14 @@ def unrestored(saved: dict[str, str], live: dict[str, str]) -> list[str]:
 
 def nonfinite_state(prepared: Prepared) -> str | None:
     """The name of the first parameter or optimizer-state tensor holding Inf/NaN, if any."""
-    named: list[tuple[str, Any]] = list(prepared.model.named_parameters())
-    stack: list[tuple[str, Any]] = [("optimizer", prepared.optimizer.state_dict())]
-    while stack:
-        name, v = stack.pop()
-        if isinstance(v, dict):
-            stack += [(f"{name}.{k}", x) for k, x in v.items()]
-        elif isinstance(v, (list, tuple)):
-            stack += [(f"{name}.{i}", x) for i, x in enumerate(v)]
-        elif isinstance(v, torch.Tensor):
-            named.append((name, v))
+    named = [*prepared.model.named_parameters(),
+             *_leaves(prepared.optimizer.state_dict(), "optimizer")]  # fmt: skip
     for name, t in named:
-        if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+        if (
+            isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and not bool(torch.isfinite(t.detach()).all())
+        ):
             return name
     if not math.isfinite(prepared.scaler.loss_scale):
         return "loss scale"
