@@ -68,6 +68,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from lowprec.amp.remainder import join_fp32, split_fp32
 from lowprec.amp.state_codec import StateCodec, scale_shape, state_codecs
+from lowprec.core.bits import with_sign
 from lowprec.core.rounding import quantize
 
 __all__ = ["LeanAdam", "LeanAdamW", "LeanOptimizer", "LeanSGD", "lean_optimizer", "sr_bf16"]
@@ -124,7 +125,7 @@ def sr_bf16(w: Tensor, bits: Tensor) -> Tensor:
     fl = torch.floor(s)
     up = (bits.to(torch.float32) * 2.0**-23 < (s - fl)).to(torch.float32)
     rs = (fl + up) * 2.0**-67 * 2.0**-66
-    r = torch.copysign(torch.where(a < 2.0**-126, rs, rn), w)
+    r = with_sign(torch.where(a < 2.0**-126, rs, rn), w)
     return torch.where(w != w, w, r).to(torch.bfloat16)
 
 

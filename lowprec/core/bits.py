@@ -47,6 +47,7 @@ eager and compiled, and :func:`round_bits` against torch's casts and the referen
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 from torch import Tensor
@@ -61,6 +62,7 @@ __all__ = [
     "encode",
     "round_bits",
     "storage_dtype",
+    "with_sign",
 ]
 
 # ---------------------------------------------------------------------------------------
@@ -79,6 +81,16 @@ def _scale_pow2(t: Tensor, k: int) -> Tensor:
     """``t · 2^k`` as two exact multiplications (2^149 itself overflows float32)."""
     a = k // 2
     return t * 2.0**a * 2.0 ** (k - a)
+
+
+def with_sign(a: Tensor, x: Tensor) -> Tensor:
+    """``copysign(a, x)`` for a float32 (float64) ``a`` without its sign bit set (a
+    magnitude, NaN included): ``a``'s bits or'ed with ``x``'s sign bit. Inductor's CPU
+    kernels call ``torch.copysign`` out of line (a vector function call per 16 elements,
+    with every live register spilled around it); these two integer ops stay in the loop."""
+    _, idt, _ = _work_dtypes(a.dtype)
+    sign = -(1 << (torch.finfo(a.dtype).bits - 1))
+    return (a.view(idt) | (x.view(idt) & sign)).view(a.dtype)
 
 
 def draw_bits(
@@ -156,6 +168,11 @@ def _round_magnitude(a: Tensor, fmt: Format, rand: Tensor | None) -> Tensor:
         rn = torch.where(a < tiny_f, rn * 2.0**-64, rn)  # exact: a format value
     # Subnormal range of the target: round to a multiple of min_subnormal = 2^-k.
     k = fmt._bias - 1 + m
+    if rand is None and ms - k >= math.frexp(tiny_f)[1] - 1:  # 2^(ms - k) normal
+        # One addition rounds (to nearest, ties to even) to a multiple of ulp(2^(ms - k))
+        # = 2^-k; the subtraction is exact (fewer vector ops than scaling to integers).
+        c = 2.0 ** (ms - k)
+        return torch.where(a < fmt.min_normal, (a + c) - c, rn)
     s = _scale_pow2(a, k)  # exact: a < min_normal so s < 2^M
     if rand is None:
         rs = torch.round(s)  # ties to even
@@ -199,7 +216,7 @@ def round_bits(
         else:
             a = torch.where(over, overflow_value, a)
     if fmt.signed:
-        r = torch.copysign(a, xf)
+        r = with_sign(a, xf)
         if fmt.special == "fnuz":
             r = r + 0.0  # -0 + 0 = +0: fnuz has no negative zero
     else:
@@ -231,32 +248,44 @@ def _fields(fmt: Format) -> tuple[int, int, int]:
 def encode(v: Tensor, fmt: Format, saturate: bool = True) -> Tensor:
     """``v`` (float32) rounded into the 1-byte ``fmt``, as that format's torch dtype
     (module docstring). ``saturate=False``: a finite value that rounds beyond ``±max``
-    becomes NaN (``fn``, ``fnuz``) or ``±Inf`` (``ieee``), as torch's cast gives it."""
+    becomes NaN (``fn``, ``fnuz``) or ``±Inf`` (``ieee``), as torch's cast gives it.
+
+    Integer arithmetic on ``|v|``'s bits ``b`` (few vector ops: the kernels that trace it
+    are compute-bound on the CPU): saturating, ``b`` is first clamped to ``max``'s bits, so
+    a finite overflow rounds to the largest code; the subnormal range is rounded by one
+    float addition, ``|v| + 2^K`` with ``ulp(2^K)`` the format's smallest subnormal (its
+    low bits are the code, rounded to nearest-even by the addition itself)."""
     m, bias, top = _fields(fmt)
     d = 23 - m
-    a = v.abs()
-    big = 2.0 * fmt.max  # any finite magnitude above max: saturates below
-    ac = torch.where(a <= big, a, big)  # NaN and Inf compare False: fixed at the end
-    b = ac.view(torch.int32)
-    normal = ((b + ((1 << (d - 1)) - 1) + ((b >> d) & 1)) >> d) - ((127 - bias) << m)
-    sub = torch.round(ac * 2.0 ** (bias - 1 + m)).to(torch.int32)
-    mag = torch.where(ac < fmt.min_normal, sub, normal)
-    sign = (v.view(torch.int32) >> 31) & 1
-    inf = a == math.inf  # (isinf and isnan are not vectorised by inductor on the CPU)
-    nan = a != a
+    b = v.view(torch.int32)
+    ab = b & 0x7FFFFFFF
+    special = ab >= 0x7F800000  # Inf or NaN (NaN: above)
+    if saturate:
+        abc = ab.clamp(max=_float_bits(fmt.max))
+    else:
+        abc = ab.clamp(max=0x7F800000)  # (keeps the sum below from wrapping)
+    normal = ((abc + ((1 << (d - 1)) - 1) + ((abc >> d) & 1)) >> d) - ((127 - bias) << m)
+    k = 23 - (bias - 1 + m)  # ulp(2^k) = 2^-(bias - 1 + m), the smallest subnormal
+    sub = (v.abs() + 2.0**k).view(torch.int32) - ((127 + k) << 23)
+    mag = torch.where(ab < ((127 + 1 - bias) << 23), sub, normal)
+    inf = special
     if not saturate:  # overflow: as an Inf input (ieee: Inf; fn, fnuz: NaN)
         inf = inf | (mag > top)
-    mag = mag.clamp(max=top)
     if fmt.special == "ieee":
+        nan = ab > 0x7F800000
         mag = torch.where(inf, (1 << 7) - (1 << m), mag)  # all-ones exponent, mantissa 0
         mag = torch.where(nan, 0x7F, mag)  # torch's NaN code: every mantissa bit set
+        code = ((b >> 24) & 0x80) | mag
     elif fmt.special == "fn":
-        mag = torch.where(inf | nan, 0x7F, mag)
+        code = ((b >> 24) & 0x80) | torch.where(inf, 0x7F, mag)
     else:  # fnuz: one NaN code 0x80 (the negative zero's), no -0
-        bad = inf | nan
-        sign = torch.where(bad, 1, torch.where(mag == 0, 0, sign))
-        mag = torch.where(bad, 0, mag)
-    return ((sign << 7) | mag).to(torch.uint8).view(BYTE_FORMATS[fmt])
+        code = torch.where(inf, 0x80, torch.where(mag == 0, 0, ((b >> 24) & 0x80) | mag))
+    return code.to(torch.uint8).view(BYTE_FORMATS[fmt])
+
+
+def _float_bits(x: float) -> int:
+    """The float32 bit pattern of ``x`` (a float32 value), as an int."""
+    return int(struct.unpack("<i", struct.pack("<f", x))[0])
 
 
 def decode(codes: Tensor, fmt: Format, dtype: torch.dtype = torch.float32) -> Tensor:
