@@ -237,7 +237,12 @@ def _div_const(x: Tensor, c: float) -> Tensor:
     significant bits (a format's max times a power of two), correctly rounded on every
     device, eager or compiled.
 
-    Eager CUDA and inductor's GPU code divide by a constant as a product with its rounded
+    On the CPU, eager (ATen divides) and compiled (inductor's C++ divides, unless its
+    ``cpp.enable_unsafe_math_opt_flag`` lets the compiler multiply by a reciprocal), it is
+    one float32 division: a float64 quotient traced into a compiled loop costs two
+    conversions and a float64 division per element wherever inductor recomputes a scale in
+    its consumer's loop (a row-wise scale, per output element). Eager CUDA and inductor's
+    GPU code divide by a constant as a product with its rounded
     reciprocal, off by an ulp now and then. So the quotient is formed in float64 and
     rounded once to float32: where float64's quotient is itself correctly rounded, the
     double rounding is innocuous (53 >= 2·24 + 2 bits); where it is the reciprocal's
@@ -246,7 +251,7 @@ def _div_const(x: Tensor, c: float) -> Tensor:
     has 25 or more significant bits, ``x`` has 24): the same float32 either way
     (``tests/core/test_scaling.py`` checks both on random and boundary values).
     """
-    if x.dtype == torch.float64:
+    if x.dtype == torch.float64 or x.device.type == "cpu":
         return x / c
     return (x.double() / c).to(x.dtype)
 
