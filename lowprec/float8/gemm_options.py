@@ -133,13 +133,19 @@ def hadamard_pair(r: Float8Config, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor
     return block_hadamard(a, 1, n, seed), block_hadamard(b, 0, n, seed)
 
 
-@functools.lru_cache(maxsize=256)
 def shares_weight(r: Float8Config) -> bool:
     """Whether the input-gradient GEMM of ``r`` multiplies the forward's quantized weight,
     transposed: both GEMMs quantize the weight with one cast (and build and multiply
     operands alike), an MX or NVFP4 cast on square 2-D blocks (``R × R``, ``R > 1``), and
     neither GEMM is high precision or Hadamard-transformed. (A ``block:RxR`` cast gives the
-    same values too, quantized again in backward: its GEMMs compile.)"""
+    same values too, quantized again in backward: its GEMMs compile.) Cached per recipe
+    eagerly; traced uncached (dynamo warns about a cache it cannot honour)."""
+    if torch.compiler.is_compiling():
+        return _shares_weight(r)
+    return _shares_weight_cached(r)
+
+
+def _shares_weight(r: Float8Config) -> bool:
     pair = ("forward", "input_grad")
     if set(pair) & (set(r.high_precision_gemms) | set(r.hadamard)):
         return False
@@ -152,6 +158,9 @@ def shares_weight(r: Float8Config) -> bool:
         and cast_kind(c) in ("mx", "nv")
         and rows == cols > 1
     )
+
+
+_shares_weight_cached = functools.lru_cache(maxsize=256)(_shares_weight)
 
 
 def transposed_weight(
