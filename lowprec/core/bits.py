@@ -83,12 +83,21 @@ def _scale_pow2(t: Tensor, k: int) -> Tensor:
     return t * 2.0**a * 2.0 ** (k - a)
 
 
+_SAME_SIZE_INT = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
 def with_sign(a: Tensor, x: Tensor) -> Tensor:
-    """``copysign(a, x)`` for a float32 (float64) ``a`` without its sign bit set (a
-    magnitude, NaN included): ``a``'s bits or'ed with ``x``'s sign bit. Inductor's CPU
-    kernels call ``torch.copysign`` out of line (a vector function call per 16 elements,
-    with every live register spilled around it); these two integer ops stay in the loop."""
-    _, idt, _ = _work_dtypes(a.dtype)
+    """``copysign(a, x)`` for ``a`` without its sign bit set (a magnitude, NaN included)
+    and ``x`` of ``a``'s dtype (float64, float32, float16 or bfloat16): ``a``'s bits or'ed
+    with ``x``'s sign bit. Inductor's CPU kernels call ``torch.copysign`` out of line (a
+    vector function call per 16 elements, with every live register spilled around it);
+    these two integer ops stay in the loop."""
+    idt = _SAME_SIZE_INT[a.dtype]
     sign = -(1 << (torch.finfo(a.dtype).bits - 1))
     return (a.view(idt) | (x.view(idt) & sign)).view(a.dtype)
 

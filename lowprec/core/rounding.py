@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from lowprec.core import kernels
-from lowprec.core.bits import counter_bits, draw_bits, round_bits, storage_dtype
+from lowprec.core.bits import counter_bits, draw_bits, round_bits, storage_dtype, with_sign
 from lowprec.core.formats import _ELIDED, _NATIVE, Format, Rounding, get_format
 from lowprec.core.layout import dense_view, fast_paths
 
@@ -220,7 +220,7 @@ def _cast_native(
         else:
             tie = fmt.max + 2.0 ** (fmt.max_exponent - fmt.mantissa_bits - 1)
             over = x.abs() > tie
-        nan = torch.copysign(torch.full_like(x, math.nan), x)  # signed, as ml_dtypes
+        nan = with_sign(torch.full_like(x, math.nan), x)  # signed, as ml_dtypes
         return torch.where(over, nan, x).to(native)
     if saturate:
         x = torch.where(x.abs() == math.inf, x, x.clamp(-top, top))

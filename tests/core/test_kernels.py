@@ -237,3 +237,37 @@ def test_counter_draws_kernel_eager_and_slices(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ValueError, match="seed"):
         rounding.quantize(x, "e2m1", "stochastic", generator=torch.Generator(), seed=1)
     assert not kernels._BROKEN, kernels._BROKEN
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_with_sign_is_copysign_bit_for_bit(dtype: torch.dtype) -> None:
+    # Magnitudes (NaN, Inf, zero, subnormal, random) against signs of every kind, -0 and
+    # negative NaN included: the bits of torch.copysign, eager and compiled.
+    tiny = torch.finfo(dtype).tiny
+    mags = torch.tensor([math.nan, math.inf, 0.0, tiny / 4, tiny, 1.0, 3.5], dtype=dtype)
+    signs = torch.tensor([-1.0, 1.0, -0.0, 0.0, -math.inf, math.inf, 2.0], dtype=dtype)
+    signs = torch.cat([signs, -torch.tensor([math.nan], dtype=dtype).abs().neg()])
+    a = torch.cat([mags.repeat_interleave(len(signs)), torch.rand(64).to(dtype)])
+    x = torch.cat([signs.repeat(len(mags)), torch.randn(64).to(dtype)])
+    ref = torch.copysign(a, x)
+    assert same(bits.with_sign(a, x), ref)
+    assert same(torch.compile(bits.with_sign, fullgraph=True)(a, x), ref)
+
+
+def test_compiled_rounding_has_no_out_of_line_copysign() -> None:
+    # Inductor's CPU code calls torch.copysign as a function per vector (every live
+    # register spilled around it): the rounding kernels set the sign on the bits instead.
+    from torch._inductor.utils import run_and_get_code
+
+    fmt = get_format("e4m3fn")
+    x = torch.randn(4096)
+
+    def f(t: Tensor) -> Tensor:
+        return (
+            bits.round_bits(t, fmt, "nearest", True)
+            + rounding._cast_native(t, fmt, torch.float8_e4m3fn, True).float()
+        )
+
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(torch.compile(f), x)
+    assert codes and not any("copysign" in c for c in codes)
