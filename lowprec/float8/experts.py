@@ -35,6 +35,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lowprec.analysis.structure import (
+    ExpertFlags,
+    expert_weight_names,
+    holds_experts,
+    stated_flags,
+)
 from lowprec.core.scalers import DelayedScaler
 from lowprec.core.tensor import ScaledTensor
 from lowprec.core.warn import warn_once
@@ -54,31 +60,14 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_FLAGS = ("has_gate", "has_bias", "is_transposed")
 
 
 def _weights(mod: nn.Module) -> tuple[str, str]:
-    return ("gate_up_proj" if mod.has_gate else "up_proj", "down_proj")
+    return expert_weight_names(bool(mod.has_gate))
 
 
-Flags = tuple[bool, bool, bool]  # (has_gate, has_bias, is_transposed)
+Flags = ExpertFlags  # (has_gate, has_bias, is_transposed)
 _FOUND: weakref.WeakKeyDictionary[nn.Module, Flags | None] = weakref.WeakKeyDictionary()
-
-
-def _declared(mod: nn.Module, f: Flags) -> bool:
-    """``mod`` holds the parameters flags ``f`` name (3-D weights, 2-D biases) and the gate
-    (``_apply_gate``) or activation (``act_fn``) its forward applies."""
-    has_gate, has_bias, _ = f
-    if not callable(getattr(mod, "_apply_gate" if has_gate else "act_fn", None)):
-        return False
-    for name in ("gate_up_proj" if has_gate else "up_proj", "down_proj"):
-        p = mod._parameters.get(name)
-        if not isinstance(p, Tensor) or p.dim() != 3 or not p.dtype.is_floating_point:
-            return False
-        b = mod._parameters.get(name + "_bias")
-        if has_bias and (not isinstance(b, Tensor) or b.dim() != 2):
-            return False
-    return True
 
 
 def experts_flags(mod: nn.Module) -> Flags | None:
@@ -94,9 +83,9 @@ def experts_flags(mod: nn.Module) -> Flags | None:
     weight dtype, ``atol = rtol·max|y|``; NaN equal to NaN), as
     :func:`~lowprec.float8.convert.computes_linear` checks a linear subclass. Results are
     cached per module (not for one on the meta device)."""
-    if all(isinstance(getattr(mod, f, None), bool) for f in _FLAGS):
-        f: Flags = (bool(mod.has_gate), bool(mod.has_bias), bool(mod.is_transposed))
-        return f if _declared(mod, f) else None
+    stated = stated_flags(mod)
+    if stated is not None:
+        return stated if holds_experts(mod, stated) else None
     if mod in _FOUND:
         return _FOUND[mod]
     found = _inferred(mod)
@@ -123,7 +112,7 @@ def _inferred(mod: nn.Module) -> Flags | None:
         h, i = (down.shape[2], down.shape[1]) if tr else (down.shape[1], down.shape[2])
         shape = (h, mult * i) if tr else (mult * i, h)
         f = (has_gate, has_bias, tr)
-        if tuple(up.shape[1:]) == shape and _declared(mod, f) and _probe(mod, f, h):
+        if tuple(up.shape[1:]) == shape and holds_experts(mod, f) and _probe(mod, f, h):
             return f
     return None
 

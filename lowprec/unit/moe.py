@@ -71,6 +71,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lowprec.analysis.structure import expert_weight_names, holds_experts, stated_flags
 from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import scale_bwd, scale_fwd
@@ -79,30 +80,20 @@ from lowprec.unit.moments import gauss_moment
 
 __all__ = ["convert_moe", "is_experts", "route_aux_losses", "routing_moment"]
 
-_FLAGS = ("has_gate", "has_bias", "is_transposed")
 _SAMPLES = 8192  # rows of the Monte Carlo estimates (ρ, a custom gate's RMS)
 
 
 def _weights(mod: nn.Module) -> tuple[str, str]:
-    return ("gate_up_proj" if mod.has_gate else "up_proj", "down_proj")
+    return expert_weight_names(bool(mod.has_gate))
 
 
 def is_experts(mod: nn.Module) -> bool:
     """Whether ``mod`` is an experts module of transformers 5 (module doc): the boolean
     flags, a callable ``_apply_gate`` (``has_gate``) or ``act_fn``, 3-D floating-point
-    ``gate_up_proj``/``up_proj`` and ``down_proj``, 2-D ``<name>_bias`` with ``has_bias``."""
-    if not all(isinstance(getattr(mod, f, None), bool) for f in _FLAGS):
-        return False
-    if not callable(getattr(mod, "_apply_gate" if mod.has_gate else "act_fn", None)):
-        return False
-    for name in _weights(mod):
-        p = mod._parameters.get(name)
-        if not isinstance(p, Tensor) or p.dim() != 3 or not p.dtype.is_floating_point:
-            return False
-        b = mod._parameters.get(name + "_bias")
-        if mod.has_bias and (not isinstance(b, Tensor) or b.dim() != 2):
-            return False
-    return True
+    ``gate_up_proj``/``up_proj`` and ``down_proj``, 2-D ``<name>_bias`` with ``has_bias``
+    (:func:`lowprec.analysis.structure.holds_experts`)."""
+    flags = stated_flags(mod)
+    return flags is not None and holds_experts(mod, flags)
 
 
 class _RouterMode(TorchFunctionMode):
