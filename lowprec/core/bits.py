@@ -273,7 +273,9 @@ def encode(v: Tensor, fmt: Format, saturate: bool = True) -> Tensor:
         abc = ab.clamp(max=_float_bits(fmt.max))
     else:
         abc = ab.clamp(max=0x7F800000)  # (keeps the sum below from wrapping)
-    normal = ((abc + ((1 << (d - 1)) - 1) + ((abc >> d) & 1)) >> d) - ((127 - bias) << m)
+    # Nearest-even on the low d bits; the rebias (127 - bias) << m, applied before the
+    # shift as a multiple of 2^d, joins the rounding constant (floor shifts: exact).
+    normal = (abc + (((1 << (d - 1)) - 1) - ((127 - bias) << 23)) + ((abc >> d) & 1)) >> d
     k = 23 - (bias - 1 + m)  # ulp(2^k) = 2^-(bias - 1 + m), the smallest subnormal
     sub = (v.abs() + 2.0**k).view(torch.int32) - ((127 + k) << 23)
     mag = torch.where(ab < ((127 + 1 - bias) << 23), sub, normal)

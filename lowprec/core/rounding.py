@@ -37,7 +37,15 @@ import torch
 from torch import Tensor
 
 from lowprec.core import kernels
-from lowprec.core.bits import counter_bits, draw_bits, round_bits, storage_dtype, with_sign
+from lowprec.core.bits import (
+    BYTE_FORMATS,
+    counter_bits,
+    draw_bits,
+    encode,
+    round_bits,
+    storage_dtype,
+    with_sign,
+)
 from lowprec.core.formats import _ELIDED, _NATIVE, Format, Rounding, get_format
 from lowprec.core.layout import dense_view, fast_paths
 
@@ -181,6 +189,9 @@ def _native_for(x: Tensor, fmt: Format, rounding: str) -> torch.dtype | None:
     return native
 
 
+_ENCODES = (torch.float32, torch.float16, torch.bfloat16)  # (exact in float32)
+
+
 def _cast_native(
     x: Tensor, fmt: Format, native: torch.dtype, saturate: bool, absmax: float | None = None
 ) -> Tensor:
@@ -194,6 +205,15 @@ def _cast_native(
     """
     if native == x.dtype:
         return x.clone()
+    if (
+        torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and x.dtype in _ENCODES
+        and BYTE_FORMATS.get(fmt) == native
+    ):
+        # Traced for inductor's CPU code: the same bits on the bit pattern (encode's
+        # contract), in fewer vector ops than torch's own float8 conversion.
+        return encode(x.float(), fmt, saturate)
     if absmax is None:
         absmax = _absmax_eager(x)
     # the clamp bound in x's dtype (a wider format's max does not fit in, e.g., fp16)

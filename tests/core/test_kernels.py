@@ -271,3 +271,27 @@ def test_compiled_rounding_has_no_out_of_line_copysign() -> None:
     torch._dynamo.reset()
     _, codes = run_and_get_code(torch.compile(f), x)
     assert codes and not any("copysign" in c for c in codes)
+
+
+@pytest.mark.parametrize("fmt", BYTE)
+@pytest.mark.parametrize("saturate", [False, True])
+def test_compiled_native_cast_is_the_eager_cast(fmt: str, saturate: bool) -> None:
+    # Under torch.compile on the CPU, _cast_native encodes on the bit pattern (fewer
+    # vector ops than torch's float8 conversion): the eager cast's bits, specials included.
+    f = get_format(fmt)
+    native = bits.BYTE_FORMATS[f]
+    for x in (probe_values(fmt), probe_values(fmt).to(torch.bfloat16)):
+        ref = _cast_native(x, f, native, saturate)
+        torch._dynamo.reset()
+        got = torch.compile(lambda t: _cast_native(t, f, native, saturate), fullgraph=True)(x)
+        assert same(got, ref), (fmt, saturate, x.dtype)
+
+
+def test_compiled_native_cast_takes_the_bit_path() -> None:
+    from torch._inductor.utils import run_and_get_code
+
+    f = get_format("e4m3fn")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda t: _cast_native(t, f, torch.float8_e4m3fn, True))
+    _, codes = run_and_get_code(fn, torch.randn(4096))
+    assert codes and not any("convert<at::Float8" in c for c in codes)
