@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["EXPERT_FLAGS", "ExpertFlags", "expert_weight_names", "holds_experts", "stated_flags"]
+__all__ = [
+    "EXPERT_FLAGS",
+    "ExpertFlags",
+    "expert_weight_names",
+    "holds_experts",
+    "stated_flags",
+    "weight_names",
+]
 
 EXPERT_FLAGS = ("has_gate", "has_bias", "is_transposed")
 ExpertFlags = tuple[bool, bool, bool]  # (has_gate, has_bias, is_transposed)
@@ -24,6 +31,12 @@ ExpertFlags = tuple[bool, bool, bool]  # (has_gate, has_bias, is_transposed)
 def expert_weight_names(has_gate: bool) -> tuple[str, str]:
     """The names of the two 3-D expert weights: ``(gate_up_proj | up_proj, down_proj)``."""
     return ("gate_up_proj" if has_gate else "up_proj", "down_proj")
+
+
+def weight_names(mod: nn.Module) -> tuple[str, str]:
+    """The names of the expert weights of ``mod``, an experts module with a ``has_gate``
+    flag (stated, or set by the module that converted it)."""
+    return expert_weight_names(bool(mod.has_gate))
 
 
 def stated_flags(mod: nn.Module) -> ExpertFlags | None:

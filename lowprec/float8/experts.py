@@ -37,9 +37,9 @@ from torch import Tensor, nn
 
 from lowprec.analysis.structure import (
     ExpertFlags,
-    expert_weight_names,
     holds_experts,
     stated_flags,
+    weight_names,
 )
 from lowprec.core.scalers import DelayedScaler
 from lowprec.core.tensor import ScaledTensor
@@ -60,10 +60,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _weights(mod: nn.Module) -> tuple[str, str]:
-    return expert_weight_names(bool(mod.has_gate))
 
 
 Flags = ExpertFlags  # (has_gate, has_bias, is_transposed)
@@ -268,7 +264,7 @@ class Float8Experts(nn.Module):
         _carry_hooks(experts, self)
         self.train(experts.training)
         self._scalers: dict[str, DelayedScaler] = {}  # buffer name -> its scaler
-        for name in _weights(self):
+        for name in weight_names(self):
             w = self._parameters[name]
             assert w is not None
             for role in ROLES:
@@ -392,7 +388,7 @@ class Float8Experts(nn.Module):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__name__}")
         if getattr(self.original, "_is_expert_parallel", False):
             raise ValueError("experts: expert parallelism is not supported by Float8Experts")
-        up, down = _weights(self)
+        up, down = weight_names(self)
         e = self._parameters[down].shape[0]  # type: ignore[union-attr]
         k, t, h = top_k_index.shape[-1], hidden_states.shape[0], hidden_states.shape[-1]
         ids = top_k_index.reshape(-1)
@@ -421,6 +417,6 @@ class Float8Experts(nn.Module):
         return out.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
-        w = self._parameters[_weights(self)[1]]
+        w = self._parameters[weight_names(self)[1]]
         e = 0 if w is None else w.shape[0]
         return f"experts={e}, recipe={self.recipe.name}, {self.grouped_recipe.describe()}"

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lowprec.analysis.structure import expert_weight_names, holds_experts, stated_flags
+from lowprec.analysis.structure import holds_experts, stated_flags, weight_names
 from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import scale_bwd, scale_fwd
@@ -81,10 +81,6 @@ from lowprec.unit.moments import gauss_moment
 __all__ = ["convert_moe", "is_experts", "route_aux_losses", "routing_moment"]
 
 _SAMPLES = 8192  # rows of the Monte Carlo estimates (ρ, a custom gate's RMS)
-
-
-def _weights(mod: nn.Module) -> tuple[str, str]:
-    return expert_weight_names(bool(mod.has_gate))
 
 
 def is_experts(mod: nn.Module) -> bool:
@@ -165,7 +161,7 @@ def routing_moment(router: nn.Module, *, samples: int = _SAMPLES, seed: int = 0)
 
 def _gate_gain(experts: Any) -> float:
     """``1/RMS`` of a gate the experts class defines itself, on unit-normal inputs."""
-    w = experts._parameters[_weights(experts)[0]]
+    w = experts._parameters[weight_names(experts)[0]]
     assert w is not None
     out_dim = w.shape[2] if experts.is_transposed else w.shape[1]
     gen = torch.Generator(device=w.device).manual_seed(1)
@@ -196,7 +192,7 @@ def _experts_forward(
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError("unit_scale: expert parallelism has no unit rule")
     cfg = cast(UnitConfig, self.__dict__["_unit_cfg"])
-    up, down = _weights(self)
+    up, down = weight_names(self)
     w_up: Tensor = self._parameters[up]
     w_down: Tensor = self._parameters[down]
     n_exp = w_down.shape[0]

@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowprec.analysis.structure import expert_weight_names, holds_experts, stated_flags
+from lowprec.analysis.structure import (
+    expert_weight_names,
+    holds_experts,
+    stated_flags,
+    weight_names,
+)
 
 
 class _Experts(nn.Module):
@@ -28,6 +33,7 @@ class _Experts(nn.Module):
 def test_names_and_stated_flags() -> None:
     assert expert_weight_names(True) == ("gate_up_proj", "down_proj")
     assert expert_weight_names(False) == ("up_proj", "down_proj")
+    assert weight_names(_Experts(has_gate=False)) == ("up_proj", "down_proj")
     assert stated_flags(_Experts(has_bias=True)) == (True, True, False)
     m = _Experts()
     m.is_transposed = 1  # type: ignore[assignment]  # not a bool: not stated
