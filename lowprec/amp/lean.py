@@ -68,7 +68,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from lowprec.amp.remainder import join_fp32, split_fp32
 from lowprec.amp.state_codec import StateCodec, scale_shape, state_codecs
-from lowprec.core.bits import with_sign
+from lowprec.core.bits import round_bits
+from lowprec.core.formats import BF16
 from lowprec.core.rounding import quantize
 
 __all__ = ["LeanAdam", "LeanAdamW", "LeanOptimizer", "LeanSGD", "lean_optimizer", "sr_bf16"]
@@ -113,20 +114,11 @@ def sr_bf16(w: Tensor, bits: Tensor) -> Tensor:
     """``w`` (float32) rounded stochastically to BF16 with the random integers ``bits``
     (int32 in ``[0, 2^23)``, ``w``'s shape): ``quantize(w, "bf16", "stochastic",
     generator=g)`` bit for bit when ``bits = torch.randint(0, 2**23, w.shape,
-    generator=g, dtype=torch.int32)``, which is what that draws. Normal range: add
-    ``bits >> 7`` (uniform in ``[0, 2^16)``) to the FP32 pattern of ``|w|`` and clear its
-    16 low bits, so ``|w|`` rounds up with probability ``(|w| - lo) / (hi - lo)``;
-    subnormal range (``|w| < 2^-126``): ``s = |w|·2^133`` rounds up iff ``bits·2^-23 <
-    s - ⌊s⌋``. Taking ``bits`` as an argument lets a shard use its rows of the draws of
-    the whole tensor."""
-    a = w.abs()
-    rn = ((a.view(torch.int32) + (bits >> 7)) & -(1 << 16)).view(torch.float32)
-    s = a * 2.0**66 * 2.0**67
-    fl = torch.floor(s)
-    up = (bits.to(torch.float32) * 2.0**-23 < (s - fl)).to(torch.float32)
-    rs = (fl + up) * 2.0**-67 * 2.0**-66
-    r = with_sign(torch.where(a < 2.0**-126, rs, rn), w)
-    return torch.where(w != w, w, r).to(torch.bfloat16)
+    generator=g, dtype=torch.int32)``, which is what that draws: the same rounding
+    (:func:`lowprec.core.bits.round_bits`) given the draws. Normal range: ``|w|`` rounds up
+    with probability ``(|w| - lo) / (hi - lo)``. Taking ``bits`` as an argument lets a
+    shard use its rows of the draws of the whole tensor."""
+    return round_bits(w, BF16, "stochastic", rand=bits).to(torch.bfloat16)
 
 
 class LeanOptimizer(torch.optim.Optimizer):
