@@ -44,6 +44,7 @@ training: the parts of nvfp4-train".
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -107,6 +108,57 @@ def recipes() -> dict[str, Recipe]:
 # ---- runs -----------------------------------------------------------------------------------
 
 
+TRAIN_KEYS = ("steps", "batch_size", "seq_len", "width", "depth", "heads", "lr", "warmup",
+              "eval_batches")  # fmt: skip
+# --quick: a tiny model, 6 steps
+QUICK = {
+    "steps": 6,
+    "batch_size": 4,
+    "seq_len": 32,
+    "width": 32,
+    "depth": 2,
+    "heads": 2,
+    "warmup": 2,
+    "eval_batches": 2,
+}
+
+
+def add_train_args(
+    p: argparse.ArgumentParser, *, steps: int, batch_size: int, lr: float, warmup: int,
+    eval_batches: int, budget: bool = True,
+) -> None:  # fmt: skip
+    """The ``lowprec train`` options of the training benchmarks (their defaults per script;
+    sequence 64, width 64, depth 4, 4 heads for all), ``--jobs``, ``--runs`` and, with
+    ``budget``, ``--budget-s`` (:data:`DEADLINE`)."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--eval-batches", type=int, default=eval_batches)
+    p.add_argument("--jobs", type=int, default=2, help="training subprocesses at a time")
+    p.add_argument("--runs", default=None, help="folder for the runs (default: a temp dir)")
+    if budget:
+        late = "start no run after this many seconds (those left out: rc -1)"
+        p.add_argument("--budget-s", type=float, default=None, help=late)
+
+
+def train_config(
+    a: argparse.Namespace, extra: tuple[str, ...] = (), quick: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ``lowprec train`` options of every run: :data:`TRAIN_KEYS` and ``extra`` from the
+    parsed ``a``; with ``--quick``, :data:`QUICK` updated by ``quick``; one evaluation and
+    one checkpoint, at the last step."""
+    cfg = {k: getattr(a, k) for k in TRAIN_KEYS + extra}
+    if a.quick:
+        cfg.update(QUICK, **(quick or {}))
+    cfg.update(eval_every=cfg["steps"], ckpt_every=cfg["steps"])
+    return cfg
+
+
 DEADLINE = [math.inf]  # perf_counter time after which no new run starts (--budget-s)
 
 
@@ -168,7 +220,8 @@ def paired(vals: list[float | None], ref: list[float | None]) -> dict[str, Any]:
     }
 
 
-def _pct(x: float | None) -> float | None:
+def pct(x: float | None) -> float | None:
+    """``x`` in percent (``None`` stays ``None``)."""
     return None if x is None else 100 * x
 
 
@@ -176,29 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     p = arg_parser(__doc__, quick="tiny model, 6 steps, 1 seed, JSON in the temp dir")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rows", nargs="+", default=None, help="row names (default: all)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--eval-batches", type=int, default=16)
+    add_train_args(p, steps=300, batch_size=16, lr=1e-2, warmup=30, eval_batches=16)
     p.add_argument("--gemms-every", type=int, default=50)
-    p.add_argument("--jobs", type=int, default=2, help="training subprocesses at a time")
-    p.add_argument("--runs", default=None, help="folder for the runs (default: a temp dir)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="start no run after this many seconds (those left out: rc -1)")  # fmt: skip
     a = parse_args(p, argv, "fp4_cpu")
     seeds = a.seeds[:1] if a.quick else a.seeds
-    train_cfg = {k: getattr(a, k) for k in ("steps", "batch_size", "seq_len", "width", "depth",
-                                            "heads", "lr", "warmup", "eval_batches",
-                                            "gemms_every")}  # fmt: skip
-    if a.quick:
-        train_cfg.update(steps=6, batch_size=4, seq_len=32, width=32, depth=4, heads=2,
-                         warmup=2, eval_batches=2, gemms_every=3)  # fmt: skip
-    train_cfg.update(eval_every=train_cfg["steps"], ckpt_every=train_cfg["steps"])
+    train_cfg = train_config(a, ("gemms_every",), {"depth": 4, "gemms_every": 3})
     rows = recipes()
     names = a.rows or list(rows)
     unknown = [n for n in names if n not in rows]
@@ -285,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in names:
         sm = summary[n]
         trows.append([n, *sm["val_loss"], sm["mean"], sm["sd"],
-                      *(_pct(sm[k][m]) for k in ("gap_bf16", "gap_nvfp4") for m in ("mean", "sd"))
+                      *(pct(sm[k][m]) for k in ("gap_bf16", "gap_nvfp4") for m in ("mean", "sd"))
                       ])  # fmt: skip
     print_table(
         "FP4 training: val loss per seed",
@@ -304,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(k.get("sqnr_db"))
             cells += [k.get("operands", {}).get(r, {}).get("sqnr_db") for r in OPERANDS[kind]]
         flushed = g.get("weight_grad", {}).get("operands", {}).get("grad_output", {})
-        grows.append([n, *cells, _pct(flushed.get("flushed"))])
+        grows.append([n, *cells, pct(flushed.get("flushed"))])
     print_table(
         "per-GEMM SQNR (dB): output, then each operand's cast",
         ["row", "fwd", "fwd x", "fwd W", "dgrad", "dgrad g", "dgrad W", "wgrad", "wgrad g",

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _common import arg_parser, parse_args, print_table, run_record, time_many, write_json
-from bench_fp4 import LOWPREC, lscpu, paired, run_cmd
+from bench_fp4 import LOWPREC, add_train_args, lscpu, paired, run_cmd, train_config
 from torch import Tensor
 
 from lowprec.float8 import fp8_attention
@@ -180,25 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--train-scalings", nargs="+", default=["tensorwise", "rowwise"],
                    choices=list(ATTENTION_SCALINGS))  # fmt: skip
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--jobs", type=int, default=2, help="training subprocesses at a time")
-    p.add_argument("--runs", default=None, help="folder for the runs (default: a temp dir)")
+    add_train_args(p, steps=300, batch_size=16, lr=1e-2, warmup=30, eval_batches=16,
+                   budget=False)  # fmt: skip
     a = parse_args(p, argv, "fp8_attention_cpu")
     seeds = a.seeds[:1] if a.quick else a.seeds
-    train_cfg = {k: getattr(a, k) for k in ("steps", "batch_size", "seq_len", "width", "depth",
-                                            "heads", "lr", "warmup", "eval_batches")}  # fmt: skip
-    if a.quick:
-        train_cfg.update(steps=6, batch_size=4, seq_len=32, width=32, depth=2, heads=2,
-                         warmup=2, eval_batches=2)  # fmt: skip
-    train_cfg.update(eval_every=train_cfg["steps"], ckpt_every=train_cfg["steps"])
+    train_cfg = train_config(a)
     recipes = rows(a.train_scalings)
     root = Path(a.runs) if a.runs else Path(tempfile.mkdtemp(prefix="bench_fp8_attention_"))
     (root / "recipes").mkdir(parents=True, exist_ok=True)

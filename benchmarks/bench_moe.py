@@ -60,7 +60,16 @@ from pathlib import Path
 from typing import Any
 
 from _common import arg_parser, parse_args, print_table, run_record, write_json
-from bench_fp4 import DEADLINE, LOWPREC, lscpu, paired, run_cmd
+from bench_fp4 import (
+    DEADLINE,
+    LOWPREC,
+    add_train_args,
+    lscpu,
+    paired,
+    pct,
+    run_cmd,
+    train_config,
+)
 from torch import nn
 
 from lowprec.float8 import Float8Experts, Float8Linear
@@ -138,36 +147,15 @@ def flop_share(model: str, recipe: Recipe, train: dict[str, Any]) -> dict[str, A
 # ---- main -------------------------------------------------------------------------------------
 
 
-def _pct(x: float | None) -> float | None:
-    return None if x is None else 100 * x
-
-
 def main(argv: list[str] | None = None) -> int:
     p = arg_parser(__doc__, quick="tiny model, 6 steps, 1 seed, JSON in the temp dir")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--rows", nargs="+", default=None, help="row names (default: all)")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=12)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--jobs", type=int, default=2, help="training subprocesses at a time")
-    p.add_argument("--runs", default=None, help="folder for the runs (default: a temp dir)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="start no run after this many seconds (those left out: rc -1)")  # fmt: skip
+    add_train_args(p, steps=120, batch_size=8, lr=3e-3, warmup=12, eval_batches=8)
     a = parse_args(p, argv, "moe_cpu")
     seeds = a.seeds[:1] if a.quick else a.seeds
-    train_cfg = {k: getattr(a, k) for k in ("steps", "batch_size", "seq_len", "width", "depth",
-                                            "heads", "lr", "warmup", "eval_batches")}  # fmt: skip
-    if a.quick:
-        train_cfg.update(steps=6, batch_size=4, seq_len=32, width=32, depth=2, heads=2,
-                         warmup=2, eval_batches=2)  # fmt: skip
-    train_cfg.update(eval_every=train_cfg["steps"], ckpt_every=train_cfg["steps"])
+    train_cfg = train_config(a)
     rows = recipes()
     names = a.rows or list(rows)
     unknown = [n for n in names if n not in rows]
@@ -245,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 "step_time_ratio": statistics.fmean(ratios) if ratios else None,
             }
             summary[m]["rows"][n] = sm
-            table.append([m, n, _pct(sm["fp8_flop_share"]), sm["mean"], _pct(gap["mean"]),
-                          _pct(gap["sd"]), _pct(spread), sm["step_time_ratio"]])  # fmt: skip
+            table.append([m, n, pct(sm["fp8_flop_share"]), sm["mean"], pct(gap["mean"]),
+                          pct(gap["sd"]), pct(spread), sm["step_time_ratio"]])  # fmt: skip
     c = train_cfg
     print_table(
         "MoE models: FP8 FLOP share, val loss and step time against bf16",
