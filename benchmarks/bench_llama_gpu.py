@@ -48,6 +48,14 @@ kept for backward, the loss's included). ``--profile N``: then ``torch.profiler`
 more steps per row; the JSON's ``profile`` holds the per-step device time by kernel (the
 40 largest) and its sums by kind (GEMM, attention, inductor's Triton kernels, other).
 
+``--interleave``: every row's model is built and compiled first (all resident at once:
+5 rows of the 2.0B model need about 80 GiB), then the ``--steps`` timed steps run in
+rounds, one step of every row per round (``_common.time_many``), so that a drift of the
+machine hits every row alike. Each row also gets ``paired_x_bf16`` / ``paired_x_torchao``:
+per round, its tokens/s over the other row's in the same round, median, min, max and the
+rounds it was faster. ``peak GiB`` is then one more step's peak less the memory the other
+rows' parameters, buffers and optimizer state hold.
+
 ``--budget-s`` stops before a row would start past that many seconds; the JSON is written
 after every row (a later failure keeps the earlier ones), a row's error is recorded and
 the next row runs.
@@ -56,6 +64,7 @@ Usage::
 
     python benchmarks/bench_llama_gpu.py [--batch 8] [--steps 10] [--budget-s 420]
         [--rows bf16,lowprec tensorwise,...] [--out benchmarks/results/llama_gpu.json]
+    python benchmarks/bench_llama_gpu.py --interleave --rows bf16,lowprec tensorwise,...
     python benchmarks/bench_llama_gpu.py --device cpu --quick   # dry run
 """
 
@@ -66,6 +75,7 @@ import dataclasses
 import gc
 import importlib
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -79,6 +89,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from _common import (
+    Timing,
     arg_parser,
     dynamo_counts,
     optional_import,
@@ -86,6 +97,7 @@ from _common import (
     print_table,
     run_record,
     time_fn,
+    time_many,
     write_json,
 )
 from torch import Tensor, nn
@@ -301,18 +313,32 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_row(
-    row: str,
+@dataclass
+class Prepared:
+    """A row's model, optimizer and training step, built and ready to time."""
+
+    out: dict[str, Any]
+    step: Callable[[], None]
+    losses: list[Tensor]
+    own_bytes: Callable[[], int]  # bytes of its parameters, buffers and optimizer state
+
+
+def tensor_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes held by ``model``'s parameters and buffers and ``opt``'s state tensors."""
+    ts = [*model.parameters(), *model.buffers()]
+    ts += [v for st in opt.state.values() for v in st.values() if isinstance(v, Tensor)]
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def prepare_row(
     convert: Callable[[nn.Module], nn.Module],
     c: LlamaConfig,
     args: Any,
     device: torch.device,
     batches: list[tuple[Tensor, Tensor]],
-) -> dict[str, Any]:
-    free(device)
+) -> Prepared:
+    """Build the row's model (seed ``args.seed``), convert, compile, and its AdamW step."""
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
     model = build(c, device, args.seed)
     out: dict[str, Any] = {"params": n_params(model)}
     model = convert(model)
@@ -327,10 +353,6 @@ def run_row(
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda
     )
-    if cuda:
-        torch.cuda.synchronize(device)
-        out["allocated_before_gib"] = torch.cuda.memory_allocated(device) / GIB
-        torch.cuda.reset_peak_memory_stats(device)
     losses: list[Tensor] = []
     i = [0]
 
@@ -345,10 +367,13 @@ def run_row(
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
 
-    counts0 = dynamo_counts()
-    t = time_fn(step, device, repeats=args.steps, warmup=args.warmup, min_repeat_s=0)
-    counts1 = dynamo_counts()
-    loss_values = [float(v) for v in losses]
+    return Prepared(out, step, losses, own_bytes=lambda: tensor_bytes(model, opt))
+
+
+def finish_row(p: Prepared, t: Timing, c: LlamaConfig, args: Any) -> dict[str, Any]:
+    """The row's timing and loss results, into ``p.out``."""
+    out = p.out
+    loss_values = [float(v) for v in p.losses]
     if not all(math.isfinite(v) for v in loss_values):
         out["error"] = f"non-finite loss: {loss_values}"
     tokens = args.batch * c.seq
@@ -361,16 +386,101 @@ def run_row(
         losses=loss_values,
         loss_first=loss_values[0],
         loss_last=loss_values[-1],
-        dynamo={k: counts1[k] - counts0[k] for k in counts0},
         n_steps=len(loss_values),
     )
+    return out
+
+
+def run_row(
+    convert: Callable[[nn.Module], nn.Module],
+    c: LlamaConfig,
+    args: Any,
+    device: torch.device,
+    batches: list[tuple[Tensor, Tensor]],
+) -> dict[str, Any]:
+    """One row alone: its model built, timed, measured, profiled (the others freed)."""
+    free(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    p = prepare_row(convert, c, args, device, batches)
+    if cuda:
+        torch.cuda.synchronize(device)
+        p.out["allocated_before_gib"] = torch.cuda.memory_allocated(device) / GIB
+        torch.cuda.reset_peak_memory_stats(device)
+    counts0 = dynamo_counts()
+    t = time_fn(p.step, device, repeats=args.steps, warmup=args.warmup, min_repeat_s=0)
+    counts1 = dynamo_counts()
+    out = finish_row(p, t, c, args)
+    out["dynamo"] = {k: counts1[k] - counts0[k] for k in counts0}
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
-        out["saved_by_forward_gib"] = saved_by_forward(step, device)
+        out["saved_by_forward_gib"] = saved_by_forward(p.step, device)
     if args.profile:
-        out["profile"] = profile_steps(step, device, args.profile)
+        out["profile"] = profile_steps(p.step, device, args.profile)
     return out
+
+
+def run_interleaved(
+    convs: dict[str, Callable[[nn.Module], nn.Module]],
+    c: LlamaConfig,
+    args: Any,
+    device: torch.device,
+    batches: list[tuple[Tensor, Tensor]],
+    rows: dict[str, Any],
+) -> dict[str, int]:
+    """Every row's model built and compiled first (all resident at once), then
+    ``args.steps`` rounds with one step of every row per round (``time_many``), so that a
+    drift of the machine hits every row alike; per-round paired ratios in ``paired``.
+    Returns dynamo's graph and graph-break counts over all rows."""
+    free(device)
+    cuda = device.type == "cuda"
+    prepared: dict[str, Prepared] = {}
+    for row, conv in convs.items():
+        if elapsed() > args.budget_s:
+            rows[row] = {"skipped": f"budget: {elapsed():.0f} s > {args.budget_s:.0f} s"}
+            continue
+        print(f"[{elapsed():.0f} s] build {row} ...", flush=True)
+        try:
+            prepared[row] = prepare_row(conv, c, args, device, batches)
+        except Exception as e:
+            rows[row] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            traceback.print_exc()
+    counts0 = dynamo_counts()
+    timings = time_many({r: p.step for r, p in prepared.items()}, device,
+                        repeats=args.steps, warmup=args.warmup, min_repeat_s=0)  # fmt: skip
+    counts1 = dynamo_counts()
+    for row, p in prepared.items():
+        rows[row] = finish_row(p, timings[row], c, args)
+        rows[row]["interleaved_with"] = sorted(set(prepared) - {row})
+    for row, p in prepared.items():
+        if not cuda:
+            continue
+        # This row's peak: one more step, less what the other rows' models hold.
+        torch.cuda.synchronize(device)
+        others = torch.cuda.memory_allocated(device) - p.own_bytes()
+        torch.cuda.reset_peak_memory_stats(device)
+        p.step()
+        torch.cuda.synchronize(device)
+        rows[row]["peak_gib"] = (torch.cuda.max_memory_allocated(device) - others) / GIB
+        rows[row]["saved_by_forward_gib"] = saved_by_forward(p.step, device)
+    paired(rows, {r: list(timings[r].repeats_ms) for r in prepared})
+    return {k: counts1[k] - counts0[k] for k in counts0}
+
+
+def paired(rows: dict[str, Any], steps: dict[str, list[float]]) -> None:
+    """Per round, each row's tokens/s over bf16's and over torchao's same recipe (steps
+    taken side by side): the median, min and max of those ratios and the rounds won."""
+    for name, ts in steps.items():
+        for key, peer in (("bf16", "bf16"), ("torchao", name.replace("lowprec", "torchao"))):
+            if peer == name or peer not in steps or (key == "torchao" and "lowprec" not in name):
+                continue
+            r = [b / a for a, b in zip(ts, steps[peer], strict=True)]
+            rows[name][f"paired_x_{key}"] = {
+                "median": statistics.median(r), "min": min(r), "max": max(r),
+                "rounds_faster": sum(v > 1 for v in r), "rounds": len(r),
+            }  # fmt: skip
 
 
 def saved_by_forward(step: Callable[[], None], device: torch.device) -> float:
@@ -491,6 +601,8 @@ def main() -> None:
                    help="torch.compile (default: on CUDA only)")  # fmt: skip
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N more steps per row")  # fmt: skip
+    p.add_argument("--interleave", action="store_true",
+                   help="build every row first, then time them step by step in turn")  # fmt: skip
     p.add_argument("--revision", default=None, help="the git commit, where .git is absent")
     args = parse_args(p, None, "llama_gpu_{device}")
     if args.quick:
@@ -541,18 +653,32 @@ def main() -> None:
         batches.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
     rows: dict[str, Any] = {}
     record["rows"] = rows
+    record["interleaved"] = args.interleave
     out = Path(args.out)
+    convs: dict[str, Callable[[nn.Module], nn.Module]] = {}
     for row in rows_wanted:
         conv = converter(row, device, ao)
         if isinstance(conv, str):
             rows[row] = {"skipped": conv}
-        elif elapsed() > args.budget_s:
+        else:
+            convs[row] = conv
+    if args.interleave:
+        try:
+            record["dynamo_all_rows"] = run_interleaved(convs, c, args, device, batches, rows)
+        except Exception as e:
+            record["error"] = f"{type(e).__name__}: {e}"
+            record["traceback"] = traceback.format_exc()
+            traceback.print_exc()
+        ratios(rows)
+        write_json(record, out)
+    for row, conv in convs.items() if not args.interleave else ():
+        if elapsed() > args.budget_s:
             rows[row] = {"skipped": f"budget: {elapsed():.0f} s > {args.budget_s:.0f} s"}
         else:
             t0 = time.perf_counter()
             print(f"[{elapsed():.0f} s] {row} ...", flush=True)
             try:
-                rows[row] = run_row(row, conv, c, args, device, batches)
+                rows[row] = run_row(conv, c, args, device, batches)
             except Exception as e:
                 rows[row] = {
                     "error": f"{type(e).__name__}: {e}",
@@ -589,6 +715,18 @@ def report(record: dict[str, Any]) -> None:
           r.get("dynamo", {}).get("graphs"), r.get("dynamo", {}).get("graph_breaks")]
          for k, r in rows.items() if "tokens_per_s" in r],
     )  # fmt: skip
+    for k, r in rows.items():
+        for key in ("bf16", "torchao"):
+            pr = r.get(f"paired_x_{key}")
+            if pr:
+                print(
+                    f"paired x {key} {k}: median {pr['median']:.3f} (min {pr['min']:.3f}, "
+                    f"max {pr['max']:.3f}; faster in {pr['rounds_faster']}/{pr['rounds']})"
+                )
+    if record.get("dynamo_all_rows"):
+        print(f"dynamo, all rows: {record['dynamo_all_rows']}")
+    if record.get("error"):
+        print(f"error: {record['error']}")
     for k, r in rows.items():
         if "skipped" in r:
             print(f"skipped {k}: {r['skipped']}")
