@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+import lowprec.core.rounding as rounding
 import lowprec.float8.mm as fmm
 from lowprec.float8 import Float8Config, convert_to_float8
 
@@ -27,6 +29,15 @@ pytestmark = pytest.mark.slow  # torch.compile
 def hardware_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fmm, "hardware_fp8_available", lambda device: True)
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def cuda_cast_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trace the float8 cast as on a CUDA device: torch's float8 conversion with
+    ``torch.copysign`` for the signed NaN (on the CPU, compiled casts are
+    :func:`~lowprec.core.bits.encode` and the NaN's sign is or'ed on the bits)."""
+    monkeypatch.setattr(rounding, "_ENCODES", ())
+    monkeypatch.setattr(rounding, "_sign_by_bits", lambda device: False)
 
 
 def _saved(m: nn.Module, x: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...], int]]:
@@ -103,3 +114,38 @@ def test_compiled_gradients_same_bits_with_and_without_fp8_saving(hardware_path:
     for a, b in zip(*results, strict=True):
         assert a is not None and b is not None
         assert torch.equal(a, b)
+
+
+class _Attention(nn.Module):
+    """RMS norm, then q, k and v projections of the normed input, causal attention, and
+    the output projection, added to the input (a Llama block's first half)."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+        b, t, d = x.shape
+        q, k, v = (
+            m(h).view(b, t, self.heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v)
+        )
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(o.transpose(1, 2).reshape(b, t, d))
+
+
+def test_shared_input_keeps_no_payload_cuda_trace(
+    hardware_path: None, cuda_cast_trace: None
+) -> None:
+    """Three tensor-wise linears sharing a normed input (q, k, v), the cast traced as on a
+    CUDA device: no FP8 payload of the shared input is kept (backward recomputes it from
+    the norm's input). With the sign bit or'ed on the NaN (bits.with_sign, the CPU's choice)
+    the partitioner kept one: 1 GiB more than torchao on an 8-block Llama (H200)."""
+    torch.manual_seed(0)
+    cfg = Float8Config.from_name("tensorwise", emulate=False)
+    m = convert_to_float8(_Attention(128, 4).bfloat16(), cfg)
+    x = torch.randn(2, 128, 128, dtype=torch.bfloat16, requires_grad=True)
+    saved = _saved(torch.compile(m, fullgraph=True), x)
+    assert [s for s in saved if s[0] == torch.float8_e4m3fn] == [], saved
