@@ -432,6 +432,8 @@ def main() -> None:
     p.add_argument("--mm-size", type=int, default=8192, help="N of the N³ bf16 mm ceiling")
     p.add_argument("--budget-s", type=float, default=330.0)
     p.add_argument("--revision", default=None, help="the git commit, where .git is absent")
+    p.add_argument("--sections", default="ceilings,gemm,linear,bits",
+                   help="sections to run (a comma list of ceilings,gemm,linear,bits)")  # fmt: skip
     args = parse_args(p, None, "fp8_gpu_{device}")
     if args.quick:
         args.shape, args.repeats, args.copy_mib, args.mm_size = "64x128x256", 2, 4, 256
@@ -461,7 +463,13 @@ def main() -> None:
         ("linear", lambda: linear_section(m, k, n, device, args.repeats, modes, args.budget_s, ao)),
         ("bits", lambda: bits_section(device)),
     ]
+    wanted = [w.strip() for w in args.sections.split(",") if w.strip()]
+    unknown = sorted(set(wanted) - {name for name, _ in sections})
+    if unknown:
+        p.error(f"--sections: unknown {unknown}; choose from ceilings,gemm,linear,bits")
     for name, fn in sections:
+        if name not in wanted:
+            continue
         if elapsed() > args.budget_s:
             record[name] = {"skipped": f"budget: {elapsed():.0f} s > {args.budget_s:.0f} s"}
             continue
