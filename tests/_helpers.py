@@ -70,3 +70,20 @@ TINY = TrainConfig(
     eval_batches=2,
     ckpt_every=2,
 )
+
+
+# The reference task of the recipe-quality tests (a few seconds a recipe): every recipe
+# against bf16 on the same seed, data and steps.
+REFERENCE_TASK = TrainConfig(
+    steps=120,
+    batch_size=16,
+    seq_len=64,
+    width=64,
+    depth=2,
+    heads=4,
+    lr=3e-3,
+    warmup=10,
+    eval_every=120,
+    eval_batches=8,
+    ckpt_every=1000,
+)

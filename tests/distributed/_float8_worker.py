@@ -18,26 +18,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 from lowprec.core.tensor import ScaledTensor
 from lowprec.distributed import shutdown
 from lowprec.float8 import Float8Linear, calibrate, convert_to_float8
 from lowprec.float8.quant import quantize_parts
+from tests.distributed._gather import CountingAllGather
 
 STEPS = 3
-
-
-class CountingAllGather(DefaultAllGather):
-    """FSDP2's default all-gather, counting the bytes each rank puts on the wire."""
-
-    bytes = 0
-
-    def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
-    ) -> Any:  # type: ignore[override]
-        CountingAllGather.bytes += input_tensor.numel() * input_tensor.element_size()
-        return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
 def mlp(recipe: str, bias: bool = False) -> nn.Module:

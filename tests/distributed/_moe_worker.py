@@ -1,7 +1,8 @@
 """Worker of ``test_moe_fsdp.py``: run under ``torch.distributed.run --nproc-per-node 2``.
 
 ``python -m torch.distributed.run --nproc-per-node 2 tests/distributed/_moe_worker.py
-OUT.json`` trains tiny HF MoE models (:func:`lowprec.jobs.hf_models.build_hf_model`: 8
+two OUT.json`` (the repository root on ``PYTHONPATH``; :func:`launch` runs it) trains
+tiny HF MoE models (:func:`lowprec.jobs.hf_models.build_hf_model`: 8
 experts of 3-D weights, top-2, 2 layers) under FSDP2 with
 :func:`lowprec.distributed.parallel.prepare` (each rank on its half of the global batch)
 for every (model, recipe) of :data:`CASES`; each rank also trains the one-process
@@ -21,7 +22,6 @@ trained with the FP8 and the BF16 gather of the expert weights.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 from lowprec.distributed import checkpoint as dcp_state
 from lowprec.distributed import fsdp_experts, shutdown
@@ -40,6 +39,9 @@ from lowprec.jobs.hf_models import build_hf_model
 from lowprec.jobs.model import ModelConfig
 from lowprec.recipes import prepare
 from lowprec.recipes.step import train_step
+from tests import _moe
+from tests._helpers import torchrun_json
+from tests.distributed._gather import CountingAllGather
 
 STEPS = 4
 CASES: list[tuple[str, str]] = [
@@ -53,18 +55,6 @@ RESUME = ["fp8-tensorwise", "fp8-delayed"]
 EXPERTS = 8
 _DATA = CharData(32, 8, seed=0)
 _GATHERS: list[dict[str, Any]] = []
-
-
-class CountingAllGather(DefaultAllGather):
-    """FSDP2's default all-gather, counting the bytes each rank puts on the wire."""
-
-    bytes = 0
-
-    def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
-    ) -> Any:  # type: ignore[override]
-        CountingAllGather.bytes += input_tensor.numel() * input_tensor.element_size()
-        return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
 def _record() -> None:
@@ -204,34 +194,10 @@ def _resume(recipe: str, base: Path) -> dict[str, Any]:
     }
 
 
-def _gpt_oss() -> torch.nn.Module:
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.GptOssConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        head_dim=8,
-        intermediate_size=24,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=16,
-    )
-    m = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # GPT-OSS leaves its expert weights uninitialised
-        for p in m.parameters():
-            if p.dim() == 3 or not torch.isfinite(p).all():
-                p.normal_(0.0, 0.05)
-    return m
-
-
 def _uneven(recipe: str, fp8: bool) -> dict[str, Any]:
-    p = dist_prepare(_gpt_oss(), recipe, "fsdp", _factory, fp8_all_gather=fp8)
+    p = dist_prepare(
+        _moe.model("gpt_oss", routers=False), recipe, "fsdp", _factory, fp8_all_gather=fp8
+    )
     local = [
         getattr(w, "_local_tensor", w)
         for m in p.model.modules()
@@ -282,12 +248,7 @@ def main(path: str, stage: str = "two") -> None:
 
 
 def _run(out: Path, n: int, stage: str) -> Any:
-    path = out / f"moe-{stage}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd += [str(n), __file__, str(path), stage]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(path.read_text())
+    return torchrun_json(Path(__file__), n, out / f"moe-{stage}.json", stage)
 
 
 def launch(out: Path) -> dict[str, Any]:
@@ -299,4 +260,4 @@ def launch(out: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "two")
+    main(sys.argv[2], sys.argv[1])

@@ -26,85 +26,13 @@ from lowprec.float8 import (  # noqa: E402
 from lowprec.float8.config import GEMMS  # noqa: E402
 from lowprec.float8.experts import experts_flags, is_experts, router_ids  # noqa: E402
 from lowprec.float8.router import Float8Router  # noqa: E402
+from tests import _moe  # noqa: E402
 
-_COMMON = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-
-
-def _config(family: str, layers: int = 2) -> Any:
-    c = dict(_COMMON, num_hidden_layers=layers)
-    T = transformers
-    if family == "qwen2_moe":
-        return T.Qwen2MoeConfig(
-            **c,
-            intermediate_size=48,
-            moe_intermediate_size=24,
-            shared_expert_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-        )
-    if family == "qwen3_moe":
-        return T.Qwen3MoeConfig(
-            **c,
-            head_dim=8,
-            intermediate_size=48,
-            moe_intermediate_size=24,
-            num_experts=4,
-            num_experts_per_tok=2,
-        )
-    if family == "mixtral":
-        return T.MixtralConfig(
-            **c, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2
-        )
-    if family == "olmoe":
-        return T.OlmoeConfig(**c, intermediate_size=24, num_experts=4, num_experts_per_tok=2)
-    if family == "gpt_oss":
-        return T.GptOssConfig(
-            **c,
-            head_dim=8,
-            intermediate_size=24,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            layer_types=["sliding_attention", "full_attention"][:layers],
-            sliding_window=16,
-        )
-    assert family == "deepseek_v3"
-    return T.DeepseekV3Config(
-        **c,
-        intermediate_size=48,
-        moe_intermediate_size=24,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1 if layers > 1 else 0,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=4,
-        v_head_dim=8,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-
-
-FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3"]
+FAMILIES = _moe.FAMILIES
 
 
 def _model(family: str, layers: int = 2, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    m = transformers.AutoModelForCausalLM.from_config(_config(family, layers))
-    with torch.no_grad():  # some families initialise expert weights to zeros or empty
-        for p in m.parameters():
-            if p.dim() == 3 or not torch.isfinite(p).all():
-                p.normal_(0.0, 0.05)
-    return m
+    return _moe.model(family, layers, seed, routers=False)
 
 
 def _ids(seed: int = 1) -> Tensor:

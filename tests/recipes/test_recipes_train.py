@@ -16,21 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from lowprec.jobs.train import TrainConfig, train
+from lowprec.jobs.train import train
+from tests._helpers import REFERENCE_TASK
 
-CFG = TrainConfig(
-    steps=120,
-    batch_size=16,
-    seq_len=64,
-    width=64,
-    depth=2,
-    heads=4,
-    lr=3e-3,
-    warmup=10,
-    eval_every=120,
-    eval_batches=8,
-    ckpt_every=1000,
-)
+CFG = REFERENCE_TASK
 
 
 def _val(name: str, tmp_path: Path) -> float:

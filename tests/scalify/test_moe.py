@@ -1,6 +1,6 @@
 """Scalify on HF transformers MoE models and the rules of their ops (``rules_moe.py``).
 
-Tiny random configs of each family (``tests/unit/_moe.py``, no download).
+Tiny random configs of each family (``tests/_moe.py``, no download).
 
 Tolerances, from the formats: FP16's unit roundoff is ``u = 2⁻¹¹``; a value of an MoE
 block passes a handful of roundings at ``u`` (stored input and weights, each GEMM's
@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
 from lowprec.scalify import apply, config, coverage, reset_coverage, scaled
-from tests.unit import _moe
+from tests import _moe
 
 FP16_TOL, FP8_TOL = 2.0**-8, 2.0**-2
 LOSS_TOL = {"fp16": 2.0**-8, "fp8": 2.0**-6}

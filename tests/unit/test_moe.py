@@ -1,6 +1,6 @@
 """Unit scaling and u-μP on HF transformers MoE models (``lowprec.unit.moe``).
 
-Tiny random configs of each family (``tests/unit/_moe.py``, no download). The experts'
+Tiny random configs of each family (``tests/_moe.py``, no download). The experts'
 and router's maths is checked against the plain HF modules holding the *effective*
 weights of the unit model (``W/√fan_in`` for the experts, ``W/H`` for the router), in
 float64, where the module doc's factors make the two exactly equal.
@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from lowprec.unit import UnitConfig, apply, umup_param_groups
 from lowprec.unit.mode import UnitMode, plain_ops
 from lowprec.unit.moe import convert_moe, is_experts, routing_moment
-from tests.unit import _moe
+from tests import _moe
 
 
 def _blocks(m: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:

@@ -1,5 +1,5 @@
 """Tiny random HF transformers MoE models (built from their configs, no download) shared
-by ``tests/unit/test_moe.py`` and ``tests/scalify/test_moe.py``."""
+by the MoE tests of unit scaling, scalify and float8 and the FSDP2 MoE worker."""
 
 from __future__ import annotations
 
@@ -53,19 +53,20 @@ def config(family: str, layers: int = 2, hidden: int = 32, **extra: Any) -> Any:
     )  # fmt: skip
 
 
-def model(family: str, layers: int = 2, seed: int = 0, **extra: Any) -> nn.Module:
-    """A plain model of ``family``; parameters HF leaves empty or zero drawn ``N(0, 0.05²)``."""
+def model(
+    family: str, layers: int = 2, seed: int = 0, routers: bool = True, **extra: Any
+) -> nn.Module:
+    """A plain model of ``family``; the 3-D expert weights and parameters HF leaves empty
+    drawn ``N(0, 0.05²)``, and with ``routers`` the routers' weights too (some families
+    initialise them to zeros: every token then ties between experts)."""
     import transformers as T
 
     torch.manual_seed(seed)
     m = T.AutoModelForCausalLM.from_config(config(family, layers, **extra))
+    router = ("gate.weight", "router.weight") if routers else ()
     with torch.no_grad():
         for n, p in m.named_parameters():
-            if (
-                p.dim() == 3
-                or n.endswith(("gate.weight", "router.weight"))
-                or not bool(torch.isfinite(p).all())
-            ):
+            if p.dim() == 3 or n.endswith(router) or not bool(torch.isfinite(p).all()):
                 p.normal_(0.0, 0.05)
     return m
 
