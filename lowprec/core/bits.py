@@ -93,13 +93,26 @@ _SAME_SIZE_INT = {
 
 def with_sign(a: Tensor, x: Tensor) -> Tensor:
     """``copysign(a, x)`` for ``a`` without its sign bit set (a magnitude, NaN included)
-    and ``x`` of ``a``'s dtype (float64, float32, float16 or bfloat16): ``a``'s bits or'ed
-    with ``x``'s sign bit. Inductor's CPU kernels call ``torch.copysign`` out of line (a
-    vector function call per 16 elements, with every live register spilled around it);
-    these two integer ops stay in the loop."""
+    and ``x`` of ``a``'s dtype (float64, float32, float16 or bfloat16).
+
+    On the CPU, ``a``'s bits or'ed with ``x``'s sign bit: inductor's CPU kernels call
+    ``torch.copysign`` out of line (a vector function call per 16 elements, with every
+    live register spilled around it); these two integer ops stay in the loop. Elsewhere
+    ``torch.copysign`` (:func:`_sign_by_bits`)."""
+    if not _sign_by_bits(a.device):
+        return torch.copysign(a, x)
     idt = _SAME_SIZE_INT[a.dtype]
     sign = -(1 << (torch.finfo(a.dtype).bits - 1))
     return (a.view(idt) | (x.view(idt) & sign)).view(a.dtype)
+
+
+def _sign_by_bits(device: torch.device) -> bool:
+    """Whether :func:`with_sign` sets the sign on the bits (the CPU) rather than with
+    ``torch.copysign``. Off the CPU nothing is gained, and traced for CUDA the integer
+    views made AOTAutograd's partitioner save the FP8 payload of an input several linears
+    share (attention's q/k/v input) instead of recomputing its cast from tensors backward
+    keeps anyway: 1 GiB more than torchao on a 2.0B Llama (benchmarks/README.md)."""
+    return device.type == "cpu"
 
 
 def draw_bits(

@@ -240,22 +240,11 @@ def _cast_native(
         else:
             tie = fmt.max + 2.0 ** (fmt.max_exponent - fmt.mantissa_bits - 1)
             over = x.abs() > tie
-        signed = with_sign if _sign_by_bits(x.device) else torch.copysign
-        nan = signed(torch.full_like(x, math.nan), x)  # signed, as ml_dtypes
+        nan = with_sign(torch.full_like(x, math.nan), x)  # signed, as ml_dtypes
         return torch.where(over, nan, x).to(native)
     if saturate:
         x = torch.where(x.abs() == math.inf, x, x.clamp(-top, top))
     return x.to(native)
-
-
-def _sign_by_bits(device: torch.device) -> bool:
-    """Whether :func:`_cast_native` signs its NaN by or'ing ``x``'s sign bit in
-    (:func:`~lowprec.core.bits.with_sign`: on the CPU, where inductor's loops call
-    ``torch.copysign`` out of line) rather than with ``torch.copysign`` (elsewhere: traced,
-    with_sign's integer views made AOTAutograd's partitioner save the FP8 payload of an
-    input several linears share, such as attention's q/k/v input, instead of recomputing
-    its cast from tensors backward keeps anyway)."""
-    return device.type == "cpu"
 
 
 def _absmax_eager(x: Tensor) -> float | None:

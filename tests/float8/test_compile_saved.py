@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lowprec.core.bits as bits
 import lowprec.core.rounding as rounding
 import lowprec.float8.mm as fmm
 from lowprec.float8 import Float8Config, convert_to_float8
@@ -37,7 +38,7 @@ def cuda_cast_trace(monkeypatch: pytest.MonkeyPatch) -> None:
     ``torch.copysign`` for the signed NaN (on the CPU, compiled casts are
     :func:`~lowprec.core.bits.encode` and the NaN's sign is or'ed on the bits)."""
     monkeypatch.setattr(rounding, "_ENCODES", ())
-    monkeypatch.setattr(rounding, "_sign_by_bits", lambda device: False)
+    monkeypatch.setattr(bits, "_sign_by_bits", lambda device: False)
 
 
 def _saved(m: nn.Module, x: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...], int]]:
