@@ -445,8 +445,7 @@ def run_interleaved(
         try:
             prepared[row] = prepare_row(conv, c, args, device, batches)
         except Exception as e:
-            rows[row] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            traceback.print_exc()
+            rows[row] = failed(row, e)
     counts0 = dynamo_counts()
     timings = time_many({r: p.step for r, p in prepared.items()}, device,
                         repeats=args.steps, warmup=args.warmup, min_repeat_s=0)  # fmt: skip
@@ -553,6 +552,13 @@ def profile_steps(step: Callable[[], None], device: torch.device, n: int) -> dic
         "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
         "top": kernels[:40],
     }
+
+
+def failed(what: str, e: Exception) -> dict[str, Any]:
+    """The JSON record of ``what``'s exception ``e`` (message and traceback), also printed."""
+    print(f"{what}: {type(e).__name__}: {e}", file=sys.stderr)
+    traceback.print_exc()
+    return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
 def ratios(rows: dict[str, Any]) -> None:
@@ -666,34 +672,28 @@ def main() -> None:
         try:
             record["dynamo_all_rows"] = run_interleaved(convs, c, args, device, batches, rows)
         except Exception as e:
-            record["error"] = f"{type(e).__name__}: {e}"
-            record["traceback"] = traceback.format_exc()
-            traceback.print_exc()
+            record.update(failed("interleaved run", e))
         ratios(rows)
         write_json(record, out)
-    for row, conv in convs.items() if not args.interleave else ():
-        if elapsed() > args.budget_s:
-            rows[row] = {"skipped": f"budget: {elapsed():.0f} s > {args.budget_s:.0f} s"}
-        else:
-            t0 = time.perf_counter()
-            print(f"[{elapsed():.0f} s] {row} ...", flush=True)
-            try:
-                rows[row] = run_row(conv, c, args, device, batches)
-            except Exception as e:
-                rows[row] = {
-                    "error": f"{type(e).__name__}: {e}",
-                    "traceback": traceback.format_exc(),
-                }
-                print(f"{row}: {type(e).__name__}: {e}", file=sys.stderr)
-                traceback.print_exc()
-            rows[row]["row_s"] = time.perf_counter() - t0
-            r = rows[row]
-            print(f"[{elapsed():.0f} s] {row}: {r.get('tokens_per_s', 0):.0f} tokens/s, "
-                  f"first step {r.get('first_step_s', 0):.1f} s, "
-                  f"peak {r.get('peak_gib', 0):.1f} GiB, loss {r.get('loss_last')}",
-                  flush=True)  # fmt: skip
-        ratios(rows)
-        write_json(record, out)
+    else:
+        for row, conv in convs.items():
+            if elapsed() > args.budget_s:
+                rows[row] = {"skipped": f"budget: {elapsed():.0f} s > {args.budget_s:.0f} s"}
+            else:
+                t0 = time.perf_counter()
+                print(f"[{elapsed():.0f} s] {row} ...", flush=True)
+                try:
+                    rows[row] = run_row(conv, c, args, device, batches)
+                except Exception as e:
+                    rows[row] = failed(row, e)
+                rows[row]["row_s"] = time.perf_counter() - t0
+                r = rows[row]
+                print(f"[{elapsed():.0f} s] {row}: {r.get('tokens_per_s', 0):.0f} tokens/s, "
+                      f"first step {r.get('first_step_s', 0):.1f} s, "
+                      f"peak {r.get('peak_gib', 0):.1f} GiB, loss {r.get('loss_last')}",
+                      flush=True)  # fmt: skip
+            ratios(rows)
+            write_json(record, out)
     record["total_s"] = elapsed()
     write_json(record, out)
     report(record)
