@@ -35,10 +35,6 @@ def _model(family: str, layers: int = 2, seed: int = 0) -> nn.Module:
     return _moe.model(family, layers, seed, routers=False)
 
 
-def _ids(seed: int = 1) -> Tensor:
-    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(seed))
-
-
 def _pair(family: str, config: Any = "tensorwise", **kw: Any) -> tuple[nn.Module, nn.Module]:
     plain = _model(family, **kw)
     conv = _model(family, **kw)
@@ -75,7 +71,7 @@ def test_share_keys_output_backward_and_convert_back(family: str) -> None:
     for i in router_ids(plain):  # routers stay the plain modules
         assert not any(isinstance(m, Float8Linear) and id(m) == i for m in conv.modules())
     assert list(conv.state_dict()) == list(plain.state_dict())
-    ids = _ids()
+    ids = _moe.ids()
     ref = plain(input_ids=ids).logits
     out = conv(input_ids=ids, labels=ids)
     # E4M3 rounds each operand by at most 2^-4 relatively (3 mantissa bits), so a GEMM's
@@ -108,7 +104,7 @@ def test_high_precision_experts_equal_the_plain_model(family: str) -> None:
     conv = _model(family)
     conv.load_state_dict(plain.state_dict())
     conv = apply(conv, hp, module_filter=lambda m, fqn: fqn.endswith("experts"))
-    ids = _ids()
+    ids = _moe.ids()
     a, b = plain(input_ids=ids, labels=ids), conv(input_ids=ids, labels=ids)
     torch.testing.assert_close(b.logits, a.logits, rtol=1e-6, atol=1e-6)
     a.loss.backward()
@@ -149,7 +145,7 @@ def test_routing_and_load_balancing_loss_unchanged(family: str) -> None:
     logits, top-k weights and indices and the load-balancing loss are bit for bit the plain
     model's, while the output differs (the experts ran in float8). Whole model converted:
     the router is the plain module and computes the plain router's function of its input."""
-    ids = _ids()
+    ids = _moe.ids()
     plain = _model(family, layers=1)
     conv = _model(family, layers=1)
     conv.load_state_dict(plain.state_dict())
@@ -172,7 +168,7 @@ def test_routing_and_load_balancing_loss_unchanged(family: str) -> None:
 def test_training_steps_reduce_the_loss(family: str, config: str) -> None:
     _, conv = _pair(family, config)
     opt = torch.optim.AdamW(conv.parameters(), lr=3e-3)
-    ids = _ids(2)
+    ids = _moe.ids(seed=2)
     losses = []
     for _ in range(6):
         loss = conv(input_ids=ids, labels=ids).loss
@@ -192,7 +188,7 @@ def test_fp8_router_converts_the_routers(family: str) -> None:
     routers = [m for m in conv.modules() if isinstance(m, Float8Router)]
     assert len(routers) == 2
     assert list(conv.state_dict()) == list(plain.state_dict())
-    ids = _ids()
+    ids = _moe.ids()
     out = conv(input_ids=ids, labels=ids, output_router_logits=True)
     out.loss.backward()
     assert all(r.weight.grad is not None for r in routers)
@@ -277,7 +273,7 @@ def test_delayed_scaling_keeps_one_history_per_expert() -> None:
 def test_delayed_model_trains() -> None:
     _, conv = _pair("gpt_oss", "delayed")
     opt = torch.optim.AdamW(conv.parameters(), lr=3e-3)
-    ids = _ids(2)
+    ids = _moe.ids(seed=2)
     losses = []
     for _ in range(6):
         loss = conv(input_ids=ids, labels=ids).loss
@@ -494,7 +490,7 @@ def test_recipes_prepare_and_train_an_moe_model(recipe: str) -> None:
 
     p = prepare(_model("qwen3_moe"), recipe)
     assert sum(isinstance(m, Float8Experts) for m in p.model.modules()) == 2
-    ids, losses = _ids(2), []
+    ids, losses = _moe.ids(seed=2), []
     for _ in range(4):
         with p.compute():
             loss = p.model(input_ids=ids, labels=ids).loss
