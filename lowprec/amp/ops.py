@@ -19,6 +19,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from lowprec.core.modes import eager_frames
+
 __all__ = [
     "Fp16MatmulInFp32",
     "MatmulInFp32",
@@ -86,6 +88,7 @@ _MATMULS = {
 }
 
 
+@eager_frames
 class MatmulInFp32(TorchFunctionMode):
     """Run FP16 or BF16 matrix products as FP32 products rounded once to that dtype.
 

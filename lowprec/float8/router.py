@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lowprec.core.modes import eager_frames
 from lowprec.core.warn import warn_once
 from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import Float8Config
@@ -26,6 +27,7 @@ __all__ = ["Float8Router"]
 log = logging.getLogger(__name__)
 
 
+@eager_frames
 class _RouterLinear(TorchFunctionMode):
     """Computes each ``F.linear(x, w, b)`` with ``w`` of the router's weight shape by the
     router's float8 GEMM."""

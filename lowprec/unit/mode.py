@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lowprec.core.modes import eager_frames
 from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
@@ -205,6 +206,7 @@ def _name(func: Any) -> str:
     return qual
 
 
+@eager_frames
 class UnitMode(TorchFunctionMode):
     """Converts standard ops to unit-scaled ones (see the module doc).
 

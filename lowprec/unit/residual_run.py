@@ -55,6 +55,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from lowprec.core.modes import eager_frames
 from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
 from lowprec.unit.core import scale_bwd
@@ -133,6 +134,7 @@ class _Frame:
     pending: dict[int, Tensor] = field(default_factory=dict)
 
 
+@eager_frames
 class _Recorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()

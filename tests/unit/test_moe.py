@@ -404,3 +404,48 @@ def test_experts_without_a_router_are_refused_by_name() -> None:
     assert is_experts(blk.experts)
     with pytest.raises(NotImplementedError, match=r"mlp\.experts .*no router"):
         convert_moe(m, UnitConfig())
+
+
+# ---- torch.compile --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen2_moe",
+        "mixtral",
+        pytest.param(
+            "deepseek_v3",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="DeepSeek-V3's attention (dense layers too): compiled gradients differ "
+                "from eager's by up to 16% (tests/unit/test_hf.py); cause not found",
+            ),
+        ),
+    ],
+)
+def test_compiled_loss_and_gradients_are_eagers(family: str) -> None:
+    """``torch.compile`` of a unit MoE model: before, Dynamo's handling of the experts'
+    data-dependent graph break inside the layer loop failed with ``arange(...,
+    device=torch.Size)`` (the unit mode's ``__torch_function__`` compiled as a frame of
+    its own, ``lowprec.core.modes``), and with that fixed computed the experts with the
+    unit linear's scale twice (losses off by 0.02-0.05). The ``eager`` backend runs the
+    traced ops with eager's kernels in eager's order: loss and every gradient equal
+    exactly (inductor's are within float32 rounding, 1e-6 relative, by hand)."""
+    u = apply(_moe.model(family), "default")
+    ids = _moe.ids()
+
+    def run(m: nn.Module) -> tuple[Tensor, dict[str, Tensor]]:
+        u.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in u.named_parameters() if p.grad is not None}
+        return out.loss.detach(), grads
+
+    torch._dynamo.reset()
+    (l_e, g_e), (l_c, g_c) = run(u), run(torch.compile(u, backend="eager"))
+    assert torch.equal(l_c, l_e), (l_c, l_e)
+    assert g_c.keys() == g_e.keys() and len(g_e) > 10
+    for n in g_e:
+        assert torch.equal(g_c[n], g_e[n]), n
