@@ -114,6 +114,15 @@ def _check_scale(s: object) -> float:
     return float(s)
 
 
+def _fresh(x: Tensor) -> Tensor:
+    """``x`` itself, or under ``torch.compile`` a view of it (no copy): torch 2.13's Dynamo
+    drops an autograd Function's backward when its input is a tensor filled in place (a
+    ``new_empty`` written by ``copy_`` into slices, as DeepSeek-V3's attention builds its
+    keys): the gradient reached the slices unscaled. Given a view, it applies the backward
+    (``tests/unit/test_functional.py``)."""
+    return x.view_as(x) if torch.compiler.is_compiling() else x
+
+
 @unit_op
 def scale_fwd(x: Tensor, s: float) -> Tensor:
     """Forward ``y = s·x``; backward passes ``∂L/∂y`` through unscaled.
@@ -125,7 +134,7 @@ def scale_fwd(x: Tensor, s: float) -> Tensor:
         ([3.0, 3.0], [1.0, 1.0])
     """
     s = _check_scale(s)
-    return x if s == 1.0 else cast(Tensor, _ScaleFwd.apply(x, s))  # type: ignore[no-untyped-call]
+    return x if s == 1.0 else cast(Tensor, _ScaleFwd.apply(_fresh(x), s))  # type: ignore[no-untyped-call]
 
 
 @unit_op
@@ -139,7 +148,7 @@ def scale_bwd(x: Tensor, s: float) -> Tensor:
         ([1.0, 1.0], [3.0, 3.0])
     """
     s = _check_scale(s)
-    return x if s == 1.0 else cast(Tensor, _ScaleBwd.apply(x, s))  # type: ignore[no-untyped-call]
+    return x if s == 1.0 else cast(Tensor, _ScaleBwd.apply(_fresh(x), s))  # type: ignore[no-untyped-call]
 
 
 def apply_constraint(
