@@ -37,6 +37,7 @@ __all__ = [
     "check_float",
     "check_number",
     "check_same_dtype",
+    "fresh_input",
     "scale_bwd",
     "scale_elementwise",
     "scale_fwd",
@@ -114,12 +115,12 @@ def _check_scale(s: object) -> float:
     return float(s)
 
 
-def _fresh(x: Tensor) -> Tensor:
-    """``x`` itself, or under ``torch.compile`` a view of it (no copy): torch 2.13's Dynamo
-    drops an autograd Function's backward when its input is a tensor filled in place (a
-    ``new_empty`` written by ``copy_`` into slices, as DeepSeek-V3's attention builds its
-    keys): the gradient reached the slices unscaled. Given a view, it applies the backward
-    (``tests/unit/test_functional.py``)."""
+def fresh_input(x: Tensor) -> Tensor:
+    """``x`` itself, or under ``torch.compile`` a view of it (no copy), to give an autograd
+    Function: torch 2.13's Dynamo mishandles a Function applied to a tensor filled in place
+    (a ``new_empty`` written by ``copy_`` into slices, as DeepSeek-V3's attention builds its
+    keys): ``scale_bwd``'s gradient reached the slices unscaled, ``ScaledLinear``'s not at
+    all. Given a view, the Function's backward applies (``tests/unit/test_functional.py``)."""
     return x.view_as(x) if torch.compiler.is_compiling() else x
 
 
@@ -134,7 +135,7 @@ def scale_fwd(x: Tensor, s: float) -> Tensor:
         ([3.0, 3.0], [1.0, 1.0])
     """
     s = _check_scale(s)
-    return x if s == 1.0 else cast(Tensor, _ScaleFwd.apply(_fresh(x), s))  # type: ignore[no-untyped-call]
+    return x if s == 1.0 else cast(Tensor, _ScaleFwd.apply(fresh_input(x), s))  # type: ignore[no-untyped-call]
 
 
 @unit_op
@@ -148,7 +149,7 @@ def scale_bwd(x: Tensor, s: float) -> Tensor:
         ([1.0, 1.0], [3.0, 3.0])
     """
     s = _check_scale(s)
-    return x if s == 1.0 else cast(Tensor, _ScaleBwd.apply(_fresh(x), s))  # type: ignore[no-untyped-call]
+    return x if s == 1.0 else cast(Tensor, _ScaleBwd.apply(fresh_input(x), s))  # type: ignore[no-untyped-call]
 
 
 def apply_constraint(
