@@ -87,3 +87,25 @@ REFERENCE_TASK = TrainConfig(
     eval_batches=8,
     ckpt_every=1000,
 )
+
+
+def assert_compiled_equals_eager(model: Any, ids: Any, min_grads: int = 1) -> None:
+    """``torch.compile(model, backend="eager")`` gives eager's loss and every parameter
+    gradient exactly (the ``eager`` backend runs the traced ops with eager's kernels in
+    eager's order, so only the graph's autograd can differ); ``model`` an HF causal LM
+    called with ``input_ids=ids, labels=ids``, at least ``min_grads`` gradients."""
+    import torch
+
+    def run(m: Any) -> tuple[Any, dict[str, Any]]:
+        model.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.loss.detach(), grads
+
+    torch._dynamo.reset()
+    (l_e, g_e), (l_c, g_c) = run(model), run(torch.compile(model, backend="eager"))
+    assert torch.equal(l_c, l_e), (float(l_c), float(l_e))
+    assert g_c.keys() == g_e.keys() and len(g_e) >= min_grads, (len(g_e), len(g_c))
+    for n in g_e:
+        assert torch.equal(g_c[n], g_e[n]), n

@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from lowprec.core.autograd import apply_fn
 from lowprec.core.formats import Format, get_format
 from lowprec.core.rounding import quantize
 
@@ -66,7 +67,7 @@ def quantize_ste(x: Tensor, fmt: str | Format = "e4m3fn", saturate: bool = True)
         ([1.0, 448.0], [2.0, 3.0])
     """
     f = _check(x, fmt, saturate)
-    return cast(Tensor, _QuantizeSte.apply(x, f, saturate))  # type: ignore[no-untyped-call]
+    return cast(Tensor, apply_fn(_QuantizeSte, x, f, saturate))
 
 
 def quantize_grad(x: Tensor, fmt: str | Format = "e5m2", saturate: bool = True) -> Tensor:
@@ -80,4 +81,4 @@ def quantize_grad(x: Tensor, fmt: str | Format = "e5m2", saturate: bool = True) 
         ([1.0, 1.0], [1.0, 57344.0])
     """
     f = _check(x, fmt, saturate)
-    return cast(Tensor, _QuantizeGrad.apply(x, f, saturate))  # type: ignore[no-untyped-call]
+    return cast(Tensor, apply_fn(_QuantizeGrad, x, f, saturate))

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from lowprec.core import kernels
+from lowprec.core.autograd import apply_fn
 from lowprec.core.formats import Format, Rounding, get_format
 from lowprec.core.granularity import Granularity, apply_scale, as_granularity, check_scale_shape
 from lowprec.core.rounding import to_format
@@ -272,7 +273,7 @@ class ScaledTensor(Tensor):
 
         Differentiable: the gradient passes straight through to this ScaledTensor.
         """
-        out: Tensor = _Dequantize.apply(self, dtype or self.dtype)  # type: ignore[no-untyped-call]
+        out: Tensor = apply_fn(_Dequantize, self, dtype or self.dtype)
         return out
 
     # ---- torch subclass protocol -------------------------------------------------------
@@ -489,9 +490,7 @@ def quantize_scaled(
     else:
         g = as_granularity(granularity or "tensor")
         scale = group_scale(amax(x, g), fmt, g, _check_margin(margin), power_of_two)
-    out: ScaledTensor = _QuantizeScaled.apply(  # type: ignore[no-untyped-call]
-        x, scale, fmt, rounding, saturate, generator
-    )
+    out: ScaledTensor = apply_fn(_QuantizeScaled, x, scale, fmt, rounding, saturate, generator)
     return out
 
 

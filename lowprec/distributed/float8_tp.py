@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel
 
+from lowprec.core.autograd import apply_fn
 from lowprec.core.granularity import Granularity
 from lowprec.core.rounding import to_format
 from lowprec.core.scalers import StaticScaler
@@ -92,9 +93,7 @@ def fp8_gather_input(layer: Float8Linear, x: Tensor, mesh: DeviceMesh, dim: int)
         full = DTensor.from_local(x, mesh, [Shard(dim)], run_check=False)
         out: Tensor = full.redistribute(mesh, [Replicate()]).to_local()
         return out
-    gathered: ScaledTensor = _GatherFP8.apply(  # type: ignore[no-untyped-call]
-        x, scale, layer.recipe.input.fmt, mesh, dim
-    )
+    gathered: ScaledTensor = apply_fn(_GatherFP8, x, scale, layer.recipe.input.fmt, mesh, dim)
     return gathered
 
 

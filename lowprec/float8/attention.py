@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lowprec.core.autograd import apply_fn
 from lowprec.float8.config import ATTENTION_SCALINGS, CastConfig, Float8Config
 from lowprec.float8.mm import autocast_off, payload_mm
 from lowprec.float8.quant import quantize_parts, quantize_values, upcast
@@ -256,7 +257,7 @@ def fp8_attention(
             bias = torch.zeros(attn_mask.shape, device=q.device).masked_fill(~attn_mask, -math.inf)
         else:
             bias = attn_mask.float()
-    out: Tensor = _FP8Attention.apply(q, k, v, bias, tau, float(dropout_p), scaling, fmts)  # type: ignore[no-untyped-call]
+    out: Tensor = apply_fn(_FP8Attention, q, k, v, bias, tau, float(dropout_p), scaling, fmts)
     return out
 
 

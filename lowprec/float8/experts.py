@@ -47,7 +47,7 @@ from lowprec.core.warn import warn_once
 from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import ROLES, Float8Config
 from lowprec.float8.gemm_options import role_scale
-from lowprec.float8.grouped import GroupedFloat8Fn, GroupedScales, grouped_config
+from lowprec.float8.grouped import GroupedScales, grouped_config, run_grouped
 from lowprec.float8.grouped_quant import group_amax
 from lowprec.float8.mm import autocast_off
 
@@ -376,7 +376,7 @@ class Float8Experts(nn.Module):
         w3 = w.transpose(1, 2) if self.is_transposed else w  # (E, out, in)
         scales = self._scales(name, x, w3, offs, given)
         with autocast_off(x.device.type), _saved_as_payload(w3, gathered, self.is_transposed):
-            y: Tensor = GroupedFloat8Fn.apply(x, w3, offs, self.grouped_recipe, dtype, scales)  # type: ignore[no-untyped-call]
+            y = run_grouped(x, w3, offs, self.grouped_recipe, dtype, scales)
         b = self._parameters.get(name + "_bias") if self.has_bias else None
         return y if b is None else y + b[ids].to(y.dtype)
 

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lowprec.core.autograd import apply_fn
 from lowprec.core.formats import get_format
 from lowprec.core.rounding import to_format
 from lowprec.float8.config import GEMM_ROLES, GEMMS, ROLES, CastConfig, Float8Config
@@ -62,7 +63,7 @@ from lowprec.float8.grouped_quant import _groups, _segment_amax, group_amax, qua
 from lowprec.float8.mm import autocast_off
 from lowprec.float8.operands import EMULATION_DTYPES
 
-__all__ = ["GroupedFloat8Fn", "GroupedScales", "grouped_config", "grouped_linear"]
+__all__ = ["GroupedFloat8Fn", "GroupedScales", "grouped_config", "grouped_linear", "run_grouped"]
 
 log = logging.getLogger(__name__)
 
@@ -346,5 +347,30 @@ def grouped_linear(
         isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point
     ):
         raise TypeError(f"out_dtype must be a floating-point torch.dtype, got {out_dtype!r}")
-    y: Tensor = GroupedFloat8Fn.apply(x, weight, offs, r, out_dtype or x.dtype)  # type: ignore[no-untyped-call]
+    y = run_grouped(x, weight, offs, r, out_dtype or x.dtype)
+    return y
+
+
+# Under torch.compile the grouped GEMMs run outside the graph (a graph break at each call):
+# torch 2.13's fake-tensor rule for torch._grouped_mm accepts bf16 operands only, while the
+# emulation multiplies the dequantized float32 values (the CPU kernel takes float32), and
+# the per-expert row counts are data-dependent. Eagerly nothing changes.
+_eager_grouped: Callable[..., Tensor] = torch.compiler.disable(GroupedFloat8Fn.apply)  # type: ignore[no-untyped-call]
+
+
+def run_grouped(
+    x: Tensor,
+    weight: Tensor,
+    offs: Tensor,
+    config: Float8Config,
+    out_dtype: torch.dtype,
+    scales: GroupedScales | None = None,
+) -> Tensor:
+    """:class:`GroupedFloat8Fn` applied to ``(x, weight, offs, config, out_dtype, scales)``
+    (its docstring gives the shapes), eagerly or under ``torch.compile`` (then outside the
+    graph); no checks (:func:`grouped_linear` checks a user's arguments)."""
+    if torch.compiler.is_compiling():
+        y: Tensor = _eager_grouped(x, weight, offs, config, out_dtype, scales)
+        return y
+    y = apply_fn(GroupedFloat8Fn, x, weight, offs, config, out_dtype, scales)
     return y

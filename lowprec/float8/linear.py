@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from lowprec.core.autograd import apply_fn
 from lowprec.core.hadamard import fqn_key
 from lowprec.core.scalers import AmaxReducer, DelayedScaler, StaticScaler
 from lowprec.core.tensor import ScaledTensor
@@ -347,13 +348,14 @@ class Float8Linear(nn.Linear):
         # from the state threaded through the function (an input, for torch.compile).
         gs = go_sc.scale if isinstance(go_sc, StaticScaler) and go_sc.frozen else None
         go = self._state("grad_output")
-        fn = Float8MatmulFn.apply
-        if torch.compiler.is_compiling() and (block_scaled(r) or r.stochastic or r.hadamard):
-            # outside the graph: inductor fails on MX/NVFP4 quantizes; seeded generators
-            fn = eager_gemm
         rng = self._buffers.get("rng_state")
+        args = (x2d, w, xs, ws, gs, go, spec, out_dtype, rng)
         with autocast_off(dev):
-            y: Tensor = fn(x2d, w, xs, ws, gs, go, spec, out_dtype, rng)  # type: ignore[no-untyped-call]
+            if torch.compiler.is_compiling() and (block_scaled(r) or r.stochastic or r.hadamard):
+                # outside the graph: inductor fails on MX/NVFP4 quantizes; seeded generators
+                y: Tensor = eager_gemm(*args)
+            else:
+                y = apply_fn(Float8MatmulFn, *args)
         if rng is not None and self.training:  # the next call draws the next streams
             with torch.no_grad():
                 rng[1] += 1

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lowprec.core.autograd import apply_fn
 from lowprec.core.scales import Pow2Mode, round_pow2
 from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import ScalifyConfig
@@ -117,7 +118,7 @@ def as_scaled(
     if config is not None and not isinstance(config, ScalifyConfig):
         raise TypeError(f"config must be a ScalifyConfig or None, got {type(config).__name__}")
     key = "" if config is None else record(config)
-    out: ScaledTensor = _ToScaled.apply(x, s, key)  # type: ignore[no-untyped-call]
+    out: ScaledTensor = apply_fn(_ToScaled, x, s, key)
     if s is not None and not compiling() and x.numel():
         fin = torch.isfinite(x)
         if not bool(torch.isfinite(out.qdata)[fin].all()):
@@ -132,7 +133,7 @@ def as_scaled(
 
 def enter(x: Tensor, key: str) -> ScaledTensor:
     """``as_scaled(x)`` recording the config of ``key`` (from :func:`record`); no checks."""
-    out: ScaledTensor = _ToScaled.apply(x, None, key)  # type: ignore[no-untyped-call]
+    out: ScaledTensor = apply_fn(_ToScaled, x, None, key)
     return out
 
 
@@ -154,7 +155,7 @@ def unscale(x: Tensor) -> Tensor:
     scaled arithmetic again with scale ``max |g|``."""
     if not isinstance(x, ScaledTensor):
         return x
-    out: Tensor = _ToPlain.apply(x)  # type: ignore[no-untyped-call]
+    out: Tensor = apply_fn(_ToPlain, x)
     return out
 
 
@@ -206,7 +207,7 @@ def rebalance(x: ScaledTensor, s: Tensor | float) -> ScaledTensor:
     st = s if isinstance(s, Tensor) else torch.tensor(float(s))
     st = st.float().to(x.device)
     _check_scale(st, "s")
-    out: ScaledTensor = _Rebalance.apply(x, st, None)  # type: ignore[no-untyped-call]
+    out: ScaledTensor = apply_fn(_Rebalance, x, st, None)
     return out
 
 
@@ -231,5 +232,5 @@ def dynamic_rescale(
     if pow2 not in (None, "none", "down", "up"):
         raise ValueError(f"pow2 must be None, 'none', 'down' or 'up', got {pow2!r}")
     s = _new_scale(x, how, pow2)
-    out: ScaledTensor = _Rebalance.apply(x, s, how if grad else None)  # type: ignore[no-untyped-call]
+    out: ScaledTensor = apply_fn(_Rebalance, x, s, how if grad else None)
     return out

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lowprec.core.autograd import apply_fn
 from lowprec.unit import moments
 from lowprec.unit.core import (
     apply_constraint,
@@ -121,7 +122,7 @@ def softmax(x: Tensor, dim: int = -1, *, mult: float = 1.0,
     n = max(1, x.shape[d]) if x.dim() else 1
     p2, dx2 = moments.softmax_gains(n, mult)
     s_out, s_in = apply_constraint(constraint, p2**-0.5, dx2**-0.5)
-    return cast(Tensor, UnitSoftmax.apply(x, d, mult, s_out, s_in))  # type: ignore[no-untyped-call]
+    return cast(Tensor, apply_fn(UnitSoftmax, x, d, mult, s_out, s_in))
 
 
 @_unit_op

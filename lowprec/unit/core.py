@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
+from lowprec.core.autograd import apply_fn
+
 __all__ = [
     "CONSTRAINTS",
     "Constraint",
@@ -37,7 +39,6 @@ __all__ = [
     "check_float",
     "check_number",
     "check_same_dtype",
-    "fresh_input",
     "scale_bwd",
     "scale_elementwise",
     "scale_fwd",
@@ -115,15 +116,6 @@ def _check_scale(s: object) -> float:
     return float(s)
 
 
-def fresh_input(x: Tensor) -> Tensor:
-    """``x`` itself, or under ``torch.compile`` a view of it (no copy), to give an autograd
-    Function: torch 2.13's Dynamo mishandles a Function applied to a tensor filled in place
-    (a ``new_empty`` written by ``copy_`` into slices, as DeepSeek-V3's attention builds its
-    keys): ``scale_bwd``'s gradient reached the slices unscaled, ``ScaledLinear``'s not at
-    all. Given a view, the Function's backward applies (``tests/unit/test_functional.py``)."""
-    return x.view_as(x) if torch.compiler.is_compiling() else x
-
-
 @unit_op
 def scale_fwd(x: Tensor, s: float) -> Tensor:
     """Forward ``y = s·x``; backward passes ``∂L/∂y`` through unscaled.
@@ -135,7 +127,7 @@ def scale_fwd(x: Tensor, s: float) -> Tensor:
         ([3.0, 3.0], [1.0, 1.0])
     """
     s = _check_scale(s)
-    return x if s == 1.0 else cast(Tensor, _ScaleFwd.apply(fresh_input(x), s))  # type: ignore[no-untyped-call]
+    return x if s == 1.0 else cast(Tensor, apply_fn(_ScaleFwd, x, s))
 
 
 @unit_op
@@ -149,7 +141,7 @@ def scale_bwd(x: Tensor, s: float) -> Tensor:
         ([1.0, 1.0], [3.0, 3.0])
     """
     s = _check_scale(s)
-    return x if s == 1.0 else cast(Tensor, _ScaleBwd.apply(fresh_input(x), s))  # type: ignore[no-untyped-call]
+    return x if s == 1.0 else cast(Tensor, apply_fn(_ScaleBwd, x, s))
 
 
 def apply_constraint(

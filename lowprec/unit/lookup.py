@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lowprec.core.autograd import apply_fn
 from lowprec.unit.core import check_float, check_number, scale_bwd, scale_fwd
 from lowprec.unit.core import unit_op as _unit_op
 
@@ -100,7 +101,7 @@ def cross_entropy(
         counted = mask.sum()
     else:
         counted = (weight.detach()[targets.clamp(0, v - 1)] * mask).sum()
-    return cast(Tensor, _DivFwd.apply(total, counted))  # type: ignore[no-untyped-call]
+    return cast(Tensor, apply_fn(_DivFwd, total, counted))
 
 
 @_unit_op

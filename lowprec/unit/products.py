@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lowprec.core.autograd import apply_fn
 from lowprec.core.casts import quantize_grad, quantize_ste
 from lowprec.core.observe import CastOperand, GemmSink, gemm_sink
 from lowprec.core.rounding import quantize
@@ -24,7 +25,6 @@ from lowprec.unit.core import (
     apply_constraint,
     check_float,
     check_same_dtype,
-    fresh_input,
     scale_bwd,
     scale_fwd,
 )
@@ -176,8 +176,8 @@ def _affine(
     s_out, s_x = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
     s_w = batch**-0.5
     if matmul is None and not float8 and gemm_kernels_apply(x, weight, bias):
-        xin = fresh_input(x)  # (under compile: tests/unit/test_functional.py)
-        return cast(Tensor, ScaledLinear.apply(xin, weight, bias, s_out * fwd_mult, s_x, s_w, s_w))  # type: ignore[no-untyped-call]
+        y = apply_fn(ScaledLinear, x, weight, bias, s_out * fwd_mult, s_x, s_w, s_w)
+        return cast(Tensor, y)
     if matmul is None:
         y = _product(F.linear, x, weight, s_out * fwd_mult, s_x, s_w, float8)
     else:  # the injected product runs as given: no torch function mode converts its ops

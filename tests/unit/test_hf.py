@@ -20,6 +20,7 @@ from lowprec.unit import functional as U
 from lowprec.unit import recipe_param_groups, unit_scale
 from lowprec.unit.mode import UnitMode
 from lowprec.unit.umup import tag_params
+from tests._helpers import assert_compiled_equals_eager
 
 T = pytest.importorskip("transformers")
 
@@ -203,25 +204,6 @@ def _deepseek() -> nn.Module:  # dense layers only (first_k_dense_replace = ever
     return T.AutoModelForCausalLM.from_config(c)
 
 
-def _compiled_and_eager(u: nn.Module, ids: Tensor) -> None:
-    """``torch.compile(u, backend="eager")`` gives eager's loss and every gradient
-    exactly (the ``eager`` backend runs the traced ops with eager's kernels, in order)."""
-
-    def run(m: nn.Module) -> tuple[Tensor, dict[str, Tensor]]:
-        u.zero_grad(set_to_none=True)
-        out = m(input_ids=ids, labels=ids)
-        out.loss.backward()
-        return out.loss.detach(), {
-            n: p.grad.clone() for n, p in u.named_parameters() if p.grad is not None
-        }
-
-    torch._dynamo.reset()
-    (l_e, g_e), (l_c, g_c) = run(u), run(torch.compile(u, backend="eager"))
-    assert torch.equal(l_c, l_e) and g_c.keys() == g_e.keys() and g_e
-    for n in g_e:
-        assert torch.equal(g_c[n], g_e[n]), n
-
-
 @pytest.mark.slow
 def test_compiled_with_a_graph_break_in_every_layer() -> None:
     """A graph break inside each decoder layer (here before its MLP): Dynamo runs the
@@ -232,7 +214,7 @@ def test_compiled_with_a_graph_break_in_every_layer() -> None:
     m = copy.deepcopy(_llama())  # (the cached one stays as it is)
     for layer in m.model.layers:
         layer.mlp = _Break(layer.mlp)
-    _compiled_and_eager(unit_scale(m, reinit=True).eval(), _ids(2, 16, seed=2))
+    assert_compiled_equals_eager(unit_scale(m, reinit=True).eval(), _ids(2, 16, seed=2))
 
 
 @pytest.mark.slow
@@ -240,9 +222,9 @@ def test_compiled_deepseek_v3_attention() -> None:
     """DeepSeek-V3 (MLA) builds its keys as ``new_empty`` written by ``copy_`` into slices;
     compiled, the unit attention's ``scale_bwd`` of them lost its backward (torch 2.13's
     Dynamo): loss equal, K/V-path gradients off by up to 16%
-    (``tests/unit/test_functional.py``)."""
+    (``tests/core/test_autograd.py``)."""
     torch.manual_seed(0)
-    _compiled_and_eager(unit_scale(_deepseek()).eval(), _ids(2, 12, seed=2) % 64)
+    assert_compiled_equals_eager(unit_scale(_deepseek()).eval(), _ids(2, 12, seed=2) % 64)
 
 
 def test_bert_post_norm_and_padding_row() -> None:

@@ -22,6 +22,7 @@ from lowprec.unit import UnitConfig, apply, umup_param_groups
 from lowprec.unit.mode import UnitMode, plain_ops
 from lowprec.unit.moe import convert_moe, is_experts, routing_moment
 from tests import _moe
+from tests._helpers import assert_compiled_equals_eager
 
 
 def _blocks(m: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
@@ -424,22 +425,7 @@ def test_compiled_loss_and_gradients_are_eagers(family: str) -> None:
     device=torch.Size)`` (the unit mode's ``__torch_function__`` compiled as a frame of
     its own, ``lowprec.core.modes``), and with that fixed computed the experts with the
     unit linear's scale twice (losses off by 0.02-0.05); DeepSeek-V3's attention lost
-    its keys' backward scales (``tests/unit/test_functional.py``). The ``eager`` backend runs the
+    its keys' backward scales (``tests/core/test_autograd.py``). The ``eager`` backend runs the
     traced ops with eager's kernels in eager's order: loss and every gradient equal
     exactly (inductor's are within float32 rounding, 1e-6 relative, by hand)."""
-    u = apply(_moe.model(family), "default")
-    ids = _moe.ids()
-
-    def run(m: nn.Module) -> tuple[Tensor, dict[str, Tensor]]:
-        u.zero_grad(set_to_none=True)
-        out = m(input_ids=ids, labels=ids)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in u.named_parameters() if p.grad is not None}
-        return out.loss.detach(), grads
-
-    torch._dynamo.reset()
-    (l_e, g_e), (l_c, g_c) = run(u), run(torch.compile(u, backend="eager"))
-    assert torch.equal(l_c, l_e), (l_c, l_e)
-    assert g_c.keys() == g_e.keys() and len(g_e) > 10
-    for n in g_e:
-        assert torch.equal(g_c[n], g_e[n]), n
+    assert_compiled_equals_eager(apply(_moe.model(family), "default"), _moe.ids(), 11)

@@ -1,0 +1,50 @@
+"""Applying lowprec's autograd Functions, eagerly and under ``torch.compile``.
+
+Every custom ``torch.autograd.Function`` of lowprec (the casts, scaled quantization, the
+float8 GEMMs and attention, unit scaling's scale ops and fused products, scalify's entry
+and exit) is applied through :func:`apply_fn`, never through ``Fn.apply`` directly.
+
+Why: torch 2.13's Dynamo mishandles a Function applied to a tensor that was filled in
+place through views of it, e.g. ``k = x.new_empty(...)`` written by ``k[..., :d].copy_(a)``
+and ``k[..., d:].copy_(b)`` (how DeepSeek-V3's attention builds its keys). Eagerly ``k``
+requires grad from the first ``copy_`` of a tensor that does; Dynamo's record of ``k``
+keeps ``requires_grad=False`` from ``new_empty``, so it treats the Function as having no
+input that needs a gradient and traces its forward as plain ops: the Function's own
+backward is lost, autograd differentiates the forward instead (a straight-through cast's
+gradient becomes the rounding's, ``scale_bwd``'s arrives unscaled), or no gradient reaches
+the slices' sources, or the compiled call fails. A view of ``k`` (``k.view_as(k)``, no
+copy) is recorded afresh with the right ``requires_grad``. Under ``torch.compile``
+:func:`apply_fn` passes every plain tensor argument as such a view (not only those that
+report ``requires_grad``: that report is the stale one), and passes everything unchanged
+otherwise. ``tests/core/test_autograd.py`` applies every lowprec Function to such a tensor
+under compile and compares the loss and all gradients with eager's, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["apply_fn", "fresh_input"]
+
+
+def fresh_input(x: Tensor) -> Tensor:
+    """``x`` itself, or under ``torch.compile`` a view of it (no copy) when ``x`` is a
+    plain tensor (not a subclass such as a Parameter or a ``ScaledTensor``): the form in
+    which Dynamo knows whether ``x`` requires grad (module doc)."""
+    if torch.compiler.is_compiling() and type(x) is Tensor:
+        return x.view_as(x)
+    return x
+
+
+def apply_fn(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)`` with every tensor argument passed through :func:`fresh_input`
+    (under ``torch.compile`` only; eagerly it is exactly ``fn.apply(*args)``).
+    ``TypeError`` when ``fn`` is not an autograd Function class."""
+    if torch.compiler.is_compiling():  # (Dynamo cannot trace issubclass of a Function)
+        args = tuple(fresh_input(a) if isinstance(a, Tensor) else a for a in args)
+    elif not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
+        raise TypeError(f"fn must be a torch.autograd.Function subclass, got {fn!r}")
+    return fn.apply(*args)  # type: ignore[no-untyped-call]
