@@ -16,8 +16,9 @@ the slices' sources, or the compiled call fails. A view of ``k`` (``k.view_as(k)
 copy) is recorded afresh with the right ``requires_grad``. Under ``torch.compile``
 :func:`apply_fn` passes every plain tensor argument as such a view (not only those that
 report ``requires_grad``: that report is the stale one), and passes everything unchanged
-otherwise. ``tests/core/test_autograd.py`` applies every lowprec Function to such a tensor
-under compile and compares the loss and all gradients with eager's, bit for bit.
+otherwise. ``tests/models/test_compiled_functions.py`` applies every lowprec Function to
+such a tensor under compile and compares the loss and all gradients with eager's, bit for
+bit.
 """
 
 from __future__ import annotations
@@ -39,12 +40,28 @@ def fresh_input(x: Tensor) -> Tensor:
     return x
 
 
-def apply_fn(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)`` with every tensor argument passed through :func:`fresh_input`
-    (under ``torch.compile`` only; eagerly it is exactly ``fn.apply(*args)``).
-    ``TypeError`` when ``fn`` is not an autograd Function class."""
+def apply_fn(
+    fn: type[torch.autograd.Function], *args: Any, inputs: tuple[int, ...] | None = None
+) -> Any:
+    """``fn.apply(*args)``, under ``torch.compile`` with the tensor arguments at positions
+    ``inputs`` (default: every argument) passed through :func:`fresh_input`; eagerly it is
+    exactly ``fn.apply(*args)``. Give ``inputs`` where other tensor arguments are state
+    that the Function updates in place (a delayed scaler's history): a view of such a
+    buffer would be saved for the compiled backward. ``TypeError`` when ``fn`` is not an
+    autograd Function class or ``inputs`` not a tuple of argument positions."""
     if torch.compiler.is_compiling():  # (Dynamo cannot trace issubclass of a Function)
-        args = tuple(fresh_input(a) if isinstance(a, Tensor) else a for a in args)
-    elif not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
-        raise TypeError(f"fn must be a torch.autograd.Function subclass, got {fn!r}")
+        args = tuple(
+            fresh_input(a) if isinstance(a, Tensor) and (inputs is None or i in inputs) else a
+            for i, a in enumerate(args)
+        )
+    else:
+        if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
+            raise TypeError(f"fn must be a torch.autograd.Function subclass, got {fn!r}")
+        if inputs is not None and not (
+            isinstance(inputs, tuple)
+            and all(isinstance(i, int) and 0 <= i < len(args) for i in inputs)
+        ):
+            raise TypeError(
+                f"inputs must be a tuple of argument positions below {len(args)}, got {inputs!r}"
+            )
     return fn.apply(*args)  # type: ignore[no-untyped-call]

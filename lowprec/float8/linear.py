@@ -355,7 +355,7 @@ class Float8Linear(nn.Linear):
                 # outside the graph: inductor fails on MX/NVFP4 quantizes; seeded generators
                 y: Tensor = eager_gemm(*args)
             else:
-                y = apply_fn(Float8MatmulFn, *args)
+                y = apply_fn(Float8MatmulFn, *args, inputs=(0, 1))  # (go: state)
         if rng is not None and self.training:  # the next call draws the next streams
             with torch.no_grad():
                 rng[1] += 1

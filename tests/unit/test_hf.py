@@ -222,7 +222,7 @@ def test_compiled_deepseek_v3_attention() -> None:
     """DeepSeek-V3 (MLA) builds its keys as ``new_empty`` written by ``copy_`` into slices;
     compiled, the unit attention's ``scale_bwd`` of them lost its backward (torch 2.13's
     Dynamo): loss equal, K/V-path gradients off by up to 16%
-    (``tests/core/test_autograd.py``)."""
+    (``tests/models/test_compiled_functions.py``)."""
     torch.manual_seed(0)
     assert_compiled_equals_eager(unit_scale(_deepseek()).eval(), _ids(2, 12, seed=2) % 64)
 

@@ -425,7 +425,7 @@ def test_compiled_loss_and_gradients_are_eagers(family: str) -> None:
     device=torch.Size)`` (the unit mode's ``__torch_function__`` compiled as a frame of
     its own, ``lowprec.core.modes``), and with that fixed computed the experts with the
     unit linear's scale twice (losses off by 0.02-0.05); DeepSeek-V3's attention lost
-    its keys' backward scales (``tests/core/test_autograd.py``). The ``eager`` backend runs the
-    traced ops with eager's kernels in eager's order: loss and every gradient equal
-    exactly (inductor's are within float32 rounding, 1e-6 relative, by hand)."""
+    its keys' backward scales (``tests/models/test_compiled_functions.py``). The ``eager``
+    backend runs the traced ops with eager's kernels in eager's order: loss and every
+    gradient equal exactly (inductor's are within float32 rounding, 1e-6 relative)."""
     assert_compiled_equals_eager(apply(_moe.model(family), "default"), _moe.ids(), 11)

@@ -144,3 +144,33 @@ def test_apply_fn_eager_is_apply_and_rejects_non_functions() -> None:
         autograd.apply_fn(torch.nn.Linear, x)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="fn must be"):
         autograd.apply_fn(quantize_ste, x)  # type: ignore[arg-type]
+    fmt = get_format("e4m3fn")
+    for bad in ((3,), (-1,), [0], (0.0,)):
+        with pytest.raises(TypeError, match="inputs must be a tuple of argument positions"):
+            autograd.apply_fn(_QuantizeSte, x, fmt, True, inputs=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("inputs", [None, (0,), ()])
+def test_apply_fn_inputs_selects_the_arguments_given_as_views(
+    inputs: tuple[int, ...] | None,
+) -> None:
+    """``inputs`` names the arguments handed over as views under compile: with the filled
+    tensor among them the straight-through gradient survives; with none (``()``) the
+    Dynamo bug of the module doc shows (the gradient differs from eager's)."""
+    from lowprec.core.casts import _QuantizeSte
+    from lowprec.core.formats import get_format
+
+    fmt = get_format("e4m3fn")
+    x = torch.randn(6, requires_grad=True, generator=torch.Generator().manual_seed(2))
+    w = torch.linspace(-1.0, 2.0, 6)
+
+    def f(x: Tensor) -> Tensor:
+        k = x.new_empty(6)
+        k[:3].copy_(x[:3])
+        k[3:].copy_(x[3:])
+        return (autograd.apply_fn(_QuantizeSte, k, fmt, True, inputs=inputs) * w).sum()
+
+    torch._dynamo.reset()
+    torch.compile(f, backend="eager")(x).backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, w) == (inputs != ())
