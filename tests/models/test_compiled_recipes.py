@@ -28,7 +28,7 @@ IDS = torch.randint(1, V, (2, 16), generator=torch.Generator().manual_seed(0))
 def _llama() -> nn.Module:
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(  # type: ignore[no-any-return]
-        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
 
 

@@ -428,4 +428,5 @@ def test_compiled_loss_and_gradients_are_eagers(family: str) -> None:
     its keys' backward scales (``tests/models/test_compiled_functions.py``). The ``eager``
     backend runs the traced ops with eager's kernels in eager's order: loss and every
     gradient equal exactly (inductor's are within float32 rounding, 1e-6 relative)."""
-    assert_compiled_equals_eager(apply(_moe.model(family), "default"), _moe.ids(), 11)
+    m = apply(_moe.model(family, layers=1), "default")  # (one layer: each failure showed)
+    assert_compiled_equals_eager(m, _moe.ids(), 6)
