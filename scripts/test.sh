@@ -49,4 +49,20 @@ VENV=${LOWPREC_VENV:-.venv}
 "$VENV/bin/python" -m ruff check lowprec tests benchmarks
 "$VENV/bin/python" -m ruff format --check lowprec tests benchmarks
 "$VENV/bin/python" -m mypy
-"$VENV/bin/python" -m pytest "$@"
+# pytest in parallel (pytest-xdist, a dev extra): one worker per core, at most 4
+# (LOWPREC_TEST_WORKERS overrides; 0 runs in this process), each test file whole on one
+# worker (--dist loadfile: a file's module-scoped fixtures are built once), and torch on
+# one thread in each (OMP_NUM_THREADS, unless set: workers x torch's default threads would
+# oversubscribe the cores). Arguments after the script's name go to pytest and win
+# (`bash scripts/test.sh -n 0 tests/core`).
+workers=${LOWPREC_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+case "$workers" in
+    "" | *[!0-9]*) echo "error: LOWPREC_TEST_WORKERS must be a whole number, got '$workers'" >&2; exit 2 ;;
+esac
+if [ "$workers" -gt 4 ]; then workers=4; fi
+if [ "$workers" -gt 1 ]; then
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    "$VENV/bin/python" -m pytest -n "$workers" --dist loadfile "$@"
+else
+    "$VENV/bin/python" -m pytest "$@"
+fi
