@@ -19,6 +19,11 @@ report ``requires_grad``: that report is the stale one), and passes everything u
 otherwise. ``tests/models/test_compiled_functions.py`` applies every lowprec Function to
 such a tensor under compile and compares the loss and all gradients with eager's, bit for
 bit.
+
+Some Functions cannot be traced at all (inductor fails on their forward, or torch's
+fake-tensor rule for an op they call refuses their operands): ``apply_fn(...,
+outside_graph=True)`` runs them eagerly under ``torch.compile`` (a graph break at the
+call), their forward and backward both, each caller stating why.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["apply_fn", "fresh_input"]
+__all__ = ["apply_fn"]
 
 
-def fresh_input(x: Tensor) -> Tensor:
+def _fresh_input(x: Tensor) -> Tensor:
     """``x`` itself, or under ``torch.compile`` a view of it (no copy) when ``x`` is a
     plain tensor (not a subclass such as a Parameter or a ``ScaledTensor``): the form in
     which Dynamo knows whether ``x`` requires grad (module doc)."""
@@ -40,21 +45,36 @@ def fresh_input(x: Tensor) -> Tensor:
     return x
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _apply_outside_graph(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)`` run eagerly even inside a compiled region (one graph break)."""
+    return fn.apply(*args)  # type: ignore[no-untyped-call]
+
+
 def apply_fn(
-    fn: type[torch.autograd.Function], *args: Any, inputs: tuple[int, ...] | None = None
+    fn: type[torch.autograd.Function],
+    *args: Any,
+    inputs: tuple[int, ...] | None = None,
+    outside_graph: bool = False,
 ) -> Any:
-    """``fn.apply(*args)``, under ``torch.compile`` with the tensor arguments at positions
-    ``inputs`` (default: every argument) passed through :func:`fresh_input`; eagerly it is
-    exactly ``fn.apply(*args)``. Give ``inputs`` where other tensor arguments are state
-    that the Function updates in place (a delayed scaler's history): a view of such a
-    buffer would be saved for the compiled backward. ``TypeError`` when ``fn`` is not an
-    autograd Function class or ``inputs`` not a tuple of argument positions."""
+    """``fn.apply(*args)``; eagerly exactly that. Under ``torch.compile``: with
+    ``outside_graph`` the call runs eagerly, outside the graph (a graph break; module doc);
+    otherwise the tensor arguments at positions ``inputs`` (default: every argument) are
+    passed through :func:`_fresh_input`. Give ``inputs`` where other tensor arguments are
+    state that the Function updates in place (a delayed scaler's history): a view of such
+    a buffer would be saved for the compiled backward. ``TypeError`` when ``fn`` is not an
+    autograd Function class, ``inputs`` not a tuple of argument positions or
+    ``outside_graph`` not a bool."""
     if torch.compiler.is_compiling():  # (Dynamo cannot trace issubclass of a Function)
+        if outside_graph:
+            return _apply_outside_graph(fn, *args)
         args = tuple(
-            fresh_input(a) if isinstance(a, Tensor) and (inputs is None or i in inputs) else a
+            _fresh_input(a) if isinstance(a, Tensor) and (inputs is None or i in inputs) else a
             for i, a in enumerate(args)
         )
     else:
+        if not isinstance(outside_graph, bool):
+            raise TypeError(f"outside_graph must be a bool, got {outside_graph!r}")
         if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
             raise TypeError(f"fn must be a torch.autograd.Function subclass, got {fn!r}")
         if inputs is not None and not (

@@ -16,7 +16,6 @@ dequantized values stand for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +55,6 @@ __all__ = [
     "GemmSpec",
     "HistoryScaler",
     "block_scaled",
-    "eager_gemm",
     "role_scale",
 ]
 
@@ -416,11 +414,3 @@ def _hadamard_forward(
     ctx.go_state, ctx.go_scale = go_state, go_scale
     ctx.spec, ctx.x_meta = spec, (None, x.dtype)
     return y
-
-
-# MX and NVFP4 linears run their forward and backward outside torch.compile's graph (a
-# graph break at each; the eager kernels of lowprec.core.kernels quantize): inductor's CPU
-# code generation fails on their quantize graphs (AssertionError in its loop tiling, torch
-# 2.13, e.g. an HF Llama in bf16), and a break inside the function made the resumed frames
-# trace the recipe's block sizes as symbols once two block formats had been compiled.
-eager_gemm: Callable[..., Tensor] = torch.compiler.disable(Float8MatmulFn.apply)  # type: ignore[no-untyped-call]

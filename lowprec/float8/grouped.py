@@ -351,13 +351,6 @@ def grouped_linear(
     return y
 
 
-# Under torch.compile the grouped GEMMs run outside the graph (a graph break at each call):
-# torch 2.13's fake-tensor rule for torch._grouped_mm accepts bf16 operands only, while the
-# emulation multiplies the dequantized float32 values (the CPU kernel takes float32), and
-# the per-expert row counts are data-dependent. Eagerly nothing changes.
-_eager_grouped: Callable[..., Tensor] = torch.compiler.disable(GroupedFloat8Fn.apply)  # type: ignore[no-untyped-call]
-
-
 def run_grouped(
     x: Tensor,
     weight: Tensor,
@@ -368,9 +361,13 @@ def run_grouped(
 ) -> Tensor:
     """:class:`GroupedFloat8Fn` applied to ``(x, weight, offs, config, out_dtype, scales)``
     (its docstring gives the shapes), eagerly or under ``torch.compile`` (then outside the
-    graph); no checks (:func:`grouped_linear` checks a user's arguments)."""
-    if torch.compiler.is_compiling():
-        y: Tensor = _eager_grouped(x, weight, offs, config, out_dtype, scales)
-        return y
-    y = apply_fn(GroupedFloat8Fn, x, weight, offs, config, out_dtype, scales)
+    graph); no checks (:func:`grouped_linear` checks a user's arguments).
+
+    Outside the graph because torch 2.13's fake-tensor rule for ``torch._grouped_mm``
+    accepts bf16 operands only, while the emulation multiplies the dequantized float32
+    values (the CPU kernel takes float32), and the per-expert row counts are
+    data-dependent."""
+    y: Tensor = apply_fn(
+        GroupedFloat8Fn, x, weight, offs, config, out_dtype, scales, outside_graph=True
+    )
     return y

@@ -34,7 +34,6 @@ from lowprec.float8.gemms import (
     GemmSpec,
     HistoryScaler,
     block_scaled,
-    eager_gemm,
     role_scale,
 )
 from lowprec.float8.mm import autocast_off
@@ -351,11 +350,14 @@ class Float8Linear(nn.Linear):
         rng = self._buffers.get("rng_state")
         args = (x2d, w, xs, ws, gs, go, spec, out_dtype, rng)
         with autocast_off(dev):
-            if torch.compiler.is_compiling() and (block_scaled(r) or r.stochastic or r.hadamard):
-                # outside the graph: inductor fails on MX/NVFP4 quantizes; seeded generators
-                y: Tensor = eager_gemm(*args)
-            else:
-                y = apply_fn(Float8MatmulFn, *args, inputs=(0, 1))  # (go: state)
+            # MX and NVFP4 linears, stochastic rounding (seeded generators) and Hadamard
+            # transforms run outside torch.compile's graph: inductor's CPU code generation
+            # fails on the block quantize graphs (AssertionError in its loop tiling, torch
+            # 2.13, e.g. an HF Llama in bf16), and a break inside the function made the
+            # resumed frames trace the recipe's block sizes as symbols once two block
+            # formats had been compiled. (go is state: only x and W are inputs.)
+            outside = bool(block_scaled(r) or r.stochastic or r.hadamard)
+            y: Tensor = apply_fn(Float8MatmulFn, *args, inputs=(0, 1), outside_graph=outside)
         if rng is not None and self.training:  # the next call draws the next streams
             with torch.no_grad():
                 rng[1] += 1

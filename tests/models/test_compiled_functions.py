@@ -139,7 +139,7 @@ def test_apply_fn_eager_is_apply_and_rejects_non_functions() -> None:
     y = autograd.apply_fn(_QuantizeSte, x, get_format("e4m3fn"), True)
     assert torch.equal(y, _QuantizeSte.apply(x, get_format("e4m3fn"), True))
     assert y.grad_fn is not None and type(y.grad_fn).__name__ == "_QuantizeSteBackward"
-    assert autograd.fresh_input(x) is x  # eagerly: the tensor itself, no view
+    assert autograd._fresh_input(x) is x  # eagerly: the tensor itself, no view
     with pytest.raises(TypeError, match=r"fn must be a torch\.autograd\.Function subclass"):
         autograd.apply_fn(torch.nn.Linear, x)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="fn must be"):
@@ -174,3 +174,51 @@ def test_apply_fn_inputs_selects_the_arguments_given_as_views(
     torch.compile(f, backend="eager")(x).backward()
     assert x.grad is not None
     assert torch.equal(x.grad, w) == (inputs != ())
+
+
+class _Recorder(torch.autograd.Function):
+    """``2·x`` whose forward and backward record whether they run inside a compiled graph."""
+
+    seen: list[tuple[str, bool]] = []  # noqa: RUF012  (a test's log)
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor) -> Tensor:
+        _Recorder.seen.append(("forward", torch.compiler.is_compiling()))
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: Tensor) -> Tensor:
+        _Recorder.seen.append(("backward", torch.compiler.is_compiling()))
+        return g * 3.0  # not the forward's derivative: a traced forward would give 2
+
+
+@pytest.mark.parametrize("outside", [True, False])
+def test_apply_fn_outside_graph_runs_the_function_eagerly(outside: bool) -> None:
+    """``outside_graph=True``: under compile the Function's forward and backward both run
+    eagerly (``is_compiling()`` false in each, once per call), its own backward giving the
+    gradient (3 per element, not the forward's 2); without it the forward is traced. Both
+    give eager's gradient, from the filled tensor of the module doc."""
+    x = torch.randn(6, requires_grad=True, generator=torch.Generator().manual_seed(4))
+
+    def f(x: Tensor) -> Tensor:
+        k = x.new_empty(6)
+        k[:3].copy_(x[:3])
+        k[3:].copy_(x[3:])
+        return autograd.apply_fn(_Recorder, k, outside_graph=outside).sum()
+
+    torch._dynamo.reset()
+    _Recorder.seen.clear()
+    compiled = torch.compile(f, backend="eager")
+    for _ in range(2):
+        x.grad = None
+        compiled(x).backward()
+        assert x.grad is not None and torch.equal(x.grad, torch.full((6,), 3.0))
+    if outside:
+        assert _Recorder.seen == [("forward", False), ("backward", False)] * 2
+    else:  # traced once, the traced forward not rerun in Python; backward compiled
+        assert ("forward", True) in _Recorder.seen
+        assert ("forward", False) not in _Recorder.seen
+    _Recorder.seen.clear()
+    with pytest.raises(TypeError, match="outside_graph must be a bool"):
+        autograd.apply_fn(_Recorder, x, outside_graph=1)  # type: ignore[arg-type]
+    assert _Recorder.seen == []  # refused before the Function ran
