@@ -21,9 +21,9 @@ such a tensor under compile and compares the loss and all gradients with eager's
 bit.
 
 Some Functions cannot be traced at all (inductor fails on their forward, or torch's
-fake-tensor rule for an op they call refuses their operands): ``apply_fn(...,
-outside_graph=True)`` runs them eagerly under ``torch.compile`` (a graph break at the
-call), their forward and backward both, each caller stating why.
+fake-tensor rule for an op they call refuses their operands): :func:`apply_outside_graph`
+runs them eagerly under ``torch.compile`` (a graph break at the call), their forward and
+backward both, each caller stating why.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["apply_fn"]
+__all__ = ["apply_fn", "apply_outside_graph"]
 
 
 def _fresh_input(x: Tensor) -> Tensor:
@@ -45,38 +45,37 @@ def _fresh_input(x: Tensor) -> Tensor:
     return x
 
 
+def _check_fn(fn: object) -> None:
+    if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
+        raise TypeError(f"fn must be a torch.autograd.Function subclass, got {fn!r}")
+
+
 @torch.compiler.disable  # type: ignore[untyped-decorator]
-def _apply_outside_graph(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)`` run eagerly even inside a compiled region (one graph break)."""
+def apply_outside_graph(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)`` run eagerly, forward and backward, also inside a compiled region
+    (a graph break at the call; module doc). Call it from the function that decides, not
+    through a wrapper of its own: Dynamo would compile such a wrapper's frame on its own,
+    once per argument shape. ``TypeError`` when ``fn`` is not an autograd Function class."""
+    _check_fn(fn)
     return fn.apply(*args)  # type: ignore[no-untyped-call]
 
 
 def apply_fn(
-    fn: type[torch.autograd.Function],
-    *args: Any,
-    inputs: tuple[int, ...] | None = None,
-    outside_graph: bool = False,
+    fn: type[torch.autograd.Function], *args: Any, inputs: tuple[int, ...] | None = None
 ) -> Any:
-    """``fn.apply(*args)``; eagerly exactly that. Under ``torch.compile``: with
-    ``outside_graph`` the call runs eagerly, outside the graph (a graph break; module doc);
-    otherwise the tensor arguments at positions ``inputs`` (default: every argument) are
-    passed through :func:`_fresh_input`. Give ``inputs`` where other tensor arguments are
-    state that the Function updates in place (a delayed scaler's history): a view of such
-    a buffer would be saved for the compiled backward. ``TypeError`` when ``fn`` is not an
-    autograd Function class, ``inputs`` not a tuple of argument positions or
-    ``outside_graph`` not a bool."""
+    """``fn.apply(*args)``, under ``torch.compile`` with the tensor arguments at positions
+    ``inputs`` (default: every argument) passed through :func:`_fresh_input`; eagerly it is
+    exactly ``fn.apply(*args)``. Give ``inputs`` where other tensor arguments are state
+    that the Function updates in place (a delayed scaler's history): a view of such a
+    buffer would be saved for the compiled backward. ``TypeError`` when ``fn`` is not an
+    autograd Function class or ``inputs`` not a tuple of argument positions."""
     if torch.compiler.is_compiling():  # (Dynamo cannot trace issubclass of a Function)
-        if outside_graph:
-            return _apply_outside_graph(fn, *args)
         args = tuple(
             _fresh_input(a) if isinstance(a, Tensor) and (inputs is None or i in inputs) else a
             for i, a in enumerate(args)
         )
     else:
-        if not isinstance(outside_graph, bool):
-            raise TypeError(f"outside_graph must be a bool, got {outside_graph!r}")
-        if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
-            raise TypeError(f"fn must be a torch.autograd.Function subclass, got {fn!r}")
+        _check_fn(fn)
         if inputs is not None and not (
             isinstance(inputs, tuple)
             and all(isinstance(i, int) and 0 <= i < len(args) for i in inputs)

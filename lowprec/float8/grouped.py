@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowprec.core.autograd import apply_fn
+from lowprec.core.autograd import apply_outside_graph
 from lowprec.core.formats import get_format
 from lowprec.core.rounding import to_format
 from lowprec.float8.config import GEMM_ROLES, GEMMS, ROLES, CastConfig, Float8Config
@@ -367,7 +367,5 @@ def run_grouped(
     accepts bf16 operands only, while the emulation multiplies the dequantized float32
     values (the CPU kernel takes float32), and the per-expert row counts are
     data-dependent."""
-    y: Tensor = apply_fn(
-        GroupedFloat8Fn, x, weight, offs, config, out_dtype, scales, outside_graph=True
-    )
+    y: Tensor = apply_outside_graph(GroupedFloat8Fn, x, weight, offs, config, out_dtype, scales)
     return y

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from lowprec.core.autograd import apply_fn
+from lowprec.core.autograd import apply_fn, apply_outside_graph
 from lowprec.core.hadamard import fqn_key
 from lowprec.core.scalers import AmaxReducer, DelayedScaler, StaticScaler
 from lowprec.core.tensor import ScaledTensor
@@ -356,8 +356,10 @@ class Float8Linear(nn.Linear):
             # 2.13, e.g. an HF Llama in bf16), and a break inside the function made the
             # resumed frames trace the recipe's block sizes as symbols once two block
             # formats had been compiled. (go is state: only x and W are inputs.)
-            outside = bool(block_scaled(r) or r.stochastic or r.hadamard)
-            y: Tensor = apply_fn(Float8MatmulFn, *args, inputs=(0, 1), outside_graph=outside)
+            if block_scaled(r) or r.stochastic or r.hadamard:
+                y: Tensor = apply_outside_graph(Float8MatmulFn, *args)
+            else:
+                y = apply_fn(Float8MatmulFn, *args, inputs=(0, 1))
         if rng is not None and self.training:  # the next call draws the next streams
             with torch.no_grad():
                 rng[1] += 1

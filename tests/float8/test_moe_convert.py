@@ -513,3 +513,15 @@ def test_compiled_loss_and_gradients_are_eagers() -> None:
     m = apply(_moe.model("deepseek_v3", layers=1), "rowwise")
     assert any(isinstance(x, Float8Experts) for x in m.modules())
     assert_compiled_equals_eager(m, _moe.ids(), 10)
+
+
+def test_compiled_mxfp8_layer_stays_within_the_recompile_limit() -> None:
+    """MXFP8 runs every linear and grouped GEMM outside the graph
+    (``core.autograd.apply_outside_graph``). Called through a shared wrapper, Dynamo
+    compiled that wrapper's frame once per weight shape of any of them, and one
+    DeepSeek-V3 layer hit the recompile limit (a warning; here a failure). Loss and every
+    gradient equal eager's."""
+    m = apply(_moe.model("deepseek_v3", layers=1), "mxfp8")
+    assert any(isinstance(x, Float8Experts) for x in m.modules())
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        assert_compiled_equals_eager(m, _moe.ids(), 10)

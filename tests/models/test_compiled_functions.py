@@ -14,6 +14,7 @@ needs a process group and is covered by its FSDP2 tests; it goes through the sam
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -193,18 +194,20 @@ class _Recorder(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("outside", [True, False])
-def test_apply_fn_outside_graph_runs_the_function_eagerly(outside: bool) -> None:
-    """``outside_graph=True``: under compile the Function's forward and backward both run
+def test_apply_outside_graph_runs_the_function_eagerly(outside: bool) -> None:
+    """``apply_outside_graph``: under compile the Function's forward and backward both run
     eagerly (``is_compiling()`` false in each, once per call), its own backward giving the
-    gradient (3 per element, not the forward's 2); without it the forward is traced. Both
-    give eager's gradient, from the filled tensor of the module doc."""
+    gradient (3 per element, not the forward's 2); through ``apply_fn`` the forward is
+    traced. Both give eager's gradient, from the filled tensor of the module doc."""
     x = torch.randn(6, requires_grad=True, generator=torch.Generator().manual_seed(4))
 
     def f(x: Tensor) -> Tensor:
         k = x.new_empty(6)
         k[:3].copy_(x[:3])
         k[3:].copy_(x[3:])
-        return autograd.apply_fn(_Recorder, k, outside_graph=outside).sum()
+        if outside:
+            return autograd.apply_outside_graph(_Recorder, k).sum()
+        return autograd.apply_fn(_Recorder, k).sum()
 
     torch._dynamo.reset()
     _Recorder.seen.clear()
@@ -219,6 +222,35 @@ def test_apply_fn_outside_graph_runs_the_function_eagerly(outside: bool) -> None
         assert ("forward", True) in _Recorder.seen
         assert ("forward", False) not in _Recorder.seen
     _Recorder.seen.clear()
-    with pytest.raises(TypeError, match="outside_graph must be a bool"):
-        autograd.apply_fn(_Recorder, x, outside_graph=1)  # type: ignore[arg-type]
-    assert _Recorder.seen == []  # refused before the Function ran
+    with pytest.raises(TypeError, match=r"fn must be a torch\.autograd\.Function subclass"):
+        autograd.apply_outside_graph(torch.nn.Linear, x)  # type: ignore[arg-type]
+    x.grad = None
+    autograd.apply_outside_graph(_Recorder, x).sum().backward()  # eagerly: fn.apply
+    assert _Recorder.seen == [("forward", False), ("backward", False)]
+    assert x.grad is not None and torch.equal(x.grad, torch.full((6,), 3.0))
+
+
+@pytest.mark.parametrize("preset", ["mxfp8", "nvfp4"])
+def test_block_scaled_linears_compile_to_eagers_bits(preset: str) -> None:
+    """Block-scaled linears (run outside the graph through ``apply_outside_graph``) of five
+    weight shapes under ``torch.compile`` (``eager`` backend): output and every gradient
+    equal eager's bit for bit, within Dynamo's default recompile limit (hitting it fails
+    here instead of warning)."""
+    torch.manual_seed(0)
+    dims = [32, 64, 96, 32, 128, 64]
+    model = f8.apply(
+        torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in itertools.pairwise(dims))), preset
+    )
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        compiled = torch.compile(model, backend="eager")
+        outs = []
+        for m in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            y = m(x)
+            y.square().mean().backward()
+            outs.append((y.detach(), [p.grad.clone() for p in model.parameters()]))
+    (ye, ge), (yc, gc) = outs
+    assert torch.equal(yc, ye)
+    assert len(ge) == 10 and all(torch.equal(a, b) for a, b in zip(gc, ge, strict=True))
