@@ -29,6 +29,7 @@ import torch
 from lowprec.analysis.tracking import BACKWARD_KINDS, KINDS
 from lowprec.analysis.verdicts import (
     FAIL_GAP,
+    NOT_JUDGED,
     REFERENCE,
     failing,
     gap_spread,
@@ -50,6 +51,8 @@ __all__ = [
     "gemm_findings",
     "judged_formats",
     "reference_of",
+    "references",
+    "settings_differ",
     "summary_verdicts",
     "techniques",
     "verdict",
@@ -259,7 +262,7 @@ def gemm_findings(run: Run) -> list[str]:
         )
         more = f"; {len(bad) - 1} more of the {len(ops)} cast operands too" if len(bad) > 1 else ""
         out.append(
-            f"In {r['layer']}'s {_gemm_text(r['gemm'])}, {100 * float(op[measure]):.0f}% of the "
+            f"In {r['layer']}'s {_gemm_text(r['gemm'])}, {100 * float(op[measure]):.3g}% of the "
             f"{_ROLE_TEXT.get(role, role)} were {what} by the cast to {op['format'].upper()} "
             f"({_scale_text(op)}{sq_text}) at step {step}{more}."
         )
@@ -301,10 +304,25 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
             "its numbers are not final; `lowprec train --resume` continues it exactly."
         )
     if s.get("skipped_steps"):
-        notes.append(
-            f"The loss scaler skipped {s['skipped_steps']} step(s) with Inf/NaN gradients "
-            "(expected while a dynamic loss scale finds its level)."
-        )
+        n, scaling = int(s["skipped_steps"]), run.recipe_dict.get("loss_scaling")
+        if scaling == "dynamic":
+            text = (
+                f"The loss scaler skipped {n} step(s) with Inf/NaN gradients (expected while "
+                "a dynamic loss scale finds its level)."
+            )
+        elif scaling == "static":
+            text = (
+                f"The loss scaler skipped {n} step(s) with Inf/NaN gradients: the static loss "
+                "scale is too high for them (a dynamic one backs off)."
+            )
+        else:
+            stopped = s.get("diverged_at") is not None
+            text = (
+                f"{n} step(s) had Inf/NaN gradients and were not applied"
+                + ("; the run stopped at the last" if stopped else " (`--on-nonfinite skip`)")
+                + ": the recipe has no loss scaling."
+            )
+        notes.append(text)
     if run.moves:
         mv = run.moves[-1]
         notes.append(
@@ -362,11 +380,11 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
             "saturates explains the failure: look at the loss curves and the learning rate."
         )
     elif not fails and not cause:
-        tail = (
-            ""
-            if verdict_text is None or not verdict_text.startswith("no reference")
-            else "; without a reference run the loss itself is not judged"
-        )
+        tail = ""
+        if verdict_text is not None and verdict_text.startswith("no reference"):
+            tail = "; without a reference run the loss itself is not judged"
+        elif verdict_text is not None and verdict_text.startswith(NOT_JUDGED):
+            tail = "; trained with other settings than its reference, its loss is not judged"
         notes.append(
             f"Healthy{where}: no gradient has {100 * UNDERFLOW_ALERT:.0f}% of its values below "
             f"the smallest normal and nothing overflows{checked}, and no low-precision GEMM "
@@ -382,6 +400,37 @@ def techniques(run: Run) -> list[str]:
     return kinds + [k for k in ("float8", "unit_fp8", "scalify_format") if rec.get(k)]
 
 
+# The training settings (config.json's "train") that a val-loss comparison assumes equal.
+SETTINGS = ("model", "steps", "batch_size", "seq_len", "width", "depth", "heads", "lr",
+            "warmup", "seed", "eval_batches")  # fmt: skip
+
+
+def references(runs: Sequence[Run]) -> list[Run | None]:
+    """Each run's reference among ``runs``: ``None`` for a high-precision run
+    (:attr:`Run.is_reference`) and where the set has none; else the first reference run of
+    its kind (:func:`reference_of`: a unit-scaled run's is the first unit-scaled
+    reference, where there is one)."""
+    refs: list[tuple[str, bool]] = []
+    first: dict[str, Run] = {}
+    for run in runs:
+        if run.is_reference and run.recipe not in first:
+            first[run.recipe] = run
+            refs.append((run.recipe, unit_scaled(run.recipe_dict) or run.recipe == "fp32-unit"))
+    out: list[Run | None] = []
+    for run in runs:
+        name = None if run.is_reference else reference_of(unit_scaled(run.recipe_dict), refs)
+        out.append(None if name is None else first[name])
+    return out
+
+
+def settings_differ(run: Run, ref: Run) -> list[str]:
+    """The training settings (:data:`SETTINGS`, from each run's ``config.json``) in which
+    ``run`` differs from ``ref``, as ``"lr 0.01 vs 0.003"``; a setting missing from
+    either is not compared."""
+    a, b = run.config.get("train", {}), ref.config.get("train", {})
+    return [f"{k} {a[k]} vs {b[k]}" for k in SETTINGS if k in a and k in b and a[k] != b[k]]
+
+
 def summary_verdicts(
     runs: Sequence[Run], tolerance: Mapping[str, float] | None = None
 ) -> list[tuple[str, str]]:
@@ -391,16 +440,17 @@ def summary_verdicts(
     unit-scaled runs against a unit-scaled reference where there is one) with
     :func:`verdict` and ``tolerance`` (relative gap per reference recipe name; none: the
     spread is not measured). Without a reference the verdict says so and judges nothing:
-    a low-precision run is never the reference."""
-    refs: list[tuple[str, bool]] = []
-    val: dict[str, float] = {}
-    for run in runs:
-        if run.is_reference and run.recipe not in val:
-            refs.append((run.recipe, unit_scaled(run.recipe_dict) or run.recipe == "fp32-unit"))
-            v = run.summary.get("val_loss")
-            val[run.recipe] = float(v) if isinstance(v, (int, float)) else math.nan
+    a low-precision run is never the reference. A run trained with other settings than its
+    reference (:func:`settings_differ`), or where either has no val loss recorded (never
+    evaluated), is not judged, and the verdict says why, unless it diverged (a failure
+    whatever the settings)."""
+
+    def val(run: Run) -> float:
+        v = run.summary.get("val_loss")
+        return float(v) if isinstance(v, (int, float)) else math.nan
+
     out = []
-    for run in runs:
+    for run, ref_run in zip(runs, references(runs), strict=True):
         s = run.summary
         skipped = int(s.get("skipped_steps") or 0)
         if run.is_reference:
@@ -413,10 +463,17 @@ def summary_verdicts(
             )
             out.append((run.name, text))
             continue
-        ref = reference_of(unit_scaled(run.recipe_dict), refs)
-        v = s.get("val_loss")
-        v = float(v) if isinstance(v, (int, float)) else math.nan
-        r = val.get(ref or "", math.nan)
+        ref = None if ref_run is None else ref_run.recipe
+        differ = [] if ref_run is None else settings_differ(run, ref_run)
+        if s.get("diverged_at") is None and ref_run is not None:
+            if differ:
+                out.append((run.name, f"{NOT_JUDGED} than {ref} ({'; '.join(differ)})"))
+                continue
+            missing = [x.name for x in (run, ref_run) if x.summary.get("evaluated") is False]
+            if missing:  # never evaluated (a RunRecorder run without val losses)
+                out.append((run.name, f"not judged: no val loss recorded ({', '.join(missing)})"))
+                continue
+        v, r = val(run), math.nan if ref_run is None else val(ref_run)
         gap = v / r - 1.0 if math.isfinite(v) and math.isfinite(r) and r > 0 else None
         text = verdict(
             gap,

@@ -238,7 +238,11 @@ def plot_curves(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: str 
             color=color,
             label=name,
         )
-        uf = [(r["step"], 100 * r["act_grad_underflow"]) for r in recs if "act_grad_underflow" in r]
+        uf = [  # applied steps only: a skipped step's gradients hold Inf/NaN
+            (r["step"], 100 * r["act_grad_underflow"])
+            for r in recs
+            if "act_grad_underflow" in r and not r.get("skipped")
+        ]
         if uf:
             ax_uf.plot(*zip(*uf, strict=True), lw=1.2, ls=ls, color=color, label=name)
         ax_s.plot(steps, [r["loss_scale"] for r in recs], lw=1.3, ls=ls, color=color, label=name)

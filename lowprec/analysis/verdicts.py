@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "FAIL_GAP",
+    "NOT_JUDGED",
     "NO_REFERENCE",
     "REFERENCE",
     "failing",
@@ -31,6 +32,7 @@ __all__ = [
 FAIL_GAP = 0.05  # a val-loss gap above this (and above the spread) is a failure
 REFERENCE = "reference"
 NO_REFERENCE = "no reference: this set has no fp32 run to compare with; val loss not judged"
+NOT_JUDGED = "not judged: trained with other settings"  # + " than <reference> (<settings>)"
 _REFERENCE_NAMES = ("fp32", "fp32-unit")
 
 

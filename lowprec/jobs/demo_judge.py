@@ -16,6 +16,7 @@ from typing import Any
 from rich.table import Table
 
 from lowprec.analysis.verdicts import REFERENCE, is_reference_recipe, reference_of, verdict
+from lowprec.jobs.rundir import share_cell
 from lowprec.jobs.train import TrainConfig
 from lowprec.recipes import get_recipe
 
@@ -129,7 +130,7 @@ def results_table(
             f"{s['val_loss']:.4f}",
             pct(s["val_gap_to_fp32"]),
             "-" if ref in (None, "fp32") else f"{pct(s['val_gap_to_ref'])} ({ref})",
-            f"{100 * s['act_grad_underflow']:.1f}%",
+            share_cell(s["act_grad_underflow"], 1),
             str(s["skipped_steps"]),
             ("-" if not math.isfinite(ms) else f"{ms:.0f}")
             + (" emulated" if s["emulated"] else ""),

@@ -16,10 +16,12 @@ from lowprec.analysis.diagnosis import (
     Run,
     gemm_operands,
     judged_formats,
+    references,
     worst,
     worst_overflow,
 )
 from lowprec.analysis.tracking import BACKWARD_KINDS
+from lowprec.analysis.verdicts import REFERENCE
 from lowprec.jobs.attribution import attribute_run
 from lowprec.jobs.rundir import CHECKPOINT, RunError
 
@@ -61,13 +63,15 @@ def summary_rows(runs: Sequence[Run]) -> list[list[str]]:
         v = run.summary.get("val_loss")
         return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
-    ref_run = next((r for r in runs if r.is_reference), None)
-    ref = val(ref_run) if ref_run is not None else None
     rows = []
-    for run in runs:
+    for run, ref_run in zip(runs, references(runs), strict=True):
         s = run.summary
         v = val(run)
-        gap = None if ref is None or v is None else 100 * (v / ref - 1)
+        ref = None if ref_run is None else val(ref_run)
+        gap_cell = REFERENCE if run.is_reference else "–"
+        if ref_run is not None and ref is not None and v is not None:
+            # against the verdict's reference (a unit-scaled run's: fp32-unit if present)
+            gap_cell = f"{100 * (v / ref - 1):+.2f}% ({ref_run.recipe})"
         last = run.tracked_steps[-1] if run.numerics else -1
         uf = worst(run, last, "below_normal", BACKWARD_KINDS, own=True)
         of = worst_overflow(run, last)
@@ -80,7 +84,7 @@ def summary_rows(runs: Sequence[Run]) -> list[list[str]]:
                 str(s.get("steps")) + (f" of {run.planned_steps}" if run.stopped_early else ""),
                 num(s.get("train_loss")),
                 num(v),
-                num(gap, "{:+.2f}%"),
+                gap_cell,
                 str(s.get("skipped_steps", 0)),
                 "–" if s.get("diverged_at") is None else f"step {s['diverged_at']}",
                 cell(uf[0]) if uf else "–",

@@ -74,6 +74,7 @@ __all__ = [
     "read_metrics",
     "read_run",
     "save_checkpoint",
+    "share_cell",
     "summarize",
     "summary_cells",
     "summary_of",
@@ -421,22 +422,27 @@ class RunningSummary:
 def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
     """Final numbers of a run from its metrics records and ``config.json``: the mean train
     loss of the last :data:`TAIL` (10) steps, the last val loss and its bits per character
-    (``/ ln 2``), skipped steps, the mean share of zero gradient values and of
-    activation-gradient underflow, the median step time, and the step where it diverged
-    (:func:`diverged_at`). A run without records has NaN losses and 0 step time."""
+    (``/ ln 2``; NaN if the run never evaluated: ``evaluated`` false), the steps skipped (not
+    applied: Inf/NaN gradients; a step that stopped the run among them), the mean share of
+    zero gradient values and of activation-gradient underflow over the steps applied (a
+    skipped step's gradients hold Inf/NaN, whose shares measure nothing; NaN when no step
+    was applied), the median step time, and the step where it diverged
+    (:func:`diverged_at`). A run without records has a NaN train loss and 0 step time."""
     vals = [r for r in recs if "val_loss" in r]
     running = RunningSummary(recs)
     final_val = vals[-1]["val_loss"] if vals else math.nan
+    applied = [r for r in recs if not r["skipped"]]
     return {
         "recipe": cfg["train"].get("recipe", "?"),
         "steps": recs[-1]["step"] if recs else 0,
         "train_loss": running.train_loss,
         "val_loss": final_val,
         "val_bpc": final_val / math.log(2),
+        "evaluated": bool(vals),
         "skipped_steps": sum(bool(r["skipped"]) for r in recs),
-        "grad_zero_share": statistics.fmean(r["grad_zero_share"] for r in recs) if recs else 0,
-        "act_grad_underflow": _mean(recs, "act_grad_underflow"),
-        "act_grad_zero": _mean(recs, "act_grad_zero"),
+        "grad_zero_share": _mean(applied, "grad_zero_share"),
+        "act_grad_underflow": _mean(applied, "act_grad_underflow"),
+        "act_grad_zero": _mean(applied, "act_grad_zero"),
         "step_time_ms": running.step_time_ms if recs else 0,
         "diverged_at": diverged_at(recs),
         "state_bytes_per_param": _last(recs, "state_bytes_per_param"),
@@ -450,11 +456,11 @@ def summary_cells(s: dict[str, Any]) -> dict[str, str]:
         "recipe": s["recipe"],
         "steps": str(s["steps"]),
         "train loss": f"{s['train_loss']:.4f}",
-        "val loss": f"{s['val_loss']:.4f}",
-        "val bpc": f"{s['val_bpc']:.3f}",
+        "val loss": f"{s['val_loss']:.4f}" if s.get("evaluated", True) else "–",
+        "val bpc": f"{s['val_bpc']:.3f}" if s.get("evaluated", True) else "–",
         "skipped": str(s["skipped_steps"]),
-        "act-grad underflow": f"{100 * s['act_grad_underflow']:.1f}%",
-        "act-grad zeros": f"{100 * s['act_grad_zero']:.2f}%",
+        "act-grad underflow": share_cell(s["act_grad_underflow"], 1),
+        "act-grad zeros": share_cell(s["act_grad_zero"], 2),
         "ms/step": f"{s['step_time_ms']:.0f}",
         "state B/param": "–"
         if s.get("state_bytes_per_param") is None
@@ -463,10 +469,19 @@ def summary_cells(s: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def share_cell(share: float | None, digits: int) -> str:
+    """A share as a percentage with ``digits`` decimals; "–" when it is not measured
+    (``None`` or NaN: no step applied, or a run without that measure)."""
+    if share is None or not math.isfinite(share):
+        return "–"
+    return f"{100 * share:.{digits}f}%"
+
+
 def _last(recs: list[dict[str, Any]], key: str) -> Any:
     return next((r[key] for r in reversed(recs) if key in r), None)
 
 
 def _mean(recs: list[dict[str, Any]], key: str) -> float:
+    """The mean of ``key`` over the records that have it; NaN when none has."""
     vals = [r[key] for r in recs if key in r]
-    return statistics.fmean(vals) if vals else 0.0
+    return statistics.fmean(vals) if vals else math.nan

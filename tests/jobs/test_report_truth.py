@@ -1,0 +1,150 @@
+"""What the report states about a set of runs (lowprec.analysis.diagnosis,
+lowprec.jobs.report_tables, lowprec.jobs.rundir.summary_of), on synthetic runs: each
+statement checked against the numbers it is computed from."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lowprec.analysis.diagnosis import (
+    Run,
+    diagnose,
+    gemm_findings,
+    references,
+    settings_differ,
+    summary_verdicts,
+)
+from lowprec.analysis.verdicts import failing
+from lowprec.jobs.report_tables import summary_rows
+from lowprec.jobs.rundir import summary_cells, summary_of
+from lowprec.recipes import get_recipe
+
+_TRAIN = {"model": "reference", "steps": 30, "batch_size": 8, "seq_len": 64, "width": 64,
+          "depth": 2, "heads": 4, "lr": 0.003, "warmup": 16, "seed": 0, "eval_batches": 2,
+          "eval_every": 10, "ckpt_every": 30, "gemms_every": 50}  # fmt: skip
+_GAP = 5  # the summary table's "gap to reference" column
+
+
+def _run(recipe: str, val: float | None, name: str = "", **train: Any) -> Run:
+    recipe_dict = get_recipe(recipe).to_dict()
+    config = {"train": {**_TRAIN, "recipe": recipe, **train}, "recipe": recipe_dict}
+    summary = {"val_loss": math.nan if val is None else val, "evaluated": val is not None,
+               "act_grad_underflow": 0.0, "skipped_steps": 0, "steps": 30}  # fmt: skip
+    return Run(Path(name or recipe), config, [], summary)
+
+
+def test_the_gap_column_uses_each_runs_verdict_reference_in_any_order() -> None:
+    """A unit-scaled run's gap is to fp32-unit (its verdict's reference), every other's to
+    fp32, whatever the order of the runs (the column took the first reference for all)."""
+    runs = [_run("fp32", 2.0), _run("fp32-unit", 1.8), _run("fp8-unit", 1.8018),
+            _run("bf16", 2.01)]  # fmt: skip
+    for order in itertools.permutations(runs):
+        rows = {r[0]: r for r in summary_rows(order)}
+        verdicts = dict(summary_verdicts(order, {"fp32": 0.01, "fp32-unit": 0.01}))
+        assert rows["fp8-unit"][_GAP] == "+0.10% (fp32-unit)"
+        assert verdicts["fp8-unit"] == "matches fp32-unit (within seed spread ±1%)"
+        assert rows["bf16"][_GAP] == "+0.50% (fp32)"
+        assert rows["fp32"][_GAP] == rows["fp32-unit"][_GAP] == "reference"
+        pairs = zip(order, references(order), strict=True)
+        refs = {r.name: None if x is None else x.name for r, x in pairs}
+        assert refs == {"fp32": None, "fp32-unit": None, "fp8-unit": "fp32-unit", "bf16": "fp32"}
+
+
+def test_runs_trained_with_other_settings_are_not_judged() -> None:
+    """A shorter run is not 'failing' against a longer reference: the verdict names the
+    settings that differ, the page shows no cause table for it and never calls it
+    healthy or failing; a run that diverged still fails, whatever its settings."""
+    ref = _run("fp32", 2.0)
+    short = _run("fp8-delayed", 2.3, steps=15, lr=0.01)
+    assert settings_differ(short, ref) == ["steps 15 vs 30", "lr 0.01 vs 0.003"]
+    assert settings_differ(_run("bf16", 2.0, eval_every=5, ckpt_every=2), ref) == []
+    got = dict(summary_verdicts([ref, short], {"fp32": 0.01}))
+    assert got["fp8-delayed"] == (
+        "not judged: trained with other settings than fp32 (steps 15 vs 30; lr 0.01 vs 0.003)"
+    )
+    assert not failing(got["fp8-delayed"])
+    notes = diagnose(short, got["fp8-delayed"])
+    assert notes[0] == f"Verdict: {got['fp8-delayed']}."
+    assert not any(n.startswith("Healthy") and "not judged" not in n for n in notes), notes
+    gone = _run("fp8-naive", math.nan, seed=4)
+    gone.summary["diverged_at"] = 3
+    assert dict(summary_verdicts([ref, gone]))["fp8-naive"] == "fails: loss NaN/Inf at step 3"
+    # the same settings: judged as before
+    assert (
+        dict(summary_verdicts([ref, _run("fp8-delayed", 2.3)], {"fp32": 0.01}))["fp8-delayed"]
+        == "fails: +15.0% val loss vs fp32"
+    )
+
+
+def test_a_run_never_evaluated_is_not_judged() -> None:
+    got = dict(summary_verdicts([_run("fp32", 2.0), _run("bf16", None)]))
+    assert got["bf16"] == "not judged: no val loss recorded (bf16)"
+    got = dict(summary_verdicts([_run("fp32", None), _run("bf16", 2.0)]))
+    assert got["bf16"] == "not judged: no val loss recorded (fp32)"
+
+
+def _rec(step: int, underflow: float, skipped: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"step": step, "loss": math.nan if skipped else 4.0, "skipped": skipped,
+            "step_time": 0.1, "grad_zero_share": 0.5 if skipped else 0.01,
+            "act_grad_underflow": underflow, "act_grad_zero": 0.0 if skipped else 0.02,
+            **extra}  # fmt: skip
+
+
+def test_summary_shares_are_means_over_the_steps_applied() -> None:
+    """A skipped step's gradients hold Inf/NaN: its recorded shares (0 underflow) measure
+    nothing and no longer dilute the run's mean (fp16-pure's 79% read 39.5%)."""
+    cfg = {"train": {"recipe": "fp16-pure"}}
+    recs = [_rec(1, 0.79), _rec(2, 0.0, skipped=True, stopped="nonfinite")]
+    s = summary_of(recs, cfg)
+    assert s["act_grad_underflow"] == pytest.approx(0.79, abs=0)
+    assert s["grad_zero_share"] == 0.01 and s["act_grad_zero"] == 0.02
+    assert s["skipped_steps"] == 1 and s["diverged_at"] == 2
+    recs = [_rec(1, 0.6), _rec(2, 0.0, True), _rec(3, 0.0, True), _rec(4, 0.8)]
+    assert summary_of(recs, cfg)["act_grad_underflow"] == pytest.approx(0.7, abs=1e-15)
+    nothing = summary_of([_rec(1, 0.0, True)], cfg)
+    assert math.isnan(nothing["act_grad_underflow"])
+    cells = summary_cells(nothing)
+    assert cells["act-grad underflow"] == "–" and cells["act-grad zeros"] == "–"
+    assert math.isnan(nothing["val_loss"]) and not nothing["evaluated"]
+    assert cells["val loss"] == "–" == cells["val bpc"]
+    evald = summary_of([_rec(1, 0.3, val_loss=2.0)], cfg)
+    assert evald["evaluated"] and summary_cells(evald)["val loss"] == "2.0000"
+    diverged = summary_of([_rec(1, 0.3, val_loss=math.nan)], cfg)  # evaluated: NaN shown
+    assert summary_cells(diverged)["val loss"] == "nan"
+
+
+@pytest.mark.parametrize(
+    ("recipe", "said", "not_said"),
+    [
+        ("fp16-dynamic-ls", "The loss scaler skipped 2 step(s)", "no loss scaling"),
+        ("fp16-static-ls", "static loss scale is too high", "finds its level"),
+        ("fp16-pure", "2 step(s) had Inf/NaN gradients and were not applied", "loss scaler"),
+    ],
+)
+def test_skipped_steps_are_explained_by_the_recipes_loss_scaling(
+    recipe: str, said: str, not_said: str
+) -> None:
+    run = _run(recipe, 2.0)
+    run.summary["skipped_steps"] = 2
+    text = " ".join(diagnose(run, "matches fp32 (within seed spread ±1%)"))
+    assert said in text and not_said not in text, text
+    if recipe == "fp16-pure":
+        assert "(`--on-nonfinite skip`)" in text
+        run.summary["diverged_at"] = 5
+        assert "the run stopped at the last" in " ".join(diagnose(run))
+
+
+def test_a_gemm_finding_prints_the_share_it_alerts_on() -> None:
+    """0.098% saturated is above the 1e-4 alert: the finding says 0.098%, not 0%."""
+    op = {"format": "e4m3fn", "high_precision": False, "flushed": 0.0, "saturated": 0.00098,
+          "sqnr_db": 30.0, "scale_min": 1.0, "scale_max": 1.0, "n_scales": 1}  # fmt: skip
+    run = _run("fp8-tensorwise", 2.0)
+    run.gemms = [{"step": 4, "layer": "q", "gemm": "input_grad", "rel_err": 0.1,
+                  "operands": {"grad_output": op, "weight": {**op, "saturated": 0.0}}}]  # fmt: skip
+    found = gemm_findings(run)
+    assert found and "0.098% of the gradients were saturated" in found[0], found
