@@ -441,9 +441,10 @@ def summary_verdicts(
     :func:`verdict` and ``tolerance`` (relative gap per reference recipe name; none: the
     spread is not measured). Without a reference the verdict says so and judges nothing:
     a low-precision run is never the reference. A run trained with other settings than its
-    reference (:func:`settings_differ`), or where either has no val loss recorded (never
-    evaluated), is not judged, and the verdict says why, unless it diverged (a failure
-    whatever the settings)."""
+    reference (:func:`settings_differ`), where either has no val loss recorded (never
+    evaluated), or whose reference has no finite val loss (it diverged), is not judged,
+    and the verdict says why, unless the run itself diverged (a failure whatever the
+    settings)."""
 
     def val(run: Run) -> float:
         v = run.summary.get("val_loss")
@@ -474,6 +475,9 @@ def summary_verdicts(
                 out.append((run.name, f"not judged: no val loss recorded ({', '.join(missing)})"))
                 continue
         v, r = val(run), math.nan if ref_run is None else val(ref_run)
+        if ref_run is not None and math.isfinite(v) and not (math.isfinite(r) and r > 0):
+            out.append((run.name, f"not judged: its reference {ref} has no finite val loss"))
+            continue
         gap = v / r - 1.0 if math.isfinite(v) and math.isfinite(r) and r > 0 else None
         text = verdict(
             gap,

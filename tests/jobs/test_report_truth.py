@@ -81,6 +81,17 @@ def test_runs_trained_with_other_settings_are_not_judged() -> None:
     )
 
 
+def test_a_run_is_not_failed_by_its_diverged_reference() -> None:
+    """The reference's val loss is NaN (it diverged): a run with a finite val loss is not
+    judged (it read "fails: no finite val loss"); one with none still fails."""
+    ref = _run("fp32", math.nan)
+    ref.summary["diverged_at"] = 7
+    got = dict(summary_verdicts([ref, _run("bf16", 2.0), _run("fp8-naive", math.nan)]))
+    assert got["fp32"] == "fails: loss NaN/Inf at step 7"
+    assert got["bf16"] == "not judged: its reference fp32 has no finite val loss"
+    assert got["fp8-naive"] == "fails: no finite val loss"
+
+
 def test_a_run_never_evaluated_is_not_judged() -> None:
     got = dict(summary_verdicts([_run("fp32", 2.0), _run("bf16", None)]))
     assert got["bf16"] == "not judged: no val loss recorded (bf16)"
