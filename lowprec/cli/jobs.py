@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import MISSING, Field, fields, replace
 from datetime import datetime
@@ -27,9 +29,10 @@ from lowprec.distributed import env
 from lowprec.jobs.model import model_names
 from lowprec.jobs.rundir import RunError, read_config, summary_cells
 from lowprec.jobs.train import ON_NONFINITE, TrainConfig, saved_config, train
+from lowprec.jobs.train_config import INT_MAX
 from lowprec.recipes import Recipe, get_recipe, recipe_names
 
-__all__ = ["add_demo", "add_recipes", "add_report", "add_train"]
+__all__ = ["add_demo", "add_recipes", "add_report", "add_train", "output_problem"]
 
 
 def _recipe_arg(name: str) -> str:
@@ -69,6 +72,28 @@ def _positive_int(text: str) -> int:
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
     return v
+
+
+def output_problem(path: Path) -> str | None:
+    """Why the file ``path`` could not be written, checked before any work (``None`` if it
+    can): it names a directory, or its folder — or, for a missing folder that the command
+    would create, the nearest existing one — is not a directory or takes no new entry.
+    The folder is probed by creating a temporary directory in it and removing it at once
+    (permission bits alone miss a read-only or virtual file system such as ``/proc``, even
+    for root); nothing is left behind."""
+    if path.is_dir():
+        return f"{path} is a directory; give a file name"
+    folder = path.parent
+    here = folder
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        return f"cannot create the folder {folder}: {here} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lowprec-probe-", dir=here))
+    except OSError as e:
+        return f"cannot write in the folder {here}: {e.strerror or e}"
+    return None
 
 
 # ---- lowprec recipes -----------------------------------------------------------------------
@@ -201,9 +226,10 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
     given = {k: v for k, v in given.items() if v is not None}
     if not args.resume:
-        try:
+        try:  # each flag was checked alone: their combination, naming the flags
+            TrainConfig.check_together(given, flags=True)
             return TrainConfig(**given)
-        except ValueError as e:  # only the fields' combination: each flag was checked
+        except ValueError as e:
             parser.error(str(e))
     if args.out is None:
         parser.error("--resume needs --out (the run directory to continue)")
@@ -332,6 +358,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     seeds = args.seeds or ([args.seed] if args.seed is not None else None)
     if seeds is not None and min(seeds) < 0:
         args.parser.error(f"--seed/--seeds: must be >= 0, got {min(seeds)}")
+    if seeds is not None and max(seeds) > INT_MAX:
+        args.parser.error(f"--seed/--seeds: must be at most 2^63 - 1, got {max(seeds)}")
     if args.resume is not None:
         given = [
             flag

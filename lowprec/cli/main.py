@@ -36,7 +36,7 @@ from lowprec.analysis.snr import (
     plot_snr,
     snr_sweep,
 )
-from lowprec.cli.jobs import add_demo, add_recipes, add_report, add_train
+from lowprec.cli.jobs import add_demo, add_recipes, add_report, add_train, output_problem
 from lowprec.cli.tune import add_tune
 from lowprec.core.formats import Format, format_names, get_format
 from lowprec.jobs.interrupts import Interrupted, exit_code
@@ -133,6 +133,8 @@ def _run_formats(args: argparse.Namespace) -> int:
             f"--kmin/--kmax: need -{_K_LIMIT} <= kmin <= kmax <= {_K_LIMIT}, "
             f"got kmin={kmin}, kmax={kmax}"
         )
+    if args.snr is not None:
+        _check_snr_path(parser, args.snr)  # before anything is printed
     console = _console()
     _print_wide(console, _formats_table())
     if args.snr is None:
@@ -149,6 +151,23 @@ def _run_formats(args: argparse.Namespace) -> int:
     )
     console.print(f"wrote {args.snr}")
     return 0
+
+
+def _check_snr_path(parser: argparse.ArgumentParser, path: Path) -> None:
+    """Exit with a usage error naming ``--snr`` unless ``path`` ends in a suffix that
+    matplotlib's Agg canvas writes (``.png``, ``.pdf``, ``.svg``, ...) and its folder
+    takes the file (a missing folder is created by the plot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    kinds = sorted(FigureCanvasAgg.get_supported_filetypes())
+    if path.suffix.lower().removeprefix(".") not in kinds:
+        parser.error(
+            f"--snr: {path} must end in a format matplotlib writes ({', '.join(kinds)}), "
+            f"got {path.suffix or 'no suffix'}"
+        )
+    problem = output_problem(path)
+    if problem is not None:
+        parser.error(f"--snr: {problem}")
 
 
 def _formats_table() -> RenderableType:

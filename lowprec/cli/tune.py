@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,33 +17,45 @@ from rich.console import Console
 from rich.table import Table
 
 from lowprec.autopilot.cost import CANDIDATES, RATES, TARGETS, check_candidates
+from lowprec.cli.jobs import output_problem
 from lowprec.jobs.model import model_names
-from lowprec.jobs.tune import TuneConfig, plan_rows, run_tune
+from lowprec.jobs.train_config import INT_MAX, LR_MAX, TrainConfig
+from lowprec.jobs.tune import TuneConfig, check_budget, plan_rows, run_tune
 
 __all__ = ["add_tune"]
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
+def _int(low: int) -> Any:
+    """argparse ``type`` of an int flag from ``low`` to 2^63 - 1."""
+
+    def parse(text: str) -> int:
         try:
-            v = kind(text)
+            v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= v <= INT_MAX:
+            raise argparse.ArgumentTypeError(f"must be from {low} to 2^63 - 1, got {v}")
         return v
 
     return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+def _number(check: Callable[[float], object], name: str) -> Any:
+    """argparse ``type`` of a float flag checked by ``check`` (whose message starts with
+    ``name``, which argparse gives as the flag)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        try:
+            check(v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{name} ")) from None
+        return v
+
+    return parse
 
 
 def _candidates(text: str) -> tuple[str, ...]:
@@ -67,7 +80,14 @@ def add_tune(subparsers: Any) -> None:
         f"BF16: {rates}. See docs/autopilot.md.",
     )
     p.add_argument("--target", choices=TARGETS, default=d.target, help=f"default {d.target}")
-    p.add_argument("--out", type=Path, default=Path("plan.json"), help="default plan.json")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("plan.json"),
+        help="the plan, a .json file (default plan.json); a missing folder is created; an "
+        "existing file is kept unless --force",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.add_argument("--model", choices=model_names(), default=d.model, help=f"default {d.model}")
     for name, help_ in (
         ("width", "model width"),
@@ -80,13 +100,13 @@ def add_tune(subparsers: Any) -> None:
         default = getattr(d, name)
         p.add_argument(
             "--" + name.replace("_", "-"),
-            type=_positive(int),
+            type=_int(1),
             default=default,
             help=f"{help_} (default {default})",
         )
     p.add_argument(
         "--budget",
-        type=_positive(float),
+        type=_number(check_budget, "budget"),
         default=None,
         help="error budget b: relative loss change b and gradient error 10*b on the tuning "
         "batches (default: loss 0.005, gradient 0.05)",
@@ -98,20 +118,33 @@ def add_tune(subparsers: Any) -> None:
         metavar="A,B,...",
         help=f"formats to choose among (default all: {','.join(CANDIDATES)}; bf16 always)",
     )
-    p.add_argument("--seed", type=_non_negative, default=d.seed, help="default 0")
+    p.add_argument("--seed", type=_int(0), default=d.seed, help="default 0")
     p.add_argument(
         "--steps-before",
-        type=_non_negative,
+        type=_int(0),
         default=d.steps_before,
         help=f"train this many BF16 steps before measuring (default {d.steps_before})",
     )
-    p.add_argument("--lr", type=_positive(float), default=d.lr, help="lr of --steps-before")
+    p.add_argument(
+        "--lr",
+        type=_number(lambda v: TrainConfig.check_field("lr", v), "lr"),
+        default=d.lr,
+        help=f"lr of --steps-before (default {d.lr:g}; at most {LR_MAX:g})",
+    )
     p.set_defaults(handler=_run_tune, parser=p)
 
 
 def _run_tune(args: argparse.Namespace) -> int:
-    if args.out.exists() and args.out.is_dir():
+    # --out is checked before any work: tuning takes minutes
+    if args.out.suffix.lower() != ".json":
+        args.parser.error(f"--out: expected a .json file, got {args.out}")
+    if args.out.is_dir():
         args.parser.error(f"--out: {args.out} is a directory; give a file name (plan.json)")
+    if args.out.exists() and not args.force:
+        args.parser.error(f"--out: {args.out} already exists; pass --force to overwrite it")
+    problem = output_problem(args.out)
+    if problem is not None:
+        args.parser.error(f"--out: {problem}")
     try:
         cfg = TuneConfig(
             target=args.target,

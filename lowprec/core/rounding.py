@@ -71,6 +71,12 @@ def _check_input(x: object, arg: str = "x") -> Tensor:
     return x
 
 
+def _check_saturate(saturate: object) -> None:
+    """``saturate`` must be a bool: a truthy string such as ``"no"`` would silently clamp."""
+    if not isinstance(saturate, bool):
+        raise TypeError(f"saturate must be a bool, got {type(saturate).__name__} {saturate!r}")
+
+
 def _check_rounding(rounding: str, fmt: Format, dtype: torch.dtype) -> None:
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
@@ -126,6 +132,7 @@ def quantize(
     x = _check_input(x)
     fmt = get_format(fmt, arg="fmt")
     _check_rounding(rounding, fmt, x.dtype)
+    _check_saturate(saturate)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if seed is not None:
@@ -324,6 +331,7 @@ def to_format(
     """
     x = _check_input(x)
     fmt = get_format(fmt, arg="fmt")
+    _check_saturate(saturate)
     native = _native_for(x, fmt, rounding)
     if native is not None and native.itemsize == 1 and kernels.takes(x, fmt):
         q = kernels.run_scaled_encode(x, torch.ones((), device=x.device), fmt, saturate)

@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lowprec import _faults
+from lowprec._json import loads
 from lowprec.amp import NoLossScaler
 from lowprec.amp.footprint import training_state_bytes
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
@@ -62,6 +64,7 @@ from lowprec.jobs.rundir import (  # re-exported: the job's own names for its fi
     NonFiniteError,
     RunError,
     RunningSummary,
+    RunNote,
     read_metrics,
     summarize,
     summary_of,
@@ -131,7 +134,10 @@ def train(
     Returns the summary (also written to ``summary.json``). Raises :class:`RunError` for a
     non-empty ``out`` without ``resume``, a corrupt checkpoint or config with it, or a
     configuration too big for the corpus or the machine (checked before anything is
-    written). ``resume`` on a directory stopped before its first checkpoint starts at step 0.
+    written). ``resume`` on a directory stopped before its first checkpoint starts at step 0;
+    with ``cfg.steps`` below the steps the run has done, :class:`RunError` naming
+    ``--steps`` (nothing written); on a complete run (its ``cfg.steps`` done, its summary
+    written) it returns that summary, writes nothing and warns (:class:`RunNote`).
 
     SIGINT/SIGTERM: the current step finishes, a checkpoint is written, and
     :class:`~lowprec.jobs.interrupts.Interrupted` is raised. ``on_nonfinite``
@@ -169,7 +175,8 @@ def train(
         )
     if cfg.guard and parallel is not None:
         raise RunError("--guard runs on one process; it is not supported with --parallel")
-    env.on_main(lambda: _prepare_dir(out, cfg, resume, parallel), RunError)
+    if env.on_main(lambda: _prepare_dir(out, cfg, resume, parallel), RunError):
+        return _complete(out, cfg)
     prepared, data = build(cfg, data, parallel)
     guard = Guard(prepared.model) if cfg.guard else None
     logged = _logged(out) if resume and env.is_main() else []  # read before restore cuts them
@@ -234,6 +241,29 @@ def train(
     if step < cfg.steps:
         return {"stopped_at": step}
     summary: dict[str, Any] = env.on_main(recorder.write_summary, RunError)
+    return summary
+
+
+def _complete(out: Path, cfg: TrainConfig) -> dict[str, Any]:
+    """The summary of the complete run ``out``, resumed with nothing to do (nothing is
+    written; a :class:`RunNote` says so)."""
+
+    def read() -> dict[str, Any]:
+        try:
+            d = loads((out / SUMMARY).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise RunError(f"--resume: {out / SUMMARY} is unreadable ({e})") from None
+        if not isinstance(d, dict):
+            raise RunError(f"--resume: {out / SUMMARY} is corrupt (not an object)")
+        return d
+
+    summary: dict[str, Any] = env.on_main(read, RunError)
+    warnings.warn(
+        f"--resume: {out} is complete (all its {cfg.steps} steps are done): nothing to do; "
+        f"give --steps above {cfg.steps} to continue it",
+        RunNote,
+        stacklevel=3,
+    )
     return summary
 
 

@@ -17,7 +17,17 @@ from lowprec.jobs.model import ModelConfig, check_model_name
 from lowprec.jobs.rundir import CONFIG, RunError, read_config
 from lowprec.recipes import Recipe, get_recipe
 
-__all__ = ["TrainConfig", "saved_config"]
+__all__ = ["INT_MAX", "LR_MAX", "LR_MIN", "TrainConfig", "saved_config"]
+
+# The largest int a field takes: int64's, what torch (``torch.manual_seed``; ``seed + 1``
+# seeds the rounding generator, still below 2^64) and a float (the schedule) hold.
+INT_MAX = 2**63 - 1
+# The learning rate's range: float32's smallest normal (the optimizer's arithmetic is
+# float32: a smaller lr is zero or subnormal there) to 1e6, far above any lr that trains
+# (lr 1e4 is how the tests make a run diverge; it then stops on NaN/Inf, as it should) and
+# far inside float32 (lr 1e308 is Inf there: the first step crashed on the conversion).
+LR_MIN = 2.0**-126
+LR_MAX = 1e6
 
 
 _POSITIVE = (
@@ -91,7 +101,23 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             self.check_field(f.name, getattr(self, f.name))
-        self.model_config()  # width divisible by heads
+        self.check_together({f.name: getattr(self, f.name) for f in fields(self)})
+        self.model_config()
+
+    @classmethod
+    def check_together(cls, values: dict[str, Any], flags: bool = False) -> None:
+        """Check that fields valid alone fit together (``width`` divisible by ``heads``):
+        ``values`` by field name, the defaults for those missing. ``ValueError`` naming
+        both fields, or (``flags``) both flags of ``lowprec train`` with their values
+        (``--width 30 must be divisible by --heads 4``)."""
+        d: dict[str, Any] = {f.name: f.default for f in fields(cls)} | values
+        width, heads = d["width"], d["heads"]
+        if width % heads:
+            raise ValueError(
+                f"--width {width} must be divisible by --heads {heads}"
+                if flags
+                else f"width ({width}) must be divisible by heads ({heads})"
+            )
 
     @classmethod
     def check_field(cls, name: str, value: Any) -> None:
@@ -104,10 +130,16 @@ class TrainConfig:
         elif name in _POSITIVE:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+            _check_int_max(name, value)
         elif name == "lr":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (ok and math.isfinite(value) and value > 0):
+            if not (ok and 0 < value < math.inf):  # (compared, not converted: a huge int)
                 raise ValueError(f"lr must be a positive finite number, got {value!r}")
+            if not LR_MIN <= value <= LR_MAX:
+                raise ValueError(
+                    f"lr must be a positive finite number from {LR_MIN:.3g} (float32's "
+                    f"smallest normal) to {LR_MAX:g}, got {value!r}"
+                )
         elif name == "grad_comm":
             if value not in GRAD_COMM:
                 raise ValueError(f"grad_comm must be one of {list(GRAD_COMM)}, got {value!r}")
@@ -117,6 +149,7 @@ class TrainConfig:
         elif name in ("warmup", "seed"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+            _check_int_max(name, value)
         else:
             raise ValueError(f"name: TrainConfig has no field {name!r}")
 
@@ -181,6 +214,11 @@ class TrainConfig:
             elif getattr(self, f.name) != getattr(other, f.name):
                 out.append(f.name)
         return out
+
+
+def _check_int_max(name: str, value: int) -> None:
+    if value > INT_MAX:
+        raise ValueError(f"{name} must be at most 2^63 - 1 = {INT_MAX}, got {value!r}")
 
 
 def saved_config(out: Path, saved: dict[str, Any] | None = None) -> TrainConfig:

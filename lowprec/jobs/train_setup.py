@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lowprec.distributed.parallel import prepare as dist_prepare
+from lowprec.jobs import parallel as par
 from lowprec.jobs.data import CharData
 from lowprec.jobs.model import build_model
 from lowprec.jobs.rundir import (
@@ -23,6 +24,7 @@ from lowprec.jobs.rundir import (
     NUMERICS,
     SUMMARY,
     RunError,
+    load_checkpoint,
     make_new_dir,
     read_config,
 )
@@ -85,7 +87,10 @@ def check_size(cfg: TrainConfig) -> CharData:
     return data
 
 
-def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None) -> None:
+def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None) -> bool:
+    """Check or make the run directory ``out`` before anything is written: with ``resume``
+    the same configuration (but ``steps``), mode and steps left; whether the resumed run
+    is already complete (:func:`_check_steps_left`). Else a new directory."""
     if resume:
         saved = read_config(out, "--resume")
         old = saved_config(out, saved)
@@ -104,11 +109,32 @@ def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None
                 f"--resume: {out} was trained with --parallel {was or '(none)'}, not "
                 f"{parallel or '(none)'}; the process count may change, the mode may not"
             )
-        return
+        return _check_steps_left(out, cfg, parallel)
     if _never_trained(out):  # killed before anything was written: the same command restarts
         for f in out.iterdir():
             f.unlink()
     make_new_dir(out, "pass --resume or another --out")
+    return False
+
+
+def _check_steps_left(out: Path, cfg: TrainConfig, parallel: str | None) -> bool:
+    """Whether the resumed run ``out`` is complete: its checkpoint's step is ``cfg.steps``
+    and ``summary.json`` is written (a resume then has nothing to do: ``train`` returns
+    the summary and writes nothing, so resuming until done is idempotent).
+    :class:`RunError` naming ``--steps`` if the checkpoint's step is above ``cfg.steps``
+    (that resume used to exit 0 doing nothing and rewrite ``summary.json``). Read before
+    anything is written. At ``cfg.steps`` without a summary (killed between the last
+    checkpoint and the summary) the resume writes the summary."""
+    if parallel is None:
+        done = int(load_checkpoint(out)["step"]) if (out / CHECKPOINT).exists() else 0
+    else:
+        done = int(par._pointer(out)["step"]) if par.has_checkpoint(out) else 0
+    if done > cfg.steps:
+        raise RunError(
+            f"--steps {cfg.steps} is not above the {done} steps {out} has done; give more "
+            "steps to continue it"
+        )
+    return done == cfg.steps and (out / SUMMARY).is_file()
 
 
 def _shown(cfg: TrainConfig, name: str) -> str:

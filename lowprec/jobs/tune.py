@@ -10,7 +10,6 @@ plan.json`` trains with its recipe.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +22,13 @@ from lowprec.autopilot import Budget, Plan, tune
 from lowprec.autopilot.cost import check_candidates, check_target
 from lowprec.jobs.data import CharData
 from lowprec.jobs.model import ModelConfig, build_model, check_model_name
+from lowprec.jobs.train_config import INT_MAX, TrainConfig
 from lowprec.recipes import prepare
 from lowprec.recipes.step import train_step
 
-__all__ = ["TuneConfig", "plan_rows", "run_tune"]
+__all__ = ["BUDGET_RANGE", "TuneConfig", "check_budget", "plan_rows", "run_tune"]
+
+BUDGET_RANGE = (1e-9, 1e3)  # the float budgets lowprec tune takes (check_budget)
 
 
 @dataclass(frozen=True)
@@ -54,17 +56,32 @@ class TuneConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if v > INT_MAX:
+                raise ValueError(f"{name} must be at most 2^63 - 1, got {v!r}")
         for name in ("seed", "steps_before"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+            if v > INT_MAX:  # torch.manual_seed takes < 2^64 (the tuner seeds seed + batch)
+                raise ValueError(f"{name} must be at most 2^63 - 1, got {v!r}")
         if self.budget is not None:
-            Budget.of(self.budget)
+            check_budget(self.budget)
         if self.candidates is not None:
             check_candidates(self.candidates)
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        TrainConfig.check_field("lr", self.lr)  # as lowprec train's --lr
         ModelConfig(65, self.width, self.depth, self.heads, self.seq_len)  # width % heads
+
+
+def check_budget(budget: object) -> None:
+    """``ValueError`` naming ``budget`` unless it is a :class:`~lowprec.autopilot.Budget` or
+    a number ``b`` in :data:`BUDGET_RANGE` (relative loss change ``b``, gradient error
+    ``10·b``): below the range the squared gradient budget underflows, above it every
+    format passes (and ``10·b`` overflows near the largest float)."""
+    if isinstance(budget, Budget):
+        return
+    lo, hi = BUDGET_RANGE
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not lo <= budget <= hi:
+        raise ValueError(f"budget must be a number from {lo:g} to {hi:g}, got {budget!r}")
 
 
 def _loss(model: nn.Module, batch: Any) -> torch.Tensor:

@@ -240,6 +240,16 @@ def prepare(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    for name, fn, what in (
+        ("optimizer_factory", optimizer_factory, "params -> torch.optim.Optimizer"),
+        ("param_groups", param_groups, "(model, params) -> params or groups"),
+    ):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a callable ({what}) or None, got {fn!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
     r = get_recipe(recipe)
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     lr = factory_lr(factory) if r.unit is not None else 0.0

@@ -101,7 +101,7 @@ def test_config_values_are_checked_per_flag(capsys: pytest.CaptureFixture[str]) 
         (["--lr", "inf"], "argument --lr: must be a positive finite number, got inf"),
         (["--seed", "-3"], "argument --seed: must be a non-negative int, got -3"),
         (["--depth", "1.5"], "argument --depth: expected an integer, got '1.5'"),
-        (["--width", "30", "--heads", "4"], "divisible by heads"),
+        (["--width", "30", "--heads", "4"], "--width 30 must be divisible by --heads 4"),
     ):
         with pytest.raises(SystemExit) as e:
             main(["train", *bad])

@@ -1,0 +1,205 @@
+"""``lowprec train`` and ``lowprec formats`` refuse bad values up front: one ``error:`` line
+naming the flag, exit status 2, and no run directory or file created (docs/cli.md).
+
+Each case was a user's report: ``--lr 1e308`` crashed the first step (exit 1) after
+writing ``config.json``, so the same command with a sane lr was then refused; ``--seed
+99999999999999999999`` printed torch's ``Overflow when unpacking long long``, no flag named,
+and left an empty ``--out``; ``--width 30 --heads 4`` named fields, not flags; a resume with
+``--steps`` below the steps done exited 0 doing nothing and rewrote ``summary.json``;
+``formats --snr snr.txt`` printed the table, then matplotlib's error."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from lowprec.cli import main
+from lowprec.jobs.train import train
+from tests._helpers import TINY as TINY_CFG
+
+TINY = [
+    *("--steps", "4", "--batch-size", "2", "--seq-len", "16", "--width", "32", "--depth", "1"),
+    *("--heads", "2", "--eval-every", "2", "--eval-batches", "1", "--ckpt-every", "2"),
+    "--no-progress",
+]
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], code: int = 2) -> str:
+    """Run ``lowprec argv`` expecting exit ``code``, nothing on stdout and exactly one
+    ``error:`` line on stderr, the last (argparse's usage may precede it), no traceback;
+    that line."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == code, err
+    assert out == "", out
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and err.rstrip("\n").endswith(errors[0]), err
+    assert "Traceback" not in err
+    usage = err.splitlines()[:-1]
+    assert all(ln.startswith(("usage: ", " ")) for ln in usage), err
+    return errors[0]
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, str]]:
+    """Every file under ``folder``: its modification time and its bytes' digest."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, digest[p]) for p in files}
+
+
+# ---- values out of range: refused before --out exists -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (
+            ["--lr", "1e308"],  # crashed step 1: float32 overflow in the optimizer
+            "lowprec train: error: argument --lr: must be a positive finite number from "
+            "1.18e-38 (float32's smallest normal) to 1e+06, got 1e+308",
+        ),
+        (
+            ["--lr", "1e-320"],  # zero in float32: the run trained nothing
+            "lowprec train: error: argument --lr: must be a positive finite number from "
+            "1.18e-38 (float32's smallest normal) to 1e+06, got 1e-320",
+        ),
+        (
+            ["--seed", "99999999999999999999"],  # torch.manual_seed's overflow, no flag named
+            "lowprec train: error: argument --seed: must be at most 2^63 - 1 = "
+            "9223372036854775807, got 99999999999999999999",
+        ),
+        (
+            ["--seed", str(2**64 - 1)],  # torch takes it, but seed + 1 seeds the generator
+            "lowprec train: error: argument --seed: must be at most 2^63 - 1 = "
+            f"9223372036854775807, got {2**64 - 1}",
+        ),
+        (
+            ["--warmup", "1" + "0" * 400],  # lr * (step + 1) / warmup: int too large for float
+            "lowprec train: error: argument --warmup: must be at most 2^63 - 1 = "
+            f"9223372036854775807, got 1{'0' * 400}",
+        ),
+        (
+            ["--width", "30", "--heads", "4"],
+            "lowprec train: error: --width 30 must be divisible by --heads 4",
+        ),
+        (
+            ["--heads", "5"],  # TINY's --width 32
+            "lowprec train: error: --width 32 must be divisible by --heads 5",
+        ),
+    ],
+)
+def test_train_refuses_a_bad_value_naming_the_flag(
+    flags: list[str], line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert _refused(["train", *TINY, *flags, "--out", str(out)], capsys) == line
+    assert not out.exists()
+
+
+def test_train_takes_the_largest_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    args = ["train", *TINY, "--steps", "1", "--seed", str(2**63 - 1), "--out", str(out)]
+    assert main(args) == 0
+    assert (out / "summary.json").is_file()
+
+
+def test_demo_refuses_a_seed_beyond_int64(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo"
+    line = _refused(["demo", "--quick", "--seed", str(2**63), "--out", str(out)], capsys)
+    assert line == f"lowprec demo: error: --seed/--seeds: must be at most 2^63 - 1, got {2**63}"
+    assert not out.exists()
+
+
+# ---- --resume with no steps left: refused, the run directory untouched ------------------
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("resume") / "a"
+    assert main(["train", *TINY, "--out", str(out)]) == 0  # 4 steps, summary.json
+    return out
+
+
+def test_resume_below_the_steps_done_is_refused(
+    finished: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _snapshot(finished)
+    args = ["train", "--resume", "--out", str(finished), "--no-progress", "--steps", "2"]
+    assert _refused(args, capsys) == (
+        f"lowprec train: error: --steps 2 is not above the 4 steps {finished} has done; give "
+        "more steps to continue it"
+    )
+    assert _snapshot(finished) == before
+
+
+@pytest.mark.parametrize("steps", [["--steps", "4"], []])  # its own --steps, given or not
+def test_resume_of_a_complete_run_does_nothing(
+    finished: Path, steps: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 0 (resuming until done stays idempotent: tests/jobs/test_interrupts.py resumes
+    a run that may have finished), a note, the stored summary's table, nothing written."""
+    before = _snapshot(finished)
+    assert main(["train", "--resume", "--out", str(finished), "--no-progress", *steps]) == 0
+    out, err = capsys.readouterr()
+    assert err == (
+        f"note: --resume: {finished} is complete (all its 4 steps are done): nothing to do; "
+        "give --steps above 4 to continue it\n"
+    )
+    assert f"run {finished}" in out
+    assert _snapshot(finished) == before
+
+
+def test_resume_of_a_stopped_run_needs_steps_above_its_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "b"
+    assert train(TINY_CFG, out, progress=False, stop_after=2) == {"stopped_at": 2}
+    before = _snapshot(out)
+    assert not (out / "summary.json").exists()
+    line = _refused(["train", "--resume", "--out", str(out), "--steps", "1"], capsys)
+    assert line == (
+        f"lowprec train: error: --steps 1 is not above the 2 steps {out} has done; "
+        "give more steps to continue it"
+    )
+    assert _snapshot(out) == before
+    assert main(["train", "--resume", "--out", str(out), "--steps", "3", "--no-progress"]) == 0
+    assert (out / "summary.json").is_file()
+
+
+# ---- lowprec formats --snr: the path checked before anything is printed -----------------
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("snr.txt", "must end in a format matplotlib writes ("),
+        ("snr", "must end in a format matplotlib writes ("),
+        ("/proc/lowprec-x.png", "--snr: cannot write in the folder /proc: "),
+        ("{tmp}/file/x.png", "--snr: cannot create the folder {tmp}/file: {tmp}/file is not a "
+         "directory"),
+        ("{tmp}/d.png", "--snr: {tmp}/d.png is a directory; give a file name"),
+    ],
+)  # fmt: skip
+def test_formats_checks_snr_before_printing(
+    path: str, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "d.png").mkdir()
+    path, why = path.format(tmp=tmp_path), why.format(tmp=tmp_path)
+    line = _refused(["formats", "--snr", path], capsys)  # stdout empty: no table
+    assert line.startswith("lowprec formats: error: ") and "--snr" in line and why in line, line
+    if "matplotlib" in why:
+        assert "png, ps, raw" in line and f"{Path(path).suffix or 'no suffix'}" in line
+
+
+def test_formats_snr_into_a_missing_folder_still_works(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "new" / "snr.svg"
+    assert main(["formats", "--snr", str(out), "--kmin", "-2", "--kmax", "2"]) == 0
+    assert out.is_file() and f"wrote {out}" in capsys.readouterr().out
