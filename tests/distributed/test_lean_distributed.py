@@ -25,6 +25,7 @@ What can differ, and the tolerance it gives:
 
 from __future__ import annotations
 
+import gc
 import tempfile
 from typing import Any
 
@@ -127,7 +128,12 @@ def test_lean_recipes_are_prepared_on_one_rank(mode: str) -> None:
             assert isinstance(inner, LeanOptimizer), recipe
             if mode == "fsdp" and recipe == "bf16-sr":
                 assert next(p.model.parameters()).dtype == torch.bfloat16
+            del p, inner
     finally:
+        # DDP's reducer holds the group: freed later, by a garbage collection inside another
+        # test, it was the group's last owner, and the group's destructor joined a gloo
+        # thread waiting for the GIL that the freeing thread held (a hung xdist worker).
+        gc.collect()
         if own:
             dist.destroy_process_group()
 
