@@ -7,6 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from lowprec.core.warn import reset_warnings
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warn_once() -> None:
+    """Every test starts with lowprec's warn-once keys forgotten: a test that checks a
+    warning is logged must not depend on which tests its pytest worker ran before it."""
+    reset_warnings()
+
 
 class Payload:
     """An object whose unpickling creates the file ``marker`` (``open(marker, "w")``): the
