@@ -10,10 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import MISSING, Field, fields, replace
 from datetime import datetime
@@ -25,14 +23,14 @@ from rich.table import Table
 
 from lowprec.autopilot import is_plan_dict
 from lowprec.cli import parallel as cli_parallel
+from lowprec.cli.args import int_arg
 from lowprec.distributed import env
 from lowprec.jobs.model import model_names
-from lowprec.jobs.rundir import RunError, read_config, summary_cells
+from lowprec.jobs.rundir import RunError, output_problem, read_config, summary_cells
 from lowprec.jobs.train import ON_NONFINITE, TrainConfig, saved_config, train
-from lowprec.jobs.train_config import INT_MAX
 from lowprec.recipes import Recipe, get_recipe, recipe_names
 
-__all__ = ["add_demo", "add_recipes", "add_report", "add_train", "output_problem"]
+__all__ = ["add_demo", "add_recipes", "add_report", "add_train"]
 
 
 def _recipe_arg(name: str) -> str:
@@ -62,38 +60,6 @@ def _recipe_or_file(text: str) -> str | Recipe:
         return Recipe.from_dict(d["recipe"] if is_plan_dict(d) else d)  # lowprec tune's plan
     except (ValueError, TypeError, KeyError) as e:
         raise argparse.ArgumentTypeError(f"{text} is not a recipe ({e})") from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return v
-
-
-def output_problem(path: Path) -> str | None:
-    """Why the file ``path`` could not be written, checked before any work (``None`` if it
-    can): it names a directory, or its folder — or, for a missing folder that the command
-    would create, the nearest existing one — is not a directory or takes no new entry.
-    The folder is probed by creating a temporary directory in it and removing it at once
-    (permission bits alone miss a read-only or virtual file system such as ``/proc``, even
-    for root); nothing is left behind."""
-    if path.is_dir():
-        return f"{path} is a directory; give a file name"
-    folder = path.parent
-    here = folder
-    while not here.exists() and here != here.parent:
-        here = here.parent
-    if not here.is_dir():
-        return f"cannot create the folder {folder}: {here} is not a directory"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".lowprec-probe-", dir=here))
-    except OSError as e:
-        return f"cannot write in the folder {here}: {e.strerror or e}"
-    return None
 
 
 # ---- lowprec recipes -----------------------------------------------------------------------
@@ -209,7 +175,7 @@ def add_train(subparsers: Any) -> None:
     )
     p.add_argument(
         "--max-skips",
-        type=_positive_int,
+        type=int_arg(1),
         default=25,
         help="stop after this many consecutive skipped steps (default 25)",
     )
@@ -321,13 +287,13 @@ def add_demo(subparsers: Any) -> None:
     seed = p.add_mutually_exclusive_group()
     seed.add_argument(
         "--seed",
-        type=int,
+        type=int_arg(0),
         default=None,
         help="seed of initialisation and data (default 0)",
     )
     seed.add_argument(
         "--seeds",
-        type=int,
+        type=int_arg(0),
         nargs="+",
         default=None,
         metavar="SEED",
@@ -356,10 +322,6 @@ def _run_demo(args: argparse.Namespace) -> int:
     from lowprec.jobs.demo import run_demo
 
     seeds = args.seeds or ([args.seed] if args.seed is not None else None)
-    if seeds is not None and min(seeds) < 0:
-        args.parser.error(f"--seed/--seeds: must be >= 0, got {min(seeds)}")
-    if seeds is not None and max(seeds) > INT_MAX:
-        args.parser.error(f"--seed/--seeds: must be at most 2^63 - 1, got {max(seeds)}")
     if args.resume is not None:
         given = [
             flag
@@ -420,6 +382,9 @@ def _run_report(args: argparse.Namespace) -> int:
 
     if args.out.suffix.lower() not in (".html", ".htm"):
         args.parser.error(f"--out: expected an .html file, got {args.out}")
+    problem = output_problem(args.out)  # before --force: it cannot overwrite a directory
+    if problem is not None:
+        raise RunError(f"--out: {problem}")
     if args.out.exists() and not args.force:
         args.parser.error(f"--out: {args.out} already exists; pass --force to overwrite it")
     missing = not args.out.parent.exists()

@@ -36,11 +36,11 @@ from lowprec.analysis.snr import (
     plot_snr,
     snr_sweep,
 )
-from lowprec.cli.jobs import add_demo, add_recipes, add_report, add_train, output_problem
+from lowprec.cli.jobs import add_demo, add_recipes, add_report, add_train
 from lowprec.cli.tune import add_tune
 from lowprec.core.formats import Format, format_names, get_format
 from lowprec.jobs.interrupts import Interrupted, exit_code
-from lowprec.jobs.rundir import RunNote
+from lowprec.jobs.rundir import RunNote, output_problem
 from lowprec.jobs.train import NonFiniteError
 
 __all__ = ["build_parser", "main"]

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from lowprec.cli.args import int_arg
 from lowprec.distributed import env
 from lowprec.distributed.parallel import PARALLEL
 from lowprec.jobs.interrupts import exit_code
@@ -39,7 +40,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=int_arg(1),
         default=None,
         metavar="N",
         help="start N processes on this machine with torch's launcher "
@@ -72,8 +73,6 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     the signal to each worker, which finishes its step, checkpoints and exits with
     128 + signal, as one process does."""
     parser: argparse.ArgumentParser = args.parser
-    if args.nproc_per_node < 1:
-        parser.error(f"--nproc-per-node: must be >= 1, got {args.nproc_per_node}")
     if args.parallel is None:
         parser.error("--nproc-per-node needs --parallel fsdp or --parallel ddp")
     if env.launched():

@@ -17,27 +17,13 @@ from rich.console import Console
 from rich.table import Table
 
 from lowprec.autopilot.cost import CANDIDATES, RATES, TARGETS, check_candidates
-from lowprec.cli.jobs import output_problem
+from lowprec.cli.args import int_arg
 from lowprec.jobs.model import model_names
-from lowprec.jobs.train_config import INT_MAX, LR_MAX, TrainConfig
+from lowprec.jobs.rundir import output_problem
+from lowprec.jobs.train_config import LR_MAX, TrainConfig
 from lowprec.jobs.tune import TuneConfig, check_budget, plan_rows, run_tune
 
 __all__ = ["add_tune"]
-
-
-def _int(low: int) -> Any:
-    """argparse ``type`` of an int flag from ``low`` to 2^63 - 1."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not low <= v <= INT_MAX:
-            raise argparse.ArgumentTypeError(f"must be from {low} to 2^63 - 1, got {v}")
-        return v
-
-    return parse
 
 
 def _number(check: Callable[[float], object], name: str) -> Any:
@@ -100,7 +86,7 @@ def add_tune(subparsers: Any) -> None:
         default = getattr(d, name)
         p.add_argument(
             "--" + name.replace("_", "-"),
-            type=_int(1),
+            type=int_arg(1),
             default=default,
             help=f"{help_} (default {default})",
         )
@@ -118,10 +104,10 @@ def add_tune(subparsers: Any) -> None:
         metavar="A,B,...",
         help=f"formats to choose among (default all: {','.join(CANDIDATES)}; bf16 always)",
     )
-    p.add_argument("--seed", type=_int(0), default=d.seed, help="default 0")
+    p.add_argument("--seed", type=int_arg(0), default=d.seed, help="default 0")
     p.add_argument(
         "--steps-before",
-        type=_int(0),
+        type=int_arg(0),
         default=d.steps_before,
         help=f"train this many BF16 steps before measuring (default {d.steps_before})",
     )

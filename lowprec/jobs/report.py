@@ -56,6 +56,7 @@ from lowprec.jobs.report_tables import (
 from lowprec.jobs.rundir import (
     GUARD,
     RunError,
+    output_problem,
     read_gemms,
     read_jsonl,
     read_metrics,
@@ -194,7 +195,9 @@ def write_report(
     if not isinstance(detail, bool):
         raise TypeError(f"detail must be a bool, got {type(detail).__name__}")
     out = Path(out)
-    _check_folder(out.parent)
+    problem = output_problem(out)
+    if problem is not None:
+        raise RunError(problem)
     loaded = [load_run(r) for r in runs]
     _unique_labels(loaded)
     verdicts = summary_verdicts(loaded, tolerance)
@@ -308,18 +311,3 @@ def write_report(
         raise RunError(f"cannot create the folder {out.parent}: {e.strerror or e}") from None
     write_atomic(out, page)  # a reader never sees half a page
     return out
-
-
-def _check_folder(folder: Path) -> None:
-    """:class:`RunError` unless ``folder`` is a writable directory or can be created: its
-    nearest existing ancestor is a writable directory."""
-    here = folder
-    while not here.exists() and here != here.parent:
-        here = here.parent
-    made = "" if here == folder else f" (to create {folder} in it)"
-    if not here.is_dir():
-        if here == folder:
-            raise RunError(f"{folder} is not a directory (a file of that name exists)")
-        raise RunError(f"cannot create the folder {folder}: {here} is not a directory")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise RunError(f"the folder {here} is not writable{made}")

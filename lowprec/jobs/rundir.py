@@ -42,6 +42,7 @@ import json
 import math
 import os
 import statistics
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -68,6 +69,7 @@ __all__ = [
     "cut_logs",
     "load_checkpoint",
     "make_new_dir",
+    "output_problem",
     "read_config",
     "read_gemms",
     "read_jsonl",
@@ -173,8 +175,36 @@ def make_new_dir(out: Path, advice: str) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunError(f"cannot create output directory {out}: {e.strerror or e}") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise RunError(f"output directory {out} is not writable")
+    problem = _write_problem(out)
+    if problem is not None:
+        raise RunError(f"output directory {out} is not writable: {problem}")
+
+
+def output_problem(path: Path) -> str | None:
+    """Why the file ``path`` could not be written, checked before any work (``None`` if it
+    can): it names a directory, or its folder — or, for a missing folder that the command
+    would create, the nearest existing one — is not a directory or takes no new entry."""
+    if path.is_dir():
+        return f"{path} is a directory; give a file name"
+    folder = path.parent
+    here = folder
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        return f"cannot create the folder {folder}: {here} is not a directory"
+    problem = _write_problem(here)
+    return None if problem is None else f"cannot write in the folder {here}: {problem}"
+
+
+def _write_problem(folder: Path) -> str | None:
+    """Why ``folder`` takes no new entry (``None`` if it does), probed by creating a
+    temporary directory in it and removing it at once: permission bits alone miss a
+    read-only or virtual file system such as ``/proc``, even for root. Nothing is left."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lowprec-probe-", dir=folder))
+    except OSError as e:
+        return str(e.strerror or e)
+    return None
 
 
 # ---- reading -----------------------------------------------------------------------------
@@ -345,15 +375,18 @@ def save_checkpoint(out: Path, state: dict[str, Any]) -> None:
 _RUN_KEYS = ("recipe", "model", "optimizer", "scaler")
 
 
-def load_checkpoint(out: Path) -> dict[str, Any]:
+def load_checkpoint(out: Path, mmap: bool = False) -> dict[str, Any]:
     """The checkpoint of ``out`` (keys ``step``, ``run``, ``rng``; ``run`` with the keys of
     :meth:`lowprec.recipes.Prepared.state_dict`); :class:`RunError` if it is missing,
-    unreadable or lacks a key."""
+    unreadable or lacks a key. ``mmap``: its tensors are mapped from the file, not read
+    (a look at its structure and step costs no copy of the weights)."""
+    if not isinstance(mmap, bool):
+        raise TypeError(f"mmap must be a bool, got {type(mmap).__name__}")
     path = out / CHECKPOINT
     if not path.is_file():
         raise RunError(f"--resume: no checkpoint at {path}")
     try:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, mmap=mmap)
     except Exception as e:  # any unpickling failure means the file is corrupt
         raise RunError(f"--resume: checkpoint {path} is corrupt or unreadable ({e})") from None
     if not isinstance(state, dict) or not {"step", "run", "rng"} <= set(state):

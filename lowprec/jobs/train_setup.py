@@ -126,7 +126,7 @@ def _check_steps_left(out: Path, cfg: TrainConfig, parallel: str | None) -> bool
     anything is written. At ``cfg.steps`` without a summary (killed between the last
     checkpoint and the summary) the resume writes the summary."""
     if parallel is None:
-        done = int(load_checkpoint(out)["step"]) if (out / CHECKPOINT).exists() else 0
+        done = int(load_checkpoint(out, mmap=True)["step"]) if (out / CHECKPOINT).exists() else 0
     else:
         done = int(par._pointer(out)["step"]) if par.has_checkpoint(out) else 0
     if done > cfg.steps:

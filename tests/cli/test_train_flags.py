@@ -341,6 +341,13 @@ def test_report_into_a_missing_folder_creates_it_and_says_so(
     line = cli_error(["report", str(straight), "-o", str(tmp_path / "file" / "r.html")], capsys)
     assert f"{tmp_path / 'file'} is not a directory" in line
     assert (tmp_path / "file").read_text() == "x"
+    # the folder is probed, not judged by its permission bits (root passes those for /proc)
+    line = cli_error(["report", str(straight), "-o", "/proc/lowprec-r.html"], capsys)
+    assert "cannot write in the folder /proc: " in line, line
+    (tmp_path / "d.html").mkdir()  # a directory in place of the page: named before any work
+    line = cli_error(["report", str(straight), "-o", str(tmp_path / "d.html")], capsys)
+    assert f"{tmp_path / 'd.html'} is a directory; give a file name" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "d.html", "file"]
 
 
 def test_docs_cli_lists_every_train_flag() -> None:

@@ -106,12 +106,34 @@ def test_train_takes_the_largest_seed(tmp_path: Path, capsys: pytest.CaptureFixt
     assert (out / "summary.json").is_file()
 
 
-def test_demo_refuses_a_seed_beyond_int64(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["demo", "--quick", "--seed", str(2**63)],
+         f"lowprec demo: error: argument --seed: must be from 0 to 2^63 - 1, got {2**63}"),
+        (["demo", "--quick", "--seeds", "0", "99999999999999999999"],
+         "lowprec demo: error: argument --seeds: must be from 0 to 2^63 - 1, got "
+         "99999999999999999999"),
+        (["demo", "--quick", "--seeds", "1", "-1"],
+         "lowprec demo: error: argument --seeds: must be from 0 to 2^63 - 1, got -1"),
+        (["demo", "--quick", "--seed", "1.5"],
+         "lowprec demo: error: argument --seed: expected an integer, got '1.5'"),
+        (["train", *TINY, "--max-skips", "0"],
+         "lowprec train: error: argument --max-skips: must be from 1 to 2^63 - 1, got 0"),
+        (["train", *TINY, "--max-skips", str(2**64)],
+         f"lowprec train: error: argument --max-skips: must be from 1 to 2^63 - 1, got {2**64}"),
+        (["train", *TINY, "--parallel", "ddp", "--nproc-per-node", "0"],
+         "lowprec train: error: argument --nproc-per-node: must be from 1 to 2^63 - 1, got 0"),
+    ],
+)  # fmt: skip
+def test_int_flags_share_one_bounded_parser(
+    argv: list[str], line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = tmp_path / "demo"
-    line = _refused(["demo", "--quick", "--seed", str(2**63), "--out", str(out)], capsys)
-    assert line == f"lowprec demo: error: --seed/--seeds: must be at most 2^63 - 1, got {2**63}"
+    """demo's seeds, train's --max-skips and --nproc-per-node, like tune's ints, are
+    checked where they are parsed: from their least value to 2^63 - 1 (a 20-digit demo
+    seed was accepted, then failed in torch.manual_seed)."""
+    out = tmp_path / "out"
+    assert _refused([*argv, "--out", str(out)], capsys) == line
     assert not out.exists()
 
 

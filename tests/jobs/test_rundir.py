@@ -181,6 +181,25 @@ def test_corrupt_config_and_checkpoint_give_run_errors(tmp_path: Path) -> None:
     torch.save({"step": 4}, out / "checkpoint.pt")
     with pytest.raises(RunError, match="missing keys"):
         load_checkpoint(out)
+    with pytest.raises(RunError, match="missing keys"):  # mapped: checked the same
+        load_checkpoint(out, mmap=True)
+
+
+def test_a_mapped_checkpoint_is_the_read_one(straight: Path) -> None:
+    """``mmap=True`` (the resume's early look at the step) gives the same state: every
+    tensor equal, every other value equal; ``mmap`` must be a bool."""
+    read, mapped = load_checkpoint(straight), load_checkpoint(straight, mmap=True)
+    flat_read, spec_read = torch.utils._pytree.tree_flatten(read)
+    flat_mapped, spec_mapped = torch.utils._pytree.tree_flatten(mapped)
+    assert spec_read == spec_mapped and len(flat_read) > 10
+    for a, b in zip(flat_read, flat_mapped, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        else:
+            assert a == b or (a != a and b != b)  # NaN equals NaN here
+    assert mapped["step"] == TINY.steps
+    with pytest.raises(TypeError, match="mmap must be a bool, got int"):
+        load_checkpoint(straight, mmap=1)  # type: ignore[arg-type]
 
 
 def test_sizes_are_checked_before_anything_is_written(tmp_path: Path) -> None:
