@@ -131,7 +131,8 @@ def _run_tune(args: argparse.Namespace) -> int:
     problem = output_problem(args.out)
     if problem is not None:
         args.parser.error(f"--out: {problem}")
-    try:
+    try:  # the flags' combination, naming the flags (as lowprec train does)
+        TrainConfig.check_together({"width": args.width, "heads": args.heads}, flags=True)
         cfg = TuneConfig(
             target=args.target,
             model=args.model,

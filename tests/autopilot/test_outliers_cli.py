@@ -76,4 +76,9 @@ def test_cli_tune_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         main(["tune", "--width", "30", "--heads", "4", "--out", str(tmp_path / "p.json")])
     err = capsys.readouterr().err
-    assert "error: width (30) must be divisible by heads (4)" in err
+    assert err.rstrip("\n").endswith("error: --width 30 must be divisible by --heads 4"), err
+    with pytest.raises(SystemExit):  # tune's default width, 128, with --heads alone
+        main(["tune", "--heads", "3", "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert err.rstrip("\n").endswith("error: --width 128 must be divisible by --heads 3"), err
+    assert not (tmp_path / "p.json").exists()
