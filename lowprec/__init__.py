@@ -24,7 +24,7 @@ from lowprec.core import tensor_ops as _tensor_ops  # noqa: F401  (registers the
 from lowprec.core.codes import from_bits, to_bits
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity
-from lowprec.core.rounding import quantize
+from lowprec.core.rounding import quantize, to_format
 from lowprec.core.scalers import DelayedScaler, DynamicScaler, StaticScaler
 from lowprec.core.scales import compute_scale
 from lowprec.core.tensor import ScaledTensor, quantize_scaled
@@ -55,6 +55,7 @@ __all__ = [
     "recipes",
     "scalify",
     "to_bits",
+    "to_format",
     "tune",
     "unit",
 ]

@@ -49,7 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lowprec._json import dumps
 from lowprec.core.formats import get_format
-from lowprec.core.observe import CastOperand, GemmSink, observing
+from lowprec.core.observe import GEMMS, CastOperand, GemmSink, observing
 
 __all__ = [
     "DEFAULT_EVERY",
@@ -61,7 +61,6 @@ __all__ = [
     "measure_gemms",
 ]
 
-GEMMS = ("forward", "input_grad", "weight_grad")
 DEFAULT_EVERY = 50  # lowprec train's interval: its cost per step, benchmarks/bench_gemms.py
 REL_ERR_ROWS = 256  # output rows of a GEMM its sampled relative error is taken over
 

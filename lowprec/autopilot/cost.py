@@ -34,8 +34,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from lowprec.core.observe import GEMMS
 from lowprec.float8 import Float8Config
 from lowprec.float8.conv1d import is_conv1d
 
@@ -54,7 +56,6 @@ __all__ = [
     "rate",
 ]
 
-GEMMS = ("forward", "input_grad", "weight_grad")
 
 # Candidate name -> float8 preset (None: the layer's own dtype, "bf16"), in order of cost
 # on B200 and, within one cost, roughly of error (the measured error decides).
@@ -144,8 +145,10 @@ def linear_layers(model: nn.Module) -> list[str]:
 def counting_flops(model: nn.Module) -> Iterator[dict[tuple[str, str], float]]:
     """Count the FLOPs of each GEMM ``(fqn, gemm)`` of the linear layers of ``model`` while
     the block runs it, by forward hooks: a call with input ``x`` (``M·K`` elements) and
-    output of last dimension ``N`` adds ``2·M·K·N`` FLOPs to each of its three GEMMs. The
-    dict yielded is filled when the block ends.
+    output of last dimension ``N`` adds ``2·M·K·N`` FLOPs to each of its GEMMs that runs:
+    the forward always; with autograd on, ``input_grad`` if ``x`` requires a gradient (not
+    for a first layer fed data) and ``weight_grad`` if the weight does (not for a frozen
+    one). The dict yielded is filled when the block ends.
 
     Example:
         >>> import torch
@@ -156,14 +159,22 @@ def counting_flops(model: nn.Module) -> Iterator[dict[tuple[str, str], float]]:
         120.0
     """
     layers = linear_layers(model)
-    counts = dict.fromkeys(layers, 0.0)
+    counts = {(fqn, g): 0.0 for fqn in layers for g in GEMMS}
     mods = dict(model.named_modules())
     handles = []
     for fqn in layers:
 
         def hook(mod: nn.Module, args: Any, out: Any, fqn: str = fqn) -> None:
-            if isinstance(out, Tensor) and args and isinstance(args[0], Tensor):
-                counts[fqn] += 2.0 * args[0].numel() * out.shape[-1]
+            if not (isinstance(out, Tensor) and args and isinstance(args[0], Tensor)):
+                return
+            f = 2.0 * args[0].numel() * out.shape[-1]
+            counts[(fqn, "forward")] += f
+            if torch.is_grad_enabled():
+                w = getattr(mod, "weight", None)
+                counts[(fqn, "input_grad")] += f if args[0].requires_grad else 0.0
+                counts[(fqn, "weight_grad")] += (
+                    f if isinstance(w, Tensor) and w.requires_grad else 0.0
+                )
 
         handles.append(mods[fqn].register_forward_hook(hook))
     result: dict[tuple[str, str], float] = {}
@@ -172,4 +183,4 @@ def counting_flops(model: nn.Module) -> Iterator[dict[tuple[str, str], float]]:
     finally:
         for h in handles:
             h.remove()
-    result.update({(fqn, g): counts[fqn] for fqn in layers for g in GEMMS})
+    result.update(counts)

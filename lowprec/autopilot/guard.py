@@ -13,9 +13,10 @@ step's loss (:meth:`Guard.check`), and moves a float8 layer to its next safer ch
   :attr:`GuardConfig.warmup` steps); then the float8 layer with the largest GEMM error of
   the latest measurement moves (at most one spike move per :attr:`GuardConfig.cooldown` steps).
 
-The ladder (:func:`next_safer`): a cast with no scaling (scale 1, ``fp8-naive``) → FP8
-tensor-wise; a layer with any FP4 (E2M1) GEMM → FP8 row-wise; any other float8 layer →
-high precision (the policy's dtype). A move replaces the layer in place
+The ladder (:func:`next_safer`), per GEMM of the layer: a cast with no scaling (scale 1,
+``fp8-naive``) → FP8 tensor-wise; FP4 (E2M1) → FP8 row-wise; other float8 → high
+precision (the policy's dtype). A move takes the layer's GEMMs on its lowest rung one rung
+up and leaves the others as they are. A move replaces the layer in place
 (:func:`lowprec.float8.convert.replace_layer`: the same parameters, fresh scaling state),
 between two steps. Each :class:`Move` (step, layer, from, to, reason) is recorded; the
 guard's state (:meth:`Guard.state_dict`: its moves, the loss average, the last spike move)
@@ -32,7 +33,9 @@ from typing import Any
 
 from torch import nn
 
+from lowprec.core.observe import GEMMS
 from lowprec.float8 import Float8Config, Float8Linear
+from lowprec.float8.config import PRESETS
 from lowprec.float8.convert import replace_layer
 from lowprec.recipes.serial import decode, encode
 
@@ -103,12 +106,55 @@ def _no_scaling(cfg: Float8Config) -> bool:
 
 
 def _fp4(cfg: Float8Config) -> bool:
-    configs = [cfg, *(c for _, c in getattr(cfg, "gemms", ()))]
-    return any(c.cast(r).fmt == "e2m1" for c in configs for r in ("input", "weight", "grad_output"))
+    return any(cfg.cast(r).fmt == "e2m1" for r in ("input", "weight", "grad_output"))
+
+
+def _per_gemm(cfg: Float8Config) -> dict[str, Float8Config | None]:
+    """The config each GEMM of a layer with ``cfg`` runs (``None``: high precision)."""
+    own = dict(cfg.gemms)
+    base = cfg.replace(high_precision_gemms=(), gemms=())
+    if own or cfg.high_precision_gemms:  # the layer's name is not its base GEMMs' name
+        base = base.replace(name=next((n for n in PRESETS if _is_preset(base, n)), base.name))
+    return {g: None if g in cfg.high_precision_gemms else own.get(g, base) for g in GEMMS}
+
+
+def _is_preset(cfg: Float8Config, name: str) -> bool:
+    p = PRESETS.get(name)
+    return p == cfg.replace(name=p.name)
+
+
+def _rung(cfg: Float8Config | None) -> int:
+    """A GEMM's rung on the ladder: 0 no scaling, 1 FP4, 2 other float8, 3 high precision."""
+    if cfg is None:
+        return 3
+    return 0 if _no_scaling(cfg) else 1 if _fp4(cfg) else 2
+
+
+def _joined(per: Mapping[str, Float8Config | None]) -> Float8Config | None:
+    """One layer config from each GEMM's (:func:`_per_gemm`'s inverse): the first float8
+    GEMM's config, the others that differ as ``gemms``, the high-precision ones as
+    ``high_precision_gemms``; named ``fwd=...,dgrad=...,wgrad=...`` when they differ."""
+    lowered = [g for g in GEMMS if per[g] is not None]
+    if not lowered:
+        return None
+    base = per[lowered[0]]
+    assert base is not None
+    own = tuple((g, c) for g in lowered[1:] if (c := per[g]) is not None and c != base)
+    hp = tuple(g for g in GEMMS if per[g] is None)
+    if not own and not hp:
+        return base
+    names = [c.name if c is not None else "bf16" for c in (per[g] for g in GEMMS)]
+    name = ",".join(f"{s}={n}" for s, n in zip(("fwd", "dgrad", "wgrad"), names, strict=True))
+    return base.replace(name=name, high_precision_gemms=hp, gemms=own)
 
 
 def next_safer(cfg: Float8Config | None) -> Float8Config | None:
     """The next rung of the ladder (module docstring); ``None``: high precision.
+
+    Per GEMM: the GEMMs on the lowest rung of the layer move up one (no scaling →
+    FP8 tensor-wise, FP4 → FP8 row-wise, other float8 → high precision); the others keep
+    their config, so a move never makes a GEMM less precise (a high-precision GEMM of a
+    per-GEMM plan stays high precision).
 
     Example:
         >>> next_safer(Float8Config.from_name("naive")).name
@@ -117,14 +163,23 @@ def next_safer(cfg: Float8Config | None) -> Float8Config | None:
         'rowwise'
         >>> next_safer(Float8Config.from_name("rowwise")) is None  # high precision next
         True
+        >>> mixed = Float8Config.from_name("mxfp4").replace(
+        ...     high_precision_gemms=("forward", "weight_grad"))
+        >>> next_safer(mixed).name
+        'fwd=bf16,dgrad=rowwise,wgrad=bf16'
     """
     if cfg is None:
         return None
-    if _no_scaling(cfg):
-        return Float8Config.from_name("tensorwise")
-    if _fp4(cfg):
-        return Float8Config.from_name("rowwise")
-    return None
+    per = _per_gemm(cfg)
+    low = min(_rung(c) for c in per.values())
+    if low == 3:
+        return None
+    up: dict[int, Float8Config | None] = {
+        0: Float8Config.from_name("tensorwise"),
+        1: Float8Config.from_name("rowwise"),
+        2: None,
+    }
+    return _joined({g: up[low] if _rung(c) == low else c for g, c in per.items()})
 
 
 class Guard:

@@ -8,7 +8,9 @@ that lowering only ``g`` to candidate ``c`` used when measured
 1. **start**: ``g`` gets the cheapest ``c`` (largest ``rate(c, target)``) with
    ``e_g(c) ≤ s_g``; between candidates of one cost the safer (smaller ``e_g``), then the
    earlier in :data:`~lowprec.autopilot.cost.CANDIDATES`. ``bf16`` (``e = 0``) always
-   qualifies; on the ``cpu`` target every rate is 1, so every GEMM stays ``bf16``.
+   qualifies; on the ``cpu`` target every rate is 1, so every GEMM stays ``bf16``. A GEMM
+   that never ran (``F_g = 0``: the input gradient of a layer fed data) stays ``bf16``: its
+   error was never measured and lowering it saves nothing.
 2. **repair**: the whole plan is run (:meth:`~lowprec.autopilot.sensitivity.Probe.run`);
    while its error ``E = loss_delta / loss + grad_err2 / grad²`` exceeds 1, the lowered GEMM
    with the largest ``e_g`` moves to its next safer choice (its first fallback) and the
@@ -62,6 +64,9 @@ def start(
     total = sum(flops.values())
     choice = {}
     for key, f in flops.items():
+        if f <= 0.0:  # a GEMM that never ran (no input gradient): nothing to save, unmeasured
+            choice[key] = "bf16"
+            continue
         share = f / total if total > 0 else 0.0
         ok = [c for c, e in errors[key].items() if c == "bf16" or e <= share]
         choice[key] = min(ok, key=lambda c: _order(c, errors[key].get(c, 0.0), target))

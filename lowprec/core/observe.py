@@ -31,7 +31,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["CastOperand", "GemmObserver", "GemmSink", "gemm_sink", "observing"]
+__all__ = ["GEMMS", "CastOperand", "GemmObserver", "GemmSink", "gemm_sink", "observing"]
+
+GEMMS = ("forward", "input_grad", "weight_grad")  # the three GEMMs of a linear, in order
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity, as_granularity
-from lowprec.core.scales import _check_margin, amax, group_scale
+from lowprec.core.scales import amax, check_margin, group_scale
 
 __all__ = [
     "AmaxReducer",
@@ -73,7 +73,7 @@ class Scaler(ABC):
     ) -> None:
         self.fmt = get_format(fmt, arg="fmt")
         self.granularity = as_granularity(granularity)
-        self.margin = _check_margin(margin)
+        self.margin = check_margin(margin)
         if not isinstance(power_of_two, bool):
             raise TypeError(f"power_of_two must be a bool, got {type(power_of_two).__name__}")
         self.power_of_two = power_of_two

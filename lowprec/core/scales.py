@@ -63,6 +63,7 @@ from lowprec.core.warn import warn_once
 __all__ = [
     "Pow2Mode",
     "amax",
+    "check_margin",
     "compute_scale",
     "group_scale",
     "mx_scale",
@@ -145,7 +146,7 @@ def amax(x: Tensor, granularity: str | Granularity = "tensor") -> Tensor:
 _MAX_MARGIN = 256.0  # float32 scales span 2^-126..2^127: a larger margin means nothing
 
 
-def _check_margin(margin: float) -> float:
+def check_margin(margin: float) -> float:
     """``margin`` as a float; ``ValueError`` unless finite with ``|margin| <= 256`` (the
     whole float32 scale range is 253 binades: a larger margin saturates or flushes
     every value)."""
@@ -276,7 +277,7 @@ def compute_scale(
         tensor([1.0000, 1.0000, 0.0078])
     """
     fmt = get_format(fmt, arg="fmt")
-    margin = _check_margin(margin)
+    margin = check_margin(margin)
     a = _amax_arg(amax)
     ok = torch.isfinite(a) & (a > 0)
     # One correctly rounded division (fmt.max · 2^-margin is exact: a power-of-two multiple,

@@ -48,7 +48,7 @@ from lowprec.core.formats import Format, Rounding, get_format
 from lowprec.core.granularity import Granularity, apply_scale, as_granularity, check_scale_shape
 from lowprec.core.rounding import to_format
 from lowprec.core.scalers import Scaler, _check_scale_value
-from lowprec.core.scales import _check_margin, amax, group_scale
+from lowprec.core.scales import amax, check_margin, group_scale
 
 __all__ = [
     "LOGICAL_DTYPES",
@@ -455,7 +455,8 @@ def quantize_scaled(
 ) -> ScaledTensor:
     """Scale ``x`` into ``fmt`` and return the ``ScaledTensor`` ``(data, scale)``.
 
-    The scale comes from ``scaler`` if given (its granularity applies), else from the
+    The scale comes from ``scaler`` if given (its granularity, margin and power-of-two
+    rounding apply; passing ``margin`` or ``power_of_two`` too is a ``ValueError``), else from the
     current ``amax`` at ``granularity`` (default ``"tensor"``): ``amax · 2^margin / fmt.max``,
     the OCP MX E8M0 rule for ``"mx"``, two-level E4M3 scales for ``"nv"``
     (:func:`lowprec.core.scales.group_scale`). Then ``data = quantize(x / scale, fmt)``, stored in
@@ -476,9 +477,18 @@ def quantize_scaled(
     if x.dtype not in LOGICAL_DTYPES:
         raise TypeError(f"x must be float16/bfloat16/float32/float64, got dtype {x.dtype}")
     fmt = get_format(fmt, arg="fmt")
+    if not isinstance(power_of_two, bool):
+        raise TypeError(f"power_of_two must be a bool, got {type(power_of_two).__name__}")
     if scaler is not None:
         if not isinstance(scaler, Scaler):
             raise TypeError(f"scaler must be a lowprec Scaler, got {type(scaler).__name__}")
+        check_margin(margin)
+        if margin != 0.0 or power_of_two:  # the scaler's own apply: these would be ignored
+            raise ValueError(
+                f"margin {margin:g}, power_of_two {power_of_two}: the scaler's own margin "
+                f"({scaler.margin:g}) and power_of_two ({scaler.power_of_two}) make the "
+                "scale; set them on the scaler, or pass no scaler"
+            )
         if granularity is not None and as_granularity(granularity) != scaler.granularity:
             raise ValueError(
                 f"granularity {as_granularity(granularity).name} conflicts with the scaler's "
@@ -489,7 +499,7 @@ def quantize_scaled(
         scale = scaler(x)
     else:
         g = as_granularity(granularity or "tensor")
-        scale = group_scale(amax(x, g), fmt, g, _check_margin(margin), power_of_two)
+        scale = group_scale(amax(x, g), fmt, g, check_margin(margin), power_of_two)
     out: ScaledTensor = apply_fn(_QuantizeScaled, x, scale, fmt, rounding, saturate, generator)
     return out
 

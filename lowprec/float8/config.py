@@ -51,10 +51,10 @@ from torch import Tensor
 
 from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity, K
+from lowprec.core.observe import GEMMS as GEMMS  # y = x Wᵀ, dx = g W, dW = gᵀ x
 from lowprec.core.registry import Registry
-from lowprec.core.scales import group_scale
+from lowprec.core.scales import check_margin, group_scale
 from lowprec.float8.config_checks import GEMM_ROLES as GEMM_ROLES  # each GEMM's (a, b) roles
-from lowprec.float8.config_checks import GEMMS as GEMMS  # y = x Wᵀ, dx = g W, dW = gᵀ x
 from lowprec.float8.config_checks import ROLES as ROLES
 from lowprec.float8.config_checks import check_gemms, check_hadamard
 
@@ -147,8 +147,7 @@ class CastConfig:
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
         if self.rounding == "stochastic" and not f.signed:
             raise ValueError(f"rounding='stochastic' is not defined for fmt {f.name!r}")
-        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)):
-            raise TypeError(f"margin must be a number, got {type(self.margin).__name__}")
+        check_margin(self.margin)  # finite, |margin| <= 256 (a NaN failed at the first cast)
         if not isinstance(self.power_of_two, bool):
             raise TypeError("power_of_two must be a bool")
         if isinstance(self.history_len, bool) or not isinstance(self.history_len, int):

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lowprec.core.observe import GEMMS
+
 if TYPE_CHECKING:
     from lowprec.float8.config import Float8Config
 
 __all__ = ["check_gemms", "check_hadamard"]
 
 ROLES = ("input", "weight", "grad_output")
-GEMMS = ("forward", "input_grad", "weight_grad")
 GEMM_ROLES: dict[str, tuple[str, str]] = {
     "forward": ("input", "weight"),
     "input_grad": ("grad_output", "weight"),

@@ -174,9 +174,9 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         generator = None
         if r.policy.stochastic_rounding:
             generator = torch.Generator(args.device).manual_seed(args.seed)
-        regroup = None
-        if args.weight_decay > 0:
-            regroup = decay_groups(self.get_decay_parameter_names, args.weight_decay)
+        # HF's groups, always: args.weight_decay (0.0 too) for the decayed parameters, 0.0
+        # for the others (the optimizer's own default, e.g. AdamW's 0.01, never applies)
+        regroup = decay_groups(self.get_decay_parameter_names, args.weight_decay)
         factory = _factory(args, model, trainer_kwargs.get("optimizer_cls_and_kwargs"))
         if parallel:
             # torchrun / accelerate launch: lowprec's own order (technique, DDP wrap or

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec.autopilot import search
+from lowprec.autopilot import search, tune
 from lowprec.autopilot.cost import (
     CANDIDATES,
     GEMMS,
@@ -49,6 +49,43 @@ def test_counting_flops_is_2mkn_per_gemm() -> None:
     assert flops[("0", "forward")] == 2 * m_tokens * 8 * 5
     assert flops[("2", "weight_grad")] == 2 * m_tokens * 5 * 3
     assert set(flops) == {(f, g) for f in ("0", "2") for g in GEMMS}
+    # only GEMMs that run count: the first layer is fed data (no input gradient)
+    assert flops[("0", "input_grad")] == 0.0
+    assert flops[("2", "input_grad")] == 2 * m_tokens * 5 * 3
+
+
+def test_counting_flops_leaves_out_the_gemms_that_do_not_run() -> None:
+    """An input that needs a gradient runs ``input_grad``; a frozen weight runs no
+    ``weight_grad``; under ``no_grad`` only the forward runs."""
+    m = nn.Sequential(nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 3))
+    m[2].weight.requires_grad_(False)
+    x = torch.zeros(4, 8, requires_grad=True)
+    with counting_flops(m) as flops:
+        m(x)
+    f0, f2 = 2 * 4 * 8 * 5, 2 * 4 * 5 * 3
+    assert [flops[("0", g)] for g in GEMMS] == [f0, f0, f0]
+    assert [flops[("2", g)] for g in GEMMS] == [f2, f2, 0.0]
+    with counting_flops(m) as flops, torch.no_grad():
+        m(x)
+    assert [flops[("0", g)] for g in GEMMS] == [f0, 0.0, 0.0]
+
+
+def test_a_gemm_that_never_runs_stays_bf16_and_costs_nothing() -> None:
+    """The first layer's input-gradient GEMM never runs: it was counted at its forward's
+    FLOPs and, never measured (error 0), given FP4, which made a plan with no budget to
+    spend read 12.5% cheaper than BF16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    batches = [(torch.randn(32, 64), torch.randn(32, 64)) for _ in range(2)]
+
+    def loss_fn(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.mse_loss(m(b[0]), b[1])
+
+    plan = tune(model, batches, loss_fn=loss_fn, target="b200", budget=1e-6)
+    dgrad = plan.layers["0"]["gemms"]["input_grad"]
+    assert dgrad["flops"] == 0.0 and dgrad["format"] == "bf16"
+    assert plan.formats() == {"0": "bf16", "2": "bf16"} and plan.cost == 1.0
+    assert plan.layers["0"]["flops"] == 2 * 2 * (2 * 32 * 64 * 256)  # forward + weight_grad
 
 
 def test_bad_target_and_candidates_name_the_argument() -> None:

@@ -14,7 +14,7 @@ from lowprec.autopilot.guard import Guard, GuardConfig, Move, next_safer
 from lowprec.float8 import Float8Config, Float8Linear, apply
 
 
-def _model(cfg: str = "naive") -> nn.Module:
+def _model(cfg: str | Float8Config = "naive") -> nn.Module:
     torch.manual_seed(0)
     return apply(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), cfg)
 
@@ -32,8 +32,48 @@ def test_the_ladder() -> None:
         cfg = next_safer(cfg)
     assert names == ["naive", "tensorwise"]
     assert next_safer(Float8Config.from_name("mxfp4")).name == "rowwise"  # type: ignore[union-attr]
-    assert next_safer(Float8Config.from_name("tensorwise-wgrad-nvfp4")).name == "rowwise"  # type: ignore[union-attr]
+    # per GEMM: only the NVFP4 weight gradient moves (to FP8 row-wise)
+    assert next_safer(Float8Config.from_name("tensorwise-wgrad-nvfp4")).name == (  # type: ignore[union-attr]
+        "fwd=tensorwise,dgrad=tensorwise,wgrad=rowwise"
+    )
     assert next_safer(None) is None
+
+
+def test_a_move_never_makes_a_gemm_less_precise() -> None:
+    """Per GEMM: the GEMMs on the layer's lowest rung go one rung up, the others keep
+    their config. A per-GEMM plan's layer (FP4 input gradient, BF16 forward and weight
+    gradient) moved as a whole to FP8 row-wise: its BF16 GEMMs became FP8."""
+    mx, hp = Float8Config.from_name("mxfp4"), ("forward", "weight_grad")
+    moved = next_safer(mx.replace(name="fwd=bf16,dgrad=mxfp4,wgrad=bf16", high_precision_gemms=hp))
+    rowwise = Float8Config.from_name("rowwise")
+    want = rowwise.replace(name="fwd=bf16,dgrad=rowwise,wgrad=bf16", high_precision_gemms=hp)
+    assert moved == want
+    assert next_safer(moved) is None  # then high precision
+    # FP8 forward, an FP4 override for the weight gradient: only that GEMM moves
+    tw, nv = Float8Config.from_name("tensorwise"), Float8Config.from_name("nvfp4")
+    moved = next_safer(tw.replace(name="mix", gemms=(("weight_grad", nv),)))
+    assert moved == tw.replace(
+        name="fwd=tensorwise,dgrad=tensorwise,wgrad=rowwise", gemms=(("weight_grad", rowwise),)
+    )
+    assert next_safer(moved) is None  # every GEMM is on the FP8 rung: high precision next
+    # no scaling with a high-precision GEMM: the scaled GEMMs become tensor-wise, BF16 stays
+    naive = Float8Config.from_name("naive").replace(high_precision_gemms=("weight_grad",))
+    moved = next_safer(naive)
+    assert moved is not None and moved.high_precision_gemms == ("weight_grad",)
+    assert moved.input == tw.input and moved.grad_output == tw.grad_output and moved.gemms == ()
+
+
+def test_a_per_gemm_move_is_replayed_exactly() -> None:
+    cfg = Float8Config.from_name("mxfp4").replace(
+        name="fwd=bf16,dgrad=mxfp4,wgrad=bf16", high_precision_gemms=("forward", "weight_grad")
+    )
+    m = _model(cfg)
+    (mv,) = Guard(m).check(3, [_rec("0", flushed=0.7)], 2.0)
+    assert (mv.frm, mv.to) == (cfg.name, "fwd=bf16,dgrad=rowwise,wgrad=bf16")
+    assert m[0].recipe.high_precision_gemms == ("forward", "weight_grad")
+    fresh = _model(cfg)
+    Guard(fresh).replay([Move.from_dict(mv.to_dict())])
+    assert fresh[0].recipe == m[0].recipe and fresh[2].recipe == m[2].recipe
 
 
 def test_measured_failures_move_only_the_failing_layer() -> None:

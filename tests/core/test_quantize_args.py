@@ -28,3 +28,46 @@ def test_bools_still_work() -> None:
     x = torch.tensor([500.0])
     assert lowprec.quantize(x, "e4m3fn", saturate=True).item() == 448.0  # E4M3FN's max
     assert torch.isnan(lowprec.quantize(x, "e4m3fn", saturate=False)).item()  # fn: NaN
+
+
+def test_a_scaler_with_margin_or_power_of_two_is_refused() -> None:
+    """With a ``scaler`` its own margin and power-of-two rounding make the scale: a
+    ``margin=3`` or ``power_of_two=True`` passed beside it was silently ignored."""
+    from lowprec.core.scalers import DynamicScaler
+    from lowprec.core.tensor import quantize_scaled
+
+    x = torch.linspace(-40.0, 40.0, 64)
+    with pytest.raises(ValueError, match=r"^margin 3, power_of_two False: the scaler's own"):
+        quantize_scaled(x, "e4m3fn", scaler=DynamicScaler("e4m3fn"), margin=3.0)
+    with pytest.raises(ValueError, match=r"^margin 0, power_of_two True: the scaler's own"):
+        quantize_scaled(x, "e4m3fn", scaler=DynamicScaler("e4m3fn"), power_of_two=True)
+    with pytest.raises(ValueError, match="margin must be finite"):
+        quantize_scaled(x, "e4m3fn", scaler=DynamicScaler("e4m3fn"), margin=float("nan"))
+    # set on the scaler they apply: amax 40 · 2^3 / 448 and its power of two above
+    want = torch.tensor(40.0 * 8 / 448).item()  # float32's rounding of the exact quotient
+    st = quantize_scaled(x, "e4m3fn", scaler=DynamicScaler("e4m3fn", margin=3.0))
+    assert st.scale.item() == want
+    st = quantize_scaled(x, "e4m3fn", scaler=DynamicScaler("e4m3fn", power_of_two=True))
+    assert st.scale.item() == 0.125  # 40/448 = 0.089 rounded up
+    # and without a scaler the arguments are used
+    assert (
+        quantize_scaled(x, "e4m3fn", margin=3.0).scale.item() == torch.tensor(40 * 8 / 448).item()
+    )
+    assert quantize_scaled(x, "e4m3fn", power_of_two=True).scale.item() == 0.125
+
+
+@pytest.mark.parametrize("bad", [1, 0, "yes", None])
+def test_power_of_two_must_be_a_bool(bad: object) -> None:
+    from lowprec.core.scalers import DynamicScaler
+    from lowprec.core.tensor import quantize_scaled
+
+    x = torch.ones(4)
+    with pytest.raises(TypeError, match=r"^power_of_two must be a bool, got "):
+        quantize_scaled(x, "e4m3fn", power_of_two=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^power_of_two must be a bool, got "):
+        quantize_scaled(x, "e4m3fn", scaler=DynamicScaler("e4m3fn"), power_of_two=bad)  # type: ignore[arg-type]
+
+
+def test_to_format_is_public() -> None:
+    """docs/formats.md names ``lowprec.to_format``; it was only in ``lowprec.core.rounding``."""
+    assert lowprec.to_format is to_format and "to_format" in lowprec.__all__

@@ -115,6 +115,8 @@ def test_presets_and_roles() -> None:
         ({"algo": "mean"}, "algo"),
         ({"static_scale": 2.0}, "static_scale"),
         ({"scaling": "static", "static_scale": -1.0}, "static_scale"),
+        ({"margin": float("nan")}, "margin must be finite"),  # was refused at the first cast
+        ({"margin": 300.0}, r"margin must be finite with \|margin\| <= 256"),
     ],
 )
 def test_cast_config_rejects(kwargs: dict[str, object], match: str) -> None:

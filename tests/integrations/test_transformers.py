@@ -226,3 +226,27 @@ def test_gpt2_with_accumulation_evaluation_and_weight_decay_resumes_exactly(
     assert _losses(b) == _losses(a)
     pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_fp32_recipe_trains_as_the_plain_trainer(tmp_path: Path, weight_decay: float) -> None:
+    """With ``fp32`` the lowprec Trainer is HF's: the same optimizer groups and steps.
+    Oracle: ``transformers.Trainer`` itself. ``weight_decay=0.0`` (HF's default) gave the
+    lowprec Trainer one group at AdamW's own default decay, 0.01."""
+    kw: dict[str, Any] = {"max_steps": 3, "save_steps": 100, "weight_decay": weight_decay}
+    plain = transformers.Trainer(
+        model=tiny_llama(), args=_args(tmp_path / "p", **kw), train_dataset=Tokens()
+    )
+    plain.train()
+    ours = make_trainer(tiny_llama(), _args(tmp_path / "l", **kw), recipe="fp32",
+                        train_dataset=Tokens())  # fmt: skip
+    ours.train()
+    groups = [(g["weight_decay"], len(g["params"])) for g in plain.optimizer.param_groups]
+    assert [(g["weight_decay"], len(g["params"])) for g in ours.lowprec.optimizer.param_groups] \
+        == groups  # fmt: skip
+    assert {wd for wd, _ in groups} == {weight_decay, 0.0}
+    assert _losses(ours) == _losses(plain) and len(_losses(plain)) == 3
+    pp, po = dict(plain.model.named_parameters()), dict(ours.lowprec.model.named_parameters())
+    assert pp.keys() == po.keys()
+    assert all(torch.equal(pp[k], po[k]) for k in pp), "parameters bit-identical"
