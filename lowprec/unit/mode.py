@@ -43,7 +43,7 @@ from lowprec.core.modes import eager_frames
 from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
-from lowprec.unit.core import scale_fwd
+from lowprec.unit.core import check_number, scale_fwd
 
 __all__ = ["UNIT_OPS", "UnitMode", "plain_ops"]
 
@@ -136,6 +136,52 @@ def _log_softmax(cfg: UnitConfig, x: Tensor, dim: int | None = None, _stacklevel
     return cast(Tensor, UNIT_OPS[U.log_softmax](x if dtype is None else x.to(dtype), dim))
 
 
+def _sdpa(cfg: UnitConfig, query: Tensor, key: Tensor, value: Tensor,
+          attn_mask: Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+          scale: float | None = None, enable_gqa: bool = False) -> Tensor:  # fmt: skip
+    """``F.scaled_dot_product_attention``'s unit rule (torch's arguments). ``softmax_mult``
+    multiplies the logits: the SDPA rule runs at ``scale·mult`` (``scale`` default
+    ``1/√d``). With ``float8`` the attention is written out as HF's eager attention is
+    converted (unit ``matmul`` for ``q kᵀ``, the unit softmax, dropout, ``probs_matmul``),
+    so that its two matmuls round their operands to FP8 as every other matmul does; a
+    float ``attn_mask`` is then added to the logits, a boolean one masks them."""
+    if not cfg.float8:
+        if cfg.softmax_mult != 1.0:
+            d = max(1, query.shape[-1]) if query.dim() else 1
+            scale = (d**-0.5 if scale is None else scale) * cfg.softmax_mult
+        return cast(Tensor, UNIT_OPS[U.scaled_dot_product_attention](
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        ))  # fmt: skip
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask, is_causal: give one of them, not both (as torch)")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or t.dim() < 2:
+            raise ValueError(f"{name}: need a tensor (..., L, E) with >= 2 dims")
+    if enable_gqa and key.dim() >= 3 and key.shape[-3] and query.shape[-3] % key.shape[-3] == 0:
+        group = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(group, -3), value.repeat_interleave(group, -3)
+    elif enable_gqa:
+        raise ValueError(
+            f"query, key: enable_gqa needs (..., H, L, E) with query's heads a multiple of "
+            f"key's, got {tuple(query.shape)}, {tuple(key.shape)}"
+        )
+    logits = UNIT_OPS[U.matmul](query, key.transpose(-2, -1), float8=True)  # q·k/√d
+    d = max(1, query.shape[-1])
+    if scale is not None and check_number("scale", scale) * d**0.5 != 1.0:
+        logits = logits * (scale * d**0.5)
+    n_q, n_k = query.shape[-2], key.shape[-2]
+    if is_causal:
+        attn_mask = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        logits = logits.masked_fill(~attn_mask, torch.finfo(logits.dtype).min)
+    elif attn_mask is not None:
+        logits = logits + attn_mask
+    p = UNIT_OPS[U.softmax](logits, -1, mult=cfg.softmax_mult)
+    if dropout_p:
+        p = UNIT_OPS[U.dropout](p, dropout_p, True)
+    return cast(Tensor, UNIT_OPS[U.probs_matmul](p, value, float8=True, mult=cfg.softmax_mult))
+
+
 def _first(v: Any) -> Any:
     return v[0] if isinstance(v, (tuple, list)) else v
 
@@ -178,10 +224,11 @@ def _rule(cfg: UnitConfig, func: Any) -> Callable[..., Any] | None:
         return lambda *a, **k: _softmax(cfg, *a, **k)
     if func in _LOG_SOFTMAX:
         return lambda *a, **k: _log_softmax(cfg, *a, **k)
+    if func is F.scaled_dot_product_attention:
+        return lambda *a, **k: _sdpa(cfg, *a, **k)
     # torch.rms_norm / torch.layer_norm: what the mode sees for F.rms_norm (and for models
     # calling torch's own) under torch.compile, whose tracing skips F's Python wrapper
-    direct = {F.layer_norm: U.layer_norm, F.rms_norm: U.rms_norm, torch.rms_norm: U.rms_norm,
-              F.scaled_dot_product_attention: U.scaled_dot_product_attention}  # fmt: skip
+    direct = {F.layer_norm: U.layer_norm, F.rms_norm: U.rms_norm, torch.rms_norm: U.rms_norm}
     if func is torch.layer_norm:
         return _torch_layer_norm
     return UNIT_OPS[direct[func]] if func in direct else None
@@ -262,7 +309,9 @@ class UnitMode(TorchFunctionMode):
                 and not any(t is args[1] for t in self._probs)
             ):
                 try:
-                    return UNIT_OPS[U.probs_matmul](*args, float8=self.cfg.float8)
+                    return UNIT_OPS[U.probs_matmul](
+                        *args, float8=self.cfg.float8, mult=self.cfg.softmax_mult
+                    )
                 except (ValueError, TypeError):
                     pass  # the generic matmul rule below reports it
             elif func in _KEEPS_PROBS:

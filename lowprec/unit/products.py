@@ -24,6 +24,7 @@ from lowprec.core.rounding import quantize
 from lowprec.unit.core import (
     apply_constraint,
     check_float,
+    check_number,
     check_same_dtype,
     scale_bwd,
     scale_fwd,
@@ -115,29 +116,33 @@ def matmul(
 
 
 @_unit_op
-def probs_matmul(p: Tensor, v: Tensor, *, float8: bool = False) -> Tensor:
+def probs_matmul(p: Tensor, v: Tensor, *, float8: bool = False, mult: float = 1.0) -> Tensor:
     """``p @ v`` for attention probabilities ``p (..., L, S)`` (a softmax output at any
     scale, masked keys exactly 0) and values ``v (..., S, E)``: the explicit form of
-    attention (``softmax(q kᵀ/√d + mask) @ v``, as HF's eager attention writes it).
+    attention (``softmax(m·q kᵀ/√d + mask) @ v``, as HF's eager attention writes it, with
+    ``m`` = ``mult``, the softmax's multiplier).
 
     Forward ``y = c·(p @ v)``, backward ``∂p = c·g vᵀ``, ``∂v = c·pᵀ g``, with
-    ``c = 1/√P2`` and ``P2 = mean_i r_i²·min(1, e/m_i)``: ``r_i = Σ_j p_ij`` (1 for
-    probabilities, ``n/√(e-1)`` for a unit softmax's output) and ``m_i`` the row's nonzero
-    entries (its allowed keys; a dropped entry counts as masked). That is the SDPA rule's
-    ``P2`` (:func:`scaled_dot_product_attention`) for logits of variance ``σ² = 1`` (unit
-    ``q, k`` at the standard ``1/√d``), with the allowed keys read from ``p`` instead of a
-    boolean mask, so explicit and SDPA attention compute the same ``y``; for unit,
-    independent ``v``, ``Var y_i = Σ_j p_ij² ≈ r_i²·min(1, e/m_i)``. ``c`` is a detached
-    scalar tensor (no host sync). ``float8``: as :func:`matmul`.
+    ``c = 1/√P2`` and ``P2 = mean_i r_i²·min(1, e^{m²}/m_i)``: ``r_i = Σ_j p_ij`` (1 for
+    probabilities, the unit softmax's ``1/√E[p²]`` for its output) and ``m_i`` the row's
+    nonzero entries (its allowed keys; a dropped entry counts as masked). That is the SDPA
+    rule's ``P2`` (:func:`scaled_dot_product_attention`) for logits of variance
+    ``σ² = m²`` (unit ``q, k`` at the standard ``1/√d``, times ``m``), with the allowed
+    keys read from ``p`` instead of a boolean mask, so explicit and SDPA attention compute
+    the same ``y``; for unit, independent ``v``, ``Var y_i = Σ_j p_ij² ≈
+    r_i²·min(1, e^{m²}/m_i)``. ``c`` is a detached scalar tensor (no host sync).
+    ``float8``: as :func:`matmul`.
     """
     check_float("p", p)
     check_float("v", v)
     check_same_dtype(p=p, v=v)
+    mult = check_number("mult", mult, 0.0, open_low=True)
     if p.dim() < 2 or v.dim() < 2:
         raise ValueError(f"p, v: need >= 2 dims, got shapes {tuple(p.shape)}, {tuple(v.shape)}")
     q = p.detach().float()
     m = (q != 0).sum(-1, dtype=torch.float32).clamp(min=1)  # exact to 2**24 keys a row
-    p2 = (q.sum(-1).square() * (math.e / m).clamp(max=1.0)).mean()
+    spread = math.exp(min(mult * mult, 700.0))  # e^{σ²}; beyond e^700 every row is one-hot
+    p2 = (q.sum(-1).square() * (spread / m).clamp(max=1.0)).mean()
     c = p2.clamp(min=torch.finfo(torch.float32).tiny).rsqrt().to(p.dtype)
     # c applied to an operand, not to the product: rows of c·p have Σ_j (c·p_ij)² ≈ 1, so no
     # product larger than the unit output is formed (a unit softmax's p is n times the

@@ -1,0 +1,130 @@
+"""``UnitConfig``'s ``softmax_mult`` and ``float8`` reach attention computed by
+``F.scaled_dot_product_attention`` (HF's default ``"sdpa"``), as they reach attention written
+out (HF's ``"eager"``). A new user's report: ``softmax_mult=10`` gave an SDPA Llama the
+same output as ``softmax_mult=1``, and ``float8=True`` left its two attention matmuls
+unrounded; with the multiplier, the written-out form's output was not unit (``probs_matmul``
+assumed logits of variance 1).
+
+Oracles: the written-out attention, each of whose ops is tested on its own (the eager
+Llama; a hand-written masked attention), and a direct rms measurement of
+``probs_matmul`` against its rule. Tolerances: SDPA and the written-out form differ only
+in float32 summation order (1e-5 relative, ~100 ulps); with ``float8`` both compute the
+same ops, so they must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lowprec.unit import UnitConfig
+from lowprec.unit import apply as unit_apply
+from lowprec.unit import functional as U
+
+transformers = pytest.importorskip("transformers")
+
+V = 128
+
+
+def _llama(impl: str, kv_heads: int) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=kv_heads, attn_implementation=impl,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _run(impl: str, kv_heads: int, cfg: UnitConfig) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """(loss, logits, every parameter's gradient) of the unit-scaled Llama."""
+    m = unit_apply(_llama(impl, kv_heads), cfg)
+    ids = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(0))
+    out = m(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = [p.grad for p in m.parameters()]
+    assert all(g is not None for g in grads)
+    return out.loss.detach(), out.logits.detach(), grads  # type: ignore[return-value]
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    return float((a - b).double().norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])  # multi-head and grouped-query
+@pytest.mark.parametrize("mult", [0.5, 2.0])
+def test_softmax_mult_reaches_sdpa_as_written_out_attention(kv_heads: int, mult: float) -> None:
+    """The forward: the two forms compute one model. (Their backward scales differ by
+    design at ``mult != 1``: the written-out softmax ties its gradient's scale to its
+    output's, the SDPA rule scales ``∂q, ∂k`` by its own model; docs/unit-scaling.md.)"""
+    cfg = UnitConfig(softmax_mult=mult)
+    loss, logits, grads = _run("sdpa", kv_heads, cfg)
+    loss_e, logits_e, _ = _run("eager", kv_heads, cfg)
+    assert _rel(logits, logits_e) < 1e-5 and abs(float(loss - loss_e)) < 1e-5
+    _, logits_1, grads_1 = _run("sdpa", kv_heads, UnitConfig())
+    assert _rel(logits, logits_1) > 1e-2  # the multiplier changes the model...
+    assert all(_rel(g, g1) > 1e-3 for g, g1 in zip(grads[:2], grads_1[:2], strict=True))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("mult", [1.0, 2.0])
+def test_float8_rounds_sdpa_as_written_out_attention(kv_heads: int, mult: float) -> None:
+    cfg = UnitConfig(float8=True, softmax_mult=mult)
+    loss, logits, grads = _run("sdpa", kv_heads, cfg)
+    loss_e, logits_e, grads_e = _run("eager", kv_heads, cfg)
+    assert torch.equal(loss, loss_e) and torch.equal(logits, logits_e)
+    assert all(torch.equal(g, ge) for g, ge in zip(grads, grads_e, strict=True))
+    _, logits_hp, _ = _run("sdpa", kv_heads, UnitConfig(softmax_mult=mult))
+    assert _rel(logits, logits_hp) > 1e-3  # FP8 rounding in attention and linears
+
+
+class _Attention(nn.Module):
+    """One head of attention with a padding mask, by SDPA or written out."""
+
+    def __init__(self, sdpa: bool) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.qkv, self.out, self.sdpa = nn.Linear(32, 96), nn.Linear(32, 32), sdpa
+
+    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        mask = keep[:, None, :]  # (B, 1, S): the keys each query may see
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            w = (q @ k.transpose(-2, -1)) / math.sqrt(32)
+            w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
+            y = torch.softmax(w, -1) @ v
+        return self.out(y)
+
+
+def test_float8_sdpa_with_a_boolean_mask_is_the_written_out_attention() -> None:
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
+    keep = torch.ones(2, 16, dtype=torch.bool)
+    keep[1, 11:] = False  # padding of the second sequence
+    outs = []
+    for sdpa in (True, False):
+        m = unit_apply(_Attention(sdpa), UnitConfig(float8=True, softmax_mult=1.5, strict=True))
+        xi = x.clone().requires_grad_(True)
+        y = m(xi, keep)
+        y.square().sum().backward()
+        outs.append([y.detach(), xi.grad, *(p.grad for p in m.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+@pytest.mark.parametrize("mult", [0.5, 1.0, 1.5])
+def test_probs_matmul_is_unit_at_the_softmax_mult(mult: float) -> None:
+    """For unit-normal logits over ``n = 4096`` keys (``e^{m²} ≪ n``, where the rule's
+    ``Σp² ≈ e^{m²}/n`` holds) and unit ``v``, ``probs_matmul`` of the unit softmax's output
+    has unit rms; ignoring ``mult`` gave ``e^{(m²-1)/2}``: 0.69 at 0.5, 1.87 at 1.5. The rms
+    of 64·64 outputs has a sampling error under 2%; ±8% covers the rule's approximation."""
+    g = torch.Generator().manual_seed(0)
+    x, v = torch.randn(64, 4096, generator=g), torch.randn(4096, 64, generator=g)
+    p = U.softmax(x, -1, mult=mult)
+    y = U.probs_matmul(p, v, mult=mult)
+    assert float(y.square().mean().sqrt()) == pytest.approx(1.0, rel=0.08)
+    with pytest.raises(ValueError, match="mult must be finite and > 0"):
+        U.probs_matmul(p, v, mult=0.0)
