@@ -133,6 +133,10 @@ class Tracker:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
+        if not isinstance(auto_step, bool):
+            raise TypeError(f"auto_step must be a bool, got {type(auto_step).__name__}")
         if isinstance(formats, str) or not formats:
             raise ValueError("formats must be a non-empty list of format names")
         self.formats = [get_format(f).name for f in formats]

@@ -262,7 +262,8 @@ def compute_scale(
 ) -> Tensor:
     """``scale = amax · 2^margin / fmt.max`` (float32), optionally rounded up to a power of 2.
 
-    Zero, Inf and NaN ``amax`` give scale 1 (see the module docstring); the scale is
+    Zero, Inf and NaN ``amax`` give scale 1 (see the module docstring), and so does a
+    negative value, which no ``amax`` is (checking would cost a host sync); the scale is
     clamped to ``[2^-126, 2^127]``. ``margin``: finite, ``|margin| <= 256`` (else
     ``ValueError``). A float64 ``amax`` is used in float64 (a finite value beyond float32's
     range raises ``ValueError``; module docstring). The division is correctly rounded on

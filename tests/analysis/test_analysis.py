@@ -201,6 +201,11 @@ def test_bad_input() -> None:
         track(_mlp(), formats=["e9m9"]).__enter__()
     with pytest.raises(TypeError, match="model"):
         track("model").__enter__()  # type: ignore[arg-type]
+    for bad in (-2, 1.5, True):  # -2 recorded steps -2, -1 (a new user's report)
+        with pytest.raises(ValueError, match=r"^start_step must be an int >= 0, got "):
+            track(_mlp(), start_step=bad).__enter__()  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="auto_step must be a bool"):
+        track_mod.Tracker(_mlp(), auto_step=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="floating"):
         tensor_stats(torch.arange(3), ["fp16"])
 
