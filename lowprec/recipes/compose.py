@@ -26,7 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 import lowprec.float8
 import lowprec.scalify
@@ -127,7 +129,8 @@ def apply(
     """Apply ``technique`` to ``model`` through each technique's entry point
     (:func:`lowprec.unit.apply` with :func:`lowprec.unit.recipe_param_groups`,
     :func:`lowprec.scalify.apply`, :func:`lowprec.float8.apply`) and cast it to
-    ``dtype``; return the model (a new module for unit and scalify) and u-μP parameter
+    ``dtype`` (BF16 or FP16 without scalify: its floating-point inputs too,
+    :class:`CastInputs`); return the model (a new module for unit and scalify) and u-μP parameter
     groups (unit) or ``None``. Unit scaling re-initialises the model's weights to unit
     variance (:func:`lowprec.unit.apply`'s default; a pretrained model's weights are not
     kept).
@@ -146,6 +149,9 @@ def apply(
     if "scalify" in by:
         model = lowprec.scalify.apply(model, by["scalify"])
     model.to(dtype)
+    if dtype in (torch.bfloat16, torch.float16) and "scalify" not in by:
+        # (scalify scales its FP32 inputs into the format itself: a cast first would not)
+        model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True)
     if "float8" in by:
         default = by["float8"]
         depths = block_depths(model)
@@ -157,6 +163,28 @@ def apply(
         if "unit" in by:
             _unit_float8(model)
     return model, groups
+
+
+class CastInputs:
+    """A forward pre-hook (``with_kwargs``) that casts the plain floating-point tensors
+    among a call's arguments (nested in lists, tuples and dicts too) to ``dtype``: a model
+    whose parameters a recipe made BF16 or FP16 takes FP32 inputs, as FSDP2's
+    ``MixedPrecisionPolicy(cast_forward_inputs=True)`` gives it them. Integer tensors (token
+    ids, labels), tensor subclasses (``ScaledTensor``, ``DTensor``) and other values pass
+    unchanged. A class, not a closure: the prepared model stays picklable."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def _cast(self, v: Any) -> Any:
+        if type(v) is torch.Tensor and v.is_floating_point() and v.dtype != self.dtype:
+            return v.to(self.dtype)
+        return v
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return tree_map(self._cast, args), tree_map(self._cast, kwargs)
 
 
 # ---- unit + float8 ------------------------------------------------------------------------

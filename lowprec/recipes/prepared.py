@@ -221,7 +221,10 @@ def prepare(
       ``group["lr"] = lr_now * lr_mult``);
     * scalify: the model is wrapped by :func:`lowprec.scalify.scalify` (its state_dict
       keys gain the wrapper's prefix);
-    * the model is cast to the policy's ``param_dtype``;
+    * the model is cast to the policy's ``param_dtype``; with BF16 or FP16 (and no
+      scalify, which scales its FP32 inputs itself) a forward pre-hook casts its
+      floating-point inputs to it too, as FSDP2's mixed precision does
+      (:class:`lowprec.recipes.compose.CastInputs`);
     * float8: every ``nn.Linear`` whose last name component is not in ``float8_skip``
       becomes a :class:`~lowprec.float8.Float8Linear` (inside a unit-scaled model: the
       unit linear's product, see :mod:`lowprec.recipes.compose`). Static roles calibrate
