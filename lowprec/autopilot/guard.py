@@ -35,7 +35,7 @@ from torch import nn
 
 from lowprec.core.observe import GEMMS
 from lowprec.float8 import Float8Config, Float8Linear
-from lowprec.float8.config import PRESETS
+from lowprec.float8.config import PRESETS, ROLES
 from lowprec.float8.convert import replace_layer
 from lowprec.recipes.serial import decode, encode
 
@@ -102,11 +102,11 @@ class Move:
 
 
 def _no_scaling(cfg: Float8Config) -> bool:
-    return all(cfg.cast(r).static_scale == 1.0 for r in ("input", "weight", "grad_output"))
+    return all(cfg.cast(r).static_scale == 1.0 for r in ROLES)
 
 
 def _fp4(cfg: Float8Config) -> bool:
-    return any(cfg.cast(r).fmt == "e2m1" for r in ("input", "weight", "grad_output"))
+    return any(cfg.cast(r).fmt == "e2m1" for r in ROLES)
 
 
 def _per_gemm(cfg: Float8Config) -> dict[str, Float8Config | None]:
@@ -174,12 +174,8 @@ def next_safer(cfg: Float8Config | None) -> Float8Config | None:
     low = min(_rung(c) for c in per.values())
     if low == 3:
         return None
-    up: dict[int, Float8Config | None] = {
-        0: Float8Config.from_name("tensorwise"),
-        1: Float8Config.from_name("rowwise"),
-        2: None,
-    }
-    return _joined({g: up[low] if _rung(c) == low else c for g, c in per.items()})
+    up = Float8Config.from_name(("tensorwise", "rowwise")[low]) if low < 2 else None
+    return _joined({g: up if _rung(c) == low else c for g, c in per.items()})
 
 
 class Guard:

@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from lowprec import _faults
-from lowprec._json import loads
 from lowprec.amp import NoLossScaler
 from lowprec.amp.footprint import training_state_bytes
 from lowprec.analysis.stats import GradMeter  # re-exported: the job's meter
@@ -245,19 +244,10 @@ def train(
 
 
 def _complete(out: Path, cfg: TrainConfig) -> dict[str, Any]:
-    """The summary of the complete run ``out``, resumed with nothing to do (nothing is
-    written; a :class:`RunNote` says so)."""
-
-    def read() -> dict[str, Any]:
-        try:
-            d = loads((out / SUMMARY).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise RunError(f"--resume: {out / SUMMARY} is unreadable ({e})") from None
-        if not isinstance(d, dict):
-            raise RunError(f"--resume: {out / SUMMARY} is corrupt (not an object)")
-        return d
-
-    summary: dict[str, Any] = env.on_main(read, RunError)
+    """The summary of the complete run ``out`` (:func:`summarize`, what its
+    ``summary.json`` holds), resumed with nothing to do (nothing is written; a
+    :class:`RunNote` says so)."""
+    summary: dict[str, Any] = env.on_main(lambda: summarize(out), RunError)
     warnings.warn(
         f"--resume: {out} is complete (all its {cfg.steps} steps are done): nothing to do; "
         f"give --steps above {cfg.steps} to continue it",

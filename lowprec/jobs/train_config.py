@@ -17,7 +17,7 @@ from lowprec.jobs.model import ModelConfig, check_model_name
 from lowprec.jobs.rundir import CONFIG, RunError, read_config
 from lowprec.recipes import Recipe, get_recipe
 
-__all__ = ["INT_MAX", "LR_MAX", "LR_MIN", "TrainConfig", "saved_config"]
+__all__ = ["INT_MAX", "LR_MAX", "LR_MIN", "TrainConfig", "check_int", "saved_config"]
 
 # The largest int a field takes: int64's, what torch (``torch.manual_seed``; ``seed + 1``
 # seeds the rounding generator, still below 2^64) and a float (the schedule) hold.
@@ -128,9 +128,7 @@ class TrainConfig:
         elif name == "model":
             check_model_name(value)
         elif name in _POSITIVE:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-            _check_int_max(name, value)
+            check_int(name, value, 1)
         elif name == "lr":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (ok and 0 < value < math.inf):  # (compared, not converted: a huge int)
@@ -147,9 +145,7 @@ class TrainConfig:
             if not isinstance(value, bool):
                 raise ValueError(f"guard must be a bool, got {value!r}")
         elif name in ("warmup", "seed"):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-            _check_int_max(name, value)
+            check_int(name, value, 0)
         else:
             raise ValueError(f"name: TrainConfig has no field {name!r}")
 
@@ -216,7 +212,12 @@ class TrainConfig:
         return out
 
 
-def _check_int_max(name: str, value: int) -> None:
+def check_int(name: str, value: object, low: int) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int (not a bool) from ``low``
+    (1: positive, 0: non-negative) to :data:`INT_MAX`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = "positive" if low == 1 else "non-negative"
+        raise ValueError(f"{name} must be a {kind} int, got {value!r}")
     if value > INT_MAX:
         raise ValueError(f"{name} must be at most 2^63 - 1 = {INT_MAX}, got {value!r}")
 

@@ -22,7 +22,7 @@ from lowprec.autopilot import Budget, Plan, tune
 from lowprec.autopilot.cost import check_candidates, check_target
 from lowprec.jobs.data import CharData
 from lowprec.jobs.model import ModelConfig, build_model, check_model_name
-from lowprec.jobs.train_config import INT_MAX, TrainConfig
+from lowprec.jobs.train_config import TrainConfig, check_int
 from lowprec.recipes import prepare
 from lowprec.recipes.step import train_step
 
@@ -53,17 +53,9 @@ class TuneConfig:
         check_target(self.target)
         check_model_name(self.model)
         for name in ("width", "depth", "heads", "seq_len", "batch_size", "batches"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-            if v > INT_MAX:
-                raise ValueError(f"{name} must be at most 2^63 - 1, got {v!r}")
-        for name in ("seed", "steps_before"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-            if v > INT_MAX:  # torch.manual_seed takes < 2^64 (the tuner seeds seed + batch)
-                raise ValueError(f"{name} must be at most 2^63 - 1, got {v!r}")
+            check_int(name, getattr(self, name), 1)
+        for name in ("seed", "steps_before"):  # torch.manual_seed takes < 2^64 (seed + batch)
+            check_int(name, getattr(self, name), 0)
         if self.budget is not None:
             check_budget(self.budget)
         if self.candidates is not None:

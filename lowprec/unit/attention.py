@@ -51,6 +51,25 @@ def _mean_p2(sigma2: float, keys: Tensor | list[int]) -> float:
     return float(torch.exp((sigma2 - m.log()).clamp(max=0.0)).mean().item())
 
 
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> int:
+    """``ValueError``/``TypeError`` unless ``q, k, v`` are floating tensors of one dtype with
+    ``(..., L, E)`` dims, and with ``enable_gqa`` ``(..., H, L, E)`` with ``q``'s heads a
+    multiple of ``k``'s; the number ``G`` of query heads per key/value head (1 without)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{name}: need (..., L, E) with >= 2 dims, got {tuple(t.shape)}")
+    check_same_dtype(q=q, k=k, v=v)
+    if not enable_gqa:
+        return 1
+    if q.dim() < 3 or k.dim() < 3 or k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
+        raise ValueError(
+            f"q, k: enable_gqa needs (..., H, L, E) with q's heads a multiple of k's, "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    return q.shape[-3] // k.shape[-3]
+
+
 @_unit_op
 def scaled_dot_product_attention(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
@@ -83,21 +102,9 @@ def scaled_dot_product_attention(
     p_drop = check_number("dropout_p", dropout_p)
     if not 0.0 <= p_drop < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float(name, t)
-        if t.dim() < 2:
-            raise ValueError(f"{name}: need (..., L, E) with >= 2 dims, got {tuple(t.shape)}")
-    check_same_dtype(q=q, k=k, v=v)
+    group = check_qkv(q, k, v, enable_gqa)
     if scale is not None:
         scale = check_number("scale", scale)
-    group = 1
-    if enable_gqa:
-        if q.dim() < 3 or k.dim() < 3 or k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
-            raise ValueError(
-                f"q, k: enable_gqa needs (..., H, L, E) with q's heads a multiple of k's, "
-                f"got {tuple(q.shape)}, {tuple(k.shape)}"
-            )
-        group = q.shape[-3] // k.shape[-3]
     d, n, rows = max(1, q.shape[-1]), max(1, k.shape[-2]), max(1, q.shape[-2])
     sigma2 = (d**-0.5 if scale is None else scale) ** 2 * d
     if attn_mask is not None:

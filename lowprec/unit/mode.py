@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from lowprec.core.modes import eager_frames
 from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
+from lowprec.unit.attention import check_qkv
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import check_number, scale_fwd
 
@@ -154,17 +155,9 @@ def _sdpa(cfg: UnitConfig, query: Tensor, key: Tensor, value: Tensor,
         ))  # fmt: skip
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask, is_causal: give one of them, not both (as torch)")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor) or t.dim() < 2:
-            raise ValueError(f"{name}: need a tensor (..., L, E) with >= 2 dims")
-    if enable_gqa and key.dim() >= 3 and key.shape[-3] and query.shape[-3] % key.shape[-3] == 0:
-        group = query.shape[-3] // key.shape[-3]
+    group = check_qkv(query, key, value, enable_gqa)
+    if group > 1:
         key, value = key.repeat_interleave(group, -3), value.repeat_interleave(group, -3)
-    elif enable_gqa:
-        raise ValueError(
-            f"query, key: enable_gqa needs (..., H, L, E) with query's heads a multiple of "
-            f"key's, got {tuple(query.shape)}, {tuple(key.shape)}"
-        )
     logits = UNIT_OPS[U.matmul](query, key.transpose(-2, -1), float8=True)  # q·k/√d
     d = max(1, query.shape[-1])
     if scale is not None and check_number("scale", scale) * d**0.5 != 1.0:
