@@ -26,7 +26,8 @@ from lowprec.cli import parallel as cli_parallel
 from lowprec.cli.args import int_arg
 from lowprec.distributed import env
 from lowprec.jobs.model import model_names
-from lowprec.jobs.rundir import RunError, output_problem, read_config, summary_cells
+from lowprec.jobs.run_summary import summary_cells
+from lowprec.jobs.rundir import RunError, output_problem, read_config
 from lowprec.jobs.train import ON_NONFINITE, TrainConfig, saved_config, train
 from lowprec.recipes import Recipe, get_recipe, recipe_names
 

@@ -16,7 +16,7 @@ from typing import Any
 from rich.table import Table
 
 from lowprec.analysis.verdicts import REFERENCE, is_reference_recipe, reference_of, verdict
-from lowprec.jobs.rundir import share_cell
+from lowprec.jobs.run_summary import share_cell
 from lowprec.jobs.train import TrainConfig
 from lowprec.recipes import get_recipe
 

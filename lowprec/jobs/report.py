@@ -53,6 +53,7 @@ from lowprec.jobs.report_tables import (
     table,
     tensor_table,
 )
+from lowprec.jobs.run_summary import summary_of
 from lowprec.jobs.rundir import (
     GUARD,
     RunError,
@@ -61,7 +62,6 @@ from lowprec.jobs.rundir import (
     read_jsonl,
     read_metrics,
     read_run,
-    summary_of,
     write_atomic,
 )
 

@@ -12,7 +12,7 @@ The records (config, metrics, numerics, summary) are written through
 
 The progress bar shows the train loss and the step time as the final table (and
 ``summary.json``) measure them: the mean loss of the last 10 steps and the median step
-time (:class:`~lowprec.jobs.rundir.RunningSummary`).
+time (:class:`~lowprec.jobs.run_summary.RunningSummary`).
 
 A step is the unit of work: SIGINT/SIGTERM take effect between steps
 (:mod:`lowprec.jobs.interrupts`), then the run checkpoints and raises
@@ -53,6 +53,7 @@ from lowprec.jobs.data import CharData
 from lowprec.jobs.interrupts import Interrupted, StopSignals
 from lowprec.jobs.progress import Progress
 from lowprec.jobs.recorder import RunRecorder
+from lowprec.jobs.run_summary import RunningSummary, summary_of
 from lowprec.jobs.rundir import (  # re-exported: the job's own names for its files
     CHECKPOINT,
     CONFIG,
@@ -62,11 +63,9 @@ from lowprec.jobs.rundir import (  # re-exported: the job's own names for its fi
     SUMMARY,
     NonFiniteError,
     RunError,
-    RunningSummary,
     RunNote,
     read_metrics,
     summarize,
-    summary_of,
 )
 from lowprec.jobs.train_config import TrainConfig
 from lowprec.jobs.train_config import saved_config as saved_config  # re-exported

@@ -21,7 +21,8 @@ import torch
 import lowprec.jobs.train as train_mod
 from lowprec.cli import main
 from lowprec.cli.main import build_parser
-from lowprec.jobs.rundir import read_metrics, read_run, summary_cells
+from lowprec.jobs.run_summary import summary_cells
+from lowprec.jobs.rundir import read_metrics, read_run
 from lowprec.jobs.train import TrainConfig, train
 from lowprec.recipes import Recipe, get_recipe
 from tests._helpers import cli_error

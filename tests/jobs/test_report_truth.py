@@ -1,5 +1,5 @@
 """What the report states about a set of runs (lowprec.analysis.diagnosis,
-lowprec.jobs.report_tables, lowprec.jobs.rundir.summary_of), on synthetic runs: each
+lowprec.jobs.report_tables, lowprec.jobs.run_summary.summary_of), on synthetic runs: each
 statement checked against the numbers it is computed from."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lowprec.analysis.diagnosis import (
 )
 from lowprec.analysis.verdicts import failing
 from lowprec.jobs.report_tables import summary_rows
-from lowprec.jobs.rundir import summary_cells, summary_of
+from lowprec.jobs.run_summary import summary_cells, summary_of
 from lowprec.recipes import get_recipe
 
 _TRAIN = {"model": "reference", "steps": 30, "batch_size": 8, "seq_len": 64, "width": 64,

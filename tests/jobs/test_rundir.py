@@ -15,6 +15,7 @@ import torch
 import lowprec.jobs.rundir as rundir
 import lowprec.jobs.train as train_mod
 from lowprec._json import dumps, loads
+from lowprec.jobs.run_summary import summary_of
 from lowprec.jobs.rundir import (
     RunError,
     RunNote,
@@ -229,12 +230,12 @@ def test_summary_marks_only_real_divergence() -> None:
     nan = float("nan")
     recovered = [{**base, "step": 1, "loss": 4.0}, {**base, "step": 2, "loss": nan}]
     recovered += [{**base, "step": 3, "loss": 3.9}]
-    assert rundir.summary_of(recovered, cfg)["diverged_at"] is None
+    assert summary_of(recovered, cfg)["diverged_at"] is None
     ended = [*recovered, {**base, "step": 4, "loss": nan}, {**base, "step": 5, "loss": nan}]
-    assert rundir.summary_of(ended, cfg)["diverged_at"] == 4
+    assert summary_of(ended, cfg)["diverged_at"] == 4
     stopped = [*recovered, {**base, "step": 4, "loss": 3.0, "stopped": "nonfinite"}]
-    assert rundir.summary_of(stopped, cfg)["diverged_at"] == 4
-    text = dumps(rundir.summary_of(ended, cfg))  # strict JSON: no bare NaN
+    assert summary_of(stopped, cfg)["diverged_at"] == 4
+    text = dumps(summary_of(ended, cfg))  # strict JSON: no bare NaN
     assert json.loads(text, parse_constant=_refuse)["train_loss"] == "NaN"
     assert math.isnan(loads(text)["train_loss"])
 
