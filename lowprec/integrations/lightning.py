@@ -298,8 +298,11 @@ class LowprecFabricPrecision(_Recipe, FabricPrecision):  # type: ignore[misc]
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
         return self._compute()
 
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
-        return self._need().scaler.scale(tensor)
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        """``tensor`` times the loss scale, backpropagated (Fabric's strategy discards what
+        ``pre_backward`` returns, so the scaling happens here, as in Fabric's own mixed
+        precision)."""
+        super().backward(self._need().scaler.scale(tensor), model, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         p = self._need()

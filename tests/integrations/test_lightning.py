@@ -3,6 +3,7 @@ LightningModule and resumes exactly from a Lightning checkpoint; Fabric's plugin
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,42 @@ def test_fabric_plugin_trains_with_loss_scaling_and_masters() -> None:
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert [r.scale for r in plugin.prepared.scaler.history] == [2.0**16] * 4
     assert plugin.state_dict()["scaler"]["scale"] == 2.0**16
+
+
+@pytest.mark.parametrize("recipe", ["fp16-dynamic-ls", "fp16-static-ls", "fp16"])
+def test_fabric_update_is_the_fp32_update(recipe: str) -> None:
+    """One SGD step (lr 1) through ``fabric.backward`` and ``opt.step`` moves the weights by
+    the FP32 gradient, whatever the loss scale: the loss is scaled in ``fabric.backward``
+    and unscaled before the step (Fabric's strategy discards ``pre_backward``'s result: a
+    scaling there shrank every update by the scale, 2^16). Tolerance 2e-2: the model runs in
+    FP16 (weights, activations and gradients rounded to 2^-11 relative). With
+    ``fabric.clip_gradients(max_norm=1e-4)`` the returned norm is the FP32 gradient's and
+    the update's norm is 0.01."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    x = torch.randn(32, 16)
+    (net(x).pow(2).mean() * 1e-2).backward()  # scaled by 2^16, no FP16 overflow
+    grads = [p.grad.detach().clone() for p in net.parameters() if p.grad is not None]
+    ref_norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    for clip in (None, 1e-4):
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[LowprecFabricPrecision(recipe)])
+        model = fabric.setup_module(copy.deepcopy(net))
+        plugin = fabric.strategy.precision
+        opt = fabric.setup_optimizers(plugin.optimizer(torch.optim.SGD(model.parameters(), lr=1.0)))
+        params = [p for g in opt.optimizer.param_groups for p in g["params"]]  # FP32 masters
+        ref = [p.detach().float().clone() for p in params]  # the FP16 weights' values
+        fabric.backward(model(x.half()).float().pow(2).mean() * 1e-2)
+        if clip is not None:
+            norm = float(fabric.clip_gradients(model, opt, max_norm=clip))
+            assert norm == pytest.approx(ref_norm, rel=2e-2)
+        opt.step()
+        moved = [b - p.detach().float() for p, b in zip(params, ref, strict=True)]
+        if clip is None:
+            for m, g in zip(moved, grads, strict=True):
+                torch.testing.assert_close(m, g, rtol=2e-2, atol=2e-2 * float(g.abs().max()))
+        else:
+            size = float(torch.linalg.vector_norm(torch.cat([m.flatten() for m in moved])))
+            assert size == pytest.approx(clip, rel=2e-2)
 
 
 @pytest.mark.slow
