@@ -24,7 +24,7 @@ from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import current_config
 from lowprec.scalify.domains import out_domain, sts
 
-__all__ = ["Pair", "combine", "guard", "out", "pair", "wrap"]
+__all__ = ["Pair", "assign", "combine", "guard", "out", "pair", "share", "wrap"]
 
 Pair = tuple[Tensor, Tensor]  # (data in working precision, scale)
 
@@ -356,3 +356,69 @@ _FMT: dict[torch.dtype, str | None] = {
 def out(func: Any, args: Any, d: Tensor, s: Tensor) -> ScaledTensor:
     """Wrap ``(d, s)`` as the result of ``func`` on ``args`` (dtype and domain from them)."""
     return wrap(d, s, first_st(args), out_domain(args), func)
+
+
+def share(base: ScaledTensor, view: ScaledTensor, op: Any) -> ScaledTensor:
+    """Mark ``view`` (the result of the shape op ``op`` on ``base``) and ``base`` as sharing
+    storage when ``op`` returns an alias of its input (a slice, a transpose, a view; its
+    schema says so) and, eagerly, ``view``'s data are stored in ``base``'s (a ``reshape``
+    that copied is not): an in-place op on either then writes into that storage
+    (:func:`assign`). Returns ``view``."""
+    if op._schema.returns[0].alias_info is None:
+        return view
+    a, b = view._data, base._data
+    if compiling() or (
+        a.numel() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    ):
+        view._shared = base._shared = True  # type: ignore[attr-defined]
+    return view
+
+
+def assign(x: ScaledTensor, d: Tensor, s: Tensor, op: Any) -> ScaledTensor:
+    """Put the values ``d·s`` (data in ``x``'s storage dtype, scale ``s``) into ``x`` in
+    place: the result of the in-place op ``op`` on ``x``; returns ``x``.
+
+    ``x`` alone with its data: ``x`` takes ``d`` and ``s`` (its scale follows the new
+    values). ``x`` sharing its storage with other ScaledTensors (:func:`share`: ``z[1:3]``
+    of ``z[1:3] = y``, ``z.t()``, a base that has such views): they read that storage
+    through their own scales, so the values are written into it at ``x``'s scale,
+    ``d_x ← d·s/s_x`` elementwise. Where a finite value would overflow the storage dtype
+    at that scale and the scale is per-tensor (one number, which the sharing tensors
+    share), the whole storage is first rescaled in place to the larger scale ``s`` (as an
+    out-of-place op on the base would rescale it). ``ValueError`` naming ``op`` when the
+    scale is 0 or not finite, or a blocked scale would overflow (checked eagerly: clone
+    the tensor before writing into it)."""
+    if not getattr(x, "_shared", False):
+        x._data, x._scale = d, s
+        return x
+    work = torch.float64 if x._data.dtype == torch.float64 else torch.float32
+    values = apply_scale(d.to(work), s.to(work))
+    sx = x._scale.to(work)
+    if not compiling() and not bool((torch.isfinite(sx) & (sx > 0)).all()):
+        raise ValueError(
+            f"scalify: {op} writes into a tensor that shares its storage (a view, or a "
+            "tensor with views) at a scale that is 0 or not finite; clone it first"
+        )
+    new = (values / full_scale(x._data, sx).to(work)).to(x._data.dtype)
+    if not compiling() and bool((torch.isfinite(values) & ~torch.isfinite(new)).any()):
+        grown = fscale(s) if scalar(s) else None
+        if x._scale.numel() != 1 or grown is None or not grown > float(sx.reshape(())):
+            raise ValueError(
+                f"scalify: {op} writes values that overflow {x._data.dtype} at the scale of a "
+                "tensor that shares its storage (a view, or a tensor with views); clone it "
+                "first"
+            )
+        _rescale_storage(x, grown)
+        new = (values / grown).to(x._data.dtype)
+    x._data.copy_(new)
+    return x
+
+
+def _rescale_storage(x: ScaledTensor, scale: float) -> None:
+    """Every value stored in ``x``'s storage re-expressed at the per-tensor ``scale``:
+    the data ``·s_x/scale`` and the scale number, both in place, so every tensor that
+    shares them reads the same values."""
+    whole = x._data.new_empty(0).set_(x._data.untyped_storage())
+    ratio = float(x._scale.reshape(())) / scale
+    whole.copy_((whole.to(torch.float64) * ratio).to(whole.dtype))
+    x._scale.fill_(scale)

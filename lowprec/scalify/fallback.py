@@ -5,7 +5,8 @@ An op on scalify ``ScaledTensor``s without a rule runs on the dequantized values
 their max leaves [2^-4, 2^4], :func:`~lowprec.scalify.core.guard`): correct values, but
 the output's scale no longer follows its inputs' scales (counted by
 :func:`~lowprec.scalify.coverage`, warned once per op). An in-place op ``x.op_(...)`` runs
-its out-of-place twin's rule and puts the result's data and scale into ``x``.
+its out-of-place twin's rule and puts the result into ``x``
+(:func:`~lowprec.scalify.core.assign`: into ``x``'s storage when ``x`` is a view).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import count_fallback
-from lowprec.scalify.core import deq, first_st, guard, one, work_dtype, wrap
+from lowprec.scalify.core import assign, deq, first_st, guard, one, work_dtype, wrap
 from lowprec.scalify.domains import fallback, out_domain, rule
 
 aten = torch.ops.aten
@@ -59,14 +60,11 @@ def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         count_fallback(str(func))
         v = deq(x, work_dtype(x)).clone()
         func(v, *args[1:], **kwargs)
-        x._data, x._scale = v.to(x.qdata.dtype), one(v)
-        return x
+        return assign(x, v.to(x.qdata.dtype), one(v), func)
     res = functional(*args, **kwargs)
     if isinstance(res, ScaledTensor):
-        x._data, x._scale = res.qdata, res.scale
-    else:
-        x._data, x._scale = res.to(x.qdata.dtype), one(res)
-    return x
+        return assign(x, res.qdata, res.scale, func)
+    return assign(x, res.to(x.qdata.dtype), one(res), func)
 
 
 fallback(_fallback)

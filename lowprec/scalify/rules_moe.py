@@ -43,6 +43,7 @@ from torch import Tensor
 from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import current_config
 from lowprec.scalify.core import (
+    assign,
     check_compatible,
     deq,
     fscale,
@@ -169,8 +170,7 @@ def _write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dst: Any, s
     d, s = guard(d, s) if accumulate else (d, s)
     res = out(func, (dst, src), d, s)
     if inplace:
-        dst._data, dst._scale = res.qdata, res.scale
-        return dst
+        return assign(dst, res.qdata, res.scale, func)
     return res
 
 

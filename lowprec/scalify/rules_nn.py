@@ -18,6 +18,7 @@ from lowprec.core.granularity import apply_scale
 from lowprec.core.tensor import LOGICAL_DTYPES, ScaledTensor
 from lowprec.scalify.config import current_config
 from lowprec.scalify.core import (
+    assign,
     check_compatible,
     combine,
     deq,
@@ -30,6 +31,7 @@ from lowprec.scalify.core import (
     pair,
     saturate,
     scalar,
+    share,
     sqrt_factor,
     work_dtype,
 )
@@ -42,9 +44,11 @@ __all__: list[str] = []
 
 
 def _same(x: ScaledTensor, d: Tensor, s: Tensor, func: Any, args: Any) -> ScaledTensor:
-    """Shape ops keep the data exactly: no rounding, no rescale."""
-    return ScaledTensor._wrap(d, s.reshape(()) if s.numel() == 1 else s, x.dtype, x._fmt,
-                              x.domain)  # fmt: skip
+    """Shape ops keep the data exactly: no rounding, no rescale; a result stored in ``x``'s
+    storage shares it (in-place writes reach ``x``: :func:`~lowprec.scalify.core.share`)."""
+    y = ScaledTensor._wrap(d, s.reshape(()) if s.numel() == 1 else s, x.dtype, x._fmt,
+                           x.domain)  # fmt: skip
+    return share(x, y, func)
 
 
 # ---- shape ops ----------------------------------------------------------------------------
@@ -415,14 +419,15 @@ def _compare(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 @rule(aten.copy_.default)
 def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``dst.copy_(src)``: a ScaledTensor ``dst`` takes ``src``'s data and scale; a plain
-    ``dst`` gets ``d·s``."""
+    """``dst.copy_(src)``: a ScaledTensor ``dst`` takes ``src``'s data and scale (a view
+    ``dst``, as ``z[1:3] = y`` makes, its values at its own scale:
+    :func:`~lowprec.scalify.core.assign`); a plain ``dst`` gets ``d·s``."""
     dst, src = args[0], args[1]
     if isinstance(dst, ScaledTensor):
         d, s = pair(src, work_dtype(src))
-        dst._data = d.to(dst.qdata.dtype).expand(dst.shape).clone()
-        dst._scale = s
-        return dst
+        if not scalar(s) and d.shape != dst.shape:  # src broadcast: its scale with it
+            s = full_scale(d, s).expand(dst.shape).contiguous()
+        return assign(dst, d.to(dst.qdata.dtype).expand(dst.shape).clone(), s, func)
     return dst.copy_(deq(src, work_dtype(src)))
 
 
