@@ -258,17 +258,17 @@ def _act_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
 
 @rule(aten.exp.default, aten.log.default, aten.tanh.default, aten.sigmoid.default)
 def _unscale(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    r"""exp, tanh, sigmoid: ``v = f(d_x·s_x)``, ``s = 1`` (the scale leaves; exp's then
-    :func:`~lowprec.scalify.core.guard`\ ed).
+    r"""exp, tanh, sigmoid: ``v = f(d_x·s_x)``, ``s = 1`` (the scale leaves), then
+    :func:`~lowprec.scalify.core.guard`\ ed: e^x spans far more than FP16 at scale 1, and
+    ``tanh(x) ≈ x``, ``sigmoid(x) ≈ e^x`` of tiny or very negative ``x`` would be FP16
+    subnormals at scale 1.
     log: ``d = log d_x + log s_x``, ``s = 1`` (exact for any scale)."""
     x = args[0]
     work = work_dtype(x)
     if func is aten.log.default:
         d, s = pair(x, work)
         return out(func, args, torch.log(d) + torch.log(s.to(work)), one(d))
-    if func is aten.exp.default:  # e^x spans far more than FP16 at scale 1
-        return out(func, args, *guard(func(deq(x, work)), one(x)))
-    return out(func, args, func(deq(x, work)), one(x))
+    return out(func, args, *guard(func(deq(x, work)), one(x)))
 
 
 @rule(aten.pow.Tensor_Scalar, aten.sqrt.default, aten.rsqrt.default)

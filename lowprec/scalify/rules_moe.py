@@ -224,8 +224,10 @@ def _index_add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 @rule(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
 def _clamp(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``clamp(x, lo, hi)`` with number bounds: ``d = clamp(d_x, lo/s_x, hi/s_x)``,
-    ``s = s_x`` (``s_x > 0``, eager); otherwise of the values, ``s = max s_x``."""
+    r"""``clamp(x, lo, hi)`` with number bounds: ``d = clamp(d_x, lo/s_x, hi/s_x)``,
+    ``s = s_x`` (``s_x > 0``, eager); otherwise of the values, ``s = max s_x``; then
+    :func:`~lowprec.scalify.core.guard` applied (a bound far above the values, ``clamp(min=
+    0.25)`` of values at ``2^-20``, gives data beyond FP16 at ``s_x``)."""
     x: ScaledTensor = args[0]
     if func is aten.clamp.default:
         lo = args[1] if len(args) > 1 else kwargs.get("min")
@@ -240,10 +242,10 @@ def _clamp(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         hi_d = None if hi is None else float(hi) / f
         ok = all(v is None or math.isfinite(v) for v in (lo_d, hi_d))
         if ok:
-            return out(func, args, torch.clamp(x.qdata.to(work), lo_d, hi_d), x.scale)
+            return out(func, args, *guard(torch.clamp(x.qdata.to(work), lo_d, hi_d), x.scale))
     _, s = scalar_pair(x, work)
     v = torch.clamp(deq(x, work), deq(lo, work), deq(hi, work))
-    return out(func, args, v / torch.where(s > 0, s, 1.0).to(work), s)
+    return out(func, args, *guard(v / torch.where(s > 0, s, 1.0).to(work), s))
 
 
 @rule(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,

@@ -25,6 +25,7 @@ from lowprec.scalify.core import (
     first_st,
     fscale,
     full_scale,
+    guard,
     one,
     out,
     pad,
@@ -244,14 +245,16 @@ def _masked_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 
 @rule(aten._softmax.default, aten._log_softmax.default)
 def _softmax(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """softmax / log_softmax: ``v = f(d_x·s_x)`` in float32 (not scale-invariant), ``s = 1``."""
+    r"""softmax / log_softmax: ``v = f(d_x·s_x)`` in float32 (not scale-invariant), ``s = 1``,
+    then :func:`~lowprec.scalify.core.guard` applied (log_softmax of logits at ``2^20`` is
+    ``~-2^21``: beyond FP16 at scale 1)."""
     x, dim = args[0], args[1]
     work = work_dtype(x)
     fused = fused_rule(func, [x], work, (dim, False))
     if fused is not None:
-        return out(func, args, fused, one(fused))
+        return out(func, args, *guard(fused, one(fused)))
     v = func(deq(x, work), dim, False)
-    return out(func, args, v, one(v))
+    return out(func, args, *guard(v, one(v)))
 
 
 @rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
@@ -295,7 +298,9 @@ def _layer_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 @rule(aten.native_layer_norm_backward.default)
 def _layer_norm_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Linear in ``g``: aten's backward on ``d_g`` (and float32 ``x``, ``w``) gives
-    ``dx`` at ``s = s_g``; ``dw``, ``db`` (sums over r rows) at ``s_g·c(r)``, data ``/c(r)``."""
+    ``dx`` at ``s = s_g``, :func:`~lowprec.scalify.core.guard` applied (``dx`` carries the
+    ``1/σ`` of ``x``: at ``x ~ 2^20`` its data would be FP16 subnormals at ``s_g``); ``dw``,
+    ``db`` (sums over r rows) at ``s_g·c(r)``, data ``/c(r)``."""
     g, x, shape, mean, rstd, w, b, mask = args
     work = work_dtype(g, x)
     dg, sg = pair(g, work)
@@ -308,7 +313,7 @@ def _layer_norm_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     for k in shape:
         numel *= k
     c = sqrt_factor(dg.numel() // max(numel, 1))
-    res = [out(func, args, dx, sg) if dx is not None else None]
+    res = [out(func, args, *guard(dx, sg)) if dx is not None else None]
     res += [out(func, args, t / c, sg * c) if t is not None else None for t in (dw, db)]
     return tuple(res)
 
