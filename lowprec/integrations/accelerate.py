@@ -111,8 +111,8 @@ def prepare(
     :class:`~lowprec.recipes.Prepared` (``compute()``, ``scaler``, the unwrapped
     ``model`` and ``optimizer``).
 
-    ``optimizer``: a fresh optimizer over ``model``'s parameters with one group (its class
-    and defaults are rebuilt over the converted parameters,
+    ``optimizer``: a fresh optimizer over ``model``'s trainable parameters (all of them),
+    with one group (its class and defaults are rebuilt over the converted parameters,
     :func:`~lowprec.integrations.common.factory_of`), an optimizer factory
     ``params -> Optimizer``, or ``None`` (AdamW, lr 1e-3). ``module_filter(module, fqn)``:
     the linears a float8 recipe converts (as ``AORecipeKwargs(module_filter_func=...)``).
@@ -137,7 +137,7 @@ def prepare(
     if optimizer is None:
         factory: OptimizerFactory | None = None
     elif isinstance(optimizer, torch.optim.Optimizer):
-        factory = factory_of(optimizer)
+        factory = factory_of(optimizer, model)
     elif callable(optimizer):
         factory = optimizer
     else:

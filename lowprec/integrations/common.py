@@ -128,11 +128,16 @@ def decay_groups(
     return regroup
 
 
-def factory_of(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
+def factory_of(
+    optimizer: torch.optim.Optimizer, model: nn.Module | None = None
+) -> OptimizerFactory:
     """A factory that builds ``type(optimizer)(params, **optimizer.defaults)``: the user's
     optimizer over the prepared parameters. ``optimizer`` must be fresh (no state yet) and
     have one parameter group (per-group options cannot follow the parameters through a
-    conversion; pass a factory and, for groups, ``param_groups`` instead)."""
+    conversion; pass a factory and, for groups, ``param_groups`` instead). With ``model``:
+    the prepared optimizer updates every trainable parameter of ``model``, so
+    ``optimizer`` must hold exactly those (``ValueError`` naming the others: one built over
+    a part of the model would otherwise train all of it)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -145,6 +150,19 @@ def factory_of(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
             "optimizer over the prepared parameters and keeps only its class and defaults: "
             "pass one group (or an optimizer factory)"
         )
+    if model is not None:
+        held = {id(q) for g in optimizer.param_groups for q in g["params"]}
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        left = [n for n, q in named if id(q) not in held]
+        foreign = len(held - {id(q) for _, q in named})
+        if left or foreign:
+            raise ValueError(
+                f"optimizer: it holds {len(held) - foreign} of the model's {len(named)} "
+                f"trainable parameters{f' and {foreign} that are not' if foreign else ''} "
+                f"(not held: {left[:3]}); lowprec rebuilds the optimizer over every trainable "
+                "parameter: freeze the others with requires_grad_(False), or pass a factory "
+                "and param_groups"
+            )
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters  # defaults may hold more keys
     group = optimizer.param_groups[0]

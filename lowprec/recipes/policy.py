@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -31,6 +32,8 @@ from typing import Literal
 import torch
 
 from lowprec.amp import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler
+
+_DYNAMIC = inspect.signature(DynamicLossScaler.__init__)
 
 __all__ = ["DTYPES", "DType", "LossScaling", "Master", "OptimizerState", "Policy"]
 
@@ -116,6 +119,16 @@ class Policy:
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < math.inf:
             raise ValueError(f"loss_scale must be a finite number > 0, got {s!r}")
         object.__setattr__(self, "loss_scale", float(s))
+        if self.loss_scaling == "dynamic":  # the scaler's own range (DynamicLossScaler)
+            lo, hi = (
+                _DYNAMIC.parameters["min_scale"].default,
+                _DYNAMIC.parameters["max_scale"].default,
+            )
+            if not lo <= s <= hi:
+                raise ValueError(
+                    f"loss_scale must be in [{lo}, {hi}] for dynamic loss scaling (the scaler "
+                    f"moves within that range), got {s!r}"
+                )
         g = self.growth_interval
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"growth_interval must be an int >= 1, got {g!r}")

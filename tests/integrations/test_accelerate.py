@@ -127,3 +127,21 @@ def test_bad_arguments_are_refused() -> None:
     two = torch.optim.SGD([{"params": [m.lm_head.weight]}, {"params": [m.model.norm.weight]}])
     with pytest.raises(ValueError, match="2 parameter groups"):
         prepare(acc, m, two, "bf16")
+
+
+def test_an_optimizer_over_part_of_the_model_is_refused() -> None:
+    """lowprec rebuilds the optimizer over every trainable parameter: one built over a part
+    of the model used to come back training all of it, silently. Now a ValueError naming
+    what it does not hold; the same model with the other part frozen is accepted, and its
+    prepared optimizer holds exactly the trainable part."""
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    acc = accelerate.Accelerator(cpu=True)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"holds 2 of the model's 4 .*'1\.weight'"):
+        prepare(acc, m, torch.optim.AdamW(m[0].parameters()), "bf16")
+    other = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="2 that are not"):
+        prepare(acc, m, torch.optim.AdamW([*m.parameters(), *other.parameters()]), "bf16")
+    m[1].requires_grad_(False)
+    _, _, p = prepare(acc, m, torch.optim.AdamW(m[0].parameters()), "bf16")
+    assert sum(len(g["params"]) for g in p.optimizer.param_groups) == 2

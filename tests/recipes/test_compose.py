@@ -130,6 +130,9 @@ def test_bad_arguments_name_themselves() -> None:
         Recipe("x", "d", "fp16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="loss_scale must be a finite number > 0, got -1"):
         Policy(loss_scale=-1)
+    with pytest.raises(ValueError, match=r"loss_scale must be in \[1.0, 16777216.0\] for dynamic"):
+        Policy("fp16", loss_scaling="dynamic", loss_scale=2.0**40)  # refused at prepare before
+    assert Policy("fp16", loss_scaling="static", loss_scale=2.0**40).loss_scale == 2.0**40
     with pytest.raises(ValueError, match="growth_interval must be an int >= 1, got 0"):
         Policy(growth_interval=0)
     with pytest.raises(ValueError, match=r"stochastic_rounding .* needs master_weights"):
