@@ -472,6 +472,10 @@ class LeanSGD(LeanOptimizer):
             raise ValueError(f"lr must be >= 0, got {lr!r}")
         if not 0.0 <= momentum:
             raise ValueError(f"momentum must be >= 0, got {momentum!r}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        if not 0.0 <= dampening <= 1.0:
+            raise ValueError(f"dampening must be in [0, 1], got {dampening!r}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0")
         defaults = {
