@@ -220,7 +220,7 @@ def test_bad_arguments_name_themselves() -> None:
         lean_optimizer(torch.optim.RMSprop([p]))
     with pytest.raises(ValueError, match="amsgrad=True is not supported"):
         lean_optimizer(torch.optim.AdamW([p], amsgrad=True))
-    with pytest.raises(ValueError, match="weight_decay must be >= 0, got -0.1"):
+    with pytest.raises(ValueError, match=r"weight_decay must be >= 0, got -0\.1"):
         LeanSGD([p], weight_decay=-0.1)
     with pytest.raises(ValueError, match=r"dampening must be in \[0, 1\], got -1"):
         LeanSGD([p], momentum=0.9, dampening=-1)
