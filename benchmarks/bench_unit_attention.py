@@ -2,8 +2,9 @@
 of ``∂q, ∂k, ∂v`` of ``lowprec.unit.functional.scaled_dot_product_attention`` for unit
 ``q, k, v`` and a unit incoming gradient, causal and not, over a range of key counts.
 
-A numerics measurement, not a timing: the rule's ``Σ_j p_ij² ≈ min(1, e^{σ²}/m_i)``
-(docs/unit-scaling.md) holds while ``e^{σ²} ≪ m_i``; the table shows where it stops.
+A numerics measurement, not a timing: the rule scales by the sampled expectations of
+``Σ_j p_ij²`` and of ``∂q``'s variance for independent unit inputs (docs/unit-scaling.md),
+so every row should read 1 up to the sampling of these 2×4 heads.
 ``--quick``: fewer key counts, temp JSON.
 """
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lowprec.unit import moments
 from lowprec.unit.core import check_float, check_number, check_same_dtype, scale_bwd, scale_fwd
 from lowprec.unit.core import unit_op as _unit_op
 
@@ -40,15 +41,6 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
     if not training or p == 0.0:
         return x
     return F.dropout(x, p, training=True) * math.sqrt(1.0 - p)
-
-
-def _mean_p2(sigma2: float, keys: Tensor | list[int]) -> float:
-    """Mean over rows of ``Σ_j p_ij² ≈ min(1, e^{σ²}/m_i)`` for rows of ``m_i`` keys, in logs
-    (``e^{σ²}`` overflows a float for ``σ² > 709``); a row with no key counts as 1."""
-    if isinstance(keys, list):
-        return sum(math.exp(min(0.0, sigma2 - math.log(max(m, 1)))) for m in keys) / len(keys)
-    m = keys.clamp(min=1).to(torch.float64)
-    return float(torch.exp((sigma2 - m.log()).clamp(max=0.0)).mean().item())
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> int:
@@ -77,14 +69,18 @@ def scaled_dot_product_attention(
 ) -> Tensor:  # fmt: skip
     """``softmax(q kᵀ·scale [+ mask]) v`` (torch's arguments) with fixed unit scales.
 
-    For unit ``q, k, v`` the logits have std ``σ = scale·√d``; over a row of ``m`` allowed
-    keys ``p_ij ≈ e^{x_ij}/(m e^{σ²/2})``, so ``Var y_i = Σ_j p_ij² ≈ min(1, e^{σ²}/m)``
-    and ``Var ∂q_i ≈ σ²·Σ_j p_ij²``. Averaged over rows (``m = n`` keys; ``m = i+1`` with
-    ``is_causal``; the count of ``True`` entries of a boolean ``attn_mask``, read once per
-    call), ``P2 = mean_i Σ_j p_ij²``:
+    For unit ``q, k, v`` the logits have std ``σ = scale·√d``. A row of ``m`` allowed keys
+    (``m = n`` keys; ``m = i+1`` with ``is_causal``; the count of ``True`` entries of a
+    boolean ``attn_mask``, read once per call) gives ``Var y_i = Σ_j p_ij²`` and
+    ``Var ∂q_i = σ²·Σ_j p_ij²(u_j - Σ_k p_ik u_k)²`` (``u`` unit: the incoming gradient
+    times ``v``); their expectations ``P2(m)``, ``D2(m)`` over Gaussian logits are
+    sampled (:func:`lowprec.unit.moments.softmax_row_table`; ``P2 ≈ e^{σ²}/m`` only while
+    ``e^{σ²} ≪ m``) and averaged over the rows:
 
-    * dropout ``p`` keeps ``p_ij/(1-p)`` with probability ``1-p``: ``P2 → P2/(1-p)``;
-    * output and ``∂v`` scaled by ``1/√P2``, ``∂q, ∂k`` by ``1/√(P2·σ²)``;
+    * dropout ``p`` keeps ``p_ij/(1-p)`` with probability ``1-p``: ``P2 → P2/(1-p)``,
+      ``D2 → D2/(1-p)``;
+    * output and ``∂v`` scaled by ``1/√P2``, ``∂q, ∂k`` by ``1/√D2`` (``∂k`` sums the same
+      terms over the rows instead of the keys: the same mean);
     * ``enable_gqa`` (``H_q = G·H_kv`` query heads share a key/value head): ``∂k, ∂v`` sum
       ``G`` heads' contributions, so they get a further ``1/√G``. The forward equals the
       repeated-key/value formulation (``k, v`` repeated ``G`` times along the head dim).
@@ -106,15 +102,16 @@ def scaled_dot_product_attention(
     if scale is not None:
         scale = check_number("scale", scale)
     d, n, rows = max(1, q.shape[-1]), max(1, k.shape[-2]), max(1, q.shape[-2])
-    sigma2 = (d**-0.5 if scale is None else scale) ** 2 * d
+    sigma = (d**-0.5 if scale is None else abs(scale)) * d**0.5
     if attn_mask is not None:
-        p2 = _mean_p2(sigma2, attn_mask.sum(-1))
-    elif is_causal:
-        p2 = _mean_p2(sigma2, [min(i + 1, n) for i in range(rows)])
+        counts, p2s, d2s = moments.softmax_row_table(n, sigma)
+        keys = attn_mask.sum(-1, dtype=torch.float32)  # exact to 2**24 keys a row
+        p2 = float(moments.row_values(keys, counts, p2s).mean())
+        d2 = float(moments.row_values(keys, counts, d2s).mean())
     else:
-        p2 = _mean_p2(sigma2, [n])
+        p2, d2 = moments.attention_rows(rows, n, sigma, is_causal)
     s = (p2 / (1.0 - p_drop)) ** -0.5
-    s_q = s / max(sigma2, 1e-12) ** 0.5
+    s_q = (max(d2, 1e-12) / (1.0 - p_drop)) ** -0.5  # D2 → 0: no gradient; scale stays finite
     q = scale_bwd(q, s_q)
     k, v = scale_bwd(k, s_q * group**-0.5), scale_bwd(v, s * group**-0.5)
     kw = {"enable_gqa": True} if enable_gqa else {}

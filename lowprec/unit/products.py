@@ -9,7 +9,6 @@ folds its scales into the GEMMs (:mod:`lowprec.unit.folded`) where it can.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import cast
 
@@ -21,6 +20,7 @@ from lowprec.core.autograd import apply_fn
 from lowprec.core.casts import quantize_grad, quantize_ste
 from lowprec.core.observe import CastOperand, GemmSink, gemm_sink
 from lowprec.core.rounding import quantize
+from lowprec.unit import moments
 from lowprec.unit.core import (
     apply_constraint,
     check_float,
@@ -123,14 +123,15 @@ def probs_matmul(p: Tensor, v: Tensor, *, float8: bool = False, mult: float = 1.
     ``m`` = ``mult``, the softmax's multiplier).
 
     Forward ``y = c·(p @ v)``, backward ``∂p = c·g vᵀ``, ``∂v = c·pᵀ g``, with
-    ``c = 1/√P2`` and ``P2 = mean_i r_i²·min(1, e^{m²}/m_i)``: ``r_i = Σ_j p_ij`` (1 for
-    probabilities, the unit softmax's ``1/√E[p²]`` for its output) and ``m_i`` the row's
-    nonzero entries (its allowed keys; a dropped entry counts as masked). That is the SDPA
-    rule's ``P2`` (:func:`scaled_dot_product_attention`) for logits of variance
-    ``σ² = m²`` (unit ``q, k`` at the standard ``1/√d``, times ``m``), with the allowed
-    keys read from ``p`` instead of a boolean mask, so explicit and SDPA attention compute
-    the same ``y``; for unit, independent ``v``, ``Var y_i = Σ_j p_ij² ≈
-    r_i²·min(1, e^{m²}/m_i)``. ``c`` is a detached scalar tensor (no host sync).
+    ``c = 1/√P2`` and ``P2 = mean_i r_i²·P2(m_i)``: ``r_i = Σ_j p_ij`` (1 for
+    probabilities, the unit softmax's ``1/√E[p²]`` for its output), ``m_i`` the row's
+    nonzero entries (its allowed keys; a dropped entry counts as masked) and ``P2(m) =
+    E[Σ_j p_j²]`` over ``m`` logits of variance ``σ² = m²`` (unit ``q, k`` at the standard
+    ``1/√d``, times ``m``; :func:`lowprec.unit.moments.softmax_row_table`). That is the
+    SDPA rule's ``P2`` (:func:`scaled_dot_product_attention`) with the allowed keys read
+    from ``p`` instead of a boolean mask, so explicit and SDPA attention compute the same
+    ``y``; for unit, independent ``v``, ``Var y_i = Σ_j p_ij²``. ``c`` is a detached
+    scalar tensor (no host sync).
     ``float8``: as :func:`matmul`.
     """
     check_float("p", p)
@@ -140,9 +141,9 @@ def probs_matmul(p: Tensor, v: Tensor, *, float8: bool = False, mult: float = 1.
     if p.dim() < 2 or v.dim() < 2:
         raise ValueError(f"p, v: need >= 2 dims, got shapes {tuple(p.shape)}, {tuple(v.shape)}")
     q = p.detach().float()
-    m = (q != 0).sum(-1, dtype=torch.float32).clamp(min=1)  # exact to 2**24 keys a row
-    spread = math.exp(min(mult * mult, 700.0))  # e^{σ²}; beyond e^700 every row is one-hot
-    p2 = (q.sum(-1).square() * (spread / m).clamp(max=1.0)).mean()
+    m = (q != 0).sum(-1, dtype=torch.float32)  # exact to 2**24 keys a row
+    counts, p2s, _ = moments.softmax_row_table(max(1, p.shape[-1]), mult)
+    p2 = (q.sum(-1).square() * moments.row_values(m, counts, p2s)).mean()
     c = p2.clamp(min=torch.finfo(torch.float32).tiny).rsqrt().to(p.dtype)
     # c applied to an operand, not to the product: rows of c·p have Σ_j (c·p_ij)² ≈ 1, so no
     # product larger than the unit output is formed (a unit softmax's p is n times the

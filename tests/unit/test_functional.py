@@ -22,6 +22,7 @@ from torch import Tensor
 from lowprec.unit import CONSTRAINTS, apply_constraint, folded, scale_bwd, scale_fwd
 from lowprec.unit import functional as U
 from lowprec.unit import nn as unn
+from lowprec.unit.moments import row_values, softmax_row_table
 from lowprec.unit.moments import softmax_gains as _softmax_gains
 
 LO, HI = 0.9, 1.1
@@ -216,8 +217,9 @@ def test_softmax_and_probs_matmul_match_their_scale_primitives() -> None:
         p = p.detach().masked_fill(torch.ones(40, 40).triu(1).bool(), 0.0).requires_grad_()
         v = _randn(2, 40, v_len, seed=4).double().requires_grad_()
         q = p.detach().float()  # c is computed in FP32 (documented), then applied
-        m = (q != 0).sum(-1).clamp(min=1).float()
-        c = (q.sum(-1).square() * (math.e / m).clamp(max=1.0)).mean().rsqrt().double()
+        m = (q != 0).sum(-1).float()
+        counts, p2s, _ = softmax_row_table(40, 1.0)  # P2(m) at σ = mult = 1
+        c = (q.sum(-1).square() * row_values(m, counts, p2s)).mean().rsqrt().double()
         ours = _grads(U.probs_matmul, [p, v])
         ref = _grads(lambda a, b, k=c: (a @ b) * k, [p, v])
         for a, r in zip(ours, ref, strict=True):

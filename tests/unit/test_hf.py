@@ -359,7 +359,9 @@ def test_eager_attention_computes_what_sdpa_does(build: str) -> None:
         u.eval()
         with torch.no_grad():
             outs.append(u(input_ids=_ids(4, 32)).logits)
-        assert all(0.7 <= s <= 1.4 for s in stds), (impl, stds)
+        # measured 1.04-1.42 (gpt2, layers 1-4): the stream grows as attention averages
+        # positions (their values correlate; the rule assumes independent values)
+        assert all(0.7 <= s <= 1.6 for s in stds), (impl, stds)
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
 
 

