@@ -407,20 +407,26 @@ SETTINGS = ("model", "steps", "batch_size", "seq_len", "width", "depth", "heads"
 
 def references(runs: Sequence[Run]) -> list[Run | None]:
     """Each run's reference among ``runs``: ``None`` for a high-precision run
-    (:attr:`Run.is_reference`) and where the set has none; else the first reference run of
-    its kind (:func:`reference_of`: a unit-scaled run's is the first unit-scaled
-    reference, where there is one)."""
-    refs: list[tuple[str, bool]] = []
-    first: dict[str, Run] = {}
-    for run in runs:
-        if run.is_reference and run.recipe not in first:
-            first[run.recipe] = run
-            refs.append((run.recipe, unit_scaled(run.recipe_dict) or run.recipe == "fp32-unit"))
+    (:attr:`Run.is_reference`) and where the set has none of its kind; else, among the
+    reference runs of its kind (:func:`reference_of`: unit-scaled for a unit-scaled run,
+    plain otherwise), the first trained with the same settings (:func:`settings_differ`),
+    or the first of them all when none is (its verdict then names the settings that
+    differ)."""
+    refs = [r for r in runs if r.is_reference]
     out: list[Run | None] = []
     for run in runs:
-        name = None if run.is_reference else reference_of(unit_scaled(run.recipe_dict), refs)
-        out.append(None if name is None else first[name])
+        if run.is_reference:
+            out.append(None)
+            continue
+        kind = [r for r in refs if _unit_reference(r) == unit_scaled(run.recipe_dict)]
+        same = [r for r in kind if not settings_differ(run, r)]
+        out.append((same or kind)[0] if kind else None)
     return out
+
+
+def _unit_reference(run: Run) -> bool:
+    """Whether the reference run ``run`` is a unit-scaled one (``fp32-unit``)."""
+    return unit_scaled(run.recipe_dict) or run.recipe == "fp32-unit"
 
 
 def settings_differ(run: Run, ref: Run) -> list[str]:
@@ -436,8 +442,8 @@ def summary_verdicts(
 ) -> list[tuple[str, str]]:
     """``(run name, verdict)`` for each run: a run in high precision
     (:attr:`Run.is_reference`) is a ``"reference"``; every other run's final val loss is
-    judged against the first reference of its kind in ``runs`` (:func:`reference_of`:
-    unit-scaled runs against a unit-scaled reference where there is one) with
+    judged against its reference in ``runs`` (:func:`references`: of its kind, unit-scaled
+    runs against a unit-scaled reference only, trained with its settings where one is) with
     :func:`verdict` and ``tolerance`` (relative gap per reference recipe name; none: the
     spread is not measured). Without a reference the verdict says so and judges nothing:
     a low-precision run is never the reference. A run trained with other settings than its

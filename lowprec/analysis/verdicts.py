@@ -31,7 +31,9 @@ __all__ = [
 
 FAIL_GAP = 0.05  # a val-loss gap above this (and above the spread) is a failure
 REFERENCE = "reference"
-NO_REFERENCE = "no reference: this set has no fp32 run to compare with; val loss not judged"
+NO_REFERENCE = (
+    "no reference: this set has no fp32 run of its kind to compare with; val loss not judged"
+)
 NOT_JUDGED = "not judged: trained with other settings"  # + " than <reference> (<settings>)"
 _REFERENCE_NAMES = ("fp32", "fp32-unit")
 
@@ -72,19 +74,18 @@ def is_reference_recipe(recipe: Mapping[str, Any], name: str = "") -> bool:
 def reference_of(unit: bool, references: Sequence[tuple[str, bool]]) -> str | None:
     """The name of the reference of a non-reference run among the set's ``references``
     (``(name, unit_scaled)`` of each run that :func:`is_reference_recipe`, in order): the
-    first unit-scaled one for a unit-scaled run, where there is one, else the first plain
-    one; ``None`` when the set has none (the verdict is then :data:`NO_REFERENCE`).
+    first one of its own kind, unit-scaled for a unit-scaled run (``fp32-unit``) and plain
+    for the others (``fp32``); ``None`` when the set has none of that kind (the verdict
+    is then :data:`NO_REFERENCE`). A unit-scaled run is never judged against plain FP32:
+    unit scaling trains another model (at the demo's 80 steps ``fp32-unit`` ends 3.7% below
+    ``fp32``), so such a gap would mix the two and could call a failing run healthy.
 
     Example:
         >>> refs = [("fp32", False), ("fp32-unit", True)]
-        >>> reference_of(True, refs), reference_of(False, refs), reference_of(False, refs[1:])
+        >>> reference_of(True, refs), reference_of(False, refs), reference_of(True, refs[:1])
         ('fp32-unit', 'fp32', None)
     """
-    if unit:
-        for name, u in references:
-            if u:
-                return name
-    return next((name for name, u in references if not u), None)
+    return next((name for name, u in references if u == unit), None)
 
 
 def gap_spread(val_losses: Mapping[str, Sequence[float]], reference: str) -> float | None:

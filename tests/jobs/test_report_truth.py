@@ -55,6 +55,34 @@ def test_the_gap_column_uses_each_runs_verdict_reference_in_any_order() -> None:
         assert refs == {"fp32": None, "fp32-unit": None, "fp8-unit": "fp32-unit", "bf16": "fp32"}
 
 
+def test_the_reference_is_the_one_trained_with_the_runs_settings() -> None:
+    """Two fp32 runs, one at another learning rate: each run is judged against the fp32
+    run with its own settings, in any order (the first fp32 run was taken for all: the
+    others read "not judged" or a gap to the wrong run, -1.07% for a failing one)."""
+    odd, ref = _run("fp32", 3.35, name="fp32-lr0.3", lr=0.3), _run("fp32", 2.0, name="fp32")
+    bad = _run("fp8-naive", 2.42)
+    for order in itertools.permutations([odd, ref, bad]):
+        got = dict(summary_verdicts(order, {"fp32": 0.01}))
+        assert got["fp8-naive"] == "fails: +21.0% val loss vs fp32"
+        rows = {r[0]: r for r in summary_rows(order)}
+        assert rows["fp8-naive"][_GAP] == "+21.00% (fp32)"
+        assert (
+            dict(zip([r.name for r in order], references(order), strict=True))["fp8-naive"] is ref
+        )
+    # only the other-settings reference: not judged, naming the difference
+    assert dict(summary_verdicts([odd, bad]))["fp8-naive"].startswith("not judged")
+
+
+def test_a_unit_run_is_never_judged_against_plain_fp32() -> None:
+    """fp32-unit trains another model than fp32 (3.7% lower val loss at the demo's 80
+    steps): a unit-scaled run in a set without fp32-unit gets no reference (it read
+    "-7.5% vs fp32", which would pass a failing fp8-unit run)."""
+    got = dict(summary_verdicts([_run("fp32", 2.0), _run("fp8-unit", 1.85)], {"fp32": 0.01}))
+    assert got["fp8-unit"].startswith("no reference") and not failing(got["fp8-unit"])
+    assert "matches" not in got["fp8-unit"] and "better" not in got["fp8-unit"]
+    assert references([_run("fp32", 2.0), _run("fp8-unit", 1.85)])[1] is None
+
+
 def test_runs_trained_with_other_settings_are_not_judged() -> None:
     """A shorter run is not 'failing' against a longer reference: the verdict names the
     settings that differ, the page shows no cause table for it and never calls it

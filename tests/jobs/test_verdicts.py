@@ -72,7 +72,7 @@ def test_reference_of() -> None:
     refs = [("fp32", False), ("fp32-unit", True)]
     assert reference_of(False, refs) == "fp32"
     assert reference_of(True, refs) == "fp32-unit"
-    assert reference_of(True, [("fp32", False)]) == "fp32"  # unit falls back to plain fp32
+    assert reference_of(True, [("fp32", False)]) is None  # never plain fp32 for a unit run
     assert reference_of(False, [("fp32-unit", True)]) is None  # never the other way
     assert reference_of(False, []) is None
 
