@@ -295,8 +295,9 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
         notes.append(f"Verdict: {verdict_text}.")
     if s.get("diverged_at") is not None:
         notes.append(
-            f"The loss became NaN/Inf at step {s['diverged_at']}: the run diverged. Look for "
-            "overflow below, lower the learning rate, or use loss scaling with skipped steps."
+            _DIVERGED.get(str(s.get("diverged_cause")), _DIVERGED["loss"]).format(
+                step=s["diverged_at"]
+            )
         )
     if run.stopped_early and s.get("diverged_at") is None:
         notes.append(
@@ -342,6 +343,20 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
         return notes
     own = run.compute_format
     last = run.tracked_steps[-1] if run.numerics else None
+    gone = sorted(
+        ((float(r.get("nonfinite") or 0.0), r) for r in run.numerics
+         if r["step"] == last and r["kind"] in KINDS and (r.get("nonfinite") or 0.0) > 0),
+        key=lambda t: -t[0],
+    )  # fmt: skip
+    if gone:
+        cause = True
+        share, r = gone[0]
+        more = f" ({len(gone) - 1} more tensors too)" if len(gone) > 1 else ""
+        notes.append(
+            f"{100 * share:.3g}% of the {KIND_TEXT[r['kind']]} of {r['name']} are NaN/Inf at "
+            f"step {last}{more}: the values themselves diverged (an update or an operation "
+            "made them NaN/Inf), which no format's range explains."
+        )
     for fmt in judged_formats(run) if last is not None else ():
         assert last is not None
         bad = worst(run, last, "below_normal", BACKWARD_KINDS, [fmt], own=True)
@@ -359,16 +374,21 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
                 else ""
             )
             notes.append(
-                f"{100 * share:.0f}% of the {KIND_TEXT[r['kind']]} of {r['name']} underflow in "
+                f"{100 * share:.3g}% of the {KIND_TEXT[r['kind']]} of {r['name']} underflow in "
                 f"{fmt} (below its smallest normal, {get_format(fmt).min_normal:.3g}) at step "
                 f"{last}{more}: use loss scaling or unit scaling."
             )
-        over = [t for t in worst_overflow(run, last) if t[1] == fmt and t[0] >= OVERFLOW_ALERT]
+        over = [  # NaN/Inf values are counted above the max; reported above as NaN/Inf
+            (t[0] - float(t[2].get("nonfinite") or 0.0), t[1], t[2])
+            for t in worst_overflow(run, last)
+            if t[1] == fmt
+        ]
+        over = sorted((t for t in over if t[0] >= OVERFLOW_ALERT), key=lambda t: -t[0])
         if over:
             cause = True
             share, _, r = over[0]
             notes.append(
-                f"{100 * share:.2g}% of the {KIND_TEXT[r['kind']]} of {r['name']} overflow "
+                f"{100 * share:.3g}% of the {KIND_TEXT[r['kind']]} of {r['name']} overflow "
                 f"{fmt} (above {get_format(fmt).max:g}) at step {last}: scale them "
                 "(loss scaling, float8 scaling) or keep them in a wider format."
             )
@@ -398,6 +418,27 @@ def techniques(run: Run) -> list[str]:
     rec = run.recipe_dict
     kinds = [str(t.get("technique")) for t in rec.get("technique") or () if isinstance(t, dict)]
     return kinds + [k for k in ("float8", "unit_fp8", "scalify_format") if rec.get(k)]
+
+
+# What a run that diverged is told, by what became NaN/Inf (summary "diverged_cause").
+_DIVERGED = {
+    "loss": (
+        "The loss became NaN/Inf at step {step}: the run diverged. Look for overflow below, "
+        "lower the learning rate, or use loss scaling with skipped steps."
+    ),
+    "gradients": (
+        "The gradients were Inf/NaN at every step up to step {step} while the loss stayed "
+        "finite: each step was skipped, and the run stopped after too many in a row. A "
+        "loss scale too high for them overflows the scaled gradients (see the skipped steps "
+        "below)."
+    ),
+    "weights": (
+        "The weights became NaN/Inf in the update before step {step}: an optimizer step on "
+        "finite gradients overflowed the parameters' format, and no skipped step can undo "
+        "it. Lower the learning rate or keep FP32 master weights."
+    ),
+}
+_DIVERGED["loss and gradients"] = _DIVERGED["loss"]
 
 
 # The training settings (config.json's "train") that a val-loss comparison assumes equal.
@@ -464,7 +505,7 @@ def summary_verdicts(
             tail = f"; {skipped} step{'s' if skipped > 1 else ''} skipped" if skipped else ""
             diverged = s.get("diverged_at")
             text = (
-                f"fails: loss NaN/Inf at step {diverged}"
+                f"fails: {s.get('diverged_cause') or 'loss'} NaN/Inf at step {diverged}"
                 if diverged is not None
                 else REFERENCE + tail
             )
@@ -492,6 +533,7 @@ def summary_verdicts(
             underflow=float(s.get("act_grad_underflow") or 0.0),
             skipped=skipped,
             diverged_at=s.get("diverged_at"),
+            cause=s.get("diverged_cause"),
         )
         out.append((run.name, text))
     return out

@@ -113,12 +113,14 @@ def verdict(
     underflow: float = 0.0,
     skipped: int = 0,
     diverged_at: int | None = None,
+    cause: str | None = None,
 ) -> str:
     """One line judging a run by its val-loss ``gap`` (``val / val_ref - 1``) to
     ``reference``, against ``tolerance`` (the relative gap that seed-to-seed noise can
     explain; ``None``: not measured for this configuration):
 
-    * a run that diverged or has no finite val loss fails;
+    * a run that diverged (``diverged_at``; ``cause``: what became NaN/Inf, the loss by
+      default) or has no finite val loss fails;
     * without a reference (``None``): :data:`NO_REFERENCE`, never a pass;
     * ``gap > max(tolerance, FAIL_GAP)`` fails; a gap above the tolerance only is worse;
     * ``|gap| <= tolerance`` matches; with ``underflow`` (the share of activation gradients
@@ -138,7 +140,7 @@ def verdict(
         True
     """
     if diverged_at is not None:
-        return f"fails: loss NaN/Inf at step {diverged_at}"
+        return f"fails: {cause or 'loss'} NaN/Inf at step {diverged_at}"
     tail = f"; {skipped} step{'s' if skipped > 1 else ''} skipped" if skipped else ""
     if reference is None:
         return f"{NO_REFERENCE}{tail}"

@@ -62,6 +62,7 @@ from lowprec.core.warn import warn_once
 
 __all__ = [
     "Pow2Mode",
+    "ScaleOverflowError",
     "amax",
     "check_margin",
     "compute_scale",
@@ -70,6 +71,13 @@ __all__ = [
     "nv_scale",
     "round_pow2",
 ]
+
+
+class ScaleOverflowError(ValueError):
+    """A scale computed from others left float32 (Inf, NaN or negative): the values it
+    stands for are beyond float32's range, as FP32 arithmetic would overflow there. A
+    training step treats it as a non-finite step (:func:`lowprec.recipes.step.train_step`
+    with ``skip_nonfinite``)."""
 
 
 _MIN_SCALE = 2.0**-126

@@ -85,6 +85,7 @@ def judge(results: list[dict[str, Any]], tolerance: dict[str, float]) -> None:
             underflow=s["act_grad_underflow"],
             skipped=s["skipped_steps"],
             diverged_at=s["diverged_at"],
+            cause=s.get("diverged_cause"),
         )
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "TAIL",
     "RunningSummary",
     "diverged_at",
+    "diverged_cause",
     "share_cell",
     "summary_cells",
     "summary_of",
@@ -35,6 +36,17 @@ def diverged_at(recs: list[dict[str, Any]]) -> int | None:
         i -= 1
     step: int = recs[i]["step"]
     return step
+
+
+def diverged_cause(recs: list[dict[str, Any]]) -> str | None:
+    """What became NaN/Inf where the run diverged (:func:`diverged_at`): the stopping
+    record's ``"stop_cause"`` (``"loss"``, ``"gradients"``, ``"loss and gradients"`` or
+    ``"weights"``; ``"loss"`` for records written before it was kept, and for a run that
+    ended with a NaN/Inf loss); ``None`` when the run did not diverge."""
+    if diverged_at(recs) is None:
+        return None
+    cause = next((r.get("stop_cause") for r in recs if r.get("stopped") == "nonfinite"), None)
+    return str(cause) if cause else "loss"
 
 
 TAIL = 10  # the train loss of a run is the mean of its last TAIL steps' losses
@@ -75,7 +87,8 @@ def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
     zero gradient values and of activation-gradient underflow over the steps applied (a
     skipped step's gradients hold Inf/NaN, whose shares measure nothing; NaN when no step
     was applied), the median step time, and the step where it diverged
-    (:func:`diverged_at`). A run without records has a NaN train loss and 0 step time."""
+    (:func:`diverged_at`) and what became NaN/Inf there (:func:`diverged_cause`). A run
+    without records has a NaN train loss and 0 step time."""
     vals = [r for r in recs if "val_loss" in r]
     running = RunningSummary(recs)
     final_val = vals[-1]["val_loss"] if vals else math.nan
@@ -93,6 +106,7 @@ def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
         "act_grad_zero": _mean(applied, "act_grad_zero"),
         "step_time_ms": running.step_time_ms if recs else 0,
         "diverged_at": diverged_at(recs),
+        "diverged_cause": diverged_cause(recs),
         "state_bytes_per_param": _last(recs, "state_bytes_per_param"),
     }
 

@@ -32,6 +32,7 @@ parameters or optimizer state.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from pathlib import Path
@@ -293,7 +294,7 @@ class _Loop:
         if old is None:
             return
         keys = [k for k in _REDO_KEYS if k in old or k in rec]
-        if all(old.get(k) == rec.get(k) for k in keys):
+        if all(_same(old.get(k), rec.get(k)) for k in keys):
             return
         rec["resume_mismatch"] = True
         rec["resume_loss_before"] = old.get("loss")
@@ -315,7 +316,23 @@ class _Loop:
         done = step + 1
         self.skips = self.skips + 1 if rec["skipped"] else 0
         stop = None
-        if rec["nonfinite"] is not None and not self.scaler_skips and self.on_nonfinite == "stop":
+        advice = "Resume with --on-nonfinite skip, a lower --lr, or use a recipe with loss scaling"
+        cause = rec["nonfinite"] or "gradients"  # what became NaN/Inf, for the summary
+        # A NaN loss from finite inputs: did the last update leave NaN/Inf weights? Then no
+        # skipped step can recover (checked only on such a step: one pass over the state).
+        bad = checkpoints.nonfinite_state(self.prepared) if "loss" in cause else None
+        if bad is not None:
+            cause = "weights"
+            stop = (
+                f"step {done}: {bad} holds Inf/NaN after the previous update; skipped steps "
+                "cannot recover it, the run stops"
+            )
+            advice = (
+                "Lower --lr (the updates carry the weights past their format's range)"
+                if self.prepared.recipe.policy.master_weights
+                else "Lower --lr, or use a recipe with FP32 master weights"
+            )
+        elif rec["nonfinite"] is not None and not self.scaler_skips and self.on_nonfinite == "stop":
             stop = (
                 f"step {done}: the {rec['nonfinite']} became NaN/Inf; the run stops "
                 "(--on-nonfinite stop) and the step was not applied"
@@ -323,9 +340,13 @@ class _Loop:
         elif self.skips >= self.max_skips:
             stop = (
                 f"step {done}: {self.skips} consecutive steps skipped "
-                f"({rec['nonfinite'] or 'gradients'} NaN/Inf); the run stops (--max-skips "
-                f"{self.max_skips})"
+                f"({cause} NaN/Inf); the run stops (--max-skips {self.max_skips})"
             )
+            if self.scaler_skips and cause == "gradients":
+                advice = (
+                    "The loss is finite and the scaled gradients overflow: lower the loss "
+                    "scale, or use dynamic loss scaling"
+                )
         if stop is None and self.guard is not None and not rec["skipped"]:
             moves = self.guard.check(done, self.recorder.gemm_records, rec["loss"])
             if moves:  # written before the step's metrics line: a resume cuts both
@@ -333,6 +354,7 @@ class _Loop:
                 rec["guard_moves"] = len(moves)
         if stop is not None:
             rec["stopped"] = "nonfinite"
+            rec["stop_cause"] = cause
         elif done % cfg.eval_every == 0 or done == cfg.steps:
             rec["val_loss"] = evaluate(self.prepared, self.data, cfg.eval_batches)
         self._check_redo(done, rec)
@@ -344,12 +366,16 @@ class _Loop:
                 if self.last_ckpt is None
                 else (f"the last checkpoint (step {self.last_ckpt}) is kept")
             )
-            raise NonFiniteError(
-                f"{stop}; {kept}. Resume with --on-nonfinite skip, a lower --lr, or use a "
-                "recipe with loss scaling",
-                done,
-            )
+            raise NonFiniteError(f"{stop}; {kept}. {advice}", done)
         return rec
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal logged values, a NaN equal to a NaN (a redone step that was NaN both times is
+    the same step)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
 
 
 def _logged(out: Path) -> list[dict[str, Any]]:

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lowprec import _faults
 from lowprec.amp import LossScaler, NoLossScaler
 from lowprec.analysis.stats import grad_stats as _grad_stats
+from lowprec.core.scales import ScaleOverflowError
 from lowprec.core.tensor import ScaledTensor
 
 __all__ = ["Plain", "Run", "StepResult", "set_lr", "train_step"]
@@ -141,20 +142,30 @@ def train_step(
     saved = [b.detach().clone() for b in run.model.buffers()] if skip_nonfinite else None
     snapshot = getattr(run, "calibration_state", None)  # a Prepared's static float8
     calibration = snapshot() if skip_nonfinite and snapshot is not None else None
-    failed = False
+    failed: str | None = None  # what a failed forward or backward made non-finite
     with (compute or run.compute)():
-        _, loss = run.model(x, y)
+        try:
+            _, loss = run.model(x, y)
+        except ScaleOverflowError:  # values beyond float32 (scalify): FP32 overflows too
+            if not skip_nonfinite:
+                raise
+            loss, failed = torch.full((), float("nan"), device=x.device), "loss and gradients"
         if loss is None:
             raise ValueError("run.model(x, y) returned no loss")
         _faults.point("forward")
         try:
-            run.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+            if failed is None:
+                run.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        except ScaleOverflowError:
+            if not skip_nonfinite:
+                raise
+            failed = "gradients" if bool(_all_finite(loss)) else "loss and gradients"
         except (ValueError, RuntimeError, ArithmeticError):
-            # A backward that fails on a NaN/Inf loss (scalify refuses non-finite scales)
-            # is a non-finite step; any other failure is raised.
+            # A backward that fails on a NaN/Inf loss is a non-finite step; any other
+            # failure is raised.
             if not skip_nonfinite or bool(_all_finite(loss)):
                 raise
-            failed = True
+            failed = "loss and gradients"
     scale = run.scaler.loss_scale
     stats = _grad_stats(run.model.parameters()) if grad_stats else None
     bad = (
@@ -162,8 +173,8 @@ def train_step(
         if skip_nonfinite
         else None
     )
-    if failed:
-        bad = "loss and gradients"
+    if failed is not None:
+        bad = failed
     _faults.point("backward")
     if bad is None:
         run.scaler.step(run.optimizer)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lowprec.core.granularity import apply_scale, check_scale_shape
 from lowprec.core.layout import dense_view
-from lowprec.core.scales import round_pow2
+from lowprec.core.scales import ScaleOverflowError, round_pow2
 from lowprec.core.tensor import ScaledTensor
 from lowprec.scalify.config import current_config
 from lowprec.scalify.domains import out_domain, sts
@@ -335,7 +335,7 @@ def wrap(
             ok = bool((torch.isfinite(s) & (s >= 0)).all())
         if not ok:
             bad = ~(torch.isfinite(s) & (s >= 0))
-            raise ValueError(
+            raise ScaleOverflowError(
                 f"scalify: {op} created a non-finite or negative scale "
                 f"({s[bad].flatten()[:4].tolist()}); its inputs' scales were too large or "
                 "too small for float32 (rebalance them first)"

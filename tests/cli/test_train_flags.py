@@ -249,10 +249,10 @@ def test_bad_recipe_file(
 def test_every_file_of_a_nan_run_is_strict_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """fp16-scalify at lr 1e4 diverges at step 2: its summary holds NaN and Inf. Every
+    """fp16 (no loss scaling) at lr 1e4 diverges at step 2: its summary holds NaN and Inf. Every
     JSON file parses with a strict parser; the readers give the numbers back as floats."""
     out = tmp_path / "nan"
-    args = ["train", *TINY, "--recipe", "fp16-scalify", "--lr", "1e4", "--out", str(out)]
+    args = ["train", *TINY, "--recipe", "fp16", "--lr", "1e4", "--out", str(out)]
     cli_error(args, capsys, code=1)
     summary = _strict((out / "summary.json").read_text())
     assert summary["val_loss"] == "NaN" and summary["diverged_at"] == 2

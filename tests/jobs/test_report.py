@@ -77,7 +77,7 @@ def test_diagnosis_names_tensor_format_and_fix(runs: dict[str, Path]) -> None:
     notes = diagnose(load_run(runs["fp16"]))
     first = notes[0]
     assert re.match(
-        r"\d+% of the (activation|weight) gradients of \S+ underflow in fp16 "
+        r"[\d.]+% of the (activation|weight) gradients of \S+ underflow in fp16 "
         r"\(below its smallest normal, 6.1e-05\) at step 5",
         first,
     ), first

@@ -23,6 +23,7 @@ from lowprec.jobs.train import (
     read_metrics,
     train,
 )
+from lowprec.recipes import get_recipe
 from tests._helpers import TINY
 
 
@@ -430,3 +431,84 @@ def test_no_checkpoint_of_nonfinite_state(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteError, match="holds Inf/NaN; no checkpoint written"):
         checkpoints.save(out, prepared, 3)
     assert (out / "checkpoint.pt").read_bytes() == before
+
+
+def test_overflowing_gradients_with_a_finite_loss_are_not_called_a_nan_loss(
+    tmp_path: Path,
+) -> None:
+    """fp16 with a static loss scale of 1e30: the loss stays finite, every scaled gradient
+    overflows, every step is skipped until --max-skips stops the run. The error advises a
+    lower loss scale (not loss scaling, which the recipe has), summary.json names the
+    gradients, and the report's verdict says so (it read "fails: loss NaN/Inf at step 5").
+    """
+    from lowprec.jobs.report import diagnose, load_run, summary_verdicts
+
+    base = get_recipe("fp16-static-ls")
+    rec = replace(base, name="fp16-ls1e30", policy=replace(base.policy, loss_scale=1e30))
+    out = tmp_path / "huge"
+    with pytest.raises(NonFiniteError, match=r"step 5: 5 consecutive .*lower the loss scale"):
+        train(replace(TINY, recipe=rec), out, progress=False, max_skips=5)
+    recs = read_metrics(out)
+    assert all(math.isfinite(r["loss"]) and r["skipped"] for r in recs)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["diverged_at"] == 5 and summary["diverged_cause"] == "gradients"
+    run = load_run(out)
+    text = dict(summary_verdicts([run]))[run.name]
+    assert text == "fails: gradients NaN/Inf at step 5"
+    assert not any("loss became NaN" in n for n in diagnose(run, text))
+
+
+def test_weights_made_nan_by_an_update_stop_the_run_even_when_skipping(
+    tmp_path: Path,
+) -> None:
+    """fp16-pure (FP16 parameters, no masters, no loss scaling) at a learning rate that
+    makes AdamW's first FP16 update NaN: skipped steps cannot recover NaN weights, so the
+    run stops at the first NaN loss whatever --on-nonfinite says, naming the weights; the
+    summary is written and the report calls the cause the weights (it skipped on until
+    the checkpoint failed, wrote no summary, and reported the NaN weights as overflow)."""
+    from lowprec.jobs.report import diagnose, load_run, summary_verdicts
+
+    out = tmp_path / "pure"
+    cfg = replace(TINY, recipe="fp16-pure", lr=1e4)
+    with pytest.raises(NonFiniteError, match=r"holds Inf/NaN after the previous update"):
+        train(cfg, out, progress=False, on_nonfinite="skip", max_skips=100)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["diverged_cause"] == "weights"
+    run = load_run(out)
+    text = dict(summary_verdicts([run]))[run.name]
+    assert text.startswith("fails: weights NaN/Inf at step")
+    notes = diagnose(run, text)
+    assert any("weights became NaN/Inf" in n for n in notes), notes
+    assert not any("overflow fp16" in n for n in notes), notes
+
+
+def test_a_step_that_was_nan_both_times_is_not_a_resume_mismatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redone step whose loss was NaN before and after the resume logs the same step:
+    NaN equals NaN here (it was marked resume_mismatch)."""
+    out = tmp_path / "r"
+    _nan_at(monkeypatch, {3})
+    train(replace(TINY, recipe="fp16-dynamic-ls"), out, progress=False, stop_after=5)
+    recs = read_metrics(out)
+    assert not math.isfinite(recs[3]["loss"])
+    # cut back to the checkpoint before the NaN step and redo it, NaN again
+    (out / "checkpoint.pt").unlink()
+    monkeypatch.undo()
+    _nan_at(monkeypatch, {3})
+    train(replace(TINY, recipe="fp16-dynamic-ls"), out, resume=True, progress=False)
+    assert not any(r.get("resume_mismatch") for r in read_metrics(out))
+
+
+def test_a_scalify_scale_beyond_float32_is_a_nonfinite_step(tmp_path: Path) -> None:
+    """fp16-scalify at lr 1e6: scalify keeps the values in range until a scale itself
+    passes float32's max in the backward (ScaleOverflowError, where FP32 arithmetic
+    overflows too). The step is a non-finite one (stopped here, naming the gradients;
+    skipped with --on-nonfinite skip), not a crash of the run (it was a ValueError)."""
+    out = tmp_path / "sc"
+    cfg = replace(TINY, recipe="fp16-scalify", lr=1e6)
+    with pytest.raises(NonFiniteError, match=r"the (loss and )?gradients became NaN/Inf"):
+        train(cfg, out, progress=False)
+    assert json.loads((out / "summary.json").read_text())["diverged_at"] is not None
+    with pytest.raises(NonFiniteError, match="consecutive steps skipped"):
+        train(cfg, out, resume=True, progress=False, on_nonfinite="skip", max_skips=2)
