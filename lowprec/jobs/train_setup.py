@@ -31,7 +31,7 @@ from lowprec.jobs.rundir import (
 from lowprec.jobs.train_config import TrainConfig, saved_config
 from lowprec.recipes import Prepared, prepare
 
-__all__ = ["build", "check_size"]
+__all__ = ["build", "check_memory", "check_size"]
 
 _MEMORY_SHARE = 0.8  # refuse a configuration whose step needs more of the machine's memory
 
@@ -65,26 +65,35 @@ def build(
 
 def check_size(cfg: TrainConfig) -> CharData:
     """The data of ``cfg``, after checking up front that the run fits: ``seq_len`` shorter
-    than each split of the corpus, and one step's estimated memory (attention scores
-    ``batch · heads · seq_len²`` and activations ``batch · seq_len · width``, per layer,
-    FP32, kept for backward) within :data:`_MEMORY_SHARE` of the machine's memory.
-    :class:`RunError` naming the option otherwise."""
+    than each split of the corpus, and one step's memory within the machine's
+    (:func:`check_memory`). :class:`RunError` naming the option otherwise."""
     try:
         data = CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     except ValueError as e:
         raise RunError(f"--seq-len {cfg.seq_len} is too long for the corpus ({e})") from None
-    b, t, w = cfg.batch_size, cfg.seq_len, cfg.width
-    need = 4 * cfg.depth * (4 * b * cfg.heads * t * t + 24 * b * t * w) + t * t
+    check_memory(cfg.batch_size, cfg.seq_len, cfg.width, cfg.depth, cfg.heads)
+    return data
+
+
+def check_memory(batch: int, seq_len: int, width: int, depth: int, heads: int) -> None:
+    """:class:`RunError` naming ``--seq-len / --batch-size / --width / --depth`` unless one
+    training step's estimated memory is within :data:`_MEMORY_SHARE` of the machine's:
+    the attention scores ``batch · heads · seq_len²`` and the activations ``batch ·
+    seq_len · width`` per layer, FP32, kept for backward; and the training state of the
+    ``12·width²`` parameters of each layer at 20 bytes each (FP32 weight, gradient, FP32
+    master and two Adam moments: the widest recipe's)."""
+    b, t, w = batch, seq_len, width
+    need = 4 * depth * (4 * b * heads * t * t + 24 * b * t * w) + t * t + 20 * 12 * depth * w * w
     try:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return data
+        return
     if need > _MEMORY_SHARE * have:
         raise RunError(
-            f"--seq-len {t} / --batch-size {b} / --width {w}: one step needs about "
-            f"{need / 2**30:.0f} GiB, more than this machine's {have / 2**30:.0f} GiB of memory"
+            f"--seq-len {t} / --batch-size {b} / --width {w} / --depth {depth}: one step needs "
+            f"about {need / 2**30:.0f} GiB, more than this machine's {have / 2**30:.0f} GiB of "
+            "memory"
         )
-    return data
 
 
 def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None) -> bool:

@@ -23,6 +23,7 @@ from lowprec.autopilot.cost import check_candidates, check_target
 from lowprec.jobs.data import CharData
 from lowprec.jobs.model import ModelConfig, build_model, check_model_name
 from lowprec.jobs.train_config import TrainConfig, check_int
+from lowprec.jobs.train_setup import check_memory
 from lowprec.recipes import prepare
 from lowprec.recipes.step import train_step
 
@@ -83,6 +84,7 @@ def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 def run_tune(cfg: TuneConfig, out: Path, say: Callable[[str], None] = print) -> Plan:
     """Build, optionally pre-train, tune and save the plan to ``out`` (module docstring)."""
+    check_memory(cfg.batch_size, cfg.seq_len, cfg.width, cfg.depth, cfg.heads)
     data = CharData(cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     shape = ModelConfig(data.vocab_size, cfg.width, cfg.depth, cfg.heads, cfg.seq_len)

@@ -209,7 +209,15 @@ def test_sizes_are_checked_before_anything_is_written(tmp_path: Path) -> None:
         train(replace(TINY, seq_len=10_000_000), out, progress=False)
     with pytest.raises(RunError, match=r"--seq-len 100000 .* GiB, more than this machine"):
         train(replace(TINY, seq_len=100_000), out, progress=False)
+    # the weights' training state too (a width of 100000 failed allocating, leaving out/)
+    with pytest.raises(RunError, match=r"--width 100000 / --depth 1: .* GiB, more than"):
+        train(replace(TINY, width=100_000, heads=2, depth=1), out, progress=False)
     assert not out.exists()
+    from lowprec.jobs.tune import TuneConfig, run_tune
+
+    with pytest.raises(RunError, match=r"--batch-size 100000 .* GiB, more than"):
+        run_tune(TuneConfig(batch_size=100_000, seq_len=256), tmp_path / "plan.json")
+    assert not (tmp_path / "plan.json").exists()
 
 
 def test_unwritable_output_directory(tmp_path: Path) -> None:
