@@ -17,7 +17,15 @@ from lowprec.jobs.model import ModelConfig, check_model_name
 from lowprec.jobs.rundir import CONFIG, RunError, read_config
 from lowprec.recipes import Recipe, get_recipe
 
-__all__ = ["INT_MAX", "LR_MAX", "LR_MIN", "TrainConfig", "check_int", "saved_config"]
+__all__ = [
+    "EVAL_BATCHES_MAX",
+    "INT_MAX",
+    "LR_MAX",
+    "LR_MIN",
+    "TrainConfig",
+    "check_int",
+    "saved_config",
+]
 
 # The largest int a field takes: int64's, what torch (``torch.manual_seed``; ``seed + 1``
 # seeds the rounding generator, still below 2^64) and a float (the schedule) hold.
@@ -28,6 +36,7 @@ INT_MAX = 2**63 - 1
 # far inside float32 (lr 1e308 is Inf there: the first step crashed on the conversion).
 LR_MIN = 2.0**-126
 LR_MAX = 1e6
+EVAL_BATCHES_MAX = 10_000
 
 
 _POSITIVE = (
@@ -129,6 +138,12 @@ class TrainConfig:
             check_model_name(value)
         elif name in _POSITIVE:
             check_int(name, value, 1)
+            if name == "eval_batches" and value > EVAL_BATCHES_MAX:
+                raise ValueError(
+                    f"eval_batches must be at most {EVAL_BATCHES_MAX}, got {value!r} (every "
+                    "evaluation reads that many batches, and an interrupt waits for it; "
+                    f"{EVAL_BATCHES_MAX} batches of 16 × 64 read the validation split 90 times)"
+                )
         elif name == "lr":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (ok and 0 < value < math.inf):  # (compared, not converted: a huge int)

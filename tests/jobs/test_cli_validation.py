@@ -82,6 +82,12 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, str]]:
             f"9223372036854775807, got 1{'0' * 400}",
         ),
         (
+            ["--eval-batches", "100000000"],  # evaluated for hours; an interrupt waits for it
+            "lowprec train: error: argument --eval-batches: must be at most 10000, got "
+            "100000000 (every evaluation reads that many batches, and an interrupt waits for "
+            "it; 10000 batches of 16 × 64 read the validation split 90 times)",
+        ),
+        (
             ["--width", "30", "--heads", "4"],
             "lowprec train: error: --width 30 must be divisible by --heads 4",
         ),
