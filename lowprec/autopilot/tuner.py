@@ -113,7 +113,12 @@ def tune(
         name=f"plan-{target}",
         description=f"lowprec tune plan for {target}: modelled GEMM cost {cost:.3f} of BF16",
         float8_skip=(),
-        layers=tuple(LayerRule(fqn, search.layer_config(g)) for fqn, g in per_layer.items()),
+        # every tuned layer by name; any other layer (a model of another shape than the
+        # tuned one) stays BF16: its formats were never measured
+        layers=(
+            *(LayerRule(fqn, search.layer_config(g)) for fqn, g in per_layer.items()),
+            LayerRule("*", None),
+        ),
     )
     layers = {
         fqn: _layer_record(fqn, gemms, probe.flops, measured, errors, target)

@@ -130,3 +130,22 @@ def test_bad_arguments_name_themselves() -> None:
         tune(model, [], loss_fn=_loss)
     with pytest.raises(ValueError, match="not a plan"):
         Plan.from_dict({"name": "fp32"})
+
+
+def test_a_layer_the_plan_does_not_name_stays_bf16(b200_plan: Plan) -> None:
+    """A plan applied to a model with a layer it was not tuned on: that layer stays in the
+    parameters' BF16 (its formats were never measured; it got fp8-tensorwise, silently),
+    the tuned ones keep their formats."""
+
+    class Three(TwoLayers):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(super().forward(x))  # type: ignore[no-any-return]
+
+    torch.manual_seed(0)
+    p = prepare(Three(), b200_plan.recipe)
+    assert type(p.model.c) is nn.Linear and p.model.c.weight.dtype == torch.bfloat16
+    assert p.model.b.recipe.for_gemm("forward").input.fmt == "e2m1"  # type: ignore[union-attr]
