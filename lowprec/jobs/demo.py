@@ -226,9 +226,12 @@ def is_emulated(recipe: str | Recipe) -> bool:
 
 def steady_step_ms(records: Sequence[dict[str, Any]], warm: int = WARM_STEPS) -> float:
     """Median step time in ms of the steps after the first ``warm`` and before the last
-    (tracked) one; all steps if fewer remain; NaN for no steps."""
+    (tracked) one; of a run that stopped sooner (diverged), its steps but the first and the
+    last (both tracked, the first also warming up); NaN (shown "-") when none is left: a
+    run of two steps has no steady-state time (it read the mean of a tracked first step
+    and one other, 4 times a steady one)."""
     times = [r["step_time"] for r in records]
-    steady = times[warm:-1] if len(times) > warm + 1 else times
+    steady = times[warm:-1] if len(times) > warm + 1 else times[1:-1]
     return 1e3 * statistics.median(steady) if steady else math.nan
 
 
