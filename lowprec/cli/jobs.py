@@ -59,7 +59,9 @@ def _recipe_or_file(text: str) -> str | Recipe:
         raise argparse.ArgumentTypeError(f"{text} is not JSON ({e})") from None
     try:
         return Recipe.from_dict(d["recipe"] if is_plan_dict(d) else d)  # lowprec tune's plan
-    except (ValueError, TypeError, KeyError) as e:
+    except KeyError as e:  # a str() of a KeyError is only the key, quoted
+        raise argparse.ArgumentTypeError(f"{text} is not a recipe (no key {e})") from None
+    except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"{text} is not a recipe ({e})") from None
 
 

@@ -163,7 +163,9 @@ def append_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
 def make_new_dir(out: Path, advice: str) -> None:
     """Create ``out`` for a new run; :class:`RunError` ending in ``advice`` if it exists and
     is not an empty directory (nothing on disk is overwritten), or cannot be created."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise RunError(f"output directory {out} is a file, not a directory; give another path")
+    if out.exists() and any(out.iterdir()):
         raise RunError(f"output directory {out} already exists; {advice}")
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -231,3 +231,18 @@ def test_formats_snr_into_a_missing_folder_still_works(
     out = tmp_path / "new" / "snr.svg"
     assert main(["formats", "--snr", str(out), "--kmin", "-2", "--kmax", "2"]) == 0
     assert out.is_file() and f"wrote {out}" in capsys.readouterr().out
+
+
+def test_a_file_as_out_and_an_empty_recipe_file_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out naming a file said "already exists; pass --resume" (resuming a file?); an
+    empty recipe file said "is not a recipe ('name')" (a bare KeyError)."""
+    f = tmp_path / "file"
+    f.write_text("mine")
+    line = _refused(["train", *TINY, "--out", str(f)], capsys)
+    assert line.endswith(f"output directory {f} is a file, not a directory; give another path")
+    assert f.read_text() == "mine"
+    (tmp_path / "empty.json").write_text("{}")
+    line = _refused(["train", *TINY, "--recipe", str(tmp_path / "empty.json")], capsys)
+    assert line.endswith("is not a recipe (no key 'name')")
