@@ -154,7 +154,9 @@ def restore(
             if guard is not None:
                 guard.load_state_dict(state.get("guard", {}))
         except (ValueError, KeyError, RuntimeError, TypeError) as e:
-            raise RunError(f"--resume: checkpoint {out / CHECKPOINT} does not fit ({e})") from None
+            raise RunError(
+                f"--resume: checkpoint {out / CHECKPOINT} does not fit ({_first_lines(e)})"
+            ) from None
         saved = state.get("fingerprint")  # (checkpoints before it have none)
         if isinstance(saved, dict):
             bad = unrestored(saved, fingerprint(prepared.state_dict()))
@@ -176,3 +178,12 @@ def cut_logs(out: Path, start: int) -> None:
     (:func:`lowprec.jobs.rundir.cut_logs`: checked first, then atomic rewrites);
     :class:`RunError` unless the metrics hold steps ``1..start`` once each."""
     rundir.cut_logs(out, start, "--resume", every_step=True)
+
+
+def _first_lines(e: BaseException, keep: int = 3) -> str:
+    """``e``'s message on one line: torch lists every mismatched tensor of a state dict,
+    one per line (kilobytes for a model of another size); the first ``keep`` lines and
+    how many more."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    more = f" … and {len(lines) - keep} more" if len(lines) > keep else ""
+    return " ".join(lines[:keep]) + more

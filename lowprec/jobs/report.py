@@ -188,8 +188,8 @@ def write_report(
     (:func:`lowprec.analysis.diagnosis.summary_verdicts`; none: gaps below the failure
     threshold are reported, not judged). The folder of ``out`` is created if it is
     missing (with its parents). Raises :class:`RunError` naming any directory that is not
-    a run, or, before any work, the folder of ``out`` if it cannot be created or written
-    (a file stands in its way, or no permission)."""
+    a run or is given twice, or, before any work, the folder of ``out`` if it cannot be
+    created or written (a file stands in its way, or no permission)."""
     if not runs:
         raise ValueError("runs: give at least one run directory")
     if not isinstance(detail, bool):
@@ -198,6 +198,12 @@ def write_report(
     problem = output_problem(out)
     if problem is not None:
         raise RunError(problem)
+    seen: dict[Path, str] = {}
+    for r in runs:  # the same run twice would be shown and judged twice
+        key = Path(r).resolve()
+        if key in seen:
+            raise RunError(f"{r}: the same run directory as {seen[key]}; give each run once")
+        seen[key] = str(r)
     loaded = [load_run(r) for r in runs]
     _unique_labels(loaded)
     verdicts = summary_verdicts(loaded, tolerance)

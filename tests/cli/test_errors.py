@@ -137,3 +137,14 @@ def test_sigterm_stops_at_a_step_boundary(tmp_path: Path) -> None:
     assert "interrupted (SIGTERM) after step" in err and "Traceback" not in err
     steps = metrics.read_text().count("\n")
     assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == steps
+
+
+def test_report_refuses_a_run_given_twice(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same directory twice (also spelled differently) was shown and judged twice."""
+    again = tmp_path / "again"
+    again.symlink_to(run)
+    line = _fails(["report", str(run), str(again), "-o", str(tmp_path / "r.html")], capsys, 2)
+    assert f"{again}: the same run directory as {run}; give each run once" in line
+    assert not (tmp_path / "r.html").exists()

@@ -294,3 +294,15 @@ def test_tracker_save_is_strict_json(tmp_path: Path) -> None:
     lines = [json.loads(ln, parse_constant=_refuse) for ln in path.read_text().splitlines()]
     assert lines[0]["rms"] == "Infinity" and len(lines) == len(tracker.records) >= 3
     assert read_jsonl(path, ("step", "name"))[0]["rms"] == float("inf")
+
+
+def test_a_checkpoint_of_another_size_is_refused_in_a_short_line(tmp_path: Path) -> None:
+    """A checkpoint of a wider model in the run's directory: one short line naming the
+    first mismatches and how many more (torch's message listed every tensor: 3 KB)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(replace(TINY, steps=2, ckpt_every=1), a, progress=False, stop_after=1)
+    train(replace(TINY, steps=2, ckpt_every=1, width=64), b, progress=False, stop_after=1)
+    (a / "checkpoint.pt").write_bytes((b / "checkpoint.pt").read_bytes())
+    with pytest.raises(RunError, match=r"does not fit \(.* and \d+ more\)") as e:
+        train(replace(TINY, steps=2, ckpt_every=1), a, resume=True, progress=False)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 600
