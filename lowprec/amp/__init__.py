@@ -25,7 +25,8 @@ Example:
 """
 
 from lowprec.amp.footprint import training_state_bytes
-from lowprec.amp.lean import LeanAdam, LeanAdamW, LeanOptimizer, LeanSGD, lean_optimizer
+from lowprec.amp.lean import LeanOptimizer
+from lowprec.amp.lean_optimizers import LeanAdam, LeanAdamW, LeanSGD, lean_optimizer
 from lowprec.amp.loss_scaling import (
     DynamicLossScaler,
     LossScaler,

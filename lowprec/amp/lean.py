@@ -1,7 +1,9 @@
 """Optimizers with a lean training state: low-precision parameters without FP32 masters,
 optimizer states in BF16 or 8 bits.
 
-:class:`LeanAdamW`, :class:`LeanAdam` and :class:`LeanSGD` are ``torch.optim.Optimizer``\\ s
+:class:`~lowprec.amp.lean_optimizers.LeanAdamW`, ``LeanAdam`` and ``LeanSGD`` (in
+:mod:`lowprec.amp.lean_optimizers`, built on :class:`LeanOptimizer` here) are
+``torch.optim.Optimizer``\\ s
 with torch's update rules (``torch.optim.AdamW``/``Adam``/``SGD`` with ``foreach=False``:
 the same operations in the same order). Each step, per parameter ``p``:
 
@@ -53,6 +55,7 @@ tensor).
 
 Example:
     >>> import torch
+    >>> from lowprec.amp import LeanAdamW
     >>> model = torch.nn.Linear(64, 4).bfloat16()
     >>> opt = LeanAdamW(model.parameters(), lr=1e-3, state="8bit", stochastic_rounding=True)
     >>> model(torch.randn(2, 64).bfloat16()).float().sum().backward()
@@ -79,7 +82,7 @@ from lowprec.core.bits import round_bits
 from lowprec.core.formats import BF16
 from lowprec.core.rounding import quantize
 
-__all__ = ["LeanAdam", "LeanAdamW", "LeanOptimizer", "LeanSGD", "lean_optimizer", "sr_bf16"]
+__all__ = ["LeanOptimizer", "sr_bf16"]
 
 Master = Literal["none", "remainder"]
 _LOW = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -385,160 +388,3 @@ def _full_tensor(v: DTensor) -> Tensor:
     full = DTensor.from_local(wide, v.device_mesh, v.placements, run_check=False,
                               shape=v.shape, stride=v.stride()).full_tensor()  # fmt: skip
     return full.to(torch.int16).view(v.dtype) if v.is_floating_point() else full.to(v.dtype)
-
-
-class LeanAdamW(LeanOptimizer):
-    """AdamW (decoupled weight decay) with lean parameters and states (module docstring):
-    ``w ← w·(1 - lr·λ)``, ``m ← β₁m + (1-β₁)g``, ``v ← β₂v + (1-β₂)g²``,
-    ``w ← w - lr/(1-β₁ᵗ) · m / (√v/√(1-β₂ᵗ) + ε)``; ``m`` is ``exp_avg``, ``v``
-    ``exp_avg_sq``. The keyword arguments after ``weight_decay`` are
-    :class:`LeanOptimizer`'s: ``state`` (``"fp32"``, ``"bf16"``, ``"8bit"``), ``master``,
-    ``stochastic_rounding``, ``generator``, ``block_size``, ``state_rounding``, ``codecs``."""
-
-    moments = ("exp_avg", "exp_avg_sq")
-    decoupled = True
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        **lean: Any,
-    ) -> None:
-        if not 0.0 <= float(lr):
-            raise ValueError(f"lr must be >= 0, got {lr!r}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas!r}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps must be >= 0, got {eps!r}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, **lean)
-
-    def _update(self, w: Tensor, g: Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
-        lr, (beta1, beta2) = float(group["lr"]), group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
-        m = self._get(st, "exp_avg", w.shape)
-        v = self._get(st, "exp_avg_sq", w.shape)
-        st["step"] += 1
-        if wd != 0:
-            if self.decoupled:
-                w.mul_(1 - lr * wd)
-            else:
-                g = g.add(w, alpha=wd)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step = st["step"].item()
-        step_size = lr / (1 - beta1**step)
-        denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
-        w.addcdiv_(m, denom, value=-step_size)
-        self._put(st, "exp_avg", m)
-        self._put(st, "exp_avg_sq", v)
-
-
-class LeanAdam(LeanAdamW):
-    """Adam (L2 weight decay added to the gradient, ``g ← g + λw``), otherwise
-    :class:`LeanAdamW`; ``weight_decay`` defaults to 0 as torch's."""
-
-    decoupled = False
-
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, **kwargs: Any) -> None:
-        kwargs.setdefault("weight_decay", 0.0)
-        super().__init__(params, lr, **kwargs)
-
-
-class LeanSGD(LeanOptimizer):
-    """SGD with momentum as torch's: ``g ← g + λw``; ``b ← g`` at the first step, then
-    ``b ← μb + (1-τ)g``; ``d = g + μb`` (Nesterov) or ``b``; ``w ← w - lr·d``. The momentum
-    buffer ``b`` (``momentum_buffer``) is stored with the first-moment codec of ``state``;
-    with ``momentum=0`` there is no state."""
-
-    moments = ("momentum_buffer",)
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        **lean: Any,
-    ) -> None:
-        if not 0.0 <= float(lr):
-            raise ValueError(f"lr must be >= 0, got {lr!r}")
-        if not 0.0 <= momentum:
-            raise ValueError(f"momentum must be >= 0, got {momentum!r}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-        if not 0.0 <= dampening <= 1.0:
-            raise ValueError(f"dampening must be in [0, 1], got {dampening!r}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "dampening": dampening,
-            "weight_decay": weight_decay,
-            "nesterov": nesterov,
-        }
-        super().__init__(params, defaults, **lean)
-
-    def _init(self, p: Tensor, st: dict[str, Any]) -> None:
-        st["step"] = torch.tensor(0.0)
-        self._init_remainder(p, st)
-
-    def _update(self, w: Tensor, g: Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
-        lr, mu, wd = float(group["lr"]), group["momentum"], group["weight_decay"]
-        st["step"] += 1
-        if wd != 0:
-            g = g.add(w, alpha=wd)
-        if mu != 0:
-            if "momentum_buffer" not in st:
-                buf = g.detach().clone()
-            else:
-                buf = self._get(st, "momentum_buffer", w.shape)
-                buf.mul_(mu).add_(g, alpha=1 - group["dampening"])
-            g = g.add(buf, alpha=mu) if group["nesterov"] else buf
-            self._put(st, "momentum_buffer", buf)
-        w.add_(g, alpha=-lr)
-
-
-_UNSUPPORTED = ("amsgrad", "maximize", "differentiable")
-
-
-def lean_optimizer(optimizer: torch.optim.Optimizer, **lean: Any) -> LeanOptimizer:
-    """The lean optimizer equivalent to ``optimizer`` (a ``torch.optim.AdamW``, ``Adam``
-    or ``SGD`` that has not stepped yet): the same parameter groups, with their options
-    and extra keys (``lr_mult``), and ``lean`` keyword arguments (``state``, ``master``,
-    ``stochastic_rounding``, ``generator``, ...). ``ValueError`` for other optimizers and
-    for options the lean ones do not have (``amsgrad``, ``maximize``)."""
-    kinds: dict[type, type[LeanOptimizer]] = {
-        torch.optim.AdamW: LeanAdamW,
-        torch.optim.Adam: LeanAdam,
-        torch.optim.SGD: LeanSGD,
-    }
-    cls = kinds.get(type(optimizer))
-    if cls is None:
-        raise ValueError(
-            f"optimizer: lean optimizer states exist for torch.optim.AdamW, Adam and SGD, "
-            f"got {type(optimizer).__name__}"
-        )
-    if cls is LeanAdam and optimizer.defaults.get("decoupled_weight_decay"):
-        cls = LeanAdamW  # Adam(decoupled_weight_decay=True) is AdamW
-    if optimizer.state:
-        raise ValueError("optimizer: convert it before its first step (it has state)")
-    for group in optimizer.param_groups:
-        for key in _UNSUPPORTED:
-            if group.get(key):
-                raise ValueError(f"optimizer: {key}=True is not supported by {cls.__name__}")
-    keep = {"params", "lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov"}
-    keep |= {k for g in optimizer.param_groups for k in g if k not in optimizer.defaults}
-    groups = [{k: v for k, v in g.items() if k in keep} for g in optimizer.param_groups]
-    defaults: dict[str, Any] = {k: v for k, v in optimizer.defaults.items() if k in keep}
-    defaults["lr"] = float(defaults["lr"])
-    make: Any = cls
-    return make(groups, **defaults, **lean)  # type: ignore[no-any-return]

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lowprec.amp.lean import LeanAdamW
+from lowprec.amp import LeanAdamW
 from lowprec.distributed import checkpoint as dcp_state
 from lowprec.distributed import shutdown
 from lowprec.distributed.parallel import prepare as dist_prepare
