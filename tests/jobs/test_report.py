@@ -201,7 +201,7 @@ from pathlib import Path
 with open(sys.argv[1], "a") as f:  # one line per execution of this script
     f.write("ran\\n")
 from lowprec.jobs.report import write_report
-write_report([sys.argv[2], sys.argv[3], sys.argv[2]], sys.argv[4])
+write_report([sys.argv[2], sys.argv[3], sys.argv[4]], sys.argv[5])
 """
 
 
@@ -209,16 +209,19 @@ def test_report_from_a_script_without_main_guard(runs: dict[str, Path], tmp_path
     """A user's script that calls ``write_report`` at top level (no ``if __name__ ==
     "__main__"``), with enough charts for the parallel drawing: the chart workers never
     re-run the script (the spawn start method would, and crash it)."""
+    import shutil
     import subprocess
     import sys
 
     script, ran, page = tmp_path / "user.py", tmp_path / "ran.txt", tmp_path / "r.html"
     script.write_text(_UNGUARDED_SCRIPT)
-    args = [str(ran), str(runs["fp32"]), str(runs["fp16"]), str(page)]
+    twin = tmp_path / "fp32-copy"  # a third run (the same run twice is refused)
+    shutil.copytree(runs["fp32"], twin)
+    args = [str(ran), str(runs["fp32"]), str(runs["fp16"]), str(twin), str(page)]
     proc = subprocess.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ran.read_text() == "ran\n"
-    # 1 + 3 per run (the same run given twice is drawn twice): 10 charts, over 8
+    # 1 + 3 per run: 10 charts, over 8
     assert len(re.findall(r'<img src="data:image/png;base64,', page.read_text())) == 10
