@@ -13,7 +13,13 @@
 #   host-cpu       the machine's own CPU (an Intel Xeon with AVX512-FP16 and AMX on the
 #                  lent H100/H200 machines: the CPU of issue 37's report) on 2 of its cores
 #                  (taskset): bench_quantize and bench_emulation's reported command
-#   stress         issue 39's interrupt stress test (scripts/interrupt_stress.py) on that CPU
+#   probe          what makes that CPU slower (benchmarks/host_probe.py: core layout, compiler,
+#                  vector ISA, 1 and 2 threads, subnormals flushed or not, inductor's C++)
+#                  and whether its matrix products depend on the operands' alignment
+#   repeat         whether a straight run is repeatable there (scripts/repeat_runs.py: the
+#                  stress test's command 16 times per recipe, 7 at a time)
+#   stress         issue 39's interrupt stress test (scripts/interrupt_stress.py) on that CPU;
+#                  STRESS_S (default 400) bounds it, STRESS_TRIALS (default 60) trials
 #
 # Writes under $OUT (the device tool brings back at most 8 files): lscpu.txt, lease.log
 # (everything printed) and one JSON per part. Wheels in .whl/ (torchao, carried) are
@@ -24,13 +30,13 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 REV=$(cat "$ROOT/REV" 2>/dev/null || git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
 LOG="$OUT/lease.log"
 if [ "$#" -eq 0 ]; then
-  echo "usage: bash benchmarks/gpu_lease.sh PART... (llama, compiled-bits, bits, host-cpu, stress)" >&2
+  echo "usage: bash benchmarks/gpu_lease.sh PART... (llama, compiled-bits, bits, host-cpu, probe, repeat, stress)" >&2
   exit 2
 fi
 for part in "$@"; do
   case "$part" in
-    llama | compiled-bits | bits | host-cpu | stress) ;;
-    *) echo "error: unknown part '$part' (llama, compiled-bits, bits, host-cpu, stress)" >&2; exit 2 ;;
+    llama | compiled-bits | bits | host-cpu | probe | repeat | stress) ;;
+    *) echo "error: unknown part '$part' (llama, compiled-bits, bits, host-cpu, probe, repeat, stress)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$OUT"
@@ -39,7 +45,8 @@ if ls "$ROOT"/.whl/*.whl > /dev/null 2>&1; then
     --target /tmp/site "$ROOT"/.whl/*.whl || exit 1
 fi
 export PYTHONPATH="/tmp/site:$ROOT" PYTHONUNBUFFERED=1
-lscpu > "$OUT/lscpu.txt" 2>&1
+{ lscpu; echo; lscpu -e; echo; python3 -c "import torch; print('torch', torch.__version__)"; } \
+  > "$OUT/lscpu.txt" 2>&1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1; echo "revision $REV"; } | tee -a "$LOG"
 cd "$ROOT/benchmarks" || exit 1
 
@@ -68,9 +75,25 @@ for part in "$@"; do
         --repeats 7 --out "$OUT/quantize_host_2t.json"
       run 300 host-emulation taskset -c 0,1 python3 bench_emulation.py --threads 2 \
         --modes eager,compiled --repeats 7 --presets tensorwise,nvfp4 --no-peers --clock wall \
-        --out "$OUT/emulation_host_2t.json" ;;
+        --profile 2 --out "$OUT/emulation_host_2t.json" ;;
+    probe)
+      rm -rf /tmp/probe_code /tmp/probe_cache
+      export TORCHINDUCTOR_CACHE_DIR=/tmp/probe_cache  # fresh: its generated C++ comes back
+      run 200 probe taskset -c 0,1 python3 host_probe.py --out "$OUT/host_probe.json" \
+        --code-dir /tmp/probe_code
+      unset TORCHINDUCTOR_CACHE_DIR
+      tar -czf "$OUT/probe_code.tar.gz" -C /tmp probe_code 2>/dev/null ;;
+    repeat)
+      run 200 repeat python3 "$ROOT/scripts/repeat_runs.py" --runs 16 --jobs 7 --threads 2 \
+        --out /tmp/repeat
+      cp /tmp/repeat/results.json "$OUT/repeat_results.json" 2>/dev/null ;;
     stress)
-      run 400 stress python3 "$ROOT/scripts/interrupt_stress.py" --trials 60 --jobs 7 \
+      limit=${STRESS_S:-400}  # LEASE_DEADLINE_S: end by then (seconds since this script began)
+      if [ -n "${LEASE_DEADLINE_S:-}" ] && [ $((LEASE_DEADLINE_S - SECONDS)) -lt "$limit" ]; then
+        limit=$((LEASE_DEADLINE_S - SECONDS))
+      fi
+      run "$limit" stress python3 "$ROOT/scripts/interrupt_stress.py" \
+        --trials "${STRESS_TRIALS:-60}" --jobs 7 \
         --threads 2 --out /tmp/stress
       cp /tmp/stress/results.json "$OUT/stress_results.json" 2>/dev/null ;;
   esac

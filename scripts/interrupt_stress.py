@@ -42,7 +42,10 @@ KEYS = ("step", "loss", "val_loss", "loss_scale", "skipped")
 
 
 def _train(recipe: str, out: Path, resume: bool, fault: str | None, threads: int) -> int:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("LOWPREC_FAULT", None)
     if fault:
         env["LOWPREC_FAULT"] = fault
