@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "FAIL_GAP",
@@ -24,6 +24,7 @@ __all__ = [
     "failing",
     "gap_spread",
     "is_reference_recipe",
+    "of_kind",
     "reference_of",
     "unit_scaled",
     "verdict",
@@ -36,6 +37,7 @@ NO_REFERENCE = (
 )
 NOT_JUDGED = "not judged: trained with other settings"  # + " than <reference> (<settings>)"
 _REFERENCE_NAMES = ("fp32", "fp32-unit")
+_T = TypeVar("_T")
 
 
 def _techniques(recipe: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -71,6 +73,18 @@ def is_reference_recipe(recipe: Mapping[str, Any], name: str = "") -> bool:
     return True
 
 
+def of_kind(unit: bool, references: Sequence[tuple[_T, bool]]) -> list[_T]:
+    """The references that may judge a run, in order: of ``references`` (``(reference,
+    unit_scaled)`` pairs), those of the run's kind, unit-scaled for a unit-scaled run
+    (``unit``) and plain for the others (:func:`reference_of` gives the reason).
+
+    Example:
+        >>> of_kind(True, [("fp32", False), ("fp32-unit", True), ("fp32-unit-2", True)])
+        ['fp32-unit', 'fp32-unit-2']
+    """
+    return [ref for ref, u in references if u == unit]
+
+
 def reference_of(unit: bool, references: Sequence[tuple[str, bool]]) -> str | None:
     """The name of the reference of a non-reference run among the set's ``references``
     (``(name, unit_scaled)`` of each run that :func:`is_reference_recipe`, in order): the
@@ -85,7 +99,7 @@ def reference_of(unit: bool, references: Sequence[tuple[str, bool]]) -> str | No
         >>> reference_of(True, refs), reference_of(False, refs), reference_of(True, refs[:1])
         ('fp32-unit', 'fp32', None)
     """
-    return next((name for name, u in references if u == unit), None)
+    return next(iter(of_kind(unit, references)), None)
 
 
 def gap_spread(val_losses: Mapping[str, Sequence[float]], reference: str) -> float | None:

@@ -38,10 +38,10 @@ from lowprec.analysis.diagnosis import (  # Run and diagnose re-exported: the re
     Run,
     diagnose,
     judged_formats,
-    summary_verdicts,
     worst,
 )
 from lowprec.analysis.plots import plot_curves, plot_exp_histograms, plot_scale_chart
+from lowprec.analysis.run_verdicts import summary_verdicts
 from lowprec.analysis.verdicts import failing
 from lowprec.jobs.report_tables import (
     attribution_table,
@@ -185,7 +185,7 @@ def write_report(
     module docstring. ``detail=False`` leaves out each run's scale charts and exponent
     histograms (the diagnosis and the tables stay). ``tolerance``: the seed spread of the
     val-loss gap per reference recipe, as the demo judges it
-    (:func:`lowprec.analysis.diagnosis.summary_verdicts`; none: gaps below the failure
+    (:func:`lowprec.analysis.run_verdicts.summary_verdicts`; none: gaps below the failure
     threshold are reported, not judged). The folder of ``out`` is created if it is
     missing (with its parents). Raises :class:`RunError` naming any directory that is not
     a run or is given twice, or, before any work, the folder of ``out`` if it cannot be
@@ -210,7 +210,7 @@ def write_report(
     parts = [
         f"<h1>{html.escape(title or 'lowprec numerics report')}</h1>",
         "<h2>Summary</h2>",
-        "<ul>"  # the verdicts lead (lowprec.analysis.diagnosis.summary_verdicts)
+        "<ul>"  # the verdicts lead (lowprec.analysis.run_verdicts.summary_verdicts)
         + "".join(f"<li><b>{html.escape(n)}</b>: {html.escape(v)}</li>" for n, v in verdicts)
         + "</ul>",
         table(

@@ -16,10 +16,10 @@ from lowprec.analysis.diagnosis import (
     Run,
     gemm_operands,
     judged_formats,
-    references,
     worst,
     worst_overflow,
 )
+from lowprec.analysis.run_verdicts import references
 from lowprec.analysis.tracking import BACKWARD_KINDS
 from lowprec.analysis.verdicts import REFERENCE
 from lowprec.jobs.attribution import attribute_run

@@ -15,10 +15,8 @@ from lowprec.analysis.diagnosis import (
     Run,
     diagnose,
     gemm_findings,
-    references,
-    settings_differ,
-    summary_verdicts,
 )
+from lowprec.analysis.run_verdicts import references, settings_differ, summary_verdicts
 from lowprec.analysis.verdicts import failing
 from lowprec.jobs.report_tables import summary_rows
 from lowprec.jobs.run_summary import summary_cells, summary_of

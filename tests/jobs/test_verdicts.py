@@ -13,9 +13,9 @@ from lowprec.analysis.diagnosis import (
     diagnose,
     gap_spread,
     reference_of,
-    summary_verdicts,
     verdict,
 )
+from lowprec.analysis.run_verdicts import summary_verdicts
 from lowprec.analysis.verdicts import is_reference_recipe
 from lowprec.recipes import get_recipe
 
