@@ -25,7 +25,14 @@ a momentum buffer) into what the optimizer keeps between steps, and decodes it b
 ``sqrt=True`` stores ``√x`` instead of ``x`` (for second moments, ``x ≥ 0``) and decodes
 ``(codes · s)²``: the square root halves the binades a block has to cover, so small
 second moments (whose reciprocal square roots scale the largest updates) keep their
-digits rather than rounding to zero.
+digits rather than rounding to zero. Where the format's step is absolute (E4M3's
+subnormals, ``√x < 2^-6·s``; int8's first step, ``√x < s``), ``√x`` rounds *up* to the
+next code, with either rounding: a stored second moment is never below its value there,
+and never 0 for a positive one. Rounded down (to 0 at worst), ``m / (√v̂ + ε)`` of a
+small second moment in a block with a large one grew without bound (an 8-bit AdamW step
+of 372× the learning rate where the block's gradients differed by 10^6, rounded
+stochastically); rounded up, such a step is at most the first moment's own rounding
+above FP32's, and the smallest moments' updates are smaller than FP32's, never larger.
 
 Error bounds, per element, with ``s`` the block's scale (``rounding="nearest"``; twice
 each for ``"stochastic"``, which rounds to one of the two neighbours, unbiased), up to the
@@ -35,7 +42,8 @@ FP32 rounding of ``x / s`` and ``codes · s`` (relative ``2^-23`` each):
 * int8: ``|x̂ - x| ≤ s / 2 = amax / 254``;
 * BF16 (8 significant bits): ``|x̂ - x| ≤ 2^-9·|x|``.
 
-With ``sqrt``, the bound holds for ``√x``; then ``|x̂ - x| ≤ (2ε + ε²)·x`` for a
+With ``sqrt``, the bound holds for ``√x`` above the absolute-step range, and there
+``0 ≤ √x̂ - √x ≤ 2^-9·s`` (E4M3) or ``≤ s`` (int8); then ``|x̂ - x| ≤ (2ε + ε²)·x`` for a
 relative bound ``ε`` on ``√x``.
 
 Example:
@@ -67,6 +75,8 @@ __all__ = ["StateCodec", "StateFormat", "scale_shape", "state_codecs"]
 StateFormat = Literal["fp32", "bf16", "e4m3", "int8"]
 _FORMATS = ("fp32", "bf16", "e4m3", "int8")
 _QMAX = {"e4m3": 448.0, "int8": 127.0}
+# Each 8-bit format's smallest positive code, in units of the block scale
+_FIRST_CODE = {"e4m3": 2.0**-9, "int8": 1.0}
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,9 @@ class StateCodec:
         amax = blocks.abs().amax(dim=2)
         scales = torch.where(amax > 0, amax / _QMAX[self.format], 1.0)
         q = blocks / scales[..., None]
+        if self.sqrt:  # a positive √x below the first code rounds up to it (docstring)
+            step = _FIRST_CODE[self.format]
+            q = torch.where((q > 0) & (q < step), step, q)
         if self.format == "e4m3":
             codes = to_format(q, "e4m3fn", self.rounding, saturate=True, generator=generator)
             codes = codes.view(torch.uint8)

@@ -158,6 +158,38 @@ def test_8bit_states_follow_fp32_adamw_by_default() -> None:
         LeanAdamW([nn.Parameter(torch.zeros(2, 2))], state_rounding="up")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("ratio", [1e-6, 1e-7])
+def test_8bit_small_second_moments_beside_a_large_one_never_blow_up_the_update(
+    ratio: float,
+) -> None:
+    """One E4M3 block per row: one element with gradient ~1, the others ~ratio of it (their
+    √v below the block's first code). Stored as 0, their √v made m/(√v + eps) explode:
+    single AdamW steps of 372x (ratio 1e-6) and 464x (1e-7) the learning rate, 2.3x and
+    5x FP32-state AdamW's mean update. Stored as the first code, no step exceeds FP32's
+    largest (1.8x lr here, from the noise) and the mean update is at most FP32's: such
+    elements learn slower than with FP32 states, never faster."""
+    torch.manual_seed(0)
+    lr = 1e-3
+    p8, p32 = nn.Parameter(torch.zeros(2, 256)), nn.Parameter(torch.zeros(2, 256))
+    o8 = LeanAdamW([p8], lr=lr, state="8bit", generator=torch.Generator().manual_seed(0))
+    o32 = torch.optim.AdamW([p32], lr=lr, foreach=False)
+    g0 = torch.full((2, 256), ratio)
+    g0[:, 0] = 1.0
+    worst, moved8, moved32 = 0.0, 0.0, 0.0
+    for _ in range(300):
+        g = g0 * (1 + 0.3 * torch.randn(2, 256))
+        b8, b32 = p8.detach().clone(), p32.detach().clone()
+        p8.grad, p32.grad = g.clone(), g.clone()
+        o8.step()
+        o32.step()
+        d8 = (p8.detach() - b8)[:, 1:].abs() / lr
+        worst = max(worst, float(d8.max()))
+        moved8 += float(d8.mean())
+        moved32 += float((p32.detach() - b32)[:, 1:].abs().mean()) / lr
+    assert worst < 2.0
+    assert moved8 < 1.05 * moved32
+
+
 def test_state_dict_round_trip_resumes_bit_for_bit() -> None:
     """8-bit states, BF16 parameters with stochastic rounding: stopping, saving through
     torch.save, loading into a fresh model and optimizer, and going on equals going on."""
