@@ -9,7 +9,8 @@ probe records what differs between hosts and times the suspects side by side:
 - 16.8M float32 elements, at 1 and 2 threads, with float32 subnormals kept and flushed
   (``torch.set_flush_denormal``): ``copy_``, eager ``aminmax``, eager and compiled
   ``quantize_scaled`` (e4m3, per-tensor scale), compiled ``abs().amax()``;
-- inductor's generated C++ of those graphs (``--code-dir``), to read offline;
+- inductor's generated C++ of those graphs and their built kernels (``--code-dir``), to
+  read and disassemble offline;
 - repeatability (issue 39: a resumed fp16 run once differed by 1 ulp at step 2 on that
   Xeon): the matrix products of issue 39's model shapes in float32, float16 and bfloat16,
   at 1 and 2 threads, computed again from copies of the operands at other memory
@@ -147,11 +148,13 @@ def main() -> int:
         dst = Path(a.code_dir)
         dst.mkdir(parents=True, exist_ok=True)
         n = 0
-        for f in Path(cache_dir()).rglob("*.cpp"):
+        # the C++ and the built kernels (to disassemble: are the bit casts folded?)
+        built = [*Path(cache_dir()).rglob("*.cpp"), *Path(cache_dir()).rglob("*.so")]
+        for f in built:
             if f.stat().st_mtime >= t_start:
                 (dst / f"{f.parent.name}_{f.name}").write_bytes(f.read_bytes())
                 n += 1
-        print(f"copied {n} generated C++ files to {dst}")
+        print(f"copied {n} generated C++ files and kernels to {dst}")
     print_table(
         f"host probe: {a.numel} float32 elements, median of {a.repeats}",
         ["threads", "flush", "variant", "ms", "ns/elem"],
