@@ -55,6 +55,7 @@ from torch import Tensor
 from lowprec.core.formats import _NATIVE, BF16, FP16, FP32, Format, Rounding, get_format
 
 __all__ = [
+    "BYTE_DTYPES",
     "BYTE_FORMATS",
     "counter_bits",
     "decode",
@@ -255,6 +256,8 @@ def round_bits(
 BYTE_FORMATS: dict[Format, torch.dtype] = {
     f: dt for f, dt in _NATIVE.items() if dt.itemsize == 1 and dt.is_floating_point
 }
+# The format of each of those dtypes
+BYTE_DTYPES: dict[torch.dtype, Format] = {dt: f for f, dt in BYTE_FORMATS.items()}
 
 
 def _fields(fmt: Format) -> tuple[int, int, int]:

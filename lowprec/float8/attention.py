@@ -46,9 +46,10 @@ import torch
 from torch import Tensor
 
 from lowprec.core.autograd import apply_fn
+from lowprec.core.upcast import upcast
 from lowprec.float8.config import ATTENTION_SCALINGS, CastConfig, Float8Config
 from lowprec.float8.mm import autocast_off, payload_mm
-from lowprec.float8.quant import quantize_parts, quantize_values, upcast
+from lowprec.float8.quant import quantize_parts, quantize_values
 
 __all__ = [
     "ATTENTION_GEMMS",

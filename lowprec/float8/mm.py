@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 
 from lowprec.core.tensor import ScaledTensor, register_rule
+from lowprec.core.upcast import upcast
 from lowprec.core.warn import warn_once
-from lowprec.float8.quant import dequantize, upcast
+from lowprec.float8.quant import dequantize
 
 __all__ = [
     "autocast_off",

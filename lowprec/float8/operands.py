@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lowprec.core.tensor import ScaledTensor
+from lowprec.core.upcast import upcast
 from lowprec.float8.config import CastConfig, Float8Config
 from lowprec.float8.mm import emulated_mm, hardware_fp8_available, matmul, operand_kind, payload_mm
 from lowprec.float8.quant import (
@@ -26,7 +27,6 @@ from lowprec.float8.quant import (
     quantize_dequantize,
     quantize_parts,
     quantize_values,
-    upcast,
 )
 
 __all__ = [

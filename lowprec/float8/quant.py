@@ -17,15 +17,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lowprec.core import kernels, layout
-from lowprec.core.bits import BYTE_FORMATS, round_bits
+from lowprec.core import kernels
+from lowprec.core.bits import BYTE_DTYPES, BYTE_FORMATS, round_bits
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
 from lowprec.core.hadamard import generator, stream_seed
-from lowprec.core.layout import dense_view, from_dense_view
 from lowprec.core.rounding import quantize, storage_dtype, to_format, to_format_bounded
 from lowprec.core.scales import amax, compute_scale, mx_scale, nonfinite_scale, nv_scale
 from lowprec.core.tensor import ScaledTensor
+from lowprec.core.upcast import upcast
 from lowprec.float8.config import CastConfig
 
 __all__ = [
@@ -309,44 +309,6 @@ def _quotient_max(a: Tensor | None, s: Tensor, x: Tensor) -> float | None:
     return float(q.max() if bool((s > 0).all()) else math.nan)
 
 
-# 1-byte float dtypes whose eager CPU cast to float32 is a slow scalar loop (e5m2 is
-# fp16's top byte, cast fast): a 256-entry table gives the same bits several times faster.
-_LUT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-_BYTE_DTYPES = {dt: f for f, dt in BYTE_FORMATS.items()}
-_LUTS: dict[tuple[torch.dtype, torch.dtype], Tensor] = {}
-_LUT_MIN_NUMEL = 1 << 14  # below this the cast's own cost is negligible
-
-
-def upcast(data: Tensor, dtype: torch.dtype) -> Tensor:
-    """``data.to(dtype)`` (same bits and strides); eager on CPU, a large 1-byte float
-    ``data`` is decoded by a compiled kernel (:mod:`lowprec.core.kernels`), else read
-    through a table of its 256 codes (each entry cast by torch itself)."""
-    fmt = _BYTE_DTYPES.get(data.dtype)
-    if fmt is not None and dtype in (torch.float32, torch.bfloat16) and kernels.takes(data, fmt):
-        out = kernels.run_decode(data, fmt, dtype)
-        if out is not None:
-            return out
-    if (
-        data.dtype not in _LUT_DTYPES
-        or dtype not in (torch.float32, torch.bfloat16)
-        or data.numel() < _LUT_MIN_NUMEL
-        or data.device.type != "cpu"
-        or torch.compiler.is_compiling()
-        or not layout.fast_paths()
-    ):
-        return data.to(dtype)
-    d = dense_view(data)
-    if not d.is_contiguous():
-        return data.to(dtype)
-    lut = _LUTS.get((data.dtype, dtype))
-    if lut is None:
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(data.dtype)
-        lut = _LUTS[(data.dtype, dtype)] = codes.to(dtype)
-    idx = d.view(torch.uint8).reshape(-1).to(torch.int32)
-    out = torch.index_select(lut, 0, idx).view(d.shape)
-    return out if d is data else from_dense_view(out, data)
-
-
 def _traced_transpose(t: Tensor) -> bool:
     """``t`` is traced and the transpose of a contiguous matrix (a weight ``W.t()``, a
     gradient ``g.t()``). Block scaling commutes with transposition, so a block-scaled cast
@@ -395,7 +357,7 @@ def dequantize_parts(
     if scale.dim() == 2 and _traced_transpose(data):
         crop = None if unpadded is None else (unpadded[1], unpadded[0])
         return dequantize_parts(data.t(), scale.t(), crop, dtype).t()
-    fmt = _BYTE_DTYPES.get(data.dtype)  # None: a float payload that holds its values
+    fmt = BYTE_DTYPES.get(data.dtype)  # None: a float payload that holds its values
     fast = kernels.takes(data, fmt)
     if fast and scale.dtype == torch.float32:
         y = kernels.run_decode(data, fmt, dtype, scale)

@@ -21,6 +21,7 @@ from lowprec.core.granularity import apply_scale, check_scale_shape
 from lowprec.core.layout import dense_view
 from lowprec.core.scales import ScaleOverflowError, round_pow2
 from lowprec.core.tensor import ScaledTensor
+from lowprec.core.upcast import upcast as widen
 from lowprec.scalify.config import current_config
 from lowprec.scalify.domains import out_domain, sts
 
@@ -131,10 +132,12 @@ _UPCASTS = BlockCache(4)
 def upcast(d: Tensor, work: torch.dtype) -> Tensor:
     """``d.to(work)``, reusing a recent upcast of the same stored data (eager, large
     tensors only; :class:`BlockCache`): backward ops read one gradient or activation
-    several times, often through different views, and each is upcast once."""
+    several times, often through different views, and each is upcast once. A float8
+    payload is widened by :func:`lowprec.core.upcast.upcast` (torch's own E4M3 cast is a
+    scalar loop), the same bits."""
     if d.dtype == work or compiling():
         return d.to(work)
-    up = _UPCASTS.get(d, (work,), lambda t: t.to(work))
+    up = _UPCASTS.get(d, (work,), lambda t: widen(t, work))
     assert up is not None
     return up
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lowprec.core import kernels, layout
+from lowprec.core.upcast import upcast
 from lowprec.float8 import Float8Config, convert_to_float8
 from lowprec.float8.config import PRESETS
 from lowprec.float8.quant import (
@@ -22,7 +23,6 @@ from lowprec.float8.quant import (
     quantize_dequantize,
     quantize_parts,
     quantize_values,
-    upcast,
 )
 from tests._bits import both, cases, same, same_values
 

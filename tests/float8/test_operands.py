@@ -94,7 +94,8 @@ def test_traced_payload_values_are_the_casts(
     arithmetic (round_bits), not from the float8 cast and back: the same values and scale
     as eager ``quantize_parts`` upcast, for ordinary values and for Inf, NaN, ±0,
     subnormals, values that overflow a given scale (saturate; Inf becomes NaN in e4m3fn)."""
-    from lowprec.float8.quant import quantize_parts, quantize_values, upcast
+    from lowprec.core.upcast import upcast
+    from lowprec.float8.quant import quantize_parts, quantize_values
 
     torch._dynamo.reset()
     cast = CastConfig(fmt, granularity=granularity)
