@@ -32,6 +32,7 @@ kernel (:mod:`lowprec.core.kernels`). Every path gives the same bits.
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 from torch import Tensor
@@ -225,6 +226,8 @@ def _cast_native(
         absmax = _absmax_eager(x)
     # the clamp bound in x's dtype (a wider format's max does not fit in, e.g., fp16)
     top = min(fmt.max, torch.finfo(x.dtype).max)
+    if not _holds(x.dtype, top):  # (bf16 -> fp16: 65504 clamped in bf16 is 65536, Inf)
+        x = x.float()  # exact; torch's cast to ``native`` goes through float32 anyway
     if absmax is not None and fast_paths():
         # Every |x| <= absmax: NaN compares False, so a NaN or Inf skips these shortcuts.
         if absmax <= fmt.max:
@@ -274,6 +277,20 @@ def _probe_saturation(device: torch.device) -> bool:
 # 2.11's does not). The CPU's is probed at import, so that code torch.compile traces for the
 # CPU reads it as a constant.
 _SATURATES: dict[str, bool] = {"cpu": _probe_saturation(torch.device("cpu"))}
+
+
+def _holds(dtype: torch.dtype, v: float) -> bool:
+    """Whether ``dtype`` (float32, float16 or bfloat16) holds the finite float32 ``v``
+    exactly (pure Python: a constant under ``torch.compile``)."""
+    b = struct.unpack("<I", struct.pack("<f", v))[0]
+    if dtype == torch.bfloat16:
+        return b & 0xFFFF == 0
+    if dtype == torch.float16:
+        try:
+            return float(struct.unpack("<e", struct.pack("<e", v))[0]) == v
+        except OverflowError:
+            return False
+    return True
 
 
 def _cast_saturates(device: torch.device) -> bool:

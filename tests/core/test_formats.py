@@ -917,6 +917,34 @@ def test_saturate_only_changes_finite_overflow(name: str) -> None:
     assert torch.equal(codes, max_codes)
 
 
+@pytest.mark.parametrize("name", ["fp16", "bf16", "e4m3fn", "e5m2", "e4m3fnuz"])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", ["eager", "eager-large", "compiled"])
+def test_saturate_from_an_input_dtype_that_cannot_hold_the_max(
+    name: str, in_dtype: torch.dtype, path: str
+) -> None:
+    """saturate=True from a 16-bit input: a finite value beyond ±max becomes ±max in the
+    format (ml_dtypes on the value clamped in float64), and quantize casts that back to
+    the input's dtype with round to nearest-even. bf16 cannot hold fp16's max 65504: a
+    clamp in bf16 gave 65536, which the fp16 cast made Inf, with or without saturate."""
+    f = get_format(name)
+    big = float(torch.finfo(in_dtype).max)
+    vals = [f.max * 0.99, f.max, f.max * 1.001, f.max * 1.5, f.max * 7, 1.0, -2 * f.max]
+    x = torch.tensor([v for v in vals if abs(v) <= big] + [big, -big]).to(in_dtype)
+    if path == "eager-large":  # the compiled eager kernels' size
+        x = x.repeat(1 << 15)
+    clamped = x.double().clamp(-f.max, f.max).float().numpy()
+    want = torch.from_numpy(clamped.astype(ML_TYPES[name]).astype(np.float32))
+    if path == "compiled":
+        torch._dynamo.reset()  # (one code object, compiled per case: the recompile limit)
+    q = torch.compile(quantize, fullgraph=True) if path == "compiled" else quantize
+    got = q(x, name, saturate=True)
+    assert got.dtype == in_dtype
+    assert torch.equal(got, want.to(in_dtype)), (got[:9], want[:9])
+    if path != "compiled":
+        assert torch.equal(to_format(x, name, saturate=True).float(), want)
+
+
 # ---------------------------------------------------------------------------------------
 # 5. Stochastic rounding
 # ---------------------------------------------------------------------------------------
