@@ -282,7 +282,7 @@ _SATURATES: dict[str, bool] = {"cpu": _probe_saturation(torch.device("cpu"))}
 def _holds(dtype: torch.dtype, v: float) -> bool:
     """Whether ``dtype`` (float32, float16 or bfloat16) holds the finite float32 ``v``
     exactly (pure Python: a constant under ``torch.compile``)."""
-    b = struct.unpack("<I", struct.pack("<f", v))[0]
+    b: int = struct.unpack("<I", struct.pack("<f", v))[0]
     if dtype == torch.bfloat16:
         return b & 0xFFFF == 0
     if dtype == torch.float16:
