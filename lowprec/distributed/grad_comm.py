@@ -238,8 +238,10 @@ fp8_allreduce_hook.__annotations__.update(
 
 def grad_divide_factor(recipe: str | Recipe, world: int) -> float:
     """The divisor of the gradients' sum over ``world`` ranks for ``recipe``: ``√world``
-    for unit recipes (their per-rank ``b^-1/2`` scaling: see
-    :mod:`lowprec.distributed.parallel`), else ``world`` (the mean)."""
+    for unit recipes (their per-rank ``b^-1/2`` scaling, after one of lowprec's unit
+    losses; after a mean loss of the user's own it is ``world^{3/2}``, which
+    :func:`~lowprec.distributed.prepare` sets at each backward:
+    :mod:`lowprec.distributed.unit_reduce`), else ``world`` (the mean)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be an int >= 1, got {world!r}")
     return math.sqrt(world) if get_recipe(recipe).unit is not None else float(world)

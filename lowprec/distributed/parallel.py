@@ -40,11 +40,13 @@ draws the same numbers (DDP replicas stay identical; FSDP2 shards round as one p
 
 Unit recipes: the gradient of a unit-scaled weight is its per-token contributions summed
 over the ``b`` tokens of the batch and scaled by ``b^-1/2``. On ``N`` ranks each rank
-scales by ``(b/N)^-1/2``, so the plain average over ranks would be ``N^-1/2`` times the
-one-process gradient (Adam hides the factor, but its moments would not carry over to
-another world size, and SGD would take other steps). The ranks' gradients are therefore
-summed and divided by ``sqrt(N)`` instead of ``N`` (FSDP2's gradient divide factor; a DDP
-communication hook), which gives the one-process gradient.
+scales by ``(b/N)^-1/2``, so the plain average over ranks would not be the one-process
+gradient (Adam hides the factor, but its moments would not carry over to another world
+size, and SGD would take other steps). The ranks' gradients are therefore summed and
+divided by ``sqrt(N)`` where the loss is one of lowprec's unit losses, and by ``N^{3/2}``
+where it is the user's own mean loss (FSDP2's gradient divide factor; a DDP communication
+hook; chosen at each backward: :mod:`lowprec.distributed.unit_reduce`), which gives the
+one-process gradient.
 
 Example (one process here; under ``torchrun`` the group has N):
     >>> import tempfile
@@ -82,6 +84,7 @@ from lowprec.distributed.grad_comm import (
     register_fp8_allreduce,
 )
 from lowprec.distributed.scaling_sync import attach_scaling_sync
+from lowprec.distributed.unit_reduce import UnitDivisor
 from lowprec.recipes import compose
 from lowprec.recipes.prepared import OptimizerFactory, Prepared, build_optimizer, factory_lr
 from lowprec.recipes.presets import get_recipe
@@ -211,13 +214,17 @@ def shard(
     if mode == "ddp":
         ddp = DistributedDataParallel(model, **(ddp_kwargs or {}))
         group = (ddp_kwargs or {}).get("process_group")
+        world = dist.get_world_size(group)
         if grad_comm == "fp8":
-            world = dist.get_world_size(group)
-            register_fp8_allreduce(ddp, divide_by=grad_divide_factor(r, world))
+            state = register_fp8_allreduce(ddp, divide_by=grad_divide_factor(r, world))
+            if r.unit is not None:  # the divisor follows the loss (unit_reduce)
+                UnitDivisor(world, lambda f: setattr(state, "divide_by", f)).attach(model)
         elif grad_comm == "bf16" or r.unit is not None:
             low = torch.bfloat16 if grad_comm == "bf16" else None
-            factor = grad_divide_factor(r, dist.get_world_size(group))
-            ddp.register_comm_hook((factor, group, low), _scaled_allreduce)
+            hook_state = [grad_divide_factor(r, world), group, low]
+            ddp.register_comm_hook(hook_state, _scaled_allreduce)
+            if r.unit is not None:
+                UnitDivisor(world, lambda f: hook_state.__setitem__(0, f)).attach(model)
         return ddp
     policy = mixed_precision_policy(r) if grad_comm != "bf16" else fsdp_reduce_policy(r, "bf16")
     # scalify: the Scalified wrapper is the one unit (a module sharded inside it would
@@ -229,20 +236,24 @@ def shard(
         n = mesh.size() if mesh is not None else dist.get_world_size()
         pg = mesh.get_group() if mesh is not None else None
         premul = dist.get_backend(pg) == "nccl"  # gloo has no PREMUL_SUM: SUM, then divide
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_gradient_divide_factor(grad_divide_factor(r, n))
-                m.set_force_sum_reduction_for_comms(not premul)
+        sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in sharded:
+            m.set_gradient_divide_factor(grad_divide_factor(r, n))
+            m.set_force_sum_reduction_for_comms(not premul)
+
+        def divide_by(f: float) -> None:
+            for m in sharded:
+                m.set_gradient_divide_factor(f)
+
+        UnitDivisor(n, divide_by).attach(model)
     if grad_comm == "fp8":
         enable_fp8_reduce_scatter(model)
     return model
 
 
-def _scaled_allreduce(
-    state: tuple[float, Any, torch.dtype | None], bucket: Any
-) -> torch.futures.Future[torch.Tensor]:
+def _scaled_allreduce(state: list[Any], bucket: Any) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the gradients divided by ``state[0]`` (``N`` for the mean;
-    ``sqrt(N)`` for unit recipes, see the module docstring), then summed over the ranks of
+    for unit recipes as the loss asks, see the module docstring), then summed over the ranks of
     the group ``state[1]``, in the bucket's dtype or in ``state[2]`` (BF16: the bucket is
     rounded to it, summed in it, and written back)."""
     factor, group, low = state

@@ -39,6 +39,7 @@ Example:
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import CONSTRAINTS, Constraint, apply_constraint, scale_bwd, scale_fwd
 from lowprec.unit.entry import PRESETS, apply, recipe_param_groups
+from lowprec.unit.lookup import unit_loss_computed
 from lowprec.unit.transform import unit_scale
 from lowprec.unit.umup import tag_params, umup_param_groups, umup_taus
 
@@ -55,5 +56,6 @@ __all__ = [
     "tag_params",
     "umup_param_groups",
     "umup_taus",
+    "unit_loss_computed",
     "unit_scale",
 ]

@@ -22,7 +22,26 @@ from lowprec.core.autograd import apply_fn
 from lowprec.unit.core import check_float, check_number, scale_bwd, scale_fwd
 from lowprec.unit.core import unit_op as _unit_op
 
-__all__ = ["cross_entropy", "embedding", "mse_loss"]
+__all__ = ["cross_entropy", "embedding", "mse_loss", "unit_loss_computed"]
+
+# Whether a unit-scaled loss was computed since the flag was last cleared. A constant
+# stored into a list: a compiled forward replays the store on every call, with no guard
+# on a value that changes between calls.
+_SEEN = [False]
+
+
+def unit_loss_computed(clear: bool = False) -> bool:
+    """Whether a unit-scaled loss (:func:`cross_entropy`, :func:`mse_loss`, any
+    reduction, called directly or through the unit mode) was computed since the flag was
+    last cleared; ``clear=True`` clears it (after reading).
+
+    Their backward is the sum's (the mean's ``1/N`` is forward-only), unlike a plain mean
+    loss's: data parallelism reduces the two kinds of gradient by different divisors
+    (:mod:`lowprec.distributed.unit_reduce` reads this flag at each backward)."""
+    seen = _SEEN[0]
+    if clear:
+        _SEEN[0] = False
+    return seen
 
 
 class _DivFwd(torch.autograd.Function):
@@ -86,6 +105,7 @@ def cross_entropy(
     if not 0.0 <= check_number("label_smoothing", label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     s = math.sqrt(v) / math.sqrt(1.0 + (math.e - 2.0) / v)
+    _SEEN[0] = True
     total = F.cross_entropy(
         scale_bwd(logits, s),
         targets,
@@ -168,5 +188,6 @@ def mse_loss(x: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
             f"x, target: shapes must be equal, got {tuple(x.shape)} and {tuple(target.shape)}"
         )
     s = 8**-0.5
+    _SEEN[0] = True
     total = F.mse_loss(scale_bwd(x, s), scale_bwd(target, s), reduction="sum")
     return total if reduction == "sum" else scale_fwd(total, 1.0 / max(1, x.numel()))
