@@ -173,6 +173,16 @@ class Float8AllGatherWeight(Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"Float8AllGatherWeight({self._hp!r})"
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Saved (torch.save, pickle, deepcopy's fallback) as the plain tensor it wraps: a
+        # gathered weight on one process (``full_tensor()`` of a one-rank shard is this
+        # wrapper) is its values; the FSDP2 hooks it carries do not outlive the run.
+        return self._hp.__reduce_ex__(protocol)  # type: ignore[no-untyped-call]
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The wrapped tensor's ``numpy()``."""
+        return self._hp.numpy(force=force)
+
     def __tensor_flatten__(self) -> tuple[list[str], tuple[_Slot, _Group]]:
         return ["_hp"], (self._slot, self._group)
 

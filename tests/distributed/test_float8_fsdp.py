@@ -196,6 +196,26 @@ def test_wrapped_weight_trains_like_the_plain_one_without_fsdp() -> None:
     assert torch.equal(sd["0.weight"], a.state_dict()["0.weight"])
 
 
+def test_the_wrapper_itself_saves_and_converts_as_its_values() -> None:
+    """What a gathered weight is on one process (``full_tensor()`` of a one-rank FSDP2
+    shard is the wrapper, and ``.float()``/``.clone()`` keep it): torch.save stores its
+    values as a plain tensor (it failed on the wrapper's weak references), and
+    ``numpy()`` gives them (it raised)."""
+    import io
+
+    m = _mlp("tensorwise")
+    enable_fp8_all_gather(m)
+    w = m[0].weight.detach()
+    assert type(w).__name__ == "Float8AllGatherWeight"
+    for t in (w, w.float().clone()):
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        buf.seek(0)
+        back = torch.load(buf, weights_only=True)
+        assert type(back) is torch.Tensor and torch.equal(back, w._hp)
+        assert (t.numpy() == w._hp.numpy()).all()
+
+
 def test_enable_refuses_bad_input() -> None:
     with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         enable_fp8_all_gather("model")  # type: ignore[arg-type]
