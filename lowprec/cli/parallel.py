@@ -80,7 +80,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     rest = _without_nproc(argv)
     if args.out is None:  # one directory for every rank
         rest += ["--out", str(default_out(args.recipe))]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [sys.executable, "-m", "lowprec.cli.torchrun", "--standalone"]  # torch's, quiet
     cmd += ["--nproc-per-node", str(args.nproc_per_node), "-m", "lowprec", *rest]
     proc = subprocess.Popen(cmd, start_new_session=True)
     got: list[int] = []
