@@ -1,8 +1,9 @@
 """Rounding into a number format (:mod:`lowprec.core.formats`): quantize, casts, bits.
 
 :func:`quantize` rounds a tensor to the nearest representable value (ties to even) or
-stochastically, bit-exact with ``ml_dtypes``. Out-of-range and special inputs map as follows
-(``saturate`` only changes finite overflow):
+stochastically, bit-exact with ``ml_dtypes`` for inputs of 32 bits or fewer (a float64
+input is rounded once, where ``ml_dtypes`` rounds it to float32 first). Out-of-range and
+special inputs map as follows (``saturate`` only changes finite overflow):
 
 ================== ============ ============ ============ ===========================
 input              ieee         fn           fnuz         finite (no Inf, no NaN)
@@ -109,7 +110,8 @@ def quantize(
     """Round ``x`` to the nearest value of ``fmt``; return it in ``x``'s dtype.
 
     ``rounding="nearest"`` rounds to nearest, ties to even, bit-exact with ``ml_dtypes``
-    (see the module docstring for overflow, Inf, NaN and signed zero).
+    for inputs of 32 bits or fewer (float64 is rounded once, never via float32; see the
+    module docstring for overflow, Inf, NaN and signed zero).
     ``rounding="stochastic"`` rounds ``|x|`` down or up to its two neighbours ``lo < |x| < hi``
     with ``P(hi) = (|x| - lo) / (hi - lo)``, so ``E[quantize(x)] = x`` (exactly in the normal
     range; in the subnormal range the probability is quantised to ``2^-23``, or ``2^-52``
