@@ -65,7 +65,9 @@ def _data_parallel(prepared: Prepared) -> None:
     """Several processes (``accelerate launch``): every rank uses the same float8 scales
     (the scaling state reduced with MAX after each backward, as ``lowprec.distributed``
     does); a unit recipe's gradients are averaged by Accelerate's DDP, not summed and
-    divided by ``sqrt(N)`` as :func:`lowprec.distributed.prepare` does (logged once)."""
+    divided by the unit divisor of :func:`lowprec.distributed.prepare` (``sqrt(N)`` after
+    lowprec's unit losses, ``N^{3/2}`` after a mean loss of the user's own:
+    :mod:`lowprec.distributed.unit_reduce`; logged once)."""
     from lowprec.distributed import attach_scaling_sync
 
     if prepared.recipe.float8 is not None:
@@ -73,9 +75,10 @@ def _data_parallel(prepared: Prepared) -> None:
     if prepared.recipe.unit is not None:
         logger.warning(
             "lowprec.integrations.accelerate: unit recipe %r under DDP: Accelerate averages "
-            "the gradients (1/N), not the sqrt(N) divisor that keeps unit scaling's one-process "
-            "gradient; Adam hides the factor, SGD does not (lowprec.distributed.prepare and "
-            "make_trainer use sqrt(N))",
+            "the gradients (1/N), not the divisor that keeps unit scaling's one-process "
+            "gradient (sqrt(N) after a unit loss, N^1.5 after a mean loss of your own): "
+            "off by sqrt(N) either way; Adam hides the factor, SGD does not "
+            "(lowprec.distributed.prepare and make_trainer choose the divisor)",
             prepared.recipe.name,
         )
 
