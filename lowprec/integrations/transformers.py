@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -89,6 +90,7 @@ from lowprec.integrations.hf_parallel import (
 from lowprec.jobs.recorder import RunRecorder
 from lowprec.recipes import OptimizerFactory, Prepared, Recipe, prepare
 from lowprec.scalify.transform import Scalified
+from lowprec.unit import scale_bwd
 
 __all__ = ["STATE_NAME", "LowprecTrainer", "make_trainer"]
 
@@ -219,6 +221,12 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         self.accelerator.scaler = self.lowprec.scaler
         if isinstance(net, Scalified):
             self._inspect_wrapped(net.module)
+        if r.unit is not None:
+            # The unit loss's backward is unit per counted token (its mean's 1/n is
+            # forward-only); HF's loss kwargs would divide the summed loss by the token
+            # count as a plain op, making every gradient 1/n of unit (0.004x at 240
+            # tokens). The model computes its own mean; _accumulated scales the rest.
+            self.model_accepts_loss_kwargs = False
 
     def create_accelerator_and_postprocess(self) -> None:
         """The ``Trainer``'s Accelerator; under FSDP2 built without Accelerate's FSDP
@@ -301,6 +309,32 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         d = loss.detach()
         self._step_loss = d if self._step_loss is None else self._step_loss + d
         return loss
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """The ``Trainer``'s loss, for a unit recipe with its backward scaled by
+        :meth:`_accumulated`."""
+        out: Any = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.lowprec.recipe.unit is None or not (model.training and torch.is_grad_enabled()):
+            return out
+        if return_outputs:
+            return self._accumulated(out[0]), out[1]
+        return self._accumulated(out)
+
+    def _accumulated(self, loss: Tensor) -> Tensor:
+        """A unit recipe's micro-batch loss, its backward scaled by ``√k`` (``k``
+        micro-batches a step; the ``Trainer`` then divides the loss by ``k``): a unit
+        weight gradient is scaled by ``b^-1/2`` of the ``b`` tokens of one backward, so
+        the sum of ``k`` micro-batches' gradients is ``√k`` times one batch of ``k·b``
+        tokens; ``√k / k`` makes it that batch's gradient (as data parallelism divides
+        the ranks' sum by ``√N``: :mod:`lowprec.distributed.unit_reduce`)."""
+        k = int(getattr(self, "current_gradient_accumulation_steps", 1) or 1)
+        return loss if k == 1 else scale_bwd(loss, math.sqrt(k))
 
     def prediction_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with self.lowprec.compute():

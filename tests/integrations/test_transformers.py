@@ -250,3 +250,45 @@ def test_fp32_recipe_trains_as_the_plain_trainer(tmp_path: Path, weight_decay: f
     pp, po = dict(plain.model.named_parameters()), dict(ours.lowprec.model.named_parameters())
     assert pp.keys() == po.keys()
     assert all(torch.equal(pp[k], po[k]) for k in pp), "parameters bit-identical"
+
+
+class _Same(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """One token sequence at every index: every batch is that sequence repeated, whatever
+    order the Trainer's sampler draws."""
+
+    def __init__(self) -> None:
+        self.ids = Tokens(n=1).ids[0]
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids, "labels": self.ids}
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_unit_recipe_step_is_the_one_batch_unit_gradient(tmp_path: Path, accumulation: int) -> None:
+    """A unit recipe's first SGD step through the Trainer is lr·lr_mult times the gradient
+    of the unit model's own mean loss on the step's whole batch (4 · accumulation rows, one
+    backward). HF's loss kwargs divided the summed loss by the token count as a plain op
+    (every gradient 1/n of unit: 0.004x at 240 tokens), and k micro-batches' unit weight
+    gradients summed to √k times one batch's (the b^-1/2 of each backward)."""
+    import copy
+
+    args = _args(tmp_path, max_steps=1, optim="sgd", lr_scheduler_type="constant",
+                 gradient_accumulation_steps=accumulation, weight_decay=0.0,
+                 max_grad_norm=0.0)  # fmt: skip
+    t = make_trainer(tiny_llama(), args, recipe="fp32-unit", train_dataset=_Same())
+    ref = copy.deepcopy(t.lowprec.model)
+    before = {n: p.detach().clone() for n, p in t.lowprec.model.named_parameters()}
+    ids = _Same().ids.repeat(4 * accumulation, 1)
+    with t.lowprec.compute():
+        ref(input_ids=ids, labels=ids).loss.backward()
+    t.train()
+    lr_of = {id(p): g["lr"] for g in t.lowprec.optimizer.param_groups for p in g["params"]}
+    params = dict(t.lowprec.model.named_parameters())
+    for name, p_ref in ref.named_parameters():
+        want = -lr_of[id(params[name])] * p_ref.grad
+        got = params[name].detach() - before[name]
+        # float32 sums in another order (micro-batches, the √k factor): 1e-4 relative
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), name
