@@ -56,18 +56,16 @@ step's amax.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
-from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from lowprec.analysis.gemms import DEFAULT_EVERY
 from lowprec.autopilot.guard import Guard, GuardConfig, Move
@@ -87,8 +85,14 @@ from lowprec.integrations.hf_parallel import (
     parallel_mode,
     save_sharded,
 )
+from lowprec.integrations.hf_setup import (
+    LowprecCallback,
+    hf_config_view,
+    optimizer_factory,
+    unwrap,
+)
 from lowprec.jobs.recorder import RunRecorder
-from lowprec.recipes import OptimizerFactory, Prepared, Recipe, prepare
+from lowprec.recipes import Prepared, Recipe, prepare
 from lowprec.scalify.transform import Scalified
 from lowprec.unit import scale_bwd
 
@@ -179,7 +183,7 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         # HF's groups, always: args.weight_decay (0.0 too) for the decayed parameters, 0.0
         # for the others (the optimizer's own default, e.g. AdamW's 0.01, never applies)
         regroup = decay_groups(self.get_decay_parameter_names, args.weight_decay)
-        factory = _factory(args, model, trainer_kwargs.get("optimizer_cls_and_kwargs"))
+        factory = optimizer_factory(args, model, trainer_kwargs.get("optimizer_cls_and_kwargs"))
         if parallel:
             # torchrun / accelerate launch: lowprec's own order (technique, DDP wrap or
             # fully_shard with the recipe's hooks, then optimizer and scaler); the Trainer
@@ -200,7 +204,7 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
                 raise ValueError(f"{e} (under FSDP2; without an FSDP config the run is DDP)") from e
         else:
             self.lowprec = prepare(model, r, factory, generator, param_groups=regroup)
-        net = _unwrap(self.lowprec.model)
+        net = unwrap(self.lowprec.model)
         if parallel == "fsdp":  # Accelerate's prepare leaves it as it is (no DDP wrap)
             object.__setattr__(net, "_is_accelerate_prepared", True)
         self._guard = None if guard is False else Guard(net, None if guard is True else guard)
@@ -210,8 +214,8 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         self._recorder: RunRecorder | None = None
         self._step_loss: Tensor | None = None
         self._unscaled = False
-        callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), _LowprecCallback(self)]
-        with _hf_config_view(net):
+        callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), LowprecCallback(self)]
+        with hf_config_view(net):
             super().__init__(model=net, args=args, callbacks=callbacks, **trainer_kwargs)
         if net is not self.lowprec.model:
             self.model_wrapped = self.lowprec.model  # the Trainer does not wrap it again
@@ -448,7 +452,7 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         resume = step > 0 and (not writer or (out / "config.json").is_file())
         self._recorder = RunRecorder(
             out,
-            _unwrap(self.lowprec.model),
+            unwrap(self.lowprec.model),
             recipe=self.lowprec.recipe,
             config={"trainer": "transformers", "learning_rate": self.args.learning_rate},
             steps=max_steps if max_steps > 0 else None,
@@ -482,74 +486,6 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
                 extra["guard_moves"] = len(moves)
                 rec.append("guard.jsonl", [m.to_dict() for m in moves])
         rec.log(step, loss=loss, lr=self._get_learning_rate(), **extra)
-
-
-class _LowprecCallback(TrainerCallback):  # type: ignore[misc]
-    """The :class:`LowprecTrainer`'s hooks into the ``Trainer``'s loop."""
-
-    def __init__(self, trainer: LowprecTrainer) -> None:
-        self.trainer = trainer
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._open_recorder(state.global_step, state.max_steps)
-
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # A skipped step leaves the optimizer's per-step state (the masters' copied
-        # gradients) behind; the Trainer zeroes only the model's gradients.
-        self.trainer.lowprec.optimizer.zero_grad(set_to_none=True)
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._end_step(state.global_step)
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._close_recorder()
-
-
-@contextlib.contextmanager
-def _hf_config_view(model: nn.Module) -> Iterator[None]:
-    """While the ``Trainer`` is built: a scalify'd model's ``config`` (its frozen
-    :class:`~lowprec.scalify.ScalifyConfig`, which the ``Trainer`` would take for an HF
-    config and set ``use_cache`` on) reads as the wrapped HF model's config (or ``None``)."""
-    if not isinstance(model, Scalified):
-        yield
-        return
-    own = model.__dict__["config"]
-    model.__dict__["config"] = getattr(model.module, "config", None)
-    try:
-        yield
-    finally:
-        model.__dict__["config"] = own
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a ``DistributedDataParallel``."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def _factory(
-    args: TrainingArguments,
-    model: nn.Module,
-    cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None,
-) -> OptimizerFactory:
-    """The optimizer the ``Trainer`` would build (``args.optim`` or ``cls_and_kwargs``), as
-    a factory over the parameters that :func:`~lowprec.recipes.prepare` gives it."""
-    if cls_and_kwargs is None:
-        hf_model: Any = model
-        cls_and_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, hf_model)
-    cls, kwargs = cls_and_kwargs
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise TypeError(
-            f"the optimizer (args.optim={args.optim!r}) must be a torch.optim.Optimizer class "
-            f"that takes parameter groups, got {cls!r}"
-        )
-    if any(k in kwargs for k in ("params", "model", "optimizer_dict")):
-        raise ValueError(f"args.optim={args.optim!r}: builds its own parameter list; not supported")
-    kw = dict(kwargs)
-
-    def factory(params: list[Any]) -> torch.optim.Optimizer:
-        return cls(params, **kw)
-
-    return factory
 
 
 def make_trainer(
