@@ -55,6 +55,8 @@ def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``x.op_(...)``: the out-of-place op's rule, its data and scale put into ``x``."""
     name = func._schema.name.split("::")[1].rstrip("_")
     functional = getattr(getattr(aten, name, None), func._overloadname, None)
+    if functional is None and torch.Tag.inplace_view in func.tags:
+        functional = getattr(aten, name, None)  # (transpose_.default: transpose.int)
     x = args[0]
     if functional is None:  # no out-of-place twin: run it on a dequantized copy
         count_fallback(str(func))
@@ -62,6 +64,19 @@ def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         func(v, *args[1:], **kwargs)
         return assign(x, v.to(x.qdata.dtype), one(v), func)
     res = functional(*args, **kwargs)
+    if torch.Tag.inplace_view in func.tags and isinstance(res, ScaledTensor):
+        # squeeze_, unsqueeze_, transpose_, t_, as_strided_ (matmul's 1-D case ends in
+        # squeeze_): x becomes the view, its outer shape included (as torch's
+        # return_and_correct_aliasing sets a wrapper's metadata, with no dispatch).
+        x._data, x._scale = res.qdata, res.scale
+        with torch.utils._mode_utils.no_dispatch():
+            meta = torch._C._meta_in_tls_dispatch_include()
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                func(*args, **kwargs)
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(meta)
+        return x
     if isinstance(res, ScaledTensor):
         return assign(x, res.qdata, res.scale, func)
     return assign(x, res.to(x.qdata.dtype), one(res), func)
