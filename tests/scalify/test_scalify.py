@@ -138,18 +138,44 @@ def test_where_with_a_number_keeps_the_data() -> None:
     ``finfo(float32).min`` (T5's position-bias mask); taking the number's magnitude as the
     scale flushed every kept value to 0 (logits 26% off FP32). A sentinel saturates and the
     kept values stay within FP16 rounding; a moderate fill that the format cannot hold next
-    to ``x`` raises the scale just enough, so both are right (either operand order)."""
+    to ``x`` raises the scale just enough, so both are right (either operand order). The
+    sentinel's scale is at least 1, so it saturates to -65504 as in a plain FP16 model and
+    still masks (kept at ``x``'s scale it was -65504·s_x: no mask at small scales)."""
     x = st((8, 16), 0.05)
     m = torch.rand(8, 16, generator=torch.Generator().manual_seed(3)) > 0.3
     lo = torch.finfo(torch.float32).min
     for y, keep in ((torch.where(m, x, lo), m), (torch.where(~m, lo, x), m)):
-        assert isinstance(y, ScaledTensor) and float(y.scale) == pytest.approx(0.05)
+        assert isinstance(y, ScaledTensor) and float(y.scale) == pytest.approx(1.0)
         assert rel(val(y)[keep], val(x)[keep]) < FP16_TOL
-        assert bool((val(y)[~keep] <= -65504 * 0.05 * 0.999).all())  # saturated, not lost
+        assert bool((val(y)[~keep] <= -65504 * 0.999).all())  # saturated, not lost
     tiny = st((8, 16), 2.0**-30)
     z = torch.where(m, tiny, 1.0)  # 1 / 2^-30 is beyond FP16: the scale rises to 1/65504
     assert float(z.scale) == pytest.approx(1.0 / 65504.0)
     assert rel(val(z), torch.where(m, val(tiny), 1.0)) < FP16_TOL
+
+
+@pytest.mark.parametrize("fill", [-1e4, torch.finfo(torch.float32).min])
+@pytest.mark.parametrize("scale", [2.0**-2, 2.0**-8, 2.0**-12])
+def test_a_masked_fill_mask_masks_at_every_scale(fill: float, scale: float) -> None:
+    """``softmax(qk.masked_fill(causal, fill))`` of small logits: no weight on masked keys
+    (FP32: exactly 0). A fill the format could not hold next to the logits' scale was
+    clipped to ±max·s_x (-1e4 at 2^-12 left 16% of a row's weight on future keys); it now
+    raises the scale as ``where`` does, a sentinel to at least 1. The unmasked weights
+    equal FP32's within FP16 rounding; a moderate fill keeps its value (2.5 at 2^-20)."""
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(6, 8, generator=g) * scale, torch.randn(6, 8, generator=g) * scale
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+
+    def probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (q @ k.t()).masked_fill(causal, fill).softmax(-1)
+
+    want, got = probs(q, k), scalify(probs, "fp16")(q, k)
+    assert float(got.float()[causal].abs().max()) == 0.0
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-3)
+    x = torch.randn(3, 4, generator=g) * 2.0**-20
+    m = torch.rand(3, 4, generator=g) > 0.5
+    y = scalify(lambda t: t.masked_fill(m, 2.5), "fp16")(x).float()
+    assert bool((y[m] == 2.5).all()) and rel(y[~m], x[~m]) < FP16_TOL
 
 
 def test_special_scales_short_circuit() -> None:
