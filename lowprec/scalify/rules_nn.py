@@ -375,10 +375,22 @@ def _embedding_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return out(func, args, func(dg, *args[1:], **kwargs) / c, sg * c)
 
 
+def _plain_weight(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``(x, target, weight, ...)`` with a scaled class ``weight`` dequantized."""
+    w = args[2]
+    if isinstance(w, ScaledTensor):
+        return (*args[:2], deq(w, work_dtype(w)), *args[3:])
+    return args
+
+
 @rule(aten.nll_loss_forward.default)
 def _nll(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``−mean x[target]`` (linear): ``d = nll(d_x)``, ``s = s_x`` (per-tensor scale)."""
+    """``−mean x[target]`` (linear): ``d = nll(d_x)``, ``s = s_x`` (per-tensor scale).
+    Class weights are read as their values (a scaled ``weight`` dequantized)."""
+    args = _plain_weight(args)
     x = args[0]
+    if not isinstance(x, ScaledTensor):  # (only the weight was scaled)
+        return func(*args, **kwargs)
     work = work_dtype(x)
     if scalar(x.scale):
         v, tw = func(x.qdata.to(work), *args[1:], **kwargs)
@@ -391,7 +403,7 @@ def _nll(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _nll_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Mean reduction: ``d = −d_g`` at the targets (the sum's gradient) and
     ``s = s_g / total_weight``: the ``1/N`` of the mean goes into the scale."""
-    g, x, target, weight, reduction, ignore, tw = args
+    g, x, target, weight, reduction, ignore, tw = args[:1] + _plain_weight(args[1:])
     work = work_dtype(g, x)
     dg, sg = pair(g, work)
     xd = x.qdata if isinstance(x, ScaledTensor) else x
