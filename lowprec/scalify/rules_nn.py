@@ -309,7 +309,10 @@ def _softmax_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 def _layer_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``y = (x − μ)/√(σ² + ε)·w + b`` from ``v = d_x·s_x`` and the affine's values, in
     float32 by aten's kernel (one pass, as the plain model computes it); ``s = max(s_w,
-    s_b)`` (1 without affine), ``d = y / s``. Mean and rstd return as plain float32."""
+    s_b)`` (1 without affine), ``d = y / s``, then :func:`~lowprec.scalify.core.guard`
+    (``y`` is not unit where ``σ² ≪ ε``: inputs at ``2^-40`` under the default ``ε``
+    normalise to ~``2^-23``, FP16 zeros at ``s``). Mean and rstd return as plain
+    float32."""
     x, shape, w, b, eps = args
     work = work_dtype(x)
     wv = deq(w, work) if w is not None else None
@@ -319,7 +322,7 @@ def _layer_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     s = torch.stack(scales).amax() if scales else one(y)
     if fscale(s) != 1.0:  # (a unit scale, eager: nothing to divide)
         y = y / torch.where(s > 0, s, 1.0).to(work)
-    return out(func, args, y, s), mean, rstd
+    return out(func, args, *guard(y, s)), mean, rstd
 
 
 @rule(aten.native_layer_norm_backward.default)
@@ -327,7 +330,8 @@ def _layer_norm_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     """Linear in ``g``: aten's backward on ``d_g`` (and float32 ``x``, ``w``) gives
     ``dx`` at ``s = s_g``, :func:`~lowprec.scalify.core.guard` applied (``dx`` carries the
     ``1/σ`` of ``x``: at ``x ~ 2^20`` its data would be FP16 subnormals at ``s_g``); ``dw``,
-    ``db`` (sums over r rows) at ``s_g·c(r)``, data ``/c(r)``."""
+    ``db`` (sums over r rows) at ``s_g·c(r)``, data ``/c(r)``, guarded as well (``dw`` sums
+    ``g·x̂``, as small as ``x̂`` where ``σ² ≪ ε``)."""
     g, x, shape, mean, rstd, w, b, mask = args
     work = work_dtype(g, x)
     dg, sg = pair(g, work)
@@ -341,7 +345,7 @@ def _layer_norm_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
         numel *= k
     c = sqrt_factor(dg.numel() // max(numel, 1))
     res = [out(func, args, *guard(dx, sg)) if dx is not None else None]
-    res += [out(func, args, t / c, sg * c) if t is not None else None for t in (dw, db)]
+    res += [out(func, args, *guard(t / c, sg * c)) if t is not None else None for t in (dw, db)]
     return tuple(res)
 
 
