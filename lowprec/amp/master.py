@@ -23,6 +23,8 @@ non-zero value, which is then taken as it is.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -32,8 +34,11 @@ from torch import Tensor, nn
 
 from lowprec import _faults
 from lowprec.core.rounding import quantize
+from lowprec.core.warn import warn_once
 
 __all__ = ["MasterWeights"]
+
+_log = logging.getLogger(__name__)
 
 
 def _groups(given: list[Any]) -> list[dict[str, Any]]:
@@ -180,10 +185,52 @@ class MasterWeights(torch.optim.Optimizer):
         dtype), so that the model shows this step's (unscaled) gradients and edits of them
         before :meth:`step` reach the update (the module docstring says how)."""
         self.copy_grads()
+        pairs = []
+        for p, m in zip(self.model_params, self.master_params, strict=True):
+            if p.grad is not None and m.grad is not None:
+                p.grad.copy_(m.grad)
+                if p.grad.dtype != m.grad.dtype:
+                    pairs.append((p.grad, m.grad))
+        self._pushed = [(p.grad, _version(p.grad)) for p in self.model_params]
+        if pairs:
+            self._check_rounded_norm(pairs)
+
+    def _check_rounded_norm(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """Warn once when the model's low-precision gradients hold a norm more than 0.1%
+        off the FP32 gradients' (FP16 underflow: a loss far below 1): a
+        ``clip_grad_norm_`` of the model's parameters would clip by the wrong factor."""
+        low = torch.stack(torch._foreach_norm([g.float() for g, _ in pairs])).norm()
+        high = torch.stack(torch._foreach_norm([m for _, m in pairs])).norm()
+        lo, hi = float(low), float(high)
+        if math.isfinite(hi) and hi > 0 and abs(lo - hi) > 1e-3 * hi:
+            warn_once(
+                _log,
+                "master:rounded_norm",
+                "the unscaled gradients rounded to the model's dtype have norm %.3g, the FP32 "
+                "gradients %.3g (underflow): torch.nn.utils.clip_grad_norm_ of the model's "
+                "parameters would clip by the wrong factor; clip the FP32 gradients with "
+                "optimizer.clip_grad_norm_(max_norm) (MasterWeights) instead",
+                lo,
+                hi,
+            )
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the FP32 gradients (the masters'), with
+        any edit of the model's gradients since :meth:`push_grads` taken first; the model's
+        gradients then show the clipped values. Returns the FP32 gradients' total norm.
+
+        Unlike a clip of the model's FP16/BF16 gradients, the norm is exact where those
+        underflow (unscaled gradients below FP16's normal range, ``6.1e-5``)."""
+        self.copy_grads()
+        self._pull_edits()
+        grads = [m for m in self.master_params if m.grad is not None]
+        total = torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type)
         for p, m in zip(self.model_params, self.master_params, strict=True):
             if p.grad is not None and m.grad is not None:
                 p.grad.copy_(m.grad)
         self._pushed = [(p.grad, _version(p.grad)) for p in self.model_params]
+        return total
 
     @torch.no_grad()
     def _pull_edits(self) -> None:

@@ -13,6 +13,7 @@ import copy
 import math
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -202,3 +203,48 @@ def test_lr_mult_groups_follow_train_step() -> None:
     assert [g["lr"] for g in opt.optimizer.param_groups] == [0.25, 0.125]
     assert torch.equal(m.a, torch.full((2,), 0.75, dtype=torch.float16))
     assert torch.equal(m.b, torch.full((2,), 0.875, dtype=torch.float16))
+
+
+def _small_gradient_run(loss_mult: float) -> tuple[Prepared, list[Tensor], float]:
+    """fp16-dynamic-ls, SGD; one backward of a loss times ``loss_mult`` (unscaled
+    gradients in FP16's subnormal range at 1e-3, below it at 1e-5), unscaled; the FP32
+    gradients and their norm."""
+    torch.manual_seed(0)
+    base = nn.Sequential(
+        nn.Linear(128, 128, bias=False), nn.Tanh(), nn.Linear(128, 128, bias=False)
+    )
+    run = prepare(base, "fp16-dynamic-ls", lambda ps: torch.optim.SGD(ps, lr=1e-2 / loss_mult))
+    with run.compute():
+        loss = run.model(torch.randn(64, 128).half()).float().pow(2).mean() * loss_mult
+        run.scaler.scale(loss).backward()
+    run.scaler.unscale_(run.optimizer)
+    opt = run.optimizer
+    assert isinstance(opt, MasterWeights)
+    g32 = [m.grad.clone() for m in opt.master_params if m.grad is not None]
+    return run, g32, math.sqrt(sum(float((g.double() ** 2).sum()) for g in g32))
+
+
+@pytest.mark.parametrize("loss_mult", [1e-3, 1e-5])
+def test_clip_of_the_fp32_gradients_where_fp16_ones_underflow(
+    loss_mult: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unscaled gradients below FP16's normal range: a clip of the model's FP16 gradients
+    measured their rounded norm (0 at 1e-5: no clip, an update 4x the clipped one; 0.21
+    off at 1e-3), and a WARNING now says so. ``optimizer.clip_grad_norm_`` clips the FP32
+    gradients as torch clips FP32 ones: the update is ``-lr·c/(‖g32‖ + 1e-6)·g32``
+    (torch's clip coefficient), up to one float32 rounding of the weight it is added to
+    (2^-23 of the largest weight)."""
+    run, g32, n32 = _small_gradient_run(loss_mult)
+    opt = run.optimizer
+    assert isinstance(opt, MasterWeights)
+    assert "optimizer.clip_grad_norm_" in caplog.text  # the model's FP16 norm is off
+    before = [m.detach().clone() for m in opt.master_params]
+    total = opt.clip_grad_norm_(n32 / 4)
+    assert float(total) == pytest.approx(n32, rel=1e-5)
+    run.scaler.step(opt)
+    lr = 1e-2 / loss_mult
+    for b, m, g in zip(before, opt.master_params, g32, strict=True):
+        want = -lr * (n32 / 4) / (n32 + 1e-6) * g
+        ulp = 2.0**-23 * float(b.abs().max())
+        torch.testing.assert_close(m.detach() - b, want, rtol=1e-5, atol=ulp)
+        assert float((m.detach() - b).norm()) == pytest.approx(float(want.norm()), rel=1e-3)
