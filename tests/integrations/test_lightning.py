@@ -200,3 +200,50 @@ def test_bad_arguments_are_refused() -> None:
         LowprecPrecision("bf16", module_filter=lambda m, fqn: True)
     with pytest.raises(TypeError, match="module must be"):
         LowprecPrecision("bf16", module=3)  # type: ignore[arg-type]
+
+
+class _SGDLM(L.LightningModule):  # type: ignore[misc]
+    """A tiny Llama with plain SGD (no momentum, no decay, constant lr); keeps a copy of
+    the network it trains (the plugin's converted one) as it was before the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_llama(0)
+        self.start: Any = None
+
+    def on_train_start(self) -> None:
+        self.start = copy.deepcopy(self.net)
+
+    def training_step(self, batch: dict[str, torch.Tensor], idx: int) -> torch.Tensor:
+        loss: torch.Tensor = self.net(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_unit_recipe_step_is_the_one_batch_unit_gradient(tmp_path: Path, accumulate: int) -> None:
+    """A unit recipe's first SGD step with ``k`` accumulated batches equals lr·lr_mult
+    times the unit gradient of one batch of all ``4k`` rows: each micro-batch's unit
+    weight gradient carries ``b^-1/2`` of its own ``b`` tokens, and Lightning divides the
+    loss by ``k``, so the plugin scales the backward by ``√k`` (without it the step was
+    ``1/√k`` of that batch's). Every row is the same sequence: the batches do not depend
+    on the sampler. float32 sums in another order: 1e-4."""
+    ids = Tokens(1).ids[0]
+    data = [{"input_ids": ids, "labels": ids}] * (4 * accumulate)
+    lm = _SGDLM()
+    trainer = _trainer(tmp_path, "fp32-unit", max_steps=1, max_epochs=None,
+                       gradient_clip_val=None, accumulate_grad_batches=accumulate)  # fmt: skip
+    trainer.fit(lm, DataLoader(data, batch_size=4, shuffle=False))
+    ref = lm.start
+    rows = ids.repeat(4 * accumulate, 1)
+    ref(input_ids=rows, labels=rows).loss.backward()
+    opt = trainer.optimizers[0]
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    trained = dict(lm.net.named_parameters())
+    for name, p0 in ref.named_parameters():
+        assert p0.grad is not None
+        want = -lr_of[id(trained[name])] * p0.grad
+        got = trained[name].detach() - p0.detach()
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), name
