@@ -175,16 +175,6 @@ def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 _SENTINEL = 65504.0
 
 
-def _needed(mag: float, top: float) -> float:
-    """The smallest scale at which a finite fill value ``mag`` (its magnitude) is held by a
-    storage format of largest value ``top``: ``mag / top``; for a sentinel
-    (``mag >= 65504``: ``torch.finfo(...).min`` of an attention mask) 1, where it
-    saturates to ``±top`` as in a plain model of that format and still masks (kept at
-    ``x``'s own smaller scale it saturated to ``±top·s_x``: at ``s_x = 2^-12`` a causal
-    mask let 16% of a row's weight onto masked keys)."""
-    return 1.0 if mag >= _SENTINEL else mag / top
-
-
 def _is_number(t: Any) -> bool:
     return not isinstance(t, ScaledTensor) and (not isinstance(t, Tensor) or t.dim() == 0)
 
@@ -199,8 +189,10 @@ def _where(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     the smallest scale at or above ``x``'s that holds ``f``; a sentinel fill
     ``|f| >= 65504`` (e.g. ``torch.finfo(torch.float32).min`` of an attention mask) gets
     ``s = max(s_x, 1)`` and saturates to ``±max_q`` there, as in a plain model of the
-    format, so it still masks (:func:`_needed`); ±inf keeps ``s = s_x`` (for a per-tensor
-    ``s_x``; otherwise the general rule)."""
+    format, so it still masks (kept at ``x``'s own smaller scale it saturated to
+    ``±max_q·s_x``: at ``s_x = 2^-12`` a causal mask let 16% of a row's weight onto masked
+    keys); ±inf keeps ``s = s_x`` (for a per-tensor ``s_x``; otherwise the general
+    rule)."""
     c, a, b = args
     x, fill = (b, a) if _is_number(a) else (a, b)
     if _is_number(a) != _is_number(b) and isinstance(x, ScaledTensor) and x.scale.numel() == 1:
@@ -214,7 +206,7 @@ def _where(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         top = float(torch.finfo(x.qdata.dtype).max)
         need = torch.where(
             torch.isfinite(mag), torch.where(mag < _SENTINEL, mag / top, 1.0), 0.0
-        )  # (_needed, on a tensor)
+        )
         s = torch.maximum(x.scale.float(), need)
         v = torch.where(c, deq(x, work), fv) if x is a else torch.where(c, fv, deq(x, work))
         d = apply_scale(v, torch.where(s > 0, s, 1.0).to(work), "div")
@@ -231,12 +223,10 @@ def _where(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 @rule(aten.masked_fill.Scalar)
 def _masked_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``masked_fill(x, m, v)``, as ``where(m, v, x)`` with a number: ``d =
-    masked_fill(d_x, m, v / s_x)``, ``s = s_x`` where the storage format holds
-    ``v / s_x`` (±inf stays ±inf); otherwise ``s = max(s_x, |v| / max_q)``, the smallest
-    scale at or above ``x``'s that holds ``v``, and ``x``'s values move to it. A sentinel
-    fill ``|v| >= 65504`` (``torch.finfo(torch.float32).min`` of an attention mask) keeps
-    ``s_x`` and saturates, so the kept values are never flushed."""
+    """``masked_fill(x, m, v)``: ``d = masked_fill(d_x, m, v / s_x)``, ``s = s_x`` where
+    the storage format holds ``v / s_x`` (±inf stays ±inf); otherwise, for a per-tensor
+    ``s_x``, :func:`_where`'s rule for ``where(m, v, x)`` (the scale rises to hold ``v``;
+    a sentinel fill raises it to at least 1 and saturates there)."""
     x, mask, v = args
     work = work_dtype(x)
     f = fscale(x.scale)
@@ -251,17 +241,8 @@ def _masked_fill(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
                 fv = torch.tensor(fill, dtype=q.dtype, device=q.device)
                 return _same(x, torch.where(mask, fv, q), x.scale, func, args)
             return _same(x, q.masked_fill(mask, fill), x.scale, func, args)
-    if x.scale.numel() == 1:  # per-tensor: the scale rises to hold the fill (as where)
-        mag = abs(float(v))
-        s = x.scale.float().reshape(())
-        if math.isfinite(mag):
-            s = torch.maximum(s, torch.tensor(_needed(mag, top), device=s.device))
-        safe = torch.where(s > 0, s, 1.0)
-        fv = torch.tensor(float(v), dtype=work, device=x.qdata.device) / safe.to(work)
-        if math.isfinite(mag):
-            fv = fv.clamp(-top, top)  # a sentinel saturates: finite, as the mask means it
-        d = torch.where(mask, fv, apply_scale(deq(x, work), safe.to(work), "div"))
-        return out(func, args, saturate(d), s)
+    if x.scale.numel() == 1:  # the scale rises to hold the fill: where's rule
+        return _where(func, (mask, v, x), {})
     s = x.scale.amax()
     d = deq(x, work).masked_fill(mask, float(v)) / torch.where(s > 0, s, 1.0).to(work)
     return out(func, args, saturate(d), s)
