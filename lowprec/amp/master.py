@@ -185,6 +185,13 @@ class MasterWeights(torch.optim.Optimizer):
         dtype), so that the model shows this step's (unscaled) gradients and edits of them
         before :meth:`step` reach the update (the module docstring says how)."""
         self.copy_grads()
+        pairs = self._write_model_grads()
+        if pairs:
+            self._check_rounded_norm(pairs)
+
+    def _write_model_grads(self) -> list[tuple[Tensor, Tensor]]:
+        """The FP32 gradients written into the model's (rounded to their dtype), recorded
+        for :meth:`_pull_edits`; the ``(model, master)`` gradient pairs of another dtype."""
         pairs = []
         for p, m in zip(self.model_params, self.master_params, strict=True):
             if p.grad is not None and m.grad is not None:
@@ -192,8 +199,7 @@ class MasterWeights(torch.optim.Optimizer):
                 if p.grad.dtype != m.grad.dtype:
                     pairs.append((p.grad, m.grad))
         self._pushed = [(p.grad, _version(p.grad)) for p in self.model_params]
-        if pairs:
-            self._check_rounded_norm(pairs)
+        return pairs
 
     def _check_rounded_norm(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
         """Warn once when the model's low-precision gradients hold a norm more than 0.1%
@@ -226,10 +232,7 @@ class MasterWeights(torch.optim.Optimizer):
         self._pull_edits()
         grads = [m for m in self.master_params if m.grad is not None]
         total = torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type)
-        for p, m in zip(self.model_params, self.master_params, strict=True):
-            if p.grad is not None and m.grad is not None:
-                p.grad.copy_(m.grad)
-        self._pushed = [(p.grad, _version(p.grad)) for p in self.model_params]
+        self._write_model_grads()
         return total
 
     @torch.no_grad()
