@@ -31,14 +31,16 @@ Example:
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+import lowprec.unit
 from lowprec.recipes import OptimizerFactory, Prepared, Recipe, get_recipe
 from lowprec.recipes.layers import LayerRule
 
@@ -49,6 +51,8 @@ __all__ = [
     "linear_layers",
     "load_lowprec_state",
     "lowprec_state",
+    "unit_accumulated",
+    "unwrap",
     "with_module_filter",
 ]
 
@@ -177,7 +181,7 @@ def factory_of(
 def lowprec_state(prepared: Prepared) -> dict[str, Any]:
     """What a trainer's checkpoint lacks of ``prepared`` (see the module docstring): plain
     tensors, numbers and strings only (``torch.load(weights_only=True)`` reads it)."""
-    sd = _unwrap(prepared.model).state_dict(keep_vars=True)
+    sd = unwrap(prepared.model).state_dict(keep_vars=True)
     buffers = {k: v.detach().clone() for k, v in sd.items() if not isinstance(v, nn.Parameter)}
     return {
         "version": STATE_VERSION,
@@ -187,9 +191,10 @@ def lowprec_state(prepared: Prepared) -> dict[str, Any]:
     }
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> nn.Module:
     """The module a ``DistributedDataParallel`` wraps (its state's keys without
-    ``module.``): a checkpoint of a data-parallel run resumes on one process, and back."""
+    ``module.``: a checkpoint of a data-parallel run resumes on one process, and back),
+    else ``model``."""
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
@@ -205,7 +210,18 @@ def load_lowprec_state(prepared: Prepared, state: dict[str, Any]) -> None:
             f"state: saved with recipe {saved.name!r}, this run uses {prepared.recipe.name!r}"
         )
     buffers = state["buffers"]
-    _, unexpected = _unwrap(prepared.model).load_state_dict(buffers, strict=False)
+    _, unexpected = unwrap(prepared.model).load_state_dict(buffers, strict=False)
     if unexpected:
         raise ValueError(f"state: buffers the model does not have: {sorted(unexpected)[:5]}")
     prepared.resume_calibration(state.get("calibration"))
+
+
+def unit_accumulated(loss: Tensor, recipe: Recipe, k: int) -> Tensor:
+    """A micro-batch's ``loss`` of one of ``k`` accumulated into a step, its backward
+    scaled by ``√k`` for a unit ``recipe`` (the trainer divides the loss by ``k``): a unit
+    weight gradient carries ``b^-1/2`` of its own backward's ``b`` tokens, so the ``k``
+    micro-batches' gradients sum to ``√k`` times one batch of ``k·b`` tokens, and
+    ``√k / k`` makes the step's gradient that batch's. ``loss`` itself otherwise."""
+    if recipe.unit is None or k <= 1:
+        return loss
+    return lowprec.unit.scale_bwd(loss, math.sqrt(k))

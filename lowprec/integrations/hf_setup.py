@@ -1,6 +1,6 @@
 """The HF ``Trainer`` adapter's set-up pieces (:mod:`lowprec.integrations.transformers`):
 the optimizer the ``Trainer`` would build, as a factory for :func:`lowprec.recipes.prepare`;
-the model inside DDP; a scalify'd model's ``config`` while the ``Trainer`` is built; and
+a scalify'd model's ``config`` while the ``Trainer`` is built; and
 the callback through which :class:`~lowprec.integrations.transformers.LowprecTrainer`
 hooks into the ``Trainer``'s loop.
 """
@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from lowprec.recipes import OptimizerFactory
@@ -22,7 +21,7 @@ from lowprec.scalify.transform import Scalified
 if TYPE_CHECKING:
     from lowprec.integrations.transformers import LowprecTrainer
 
-__all__ = ["LowprecCallback", "hf_config_view", "optimizer_factory", "unwrap"]
+__all__ = ["LowprecCallback", "hf_config_view", "optimizer_factory"]
 
 
 class LowprecCallback(TrainerCallback):  # type: ignore[misc]
@@ -60,11 +59,6 @@ def hf_config_view(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.__dict__["config"] = own
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a ``DistributedDataParallel``."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def optimizer_factory(

@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,6 +59,7 @@ from lowprec.integrations.common import (
     ModuleFilter,
     load_lowprec_state,
     lowprec_state,
+    unit_accumulated,
     with_module_filter,
 )
 from lowprec.recipes import Prepared, Recipe, compose, get_recipe
@@ -228,12 +228,11 @@ class LowprecPrecision(_Recipe, Precision):  # type: ignore[misc]
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         """The loss times the loss scale; for a unit recipe with ``k`` accumulated
-        batches, its backward also times ``√k`` (Lightning divides the loss by ``k``): a
-        unit weight gradient carries ``b^-1/2`` of its own backward's ``b`` tokens, so
-        ``√k/k`` makes the step's gradient that of one batch of all ``k·b`` tokens."""
+        batches, its backward also times ``√k``
+        (:func:`~lowprec.integrations.common.unit_accumulated`; Lightning divides the loss
+        by ``k``)."""
         k = int(getattr(getattr(module, "trainer", None), "accumulate_grad_batches", 1) or 1)
-        if self.recipe.unit is not None and k > 1:
-            tensor = lowprec.unit.scale_bwd(tensor, math.sqrt(k))
+        tensor = unit_accumulated(tensor, self.recipe, k)
         return super().pre_backward(self._need().scaler.scale(tensor), module)  # type: ignore[no-any-return]
 
     def optimizer_step(  # type: ignore[override]  # Lightning's own signature (not Fabric's)

@@ -57,7 +57,6 @@ step's amax.
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +73,8 @@ from lowprec.integrations.common import (
     decay_groups,
     load_lowprec_state,
     lowprec_state,
+    unit_accumulated,
+    unwrap,
     with_module_filter,
 )
 from lowprec.integrations.hf_parallel import (
@@ -89,12 +90,10 @@ from lowprec.integrations.hf_setup import (
     LowprecCallback,
     hf_config_view,
     optimizer_factory,
-    unwrap,
 )
 from lowprec.jobs.recorder import RunRecorder
 from lowprec.recipes import Prepared, Recipe, prepare
 from lowprec.scalify.transform import Scalified
-from lowprec.unit import scale_bwd
 
 __all__ = ["STATE_NAME", "LowprecTrainer", "make_trainer"]
 
@@ -229,7 +228,7 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
             # The unit loss's backward is unit per counted token (its mean's 1/n is
             # forward-only); HF's loss kwargs would divide the summed loss by the token
             # count as a plain op, making every gradient 1/n of unit (0.004x at 240
-            # tokens). The model computes its own mean; _accumulated scales the rest.
+            # tokens). The model computes its own mean; compute_loss scales the rest.
             self.model_accepts_loss_kwargs = False
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -321,24 +320,16 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
-        """The ``Trainer``'s loss, for a unit recipe with its backward scaled by
-        :meth:`_accumulated`."""
+        """The ``Trainer``'s loss; a unit recipe's, with ``k`` micro-batches a step, has
+        its backward scaled by ``√k`` (:func:`~lowprec.integrations.common.unit_accumulated`;
+        the ``Trainer`` divides the loss by ``k``)."""
         out: Any = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.lowprec.recipe.unit is None or not (model.training and torch.is_grad_enabled()):
+        if not (model.training and torch.is_grad_enabled()):
             return out
-        if return_outputs:
-            return self._accumulated(out[0]), out[1]
-        return self._accumulated(out)
-
-    def _accumulated(self, loss: Tensor) -> Tensor:
-        """A unit recipe's micro-batch loss, its backward scaled by ``√k`` (``k``
-        micro-batches a step; the ``Trainer`` then divides the loss by ``k``): a unit
-        weight gradient is scaled by ``b^-1/2`` of the ``b`` tokens of one backward, so
-        the sum of ``k`` micro-batches' gradients is ``√k`` times one batch of ``k·b``
-        tokens; ``√k / k`` makes it that batch's gradient (as data parallelism divides
-        the ranks' sum by ``√N``: :mod:`lowprec.distributed.unit_reduce`)."""
         k = int(getattr(self, "current_gradient_accumulation_steps", 1) or 1)
-        return loss if k == 1 else scale_bwd(loss, math.sqrt(k))
+        if return_outputs:
+            return unit_accumulated(out[0], self.lowprec.recipe, k), out[1]
+        return unit_accumulated(out, self.lowprec.recipe, k)
 
     def prediction_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with self.lowprec.compute():
