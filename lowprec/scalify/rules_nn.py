@@ -204,9 +204,7 @@ def _where(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         )
         mag = fv.detach().abs().float()
         top = float(torch.finfo(x.qdata.dtype).max)
-        need = torch.where(
-            torch.isfinite(mag), torch.where(mag < _SENTINEL, mag / top, 1.0), 0.0
-        )
+        need = torch.where(torch.isfinite(mag), torch.where(mag < _SENTINEL, mag / top, 1.0), 0.0)
         s = torch.maximum(x.scale.float(), need)
         v = torch.where(c, deq(x, work), fv) if x is a else torch.where(c, fv, deq(x, work))
         d = apply_scale(v, torch.where(s > 0, s, 1.0).to(work), "div")
