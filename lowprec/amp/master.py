@@ -34,11 +34,12 @@ from torch import Tensor, nn
 
 from lowprec import _faults
 from lowprec.core.rounding import quantize
-from lowprec.core.warn import warn_once
+from lowprec.core.warn import warn_once, warned
 
 __all__ = ["MasterWeights"]
 
 _log = logging.getLogger(__name__)
+_ROUNDED_NORM = "master:rounded_norm"
 
 
 def _groups(given: list[Any]) -> list[dict[str, Any]]:
@@ -186,8 +187,11 @@ class MasterWeights(torch.optim.Optimizer):
         before :meth:`step` reach the update (the module docstring says how)."""
         self.copy_grads()
         pairs = self._write_model_grads()
-        if pairs:
-            self._check_rounded_norm(pairs)
+        # Only FP16 underflows at the gradients' scale (BF16 has FP32's range), and the
+        # check (two norms and a host sync) stops once it has warned.
+        fp16 = [(g, m) for g, m in pairs if g.dtype == torch.float16]
+        if fp16 and not warned(_ROUNDED_NORM):
+            self._check_rounded_norm(fp16)
 
     def _write_model_grads(self) -> list[tuple[Tensor, Tensor]]:
         """The FP32 gradients written into the model's (rounded to their dtype), recorded
@@ -211,7 +215,7 @@ class MasterWeights(torch.optim.Optimizer):
         if math.isfinite(hi) and hi > 0 and abs(lo - hi) > 1e-3 * hi:
             warn_once(
                 _log,
-                "master:rounded_norm",
+                _ROUNDED_NORM,
                 "the unscaled gradients rounded to the model's dtype have norm %.3g, the FP32 "
                 "gradients %.3g (underflow): torch.nn.utils.clip_grad_norm_ of the model's "
                 "parameters would clip by the wrong factor; clip the FP32 gradients with "

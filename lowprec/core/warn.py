@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 
-__all__ = ["reset_warnings", "warn_once"]
+__all__ = ["reset_warnings", "warn_once", "warned"]
 
 _WARNED: set[str] = set()
 _LOCK = threading.Lock()
@@ -31,6 +31,12 @@ def warn_once(log: logging.Logger, key: str, msg: str, *args: object) -> bool:
         _WARNED.add(key)
     log.warning(msg, *args)
     return True
+
+
+def warned(key: str) -> bool:
+    """Whether ``key`` has warned (so a caller can skip the work of checking again)."""
+    with _LOCK:
+        return key in _WARNED
 
 
 def reset_warnings(prefix: str = "") -> None:

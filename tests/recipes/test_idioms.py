@@ -248,3 +248,34 @@ def test_clip_of_the_fp32_gradients_where_fp16_ones_underflow(
         ulp = 2.0**-23 * float(b.abs().max())
         torch.testing.assert_close(m.detach() - b, want, rtol=1e-5, atol=ulp)
         assert float((m.detach() - b).norm()) == pytest.approx(float(want.norm()), rel=1e-3)
+
+
+@pytest.mark.parametrize("recipe", ["fp16-dynamic-ls", "bf16"])
+def test_rounded_norm_check_runs_for_fp16_until_it_warns(
+    recipe: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rounded-norm check costs two norms and a host sync per ``unscale_``: it runs
+    only where the model's gradients are FP16 (BF16 has FP32's range), and not again once
+    it has warned. Three steps of underflowing gradients: one check for FP16, none for
+    BF16."""
+    calls: list[int] = []
+    check = MasterWeights._check_rounded_norm
+
+    def counted(self: MasterWeights, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        calls.append(len(pairs))
+        check(self, pairs)
+
+    monkeypatch.setattr(MasterWeights, "_check_rounded_norm", counted)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Tanh(), nn.Linear(32, 32))
+    run = prepare(base, recipe, lambda ps: torch.optim.SGD(ps, lr=1e-3))
+    dtype = torch.float16 if recipe.startswith("fp16") else torch.bfloat16
+    for _ in range(3):
+        with run.compute():
+            loss = run.model(torch.randn(16, 32, dtype=dtype)).float().pow(2).mean() * 1e-5
+            run.scaler.scale(loss).backward()
+        run.scaler.unscale_(run.optimizer)
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.zero_grad()
+    assert calls == ([3] if dtype == torch.float16 else [])
