@@ -43,6 +43,7 @@ tensors (:meth:`~lowprec.float8.Float8Linear.bind_scaling_state`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import cache
 
@@ -53,10 +54,51 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from lowprec.core.tensor import ScaledTensor
+from lowprec.core.warn import warn_once
 from lowprec.distributed.amax import MaxReducer
+from lowprec.float8.config import Float8Config
 from lowprec.float8.linear import Float8Linear, register_weight_forward
 
-__all__ = ["dtensor_forward"]
+__all__ = ["cut_tiles", "dtensor_forward"]
+
+_log = logging.getLogger(__name__)
+_BLOCKED = ("block", "mx", "nv")
+_GEMMS = ("forward", "input_grad", "weight_grad")
+
+
+def cut_tiles(config: Float8Config, shape: Sequence[int], shards: Sequence[int]) -> str | None:
+    """Why the shards of a ``shape = (out_features, in_features)`` weight split ``shards =
+    (n_out, n_in)`` ways cut the scaling blocks of ``config`` (``None`` where they do not).
+
+    A block scale (``block:1xB``, ``RxC`` tiles, MX and NVFP4 blocks) is exact under tensor
+    parallelism only where every block lies inside one shard: then each rank quantizes its
+    operands as one process does. A sharded dimension of length ``n`` split ``k`` ways gives
+    shards of ``ceil(n / k)`` (the last may be shorter); a block of extent ``L`` along it is
+    cut unless ``ceil(n / k)`` is a multiple of ``L``. Every operand of every GEMM of the
+    layer contracts over, or is tiled along, both features (the weight's tiles, the input's
+    blocks along ``in_features`` in forward, the output gradient's along ``out_features``
+    in the input-gradient GEMM), so the largest block extent of any cast of any GEMM is the
+    one checked."""
+    if len(shape) != 2 or len(shards) != 2:
+        raise ValueError(f"shape and shards must be pairs, got {tuple(shape)} and {tuple(shards)}")
+    extent = 1
+    for gemm in _GEMMS:
+        sub = config.for_gemm(gemm)
+        for cast in (sub.input, sub.weight, sub.grad_output):
+            for cd in (0, 1):
+                g = cast.bound_granularity(cd)
+                if g.kind in _BLOCKED:
+                    extent = max(extent, *g.block)
+    if extent == 1:
+        return None
+    for name, n, k in zip(("out_features", "in_features"), shape, shards, strict=True):
+        chunk = -(-int(n) // int(k))
+        if k > 1 and chunk % extent:
+            return (
+                f"{name} = {n} split {k} ways gives shards of {chunk}, not whole "
+                f"{extent}-wide scaling blocks"
+            )
+    return None
 
 
 def _is_shard(p: Placement, dim: int, ndim: int) -> bool:
@@ -153,6 +195,7 @@ def dtensor_forward(layer: Float8Linear, x: Tensor, w: Tensor) -> Tensor:
         for role, pls in (("x", x_pl), ("w", w.placements), ("g", y_pl))
         if any(isinstance(p, Shard) for p in pls)
     )
+    _warn_cut_tiles(layer, w)
     w_local = w.to_local(grad_placements=_weight_grad_placements(w.placements, x_pl, nd))
     y_local = layer.gemm(x_local, w_local, _reducer(mesh), sharded)
     shape = torch.Size((*x_shape[:-1], w.shape[0]))
@@ -165,6 +208,31 @@ def dtensor_forward(layer: Float8Linear, x: Tensor, w: Tensor) -> Tensor:
     if not isinstance(b, DTensor):
         b = DTensor.from_local(b, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return y + b.to(y.dtype)
+
+
+def _warn_cut_tiles(layer: Float8Linear, w: DTensor) -> None:
+    """Warn once per layer shape where the weight's shards cut the recipe's scaling blocks
+    (:func:`cut_tiles`): each rank then scales its part of a block by its own ``amax``, a
+    rounding that differs from one process's."""
+    shards = [1, 1]
+    for size, p in zip(w.device_mesh.shape, w.placements, strict=True):
+        for d in (0, 1):
+            if _is_shard(p, d, 2):
+                shards[d] *= size
+    if shards == [1, 1]:
+        return
+    why = cut_tiles(layer.recipe, w.shape, shards)
+    if why is not None:
+        warn_once(
+            _log,
+            f"float8-tp-tiles:{layer.recipe.name}:{tuple(w.shape)}:{tuple(shards)}",
+            "tensor parallelism: a %dx%d %s weight's %s; each rank scales its part of a cut "
+            "block by its own amax, so the run differs from one process by a rounding",
+            w.shape[0],
+            w.shape[1],
+            layer.recipe.name,
+            why,
+        )
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:

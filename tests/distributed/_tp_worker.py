@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import sys
 from typing import Any
 
@@ -53,11 +54,11 @@ OTHER_TECHNIQUES = ("unit",)
 
 
 class MLP(nn.Module):
-    def __init__(self, norm: bool) -> None:
+    def __init__(self, norm: bool, hidden: int = 256) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(64) if norm else nn.Identity()
-        self.up = nn.Linear(64, 256)
-        self.down = nn.Linear(256, 64)
+        self.up = nn.Linear(64, hidden)
+        self.down = nn.Linear(hidden, 64)
 
     def forward(self, x: Tensor) -> Tensor:
         y: Tensor = self.down(nn.functional.gelu(self.up(self.norm(x))))
@@ -269,9 +270,22 @@ def compare(a: list[dict[str, Tensor]], b: list[dict[str, Tensor]]) -> dict[str,
     return {k: max(rel(ra[k], rb[k]) for ra, rb in zip(a, b, strict=True)) for k in keys}
 
 
+class _Warnings(logging.Handler):
+    """The WARNING messages of lowprec's tensor-parallel forward."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def main() -> None:
     path = sys.argv[1]
     dist.init_process_group("gloo")
+    warned = _Warnings()
+    logging.getLogger("lowprec.distributed.float8_dtensor").addHandler(warned)
     try:
         world = dist.get_world_size()
         layouts = ("2d",) if world == 4 else (*LAYOUTS_1D, *LAYOUTS_DP)
@@ -308,6 +322,21 @@ def main() -> None:
                     "parallel": compare(got, want),
                     "quantization": compare(want, hp),
                 }
+        # Every tensor-parallel case above has whole scaling blocks on every shard.
+        result["tile_warnings"] = list(warned.messages)
+        if world == 2:  # a hidden width of 384: shards of 192 cut the 128-wide blocks
+            warned.messages.clear()
+            torch.manual_seed(0)
+            fp32 = MLP(False, hidden=384)
+            ref = technique("blockwise", copy.deepcopy(fp32), xs[0])
+            par = copy.deepcopy(ref)
+            want = one_process(ref, xs, weight)
+            got = parallel_1d("colrow", par, xs, weight)
+            result["cut/blockwise"] = {
+                "parallel": compare(got, want),
+                "quantization": compare(want, one_process(fp32, xs, weight)),
+                "warnings": list(warned.messages),
+            }
         if world == 2:  # scalify refuses tensor parallelism with a clear error
             torch.manual_seed(0)
             try:

@@ -45,3 +45,40 @@ def test_sequence_parallel_input_gathered_in_fp8(result: dict[str, Any], case: s
     r = result[case]
     assert r["q_in_dtype"] == "torch.float8_e4m3fn"
     assert r["q_in_equal"]
+
+
+@pytest.mark.parametrize(
+    ("preset", "shape", "shards", "cut"),
+    [
+        ("blockwise", (256, 64), (2, 1), None),  # shards of 128: whole tiles
+        ("blockwise", (384, 64), (2, 1), "out_features = 384 split 2 ways gives shards of 192"),
+        ("blockwise", (128, 64), (2, 1), "shards of 64"),
+        ("blockwise", (64, 384), (1, 2), "in_features = 384 split 2 ways"),
+        ("blockwise", (64, 300), (1, 2), "shards of 150"),  # uneven: ceil(300 / 2)
+        ("blockwise", (384, 64), (1, 1), None),  # one shard: one process's blocks
+        ("mxfp8", (96, 64), (2, 1), "shards of 48, not whole 32-wide"),
+        ("mxfp8", (128, 64), (2, 1), None),
+        ("nvfp4", (40, 64), (2, 1), "shards of 20, not whole 16-wide"),
+        ("tensorwise", (384, 64), (2, 1), None),  # a scale of the whole tensor
+        ("rowwise", (384, 384), (2, 2), None),  # rows: a rounding the docs state
+    ],
+)
+def test_cut_tiles(
+    preset: str, shape: tuple[int, int], shards: tuple[int, int], cut: str | None
+) -> None:
+    from lowprec.distributed.float8_dtensor import cut_tiles
+    from lowprec.float8 import Float8Config
+
+    why = cut_tiles(Float8Config.from_name(preset), shape, shards)
+    assert why is None if cut is None else (why is not None and cut in why), why
+
+
+def test_cut_tiles_sees_a_per_gemm_format() -> None:
+    # Tensorwise with an MX weight-gradient GEMM: the MX blocks are cut, so it warns.
+    from lowprec.distributed.float8_dtensor import cut_tiles
+    from lowprec.float8 import Float8Config
+
+    c = Float8Config.from_name("tensorwise", gemms={"weight_grad": "mxfp8"})
+    assert cut_tiles(c, (96, 64), (2, 1)) is not None
+    with pytest.raises(ValueError, match="shape and shards must be pairs"):
+        cut_tiles(c, (96, 64, 2), (2, 1))

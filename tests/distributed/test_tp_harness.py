@@ -103,3 +103,25 @@ def test_scalify_refuses_tensor_parallelism(result: dict[str, Any]) -> None:
     err = result["scalify_tp_error"]
     assert err is not None and "'up.weight' is a DTensor" in err
     assert "tensor parallelism is not supported under scalify" in err
+
+
+def test_no_tile_warning_where_the_shards_hold_whole_blocks(result: dict[str, Any]) -> None:
+    # Every tensor-parallel case of the harness shards 256 features over 2 ranks: whole
+    # 128-wide (and 32-, 16-wide) blocks, so no warning.
+    assert result["tile_warnings"] == []
+
+
+def test_shards_that_cut_blocks_warn(result: dict[str, Any]) -> None:
+    # A hidden width of 384 over 2 ranks: shards of 192 cut blockwise's 128-wide blocks,
+    # each rank scales its part of a cut block by its own amax (a rounding within q of the
+    # FP32 result, not one process's), and a WARNING now says so (it was silent).
+    r = result["cut/blockwise"]
+    par, q = r["parallel"], r["quantization"]
+    assert any(
+        "out_features = 384 split 2 ways gives shards of 192, not whole 128-wide" in m
+        for m in r["warnings"]
+    ), r["warnings"]
+    assert any("in_features = 384" in m for m in r["warnings"]), r["warnings"]
+    assert max(par.values()) > EXACT  # the rounding differs: the warning is not idle
+    for key, diff in par.items():
+        assert diff <= 2 * q[key], (key, diff, q[key])
