@@ -58,6 +58,15 @@ def _inplace(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if functional is None and torch.Tag.inplace_view in func.tags:
         functional = getattr(aten, name, None)  # (transpose_.default: transpose.int)
     x = args[0]
+    if not isinstance(x, ScaledTensor):
+        # A plain tensor updated with a ScaledTensor operand (``out = zeros_like(x);
+        # out += y``): it stays plain and takes the values d·s of the op's result.
+        if functional is None:
+            plain = tree_map(lambda t: deq(t, x.dtype) if isinstance(t, ScaledTensor) else t, args)
+            return func(*plain, **kwargs)
+        res = functional(*args, **kwargs)
+        x.copy_(deq(res, x.dtype) if isinstance(res, ScaledTensor) else res)
+        return x
     if functional is None:  # no out-of-place twin: run it on a dequantized copy
         count_fallback(str(func))
         v = deq(x, work_dtype(x)).clone()

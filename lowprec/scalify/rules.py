@@ -82,8 +82,17 @@ def add_pairs(a: Pair, b: Pair, alpha: float, shape: tuple[int, ...]) -> Pair:
 def number_pair(x: Any, ref: Tensor, work: torch.dtype) -> Pair:
     """A number ``c`` (Python, or a plain 0-dim tensor) as ``(c/|c|, |c|)``: its own
     scale, so ``x + ε`` with a tiny ``s_x`` gets ``s = max(s_x, ε)``, not 1 (which would
-    flush ``x`` in FP16). Zero has the scale 0 (it never wins a max); ±inf/NaN scale 1."""
-    if isinstance(x, ScaledTensor) or (isinstance(x, Tensor) and x.dim() > 0):
+    flush ``x`` in FP16). Zero has the scale 0 (it never wins a max); ±inf/NaN scale 1.
+
+    A plain tensor ``p`` (an additive mask, a ``zeros_like`` accumulator) has the scale
+    ``min(1, 2^⌈log2 max|p|⌉)`` over its finite entries: an all-zero tensor 0, small
+    values their own (so ``zeros_like(x) + x`` at ``s_x = 2^-20`` keeps ``x``'s bits,
+    where scale 1 left FP16 subnormals), masks and large values 1 as before. An all-zero
+    tensor with ±inf/NaN entries (a ``0/-inf`` mask) has the smallest normal float32
+    scale: it never wins a max, and its entries stay ±inf/NaN."""
+    if isinstance(x, Tensor) and not isinstance(x, ScaledTensor) and x.dim() > 0:
+        return _plain_pair(x, work)
+    if isinstance(x, ScaledTensor):
         return pair(x, work)
     t = x.to(work) if isinstance(x, Tensor) else torch.tensor(float(x), dtype=work,
                                                               device=ref.device)  # fmt: skip
@@ -91,6 +100,17 @@ def number_pair(x: Any, ref: Tensor, work: torch.dtype) -> Pair:
     fin = torch.isfinite(mag)
     d = torch.where(fin & (mag > 0), t / torch.where(mag > 0, mag, 1.0), t)
     return d, torch.where(fin, mag, 1.0).float()
+
+
+def _plain_pair(x: Tensor, work: torch.dtype) -> Pair:
+    """:func:`number_pair` of a plain tensor of one or more dims."""
+    d = x.to(work)
+    fin = torch.isfinite(d)
+    amax = torch.where(fin, d.abs(), 0.0).amax().float() if d.numel() else d.new_zeros(())
+    own = torch.clamp(round_pow2(torch.where(amax > 0, amax, 1.0), "up"), max=1.0)
+    empty = torch.where(fin.all(), 0.0, torch.finfo(torch.float32).tiny)
+    s = torch.where(amax > 0, own, empty).float()
+    return apply_scale(d, torch.where(s > 0, s, 1.0).to(work), "div"), s
 
 
 def _fused_add(a: Any, b: Any, alpha: float, work: torch.dtype) -> Pair | None:

@@ -515,3 +515,58 @@ def test_cross_entropy_class_weights_given_as_an_argument(reduction: str) -> Non
     got.backward()
     assert xs.grad is not None and xr.grad is not None
     torch.testing.assert_close(xs.grad, xr.grad, rtol=4e-3, atol=4e-3 * float(xr.grad.abs().max()))
+
+
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**-8, 1.0, 2.0**6])
+def test_a_plain_operand_of_add_counts_at_its_own_scale(scale: float) -> None:
+    """A plain tensor added to a ScaledTensor (a ``zeros_like`` accumulator, small plain
+    values, a 0/-inf mask) counted at scale 1: at ``s_x = 2^-20`` the sum's data were FP16
+    subnormals (0.77% off, 4 bits left). It now has its own scale (at most 1), so each sum
+    equals FP32's within one FP16 rounding at every scale; a mask's -inf stays -inf and a
+    -1e4 mask still sets the scale to 1 (the data of -1e4 fit FP16 there)."""
+    x = st((8, 16), scale, 3)
+    xv = val(x)
+    small = torch.randn(8, 16, generator=torch.Generator().manual_seed(4)) * scale / 4
+    m = xv > 0
+    mask = torch.where(m, 0.0, float("-inf"))
+    cases: list[tuple[torch.Tensor, torch.Tensor]] = [
+        (torch.zeros_like(x) + x, xv),
+        (x + torch.zeros(8, 16), xv),
+        (x - small, xv - small.double()),
+        (torch.where(m, x, torch.zeros(8, 16)), torch.where(m, xv, 0.0)),
+    ]
+    for got, want in cases:
+        assert isinstance(got, ScaledTensor)
+        assert rel(got, want) < FP16_TOL, (scale, rel(got, want))
+    masked = x + mask
+    assert bool(torch.isneginf(val(masked)[~m]).all())
+    assert rel(val(masked)[m], xv[m]) < FP16_TOL
+    big = x + torch.where(m, 0.0, -1e4)
+    assert float(big.scale) == max(1.0, scale)
+    assert bool((val(big)[~m] < -9e3).all())
+
+
+@pytest.mark.parametrize("op", ["add_", "sub_", "mul_", "div_"])
+def test_a_plain_tensor_updated_in_place_with_a_scaled_operand(op: str) -> None:
+    """``out = torch.zeros_like(x); out += y``, ``y`` a ScaledTensor: ``out`` stays a plain
+    tensor and takes the values (it kept its old ones, silently: the result was written
+    to an attribute of the plain tensor). Values within one FP16 rounding of FP32, and the
+    gradient reaches ``y``'s source through the in-place op (d out/d y: 1, -1, b, 1/b)."""
+    # src in [0.5, 1.5): a divisor away from 0 (the division's gradient is not what is tested)
+    src = (torch.rand(8, 16, generator=torch.Generator().manual_seed(6)) + 0.5).requires_grad_()
+    b = torch.rand(8, 16, generator=torch.Generator().manual_seed(7)) + 0.5
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        out = b.clone()
+        getattr(out, op)(t * 2.0**-10)
+        return out
+
+    got = scalify(f, "fp16")(src)
+    want_src = src.detach().clone().requires_grad_()
+    want = f(want_src)
+    assert not isinstance(got, ScaledTensor)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+    got.sum().backward()
+    want.sum().backward()
+    assert src.grad is not None and want_src.grad is not None
+    torch.testing.assert_close(src.grad, want_src.grad, rtol=2e-3, atol=0)
