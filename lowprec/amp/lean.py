@@ -26,10 +26,13 @@ a step, far below half an E4M3 step (``2^-4`` relative), so the stored value sto
 following its EMA, and updates came out 0.7× to 2× FP32-state AdamW's on steady noisy
 gradients (5× to 14× for a small steady gradient beside a large one in its block).
 Rounded stochastically the stored moment is the EMA in expectation (BF16's ``2^-9`` keeps
-nearest rounding within about 1% there). Stochastic rounding (of the parameters, and of
-the states) draws from ``generator`` (default: a CPU generator
-seeded from torch's global one at construction); its state is part of :meth:`state_dict`,
-so a resumed run draws the same numbers. ``state_dict`` / ``load_state_dict`` keep every
+nearest rounding within about 1% there). Stochastic rounding (of the parameters, and of the
+states) draws from ``generator`` (default: a generator on the first parameter's device,
+seeded from torch's global one at construction when the optimizer can draw at all:
+stochastic rounding of the parameters or of non-FP32 states; otherwise left at torch's
+default seed, the global generator untouched, so that a recipe without randomness sees the
+same data and dropout as plain training); its state is part of :meth:`state_dict`, so a
+resumed run draws the same numbers. ``state_dict`` / ``load_state_dict`` keep every
 state tensor in its stored dtype (torch's would cast float8 codes and FP32 scales to the
 parameter's dtype). Param groups keep extra keys (u-μP's ``lr_mult``) and read ``lr``
 each step, so LR schedulers and ``clip_grad_norm_`` work as with torch's optimizers.
@@ -87,6 +90,8 @@ __all__ = ["LeanOptimizer", "sr_bf16"]
 Master = Literal["none", "remainder"]
 _LOW = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _FP32 = StateCodec("fp32")
+# The dtype each codec format stores its codes in (state_codec)
+_STORED = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.uint8, "int8": torch.int8}
 
 
 def _local(t: Tensor) -> Tensor:
@@ -150,7 +155,6 @@ class LeanOptimizer(torch.optim.Optimizer):
         state_rounding: Literal["auto", "nearest", "stochastic"] = "auto",
         codecs: tuple[StateCodec, ...] | None = None,
     ) -> None:
-        super().__init__(params, defaults)
         if master not in ("none", "remainder"):
             raise ValueError(f"master must be 'none' or 'remainder', got {master!r}")
         if not isinstance(stochastic_rounding, bool):
@@ -163,31 +167,71 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"state_rounding must be 'auto', 'nearest' or 'stochastic', got {state_rounding!r}"
             )
-        if state_rounding == "auto":  # 8-bit EMAs stall under nearest rounding (module doc)
-            state_rounding = "stochastic" if state == "8bit" else "nearest"
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if codecs is None:
+            if state == "fp32" and state_rounding == "stochastic":
+                raise ValueError(
+                    "state_rounding='stochastic' does nothing with state='fp32' (FP32 states "
+                    "are stored exactly): leave it 'auto' or 'nearest'"
+                )
+            if state_rounding == "auto":  # 8-bit EMAs stall under nearest rounding (module doc)
+                state_rounding = "stochastic" if state == "8bit" else "nearest"
             codecs = state_codecs(state, block_size, state_rounding)[: len(self.moments)]
+        elif (state, block_size, state_rounding) != ("fp32", 256, "auto"):
+            raise ValueError(
+                f"codecs replaces state, block_size and state_rounding: give either codecs or "
+                f"them, got codecs with state={state!r}, block_size={block_size!r}, "
+                f"state_rounding={state_rounding!r}"
+            )
         if len(codecs) != len(self.moments) or not all(isinstance(c, StateCodec) for c in codecs):
             raise TypeError(f"codecs must be {len(self.moments)} StateCodecs, got {codecs!r}")
         self.codecs = dict(zip(self.moments, codecs, strict=True))
         self.master = master
         self.stochastic_rounding = stochastic_rounding
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not p.dtype.is_floating_point:
-                    raise TypeError(f"params: expected floating-point parameters, got {p.dtype}")
-                _check_sharding(p)
-                if master == "remainder" and p.dtype not in (torch.bfloat16, torch.float32):
-                    raise ValueError(
-                        f"master='remainder' needs bfloat16 parameters (BF16 + 16 bits = "
-                        f"FP32), got {p.dtype}"
-                    )
+        super().__init__(params, defaults)  # each group through add_param_group's checks
         if generator is None:
-            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
             first = next(p for g in self.param_groups for p in g["params"])
-            generator = torch.Generator(first.device).manual_seed(seed)
+            generator = torch.Generator(first.device)  # torch's default seed
+            if self._draws:  # seeded from the global generator only when it will be used
+                generator.manual_seed(int(torch.randint(0, 2**62, (), dtype=torch.int64)))
         self.generator = generator
         self._param: Tensor | None = None  # the parameter being updated (its sharding)
+
+    @property
+    def _draws(self) -> bool:
+        """Whether a step may draw random numbers: stochastic rounding of the parameters
+        or of a non-FP32 state. Without a ``generator`` given, only such an optimizer
+        seeds its generator from torch's global one (the others leave that untouched, so
+        a recipe without randomness draws the same data and dropout as plain training)."""
+        return self.stochastic_rounding or any(
+            c.rounding == "stochastic" and c.format != "fp32" for c in self.codecs.values()
+        )
+
+    def _check_param(self, p: Tensor) -> None:
+        """``TypeError``/``ValueError`` for a parameter this optimizer cannot update: not
+        floating point, a ``DTensor`` not sharded on dim 0, or not BF16/FP32 with
+        ``master="remainder"`` (its remainder would be missing: no exact master)."""
+        if not isinstance(p, Tensor) or not p.dtype.is_floating_point:
+            what = p.dtype if isinstance(p, Tensor) else type(p).__name__
+            raise TypeError(f"params: expected floating-point parameters, got {what}")
+        _check_sharding(p)
+        if self.master == "remainder" and p.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(
+                f"master='remainder' needs bfloat16 parameters (BF16 + 16 bits = FP32), "
+                f"got {p.dtype}"
+            )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` with the constructor's checks of every parameter
+        (:meth:`_check_param`); the group is not added if one fails."""
+        super().add_param_group(param_group)
+        try:
+            for p in self.param_groups[-1]["params"]:
+                self._check_param(p)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
 
     # -- sharded parameters ---------------------------------------------------------------
     def _wrap(self, local: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -327,10 +371,36 @@ class LeanOptimizer(torch.optim.Optimizer):
         out["generator"] = self.generator.get_state()
         return out
 
+    def _check_saved(self, i: Any, p: Tensor, st: dict[str, Any]) -> None:
+        """``ValueError`` unless each moment in the saved state ``st`` of parameter ``i``
+        (``p``) is stored as this optimizer's codec stores it: its dtype, and a
+        ``<name>_scale`` exactly for the 8-bit (blocked) codecs. Codes of another format
+        would be read as numbers of this one (8-bit codes as BF16 moments: 10^5 times too
+        large)."""
+        for name in self.moments:
+            if name not in st:
+                continue
+            c = self.codec(name, p.dim())
+            v, scaled = st[name], name + "_scale" in st
+            if isinstance(v, Tensor) and v.dtype == _STORED[c.format] and scaled == c.blocked:
+                continue
+            saved = str(v.dtype).removeprefix("torch.") if isinstance(v, Tensor) else "no tensor"
+            saved += " codes with block scales" if scaled else ""
+            want = str(_STORED[c.format]).removeprefix("torch.")
+            want += " codes with block scales" if c.blocked else ""
+            raise ValueError(
+                f"state_dict: state {name!r} of parameter {i!r} was saved as {saved}, but this "
+                f"{type(self).__name__} stores it as {c.format} ({want}); load it into an "
+                f"optimizer with the same state format"
+            )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict`: the groups' options, every state tensor copied in its
-        saved dtype onto its parameter's device, and the generator's state. The groups
-        must match in number and size (``ValueError`` before anything changes)."""
+        saved dtype onto its parameter's device, and the generator's state. ``ValueError``
+        before anything changes unless the groups match in number and size and each saved
+        moment has this optimizer's storage format (its dtype, and block scales exactly
+        for 8-bit states: :meth:`_check_saved`). torch's AdamW / Adam / SGD state dicts
+        of FP32 parameters load into ``state="fp32"`` (FP32 moments), and back."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         for key in ("state", "param_groups"):
@@ -344,10 +414,12 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError("state_dict: its parameter groups do not match the optimizer's")
         ids = {i: p for s, g in zip(saved, self.param_groups, strict=True)
                for i, p in zip(s["params"], g["params"], strict=True)}  # fmt: skip
-        state: dict[Tensor, dict[str, Any]] = {}
         for i, st in state_dict["state"].items():
             if i not in ids:
                 raise ValueError(f"state_dict: state for unknown parameter id {i!r}")
+            self._check_saved(i, ids[i], st)
+        state: dict[Tensor, dict[str, Any]] = {}
+        for i, st in state_dict["state"].items():
             p = ids[i]
             state[p] = {
                 k: _place(v, p) if isinstance(v, Tensor) else copy.deepcopy(v)

@@ -7,20 +7,43 @@ a momentum buffer) into what the optimizer keeps between steps, and decodes it b
   optimizer's arithmetic is then exactly the FP32 one);
 * ``"bf16"``: ``x`` rounded to BF16 (same range as FP32, 8 significant bits);
 * ``"e4m3"`` / ``"int8"``: 8 bits per value in blocks along the rows, each block with an
-  FP32 scale ``s = amax(|block|) / q_max`` (``q_max`` = 448 for E4M3, 127 for int8;
-  ``s = 1`` for an all-zero block). A tensor of shape ``(d₀, d₁, …)`` with two or more
-  dimensions is read as ``d₀`` rows of ``M = d₁·d₂·…`` elements (its row-major layout);
-  each row is cut into ``⌈M / block_size⌉`` blocks of ``block_size`` consecutive elements
-  (the last one of each row may be short). A tensor of fewer dimensions is one row.
-  No block crosses a row, so a tensor sharded on dim 0 (FSDP2's ``Shard(0)``: whole
-  rows per rank) has on each rank exactly the blocks, scales and codes of those rows in
-  the whole tensor: the 8-bit state does not depend on the number of ranks. The codes
-  have ``x``'s shape, one byte per element (E4M3 codes as their bits in ``uint8``,
-  which no state-dict loader or finiteness check mistakes for a float tensor); the
-  scales have shape ``(d₀, ⌈M / block_size⌉)`` (``(⌈numel / block_size⌉,)`` for one
-  row), so both shard on dim 0 as the tensor does. The codes are ``round(x / s)`` in
-  E4M3 (``float8_e4m3fn``) or in the integers ``[-127, 127]`` (``int8``); ``decode``
-  returns ``codes · s``.
+  FP32 scale ``s = amax(|block|) / q_max`` over the block's finite elements (``q_max`` =
+  448 for E4M3, 127 for int8; ``s = 1`` for a block with no finite nonzero element, and
+  never below FP32's smallest subnormal ``2^-149``). A tensor of shape ``(d₀, d₁, …)`` with
+  two or more dimensions is read as ``d₀`` rows of ``M = d₁·d₂·…`` elements (its row-major
+  layout); each row is cut into ``⌈M / block_size⌉`` blocks of ``block_size`` consecutive
+  elements (the last one of each row may be short). A tensor of fewer dimensions is one
+  row. No block crosses a row, so a tensor sharded on dim 0 (FSDP2's ``Shard(0)``: whole
+  rows per rank) has on each rank exactly the blocks, scales and codes of those rows in the
+  whole tensor: the 8-bit state does not depend on the number of ranks. The codes have
+  ``x``'s shape, one byte per element (E4M3 codes as their bits in ``uint8``, which no
+  state-dict loader or finiteness check mistakes for a float tensor); the scales have shape
+  ``(d₀, ⌈M / block_size⌉)`` (``(⌈numel / block_size⌉,)`` for one row), so both shard on
+  dim 0 as the tensor does. The codes are ``round(x / s)`` in E4M3 (``float8_e4m3fn``) or
+  in the integers ``[-127, 127]`` (``int8``); ``decode`` returns ``codes · s``.
+
+Non-finite elements (8-bit formats) are coded one by one and stay where they are: they
+take no part in their block's scale, so their finite neighbours keep the codes and the
+error bounds below as if they were not there, and each decodes as itself as far as the
+codes can say it:
+
+* NaN is stored as a NaN code (E4M3's ``0x7F``; int8's ``-128``, outside the codes
+  ``[-127, 127]``) and decodes as NaN;
+* with ``sqrt``, ``+inf`` (a second moment ``v = β₂v + (1-β₂)g²`` whose ``(1-β₂)g²``
+  overflowed FP32: ``|g| ≳ 5.8·10^20`` for ``β₂ = 0.999``) is stored as the code of
+  ``+inf``, free because ``√x ≥ 0``: E4M3's ``0xFF`` (the bits of −NaN), int8's ``-1``; it
+  decodes as ``+inf``, so AdamW's update of that element is ``m / ∞ = 0``, as in FP32
+  (torch keeps ``v = ∞`` for good);
+* without ``sqrt`` (first moments, momentum buffers), ``±inf`` decodes as NaN: there are
+  not enough spare codes, and such a moment comes only from a gradient that is infinite
+  (or within 2× of FP32's largest value), which makes the element non-finite in FP32
+  too (AdamW's ``m / √v = ∞/∞``: NaN, as torch's; SGD's weight is ``∓inf`` in torch and
+  NaN here).
+
+So one bad gradient element no longer spreads to its block: formerly an ``inf`` in a
+block made its scale ``inf`` (every weight of the block NaN after the next step), and a
+NaN made it 1 (the finite neighbours rounded on an absolute grid, their updates 6× too
+small). Encoding stays free of host synchronisation (masks, no branches on the data).
 
 ``sqrt=True`` stores ``√x`` instead of ``x`` (for second moments, ``x ≥ 0``) and decodes
 ``(codes · s)²``: the square root halves the binades a block has to cover, so small
@@ -77,6 +100,10 @@ _FORMATS = ("fp32", "bf16", "e4m3", "int8")
 _QMAX = {"e4m3": 448.0, "int8": 127.0}
 # Each 8-bit format's smallest positive code, in units of the block scale
 _FIRST_CODE = {"e4m3": 2.0**-9, "int8": 1.0}
+# The codes of non-finite elements: NaN (E4M3's own NaN; int8's -128, outside [-127, 127]),
+# and +inf for ``sqrt`` codecs, whose finite codes are >= 0 (E4M3's -NaN; int8's -1)
+_NAN_CODE = {"e4m3": 0x7F, "int8": -128}
+_INF_CODE = {"e4m3": 0xFF, "int8": -1}
 
 
 @dataclass(frozen=True)
@@ -131,8 +158,10 @@ class StateCodec:
             return quantize(x, "bf16", "stochastic", generator=generator).bfloat16(), None
         shape = x.shape
         blocks = _blocks(x, self.block_size)  # (rows, blocks per row, block_size)
-        amax = blocks.abs().amax(dim=2)
-        scales = torch.where(amax > 0, amax / _QMAX[self.format], 1.0)
+        finite = blocks.isfinite()
+        amax = blocks.abs().nan_to_num_(0.0, 0.0, 0.0).amax(dim=2)  # of the finite elements
+        # 2^-149 (FP32's smallest subnormal): amax / q_max of a tiny block must not be 0
+        scales = torch.where(amax > 0, (amax / _QMAX[self.format]).clamp_min(2.0**-149), 1.0)
         q = blocks / scales[..., None]
         if self.sqrt:  # a positive √x below the first code rounds up to it (docstring)
             step = _FIRST_CODE[self.format]
@@ -146,6 +175,10 @@ class StateCodec:
             else:
                 q = (q + torch.rand(q.shape, generator=generator, device=q.device)).floor()
             codes = q.clamp_(-127, 127).to(torch.int8)
+        # Non-finite elements: their own codes, outside their block's scale (docstring)
+        codes = codes.masked_fill(~finite, _NAN_CODE[self.format])
+        if self.sqrt:
+            codes = codes.masked_fill(blocks == math.inf, _INF_CODE[self.format])
         return _unblock(codes, shape).clone(), scales.reshape(scale_shape(shape, self.block_size))
 
     def decode(self, codes: Tensor, scales: Tensor | None, shape: tuple[int, ...]) -> Tensor:
@@ -165,9 +198,14 @@ class StateCodec:
                     f"fit a state of shape {tuple(shape)} (scales {want}: blocks of "
                     f"{self.block_size} along each row; a flat layout of an older lowprec?)"
                 )
-            if self.format == "e4m3":
-                codes = codes.view(torch.float8_e4m3fn)
-            blocks = _blocks(codes.float().reshape(shape), self.block_size)
+            codes = codes.reshape(shape)
+            if self.format == "e4m3":  # its NaN codes (0x7F, 0xFF) decode as NaN
+                vals = codes.view(torch.float8_e4m3fn).float()
+            else:
+                vals = codes.float().masked_fill_(codes == _NAN_CODE["int8"], math.nan)
+            if self.sqrt:
+                vals.masked_fill_(codes == _INF_CODE[self.format], math.inf)
+            blocks = _blocks(vals, self.block_size)
             x = _unblock(blocks * scales.reshape(blocks.shape[:2])[..., None], shape)
         return x.square() if self.sqrt else x
 
