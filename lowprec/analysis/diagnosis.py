@@ -301,7 +301,13 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
         )
     if s.get("skipped_steps"):
         n, scaling = int(s["skipped_steps"]), run.recipe_dict.get("loss_scaling")
-        if scaling == "dynamic":
+        if scaling == "dynamic" and s.get("diverged_at") is not None:
+            text = (
+                f"The loss scaler skipped {n} step(s) with Inf/NaN gradients, and the run "
+                "diverged all the same: where the loss itself is NaN/Inf (the forward "
+                "overflows, or the weights did), no loss scale cures it."
+            )
+        elif scaling == "dynamic":
             text = (
                 f"The loss scaler skipped {n} step(s) with Inf/NaN gradients (expected while "
                 "a dynamic loss scale finds its level)."
@@ -338,6 +344,13 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
         return notes
     own = run.compute_format
     last = run.tracked_steps[-1] if run.numerics else None
+    at = s.get("diverged_at")
+    if at is not None and last is not None and last < int(at) - 1:
+        notes.append(
+            f"The numerics were last measured at step {last}, {int(at) - last} steps before "
+            f"the run diverged at step {at}: the measurements below describe the run then, "
+            "not where it failed."
+        )
     gone = sorted(
         ((float(r.get("nonfinite") or 0.0), r) for r in run.numerics
          if r["step"] == last and r["kind"] in KINDS and (r.get("nonfinite") or 0.0) > 0),
@@ -400,6 +413,8 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
             tail = "; without a reference run the loss itself is not judged"
         elif verdict_text is not None and verdict_text.startswith(NOT_JUDGED):
             tail = "; trained with other settings than its reference, its loss is not judged"
+        elif verdict_text is not None and verdict_text.startswith("not judged"):
+            tail = f"; its loss is not judged ({verdict_text.partition(': ')[2]})"
         notes.append(
             f"Healthy{where}: no gradient has {100 * UNDERFLOW_ALERT:.0f}% of its values below "
             f"the smallest normal and nothing overflows{checked}, and no low-precision GEMM "

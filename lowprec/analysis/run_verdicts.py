@@ -14,9 +14,17 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lowprec.analysis.diagnosis import Run
-from lowprec.analysis.verdicts import NOT_JUDGED, REFERENCE, of_kind, unit_scaled, verdict
+from lowprec.analysis.verdicts import (
+    NOT_JUDGED,
+    REFERENCE,
+    as_reason,
+    curve_verdict,
+    of_kind,
+    unit_scaled,
+    verdict,
+)
 
-__all__ = ["SETTINGS", "references", "settings_differ", "summary_verdicts"]
+__all__ = ["SETTINGS", "compared_vals", "references", "settings_differ", "summary_verdicts"]
 
 # The training settings (config.json's "train") that a val-loss comparison assumes equal.
 SETTINGS = ("model", "steps", "batch_size", "seq_len", "width", "depth", "heads", "lr",
@@ -55,42 +63,98 @@ def settings_differ(run: Run, ref: Run) -> list[str]:
     return [f"{k} {a[k]} vs {b[k]}" for k in SETTINGS if k in a and k in b and a[k] != b[k]]
 
 
+def _val_at(run: Run) -> dict[int, float]:
+    """The val losses of ``run`` by step (its metrics records)."""
+    out = {}
+    for r in run.metrics:
+        v = r.get("val_loss")
+        if isinstance(v, (int, float)):
+            out[int(r["step"])] = float(v)
+    return out
+
+
+def compared_vals(run: Run, ref_run: Run) -> tuple[float, float, int] | str | None:
+    """The val losses a verdict compares, ``(run's, reference's, step)``: the run's last
+    evaluation and the reference's at the same step (step ``-1``: runs loaded from summaries
+    without records, their final values). A reason (``"not judged: ..."``) where the
+    reference has no val loss at that step or none finite; ``None`` where the run has no
+    val loss."""
+    mine = _val_at(run)
+    v = run.summary.get("val_loss")
+    if not mine and isinstance(v, (int, float)):
+        mine = {-1: float(v)}
+    if not mine:
+        return None
+    step = max(mine)
+    theirs = _val_at(ref_run) if step >= 0 else {}
+    if not theirs:
+        r = ref_run.summary.get("val_loss")
+        theirs = {step: float(r)} if isinstance(r, (int, float)) else {}
+    if step not in theirs:
+        last = f"its last at step {max(theirs)}" if theirs else "none recorded"
+        return f"not judged: {ref_run.recipe} has no val loss at step {step} ({last})"
+    r = theirs[step]
+    if math.isfinite(mine[step]) and not (math.isfinite(r) and r > 0):
+        return f"not judged: its reference {ref_run.recipe} has no finite val loss"
+    return mine[step], r, step
+
+
+def _skipped_tail(n: int) -> str:
+    return f"; {n} step{'s' if n > 1 else ''} skipped" if n else ""
+
+
 def summary_verdicts(
     runs: Sequence[Run], tolerance: Mapping[str, float] | None = None
 ) -> list[tuple[str, str]]:
-    """``(run name, verdict)`` for each run: a run in high precision
-    (:attr:`Run.is_reference`) is a ``"reference"``; every other run's final val loss is
-    judged against its reference in ``runs`` (:func:`references`: of its kind, unit-scaled
-    runs against a unit-scaled reference only, trained with its settings where one is) with
-    :func:`verdict` and ``tolerance`` (relative gap per reference recipe name; none: the
-    spread is not measured). Without a reference the verdict says so and judges nothing:
-    a low-precision run is never the reference. A run trained with other settings than its
-    reference (:func:`settings_differ`), where either has no val loss recorded (never
-    evaluated), or whose reference has no finite val loss (it diverged), is not judged,
-    and the verdict says why, unless the run itself diverged (a failure whatever the
-    settings)."""
+    """``(run name, verdict)`` for each run.
 
-    def val(run: Run) -> float:
-        v = run.summary.get("val_loss")
-        return float(v) if isinstance(v, (int, float)) else math.nan
-
+    Every run is first judged by itself: one that diverged (NaN/Inf) fails, one whose
+    loss curve rose or did not fall fails, and one too short to show a curve is not
+    judged (:func:`~lowprec.analysis.verdicts.curve_verdict`); a reference run in high
+    precision (:attr:`Run.is_reference`) that passes is a ``"reference"``. Every other run's
+    val loss is judged against its reference in ``runs`` (:func:`references`: of its kind,
+    unit-scaled runs against a unit-scaled reference only, trained with its settings where
+    one is) with :func:`verdict` and ``tolerance`` (relative gap per reference recipe name;
+    none: the spread is not measured), at the same step: the run's last evaluation, with
+    the reference's val loss at that step (an interrupted run is compared where it
+    stopped, and says so). Without a reference the verdict says so and judges nothing: a
+    low-precision run is never the reference. A run is not judged, and the verdict says
+    why, where it was trained with other settings than its reference
+    (:func:`settings_differ`), either has no val loss recorded, its reference fails or was
+    not judged itself, or the reference has no finite val loss at the run's step."""
+    own: dict[int, str] = {}
+    for i, run in enumerate(runs):
+        s = run.summary
+        if s.get("diverged_at") is not None:
+            own[i] = verdict(
+                None, None, None, diverged_at=s["diverged_at"], cause=s.get("diverged_cause")
+            )
+        else:
+            curve = curve_verdict(s)
+            v = s.get("val_loss")
+            evaluated = s.get("evaluated") is not False
+            if curve is None and evaluated and isinstance(v, (int, float)) and not math.isfinite(v):
+                curve = "fails: no finite val loss"  # evaluated, and NaN/Inf
+            if curve is not None:
+                own[i] = curve + _skipped_tail(int(s.get("skipped_steps") or 0))
+    index = {id(r): i for i, r in enumerate(runs)}
     out = []
-    for run, ref_run in zip(runs, references(runs), strict=True):
+    for i, (run, ref_run) in enumerate(zip(runs, references(runs), strict=True)):
         s = run.summary
         skipped = int(s.get("skipped_steps") or 0)
+        if i in own:
+            out.append((run.name, own[i]))
+            continue
         if run.is_reference:
-            tail = f"; {skipped} step{'s' if skipped > 1 else ''} skipped" if skipped else ""
-            diverged = s.get("diverged_at")
-            text = (  # a diverged reference fails as any run does
-                verdict(None, None, None, diverged_at=diverged, cause=s.get("diverged_cause"))
-                if diverged is not None
-                else REFERENCE + tail
-            )
-            out.append((run.name, text))
+            out.append((run.name, REFERENCE + _skipped_tail(skipped)))
             continue
         ref = None if ref_run is None else ref_run.recipe
-        differ = [] if ref_run is None else settings_differ(run, ref_run)
-        if s.get("diverged_at") is None and ref_run is not None:
+        if ref_run is not None:
+            ref_own = own.get(index[id(ref_run)])
+            if ref_own is not None:
+                out.append((run.name, f"not judged: its reference {ref} {as_reason(ref_own)}"))
+                continue
+            differ = settings_differ(run, ref_run)
             if differ:
                 out.append((run.name, f"{NOT_JUDGED} than {ref} ({'; '.join(differ)})"))
                 continue
@@ -98,19 +162,23 @@ def summary_verdicts(
             if missing:  # never evaluated (a RunRecorder run without val losses)
                 out.append((run.name, f"not judged: no val loss recorded ({', '.join(missing)})"))
                 continue
-        v, r = val(run), math.nan if ref_run is None else val(ref_run)
-        if ref_run is not None and math.isfinite(v) and not (math.isfinite(r) and r > 0):
-            out.append((run.name, f"not judged: its reference {ref} has no finite val loss"))
-            continue
-        gap = v / r - 1.0 if math.isfinite(v) and math.isfinite(r) and r > 0 else None
+        gap, where = None, ""
+        if ref_run is not None:
+            pair = compared_vals(run, ref_run)
+            if isinstance(pair, str):
+                out.append((run.name, pair))
+                continue
+            if pair is not None:
+                v, r, step = pair
+                gap = v / r - 1.0 if math.isfinite(v) else None
+                if run.stopped_early and step >= 0:
+                    where = f" (at step {step}, where it stopped)"
         text = verdict(
             gap,
             ref,
             (tolerance or {}).get(ref or ""),
             underflow=float(s.get("act_grad_underflow") or 0.0),
             skipped=skipped,
-            diverged_at=s.get("diverged_at"),
-            cause=s.get("diverged_cause"),
         )
-        out.append((run.name, text))
+        out.append((run.name, text + where))
     return out

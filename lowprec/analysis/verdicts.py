@@ -21,6 +21,8 @@ __all__ = [
     "NOT_JUDGED",
     "NO_REFERENCE",
     "REFERENCE",
+    "as_reason",
+    "curve_verdict",
     "failing",
     "gap_spread",
     "is_reference_recipe",
@@ -37,6 +39,14 @@ NO_REFERENCE = (
 )
 NOT_JUDGED = "not judged: trained with other settings"  # + " than <reference> (<settings>)"
 _REFERENCE_NAMES = ("fp32", "fp32-unit")
+# The loss curve (curve_verdict): fewer finite losses are too few to judge; from
+# STALL_STEPS on, a loss that fell less than STALL is not learning; a final loss above the
+# first by RISE, or above the best stretch of the curve by REBOUND, is diverging.
+MIN_STEPS = 4
+STALL_STEPS = 20
+STALL = 0.01
+RISE = 0.05
+REBOUND = 0.25
 _T = TypeVar("_T")
 
 
@@ -176,6 +186,62 @@ def verdict(
             f"seed spread of {reference} ({tol}){tail}"
         )
     return f"matches {reference} (within seed spread {tol}){tail}"
+
+
+def curve_verdict(summary: Mapping[str, Any]) -> str | None:
+    """A verdict from a run's own train-loss curve (``summary``: the ``curve_steps``,
+    ``start_loss``, ``end_loss`` and ``best_loss`` of
+    :func:`lowprec.jobs.run_summary.loss_curve`), or ``None`` when the curve is a training
+    one. Whatever its val loss and its reference's, a run fails where:
+
+    * ``end > start·(1 + RISE)`` or ``end > best·(1 + REBOUND)`` (diverging: the loss
+      rose above where it began, or well above the best stretch it reached);
+    * from ``STALL_STEPS`` steps on, ``end > start·(1 - STALL)`` (not learning: the loss
+      fell by less than 1%).
+
+    With fewer than ``MIN_STEPS`` finite losses the run is too short to judge. A summary
+    without these keys (an older run) is not judged by its curve (``None``).
+
+    Example:
+        >>> curve_verdict({"curve_steps": 40, "start_loss": 4.18, "end_loss": 233.6,
+        ...                "best_loss": 3.1})
+        'fails: loss rose from 4.18 at the start to 234 at the end (best 3.1): diverging'
+        >>> curve_verdict({"curve_steps": 40, "start_loss": 4.18, "end_loss": 4.19,
+        ...                "best_loss": 4.17})
+        'fails: loss 4.18 at the start, 4.19 at the end (40 steps): not learning'
+        >>> curve_verdict({"curve_steps": 2, "start_loss": 4.2, "end_loss": 4.1,
+        ...                "best_loss": 4.1})
+        'not judged: too short (2 steps; the loss curve needs 4)'
+    """
+    if "curve_steps" not in summary:
+        return None
+    n = int(summary["curve_steps"])
+    if n < MIN_STEPS:
+        steps = f"{n} step{'' if n == 1 else 's'}"
+        return f"not judged: too short ({steps}; the loss curve needs {MIN_STEPS})"
+    start, end, best = (float(summary[k]) for k in ("start_loss", "end_loss", "best_loss"))
+    if end > start * (1 + RISE) or end > best * (1 + REBOUND):
+        return (
+            f"fails: loss rose from {start:.3g} at the start to {end:.3g} at the end "
+            f"(best {best:.3g}): diverging"
+        )
+    if n >= STALL_STEPS and end > start * (1 - STALL):
+        return (
+            f"fails: loss {start:.3g} at the start, {end:.3g} at the end ({n} steps): not learning"
+        )
+    return None
+
+
+def as_reason(text: str) -> str:
+    """A verdict as the reason another run is not judged: ``"fails: x"`` → ``"fails
+    (x)"``.
+
+    Example:
+        >>> as_reason("fails: loss NaN/Inf at step 3")
+        'fails (loss NaN/Inf at step 3)'
+    """
+    head, _, rest = text.partition(": ")
+    return f"{head} ({rest})" if rest else head
 
 
 def failing(text: str) -> bool:

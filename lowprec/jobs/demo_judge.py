@@ -15,7 +15,14 @@ from typing import Any
 
 from rich.table import Table
 
-from lowprec.analysis.verdicts import REFERENCE, is_reference_recipe, reference_of, verdict
+from lowprec.analysis.verdicts import (
+    REFERENCE,
+    as_reason,
+    curve_verdict,
+    is_reference_recipe,
+    reference_of,
+    verdict,
+)
 from lowprec.jobs.run_summary import share_cell
 from lowprec.jobs.train import TrainConfig
 from lowprec.recipes import get_recipe
@@ -66,7 +73,21 @@ def with_references(recipes: Sequence[str]) -> list[str]:
 
 
 def judge(results: list[dict[str, Any]], tolerance: dict[str, float]) -> None:
+    """Add each result's ``reference``, gaps and ``verdict`` (in place). A run is first
+    judged by itself (diverged, or its loss curve: :func:`curve_verdict`); a reference that
+    passes is :data:`REFERENCE`; the others are judged against their reference's val loss,
+    or not judged where the reference itself fails or was not judged."""
     val = {s["recipe"]: s["val_loss"] for s in results}
+    own: dict[str, str] = {}
+    for s in results:
+        if s["diverged_at"] is not None:
+            own[s["recipe"]] = verdict(
+                None, None, None, diverged_at=s["diverged_at"], cause=s.get("diverged_cause")
+            )
+        else:
+            curve = curve_verdict(s)
+            if curve is not None:
+                own[s["recipe"]] = curve
     for s in results:
         ref = reference(s["recipe"], list(val))
         s["reference"] = ref
@@ -74,19 +95,18 @@ def judge(results: list[dict[str, Any]], tolerance: dict[str, float]) -> None:
             v, r = s["val_loss"], val.get(name or s["recipe"])
             ok = r is not None and math.isfinite(v) and math.isfinite(r)
             s[key] = v / r - 1.0 if ok else None
-        if is_reference(s["recipe"]) and s["diverged_at"] is None:
-            n = s["skipped_steps"]
+        n = s["skipped_steps"]
+        if s["recipe"] in own:
+            s["verdict"] = own[s["recipe"]]
+        elif is_reference(s["recipe"]) and s["diverged_at"] is None:
             s["verdict"] = REFERENCE + (f"; {n} step{'s' if n > 1 else ''} skipped" if n else "")
-            continue
-        s["verdict"] = verdict(
-            s["val_gap_to_ref"],
-            ref,
-            tolerance.get(ref or ""),
-            underflow=s["act_grad_underflow"],
-            skipped=s["skipped_steps"],
-            diverged_at=s["diverged_at"],
-            cause=s.get("diverged_cause"),
-        )
+        elif ref is not None and ref in own:
+            s["verdict"] = f"not judged: its reference {ref} {as_reason(own[ref])}"
+        else:
+            s["verdict"] = verdict(
+                s["val_gap_to_ref"], ref, tolerance.get(ref or ""),
+                underflow=s["act_grad_underflow"], skipped=n,
+            )  # fmt: skip
 
 
 def pct(g: float | None) -> str:

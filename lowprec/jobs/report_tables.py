@@ -19,7 +19,7 @@ from lowprec.analysis.diagnosis import (
     worst,
     worst_overflow,
 )
-from lowprec.analysis.run_verdicts import references
+from lowprec.analysis.run_verdicts import compared_vals, references
 from lowprec.analysis.tracking import BACKWARD_KINDS
 from lowprec.analysis.verdicts import REFERENCE
 from lowprec.jobs.attribution import attribute_run
@@ -67,11 +67,13 @@ def summary_rows(runs: Sequence[Run]) -> list[list[str]]:
     for run, ref_run in zip(runs, references(runs), strict=True):
         s = run.summary
         v = val(run)
-        ref = None if ref_run is None else val(ref_run)
         gap_cell = REFERENCE if run.is_reference else "–"
-        if ref_run is not None and ref is not None and v is not None:
-            # against the verdict's reference (a unit-scaled run's: fp32-unit if present)
-            gap_cell = f"{100 * (v / ref - 1):+.2f}% ({ref_run.recipe})"
+        pair = None if ref_run is None else compared_vals(run, ref_run)
+        if ref_run is not None and isinstance(pair, tuple) and math.isfinite(pair[0]):
+            # against the verdict's reference (a unit-scaled run's: fp32-unit if present),
+            # at the same step (an interrupted run's last evaluation)
+            at = f", step {pair[2]}" if run.stopped_early and pair[2] >= 0 else ""
+            gap_cell = f"{100 * (pair[0] / pair[1] - 1):+.2f}% ({ref_run.recipe}{at})"
         last = run.tracked_steps[-1] if run.numerics else -1
         uf = worst(run, last, "below_normal", BACKWARD_KINDS, own=True)
         of = worst_overflow(run, last)

@@ -17,6 +17,7 @@ __all__ = [
     "RunningSummary",
     "diverged_at",
     "diverged_cause",
+    "loss_curve",
     "share_cell",
     "summary_cells",
     "summary_of",
@@ -91,6 +92,7 @@ def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
     without records has a NaN train loss and 0 step time."""
     vals = [r for r in recs if "val_loss" in r]
     running = RunningSummary(recs)
+    curve = loss_curve([float(r["loss"]) for r in recs])
     final_val = vals[-1]["val_loss"] if vals else math.nan
     applied = [r for r in recs if not r["skipped"]]
     return {
@@ -108,7 +110,24 @@ def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
         "diverged_at": diverged_at(recs),
         "diverged_cause": diverged_cause(recs),
         "state_bytes_per_param": _last(recs, "state_bytes_per_param"),
+        **curve,
     }
+
+
+def loss_curve(losses: list[float]) -> dict[str, Any]:
+    """The shape of a run's train-loss curve, which
+    :func:`lowprec.analysis.verdicts.curve_verdict` judges: over the finite losses (in step
+    order), ``curve_steps`` their count, ``start_loss`` the first, ``end_loss`` the mean of
+    the last ``w = min(TAIL, max(1, n // 4))`` and ``best_loss`` the least mean of ``w``
+    consecutive ones (NaN without a finite loss)."""
+    xs = [x for x in losses if math.isfinite(x)]
+    if not xs:
+        return {"curve_steps": 0, "start_loss": math.nan, "end_loss": math.nan,
+                "best_loss": math.nan}  # fmt: skip
+    w = min(TAIL, max(1, len(xs) // 4))
+    means = [statistics.fmean(xs[i : i + w]) for i in range(len(xs) - w + 1)]
+    return {"curve_steps": len(xs), "start_loss": xs[0], "end_loss": means[-1],
+            "best_loss": min(means)}  # fmt: skip
 
 
 def summary_cells(s: dict[str, Any]) -> dict[str, str]:

@@ -109,12 +109,12 @@ def test_runs_trained_with_other_settings_are_not_judged() -> None:
 
 def test_a_run_is_not_failed_by_its_diverged_reference() -> None:
     """The reference's val loss is NaN (it diverged): a run with a finite val loss is not
-    judged (it read "fails: no finite val loss"); one with none still fails."""
+    judged (it read "fails: no finite val loss"), and says why; one with none still fails."""
     ref = _run("fp32", math.nan)
     ref.summary["diverged_at"] = 7
     got = dict(summary_verdicts([ref, _run("bf16", 2.0), _run("fp8-naive", math.nan)]))
     assert got["fp32"] == "fails: loss NaN/Inf at step 7"
-    assert got["bf16"] == "not judged: its reference fp32 has no finite val loss"
+    assert got["bf16"] == "not judged: its reference fp32 fails (loss NaN/Inf at step 7)"
     assert got["fp8-naive"] == "fails: no finite val loss"
 
 
@@ -185,3 +185,160 @@ def test_a_gemm_finding_prints_the_share_it_alerts_on() -> None:
                   "operands": {"grad_output": op, "weight": {**op, "saturated": 0.0}}}]  # fmt: skip
     found = gemm_findings(run)
     assert found and "0.098% of the gradients were saturated" in found[0], found
+
+
+# ---- the loss curve and the step of the comparison ------------------------------------
+
+
+def _curve_run(
+    recipe: str, losses: list[float], vals: dict[int, float], name: str = "", **train: Any
+) -> Run:
+    """A run whose metrics records hold ``losses`` (one per step) and ``vals`` (val loss by
+    step); its summary is ``summary_of`` them, as ``lowprec report`` computes it."""
+    steps = train.pop("steps", len(losses))
+    config = {"train": {**_TRAIN, "recipe": recipe, "steps": steps, **train},
+              "recipe": get_recipe(recipe).to_dict()}  # fmt: skip
+    recs: list[dict[str, Any]] = []
+    for i, loss in enumerate(losses, start=1):  # metrics steps count from 1
+        rec = {"step": i, "loss": loss, "skipped": False, "grad_zero_share": 0.0,
+               "step_time": 0.01, "act_grad_underflow": 0.0}  # fmt: skip
+        if i in vals:
+            rec["val_loss"] = vals[i]
+        recs.append(rec)
+    return Run(Path(name or recipe), config, recs, summary_of(recs, config))
+
+
+def _falling(n: int, start: float = 4.17, end: float = 2.9) -> list[float]:
+    return [start + (end - start) * i / (n - 1) for i in range(n)]
+
+
+def _rising(n: int) -> list[float]:  # learns, then diverges far above the start
+    return _falling(n // 2) + [3.0 * 1.3**i for i in range(n - n // 2)]
+
+
+def test_a_diverging_reference_fails_and_judges_nothing() -> None:
+    """fp32 at a learning rate that diverges (the loss climbs from 4.2 to ~200, finite):
+    it read "reference", and the report called it healthy; a bf16 run that diverged the
+    same way was "-6.5% vs fp32 ... Healthy". Both now fail by their own curves, and a run
+    that trained well is not judged against the failed reference."""
+    ref = _curve_run("fp32", _rising(40), {40: 233.6})
+    bad = _curve_run("bf16", _rising(40), {40: 218.4})
+    good = _curve_run("fp8-tensorwise", _falling(40), {40: 2.9})
+    got = dict(summary_verdicts([ref, bad, good], {"fp32": 0.01}))
+    assert got["fp32"].startswith("fails: loss rose from 4.17 at the start to "), got
+    assert got["fp32"].endswith(": diverging")
+    assert got["bf16"].startswith("fails: loss rose from 4.17"), got
+    assert got["fp8-tensorwise"].startswith("not judged: its reference fp32 fails (loss rose")
+    for run, (_, text) in zip((ref, bad, good), summary_verdicts([ref, bad, good]), strict=True):
+        notes = diagnose(run, text)
+        assert not any(n.startswith("Healthy") and "not judged" not in n for n in notes), notes
+
+
+def test_a_loss_that_rises_from_its_best_fails() -> None:
+    """A loss that falls to 2.0 and climbs back to 3.5 (below its start of 4.17; the last
+    10 steps' mean 3.14 is 43% above the best 10 steps' 2.19) is diverging; a run that
+    ends 10% above its best is noise."""
+    back = _falling(20, 4.17, 2.0) + _falling(20, 2.0, 3.5)
+    ref = _curve_run("fp32", _falling(40), {40: 2.9})
+    got = dict(summary_verdicts([ref, _curve_run("bf16", back, {40: 3.4})]))
+    assert got["bf16"] == (
+        "fails: loss rose from 4.17 at the start to 3.14 at the end (best 2.19): diverging"
+    ), got
+    wobble = _falling(30, 4.17, 2.0) + [2.2] * 10  # end 2.2 = best 2.0 x 1.1: not diverging
+    got = dict(summary_verdicts([ref, _curve_run("bf16", wobble, {40: 2.92})], {"fp32": 0.01}))
+    assert got["bf16"].startswith("matches fp32"), got
+
+
+def test_a_run_that_does_not_learn_fails() -> None:
+    """lr 1e-30: the loss stays at 4.18 for 40 steps. It read "reference. Healthy" (fp32)
+    and "+0.0% vs fp32 ... Healthy" (bf16). From 20 steps on, a loss that fell by less
+    than 1% is not learning; a run of 12 steps is not judged by that (its loss may fall
+    slowly in warm-up), and a 40-step run that fell 2% is learning."""
+    flat = [4.178 + 0.01 * math.sin(i) for i in range(40)]
+    ref = _curve_run("fp32", flat, {40: 4.19})
+    got = dict(summary_verdicts([ref, _curve_run("bf16", list(flat), {40: 4.19})]))
+    assert (
+        got["fp32"].startswith("fails: loss 4.18 at the start, ") and "not learning" in got["fp32"]
+    )
+    assert got["bf16"].startswith("fails: loss 4.18") and got["bf16"].endswith("not learning")
+    short = _curve_run("fp32", flat[:12], {12: 4.19})
+    assert dict(summary_verdicts([short]))["fp32"] == "reference"
+    slow = _curve_run("fp32", _falling(40, 4.17, 4.08), {40: 4.1})
+    assert dict(summary_verdicts([slow]))["fp32"] == "reference"
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_a_run_of_a_few_steps_is_not_judged(steps: int) -> None:
+    """A run of 1-3 steps was judged "+0.0% ... Healthy": its loss curve shows nothing,
+    so it is not judged, and the numerics finding says so."""
+    ref = _curve_run("fp32", _falling(40), {40: 2.9})
+    run = _curve_run("bf16", _falling(40)[:steps], {steps: 4.0}, steps=steps)
+    got = dict(summary_verdicts([ref, run]))
+    plural = "" if steps == 1 else "s"
+    assert got["bf16"] == f"not judged: too short ({steps} step{plural}; the loss curve needs 4)"
+    run.numerics = [{"step": steps, "name": "h", "kind": "grad_output", "dtype": "bfloat16",
+                     "below_normal": {"bf16": 0.0}, "above_max": {"bf16": 0.0}}]  # fmt: skip
+    notes = diagnose(run, got["bf16"])
+    assert any(n.startswith("Healthy") and "its loss is not judged (too short" in n for n in notes)
+
+
+def test_val_losses_are_compared_at_the_same_step() -> None:
+    """An interrupted run (20 of 40 steps) was judged by its step-20 val loss against the
+    reference's step-40 one (-2.3% where the same-step gap was ~0; +3.5% for a run whose
+    torn last line dropped its final evaluation). It is now compared with the reference's
+    val loss at its own last evaluation, and says where; a reference that stopped before
+    the run's step cannot judge it."""
+    ref = _curve_run("fp32", _falling(40), {10: 3.8, 20: 3.4, 30: 3.1, 40: 2.9})
+    cut = _curve_run("bf16", _falling(20), {10: 3.8, 20: 3.434}, steps=40)
+    got = dict(summary_verdicts([ref, cut], {"fp32": 0.02}))
+    assert got["bf16"] == "matches fp32 (within seed spread ±2%) (at step 20, where it stopped)"
+    row = {r[0]: r for r in summary_rows([ref, cut])}["bf16"]
+    assert row[_GAP] == "+1.00% (fp32, step 20)"
+    short_ref = _curve_run("fp32", _falling(40)[:10], {10: 3.8}, steps=40)
+    got = dict(summary_verdicts([short_ref, cut], {"fp32": 0.02}))
+    assert got["bf16"] == "not judged: fp32 has no val loss at step 20 (its last at step 10)"
+
+
+def test_a_diverged_run_measured_long_before_says_so() -> None:
+    """fp16 at lr 3: NaN at step 8, numerics measured at step 0 only. The report blamed
+    step 0's underflow ("use loss scaling") for the failure; it now says the measurements
+    are from 8 steps before the divergence. A dynamic loss scaler's skipped steps in a
+    diverged run are not called expected."""
+    run = _curve_run("fp16-dynamic-ls", [4.17] * 8 + [math.nan] * 4, {})
+    run.summary["diverged_at"] = 8
+    run.summary["skipped_steps"] = 4
+    run.numerics = [{"step": 0, "name": "h", "kind": "grad_output", "dtype": "float16",
+                     "below_normal": {"fp16": 0.97}, "above_max": {"fp16": 0.0}}]  # fmt: skip
+    notes = diagnose(run, "fails: loss NaN/Inf at step 8")
+    assert any(
+        n.startswith("The numerics were last measured at step 0, 8 steps before") for n in notes
+    )
+    assert not any("expected while a dynamic loss scale" in n for n in notes), notes
+    assert any("diverged all the same" in n for n in notes), notes
+
+
+def test_the_demo_judges_each_runs_curve_and_its_references() -> None:
+    """The demo's table (demo_judge.judge) follows the same rules as the report: a
+    reference that does not learn fails, and the runs against it are not judged (they
+    read "matches fp32" against it); a run whose own curve diverges fails."""
+    from lowprec.jobs.demo_judge import judge
+    from lowprec.jobs.run_summary import loss_curve
+
+    def result(recipe: str, losses: list[float], val: float) -> dict[str, Any]:
+        return {"recipe": recipe, "val_loss": val, "diverged_at": None, "skipped_steps": 0,
+                "act_grad_underflow": 0.0, **loss_curve(losses)}  # fmt: skip
+
+    flat = [4.18] * 40
+    results = [result("fp32", flat, 4.18), result("bf16", flat, 4.18),
+               result("fp8-tensorwise", _falling(40), 2.9)]  # fmt: skip
+    judge(results, {"fp32": 0.01})
+    got = {r["recipe"]: r["verdict"] for r in results}
+    assert got["fp32"].endswith("(40 steps): not learning"), got
+    assert got["bf16"].endswith("not learning"), got
+    assert got["fp8-tensorwise"].startswith("not judged: its reference fp32 fails (loss 4.18")
+    results = [result("fp32", _falling(40), 2.9), result("bf16", _rising(40), 200.0),
+               result("fp8-tensorwise", _falling(40), 2.9)]  # fmt: skip
+    judge(results, {"fp32": 0.01})
+    got = {r["recipe"]: r["verdict"] for r in results}
+    assert got["fp32"] == "reference" and got["bf16"].endswith(": diverging"), got
+    assert got["fp8-tensorwise"] == "matches fp32 (within seed spread ±1%)"
