@@ -298,15 +298,29 @@ def compute_scale(
     return torch.where(ok, s, 1.0)
 
 
-def mx_scale(amax: Tensor, fmt: str | Format) -> Tensor:
-    """OCP MX shared scale ``2^(floor(log2 amax) - emax_elem)``, clamped to E8M0's range.
+def mx_scale(amax: Tensor, fmt: str | Format, margin: float = 0) -> Tensor:
+    """OCP MX shared scale ``2^(floor(log2 amax) - emax_elem + margin)``, clamped to E8M0's
+    range.
 
     ``emax_elem`` is the exponent of ``fmt.max`` (e4m3fn: 8, e5m2: 15, e2m1: 2). Returned as
     float32 values that are exactly representable in E8M0. Zero/Inf/NaN amax give 1. A
     float64 ``amax`` beyond float32's range raises ``ValueError``; a tiny one gets E8M0's
-    smallest scale (module docstring).
+    smallest scale (module docstring). ``margin``: binades of headroom, an integer shift
+    of the E8M0 exponent (``ValueError`` unless a whole number with ``|margin| <= 256``,
+    ``TypeError`` unless a number): the OCP scale times ``2^margin`` where that stays in
+    E8M0's range.
+
+    Example:
+        >>> import torch
+        >>> mx_scale(torch.tensor([448.0, 3.0]), "e4m3fn").tolist()
+        [1.0, 0.0078125]
+        >>> mx_scale(torch.tensor([448.0, 3.0]), "e4m3fn", margin=2).tolist()
+        [4.0, 0.03125]
     """
     fmt = get_format(fmt, arg="fmt")
+    m = check_margin(margin)
+    if m != int(m):
+        raise ValueError(f"margin must be a whole number of binades for an MX scale, got {m}")
     a = _amax_arg(amax)
     ok = torch.isfinite(a) & (a > 0)
     if a.dtype == torch.float64:  # floor(log2 a) = frexp's exponent - 1, exact
@@ -314,7 +328,7 @@ def mx_scale(amax: Tensor, fmt: str | Format) -> Tensor:
         a = a.float()
     else:
         e = ((torch.where(ok, a, 1.0).view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2 a)
-    x = (e - fmt.max_exponent).clamp(E8M0.min_exponent, E8M0.max_exponent)
+    x = (e - (fmt.max_exponent - int(m))).clamp(E8M0.min_exponent, E8M0.max_exponent)
     # 2^x from its bit pattern (exact; 2^-127 is float32's subnormal 2^22 ulp): an ldexp
     # is a call to pow per value in inductor's code, per MX block of every quantize
     p2 = torch.where(x >= -126, (x.to(torch.int32) + 127) << 23, 1 << 22).view(torch.float32)
@@ -324,7 +338,9 @@ def mx_scale(amax: Tensor, fmt: str | Format) -> Tensor:
 _E4M3 = get_format("e4m3fn")
 
 
-def nv_scale(amax: Tensor, fmt: str | Format, tensor_amax: Tensor | None = None) -> Tensor:
+def nv_scale(
+    amax: Tensor, fmt: str | Format, tensor_amax: Tensor | None = None, margin: float = 0.0
+) -> Tensor:
     """NVFP4-style two-level scales for block maxima ``amax`` (all blocks of one tensor).
 
     One float32 tensor scale ``s_t = max(amax) / (fmt.max · 448)`` maps the block scales
@@ -336,8 +352,17 @@ def nv_scale(amax: Tensor, fmt: str | Format, tensor_amax: Tensor | None = None)
     ``tensor_amax``: where ``amax`` holds the blocks of several tensors (the experts of a
     grouped GEMM), each block's tensor maximum ``max(amax)`` over the finite block maxima
     of its own tensor, broadcastable to ``amax``; ``s_t`` is then one per tensor.
+
+    ``margin``: binades of headroom on the tensor scale, which becomes
+    ``s_t · 2^margin = max(amax) · 2^margin / (fmt.max · 448)`` (one correctly rounded
+    division, clamped to ``[2^-126, 2^127]``) while the block scales ``s_b`` stay as
+    above: every returned scale is ``2^margin`` times the one of ``margin=0`` (exactly, for
+    an integer ``margin`` and scales in float32's normal range), so ``|x / scale|`` is at
+    most ``fmt.max · 2^-margin`` up to the E4M3 rounding of ``s_b``. ``|margin| <= 256``
+    (else ``ValueError``).
     """
     fmt = get_format(fmt, arg="fmt")
+    m = check_margin(margin)
     a = _amax_arg(amax).float()
     ok = torch.isfinite(a)
     fin = torch.where(ok, a, 0.0)
@@ -345,8 +370,13 @@ def nv_scale(amax: Tensor, fmt: str | Format, tensor_amax: Tensor | None = None)
         t_amax = tensor_amax.float()
     else:
         t_amax = fin.amax() if fin.numel() else fin.new_zeros(())
-    s_t = torch.where(t_amax > 0, _div_const(t_amax, fmt.max * _E4M3.max), 1.0)
+    pos = t_amax > 0
+    div = fmt.max * _E4M3.max
+    s_t = torch.where(pos, _div_const(t_amax, div), 1.0)
     s_b = quantize(fin / (fmt.max * s_t), _E4M3, saturate=True)
+    if m != 0.0:  # the divisor times 2^-margin, exactly (two ldexp steps, as compute_scale)
+        dm = math.ldexp(div, -int(m)) * 2.0 ** -(m - int(m))
+        s_t = torch.where(pos, _div_const(t_amax, dm).clamp(_MIN_SCALE, _MAX_SCALE), 1.0)
     s = torch.where(s_b > 0, s_b, _E4M3.min_subnormal) * s_t
     return torch.where(ok, s, 1.0)
 
@@ -377,14 +407,17 @@ def group_scale(
     margin: float = 0.0,
     power_of_two: bool = False,
 ) -> Tensor:
-    """The scale of each group of a granularity: :func:`mx_scale` for ``mx``,
-    :func:`nv_scale` for ``nv``, else :func:`compute_scale` (``margin``, ``power_of_two``);
-    then :func:`nonfinite_scale`."""
+    """The scale of each group of a granularity: :func:`mx_scale` for ``mx`` (a power of
+    two already), :func:`nv_scale` for ``nv``, each with ``margin``, else
+    :func:`compute_scale` (``margin``, ``power_of_two``); then :func:`nonfinite_scale`.
+    ``ValueError`` for ``power_of_two`` with ``nv`` (its block scales are E4M3 values)."""
     kind = as_granularity(granularity).kind
     if kind == "mx":
-        s = mx_scale(amax, fmt)
+        s = mx_scale(amax, fmt, margin)
     elif kind == "nv":
-        s = nv_scale(amax, fmt)
+        if power_of_two:
+            raise ValueError("power_of_two: NVFP4 block scales are E4M3 values, not powers of two")
+        s = nv_scale(amax, fmt, margin=margin)
     else:
         s = compute_scale(amax, fmt, margin, power_of_two)
     return nonfinite_scale(s, amax, fmt, kind)

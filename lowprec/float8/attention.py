@@ -187,6 +187,32 @@ def _float(name: str, x: object) -> Tensor:
     return x
 
 
+def _check_mask(attn_mask: object, q: Tensor, k: Tensor) -> None:
+    """``TypeError`` unless ``attn_mask`` is a boolean or floating-point tensor (as
+    ``F.scaled_dot_product_attention``: an integer 0/1 mask is neither a keep mask nor a
+    bias), ``ValueError`` unless it broadcasts to the scores' shape ``(..., H, L, N)``
+    (``k`` with the query heads already)."""
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        raise TypeError(
+            f"attn_mask must be a bool (True = may attend) or floating-point (additive) "
+            f"tensor, got {attn_mask.dtype} (a 0/1 keep mask: pass attn_mask.bool())"
+        )
+    # the scores' batch dims: q's and k's broadcast (a mismatch is matmul's error)
+    batch = [b if a == 1 else a for a, b in zip(q.shape[:-2], k.shape[:-2], strict=True)]
+    target = (*batch, q.shape[-2], k.shape[-2])
+    shape = tuple(attn_mask.shape)
+    ok = len(shape) <= len(target) and all(
+        m in (1, t) for m, t in zip(reversed(shape), reversed(target), strict=False)
+    )
+    if not ok:
+        raise ValueError(
+            f"attn_mask: shape {shape} does not broadcast to the attention "
+            f"scores' shape {target} (..., H, L, N)"
+        )
+
+
 def fp8_attention(
     q: Tensor,
     k: Tensor,
@@ -206,10 +232,11 @@ def fp8_attention(
     gradients in ``grad_fmt`` (:data:`FP8_FORMATS`); output in ``q``'s dtype.
 
     ``q (..., H, L, D)``, ``k (..., H_kv, N, D)``, ``v (..., H_kv, N, E)``; ``attn_mask``
-    broadcastable to ``(..., H, L, N)``: boolean (``True`` = may attend) or additive
-    (float, no gradient); ``is_causal``: query ``i`` attends keys ``j ≤ i`` (top-left
-    aligned, as torch); ``enable_gqa``: ``H`` a multiple of ``H_kv``. Dropout ``p`` draws
-    from torch's global generator.
+    broadcastable to ``(..., H, L, N)`` (else ``ValueError``): boolean (``True`` = may
+    attend) or additive (floating-point, no gradient); any other dtype, an integer 0/1
+    mask included, raises ``TypeError`` (as torch); ``is_causal``: query ``i`` attends
+    keys ``j ≤ i`` (top-left aligned, as torch); ``enable_gqa``: ``H`` a multiple of
+    ``H_kv``. Dropout ``p`` draws from torch's global generator.
 
     Example:
         >>> q = torch.randn(2, 4, 16, 8); kv = torch.randn(2, 2, 16, 8)
@@ -252,6 +279,7 @@ def fp8_attention(
         allowed = torch.ones(length, n, dtype=torch.bool, device=q.device).tril()
         bias = torch.zeros(length, n, device=q.device).masked_fill(~allowed, -math.inf)
     elif attn_mask is not None:
+        _check_mask(attn_mask, q, k)
         if attn_mask.requires_grad:
             raise ValueError("attn_mask: a mask that requires grad is not supported")
         if attn_mask.dtype == torch.bool:

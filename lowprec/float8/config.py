@@ -72,13 +72,17 @@ ATTENTION_SCALINGS = ("tensorwise", "headwise", "rowwise")
 
 Scaling = Literal["dynamic", "delayed", "static"]
 
+_HISTORY_LEN = 16  # CastConfig's defaults of the delayed-only fields
+_ALGO: Literal["max", "most_recent"] = "max"
+
 
 @dataclass(frozen=True)
 class CastConfig:
     """How one operand role is cast to a narrow format.
 
     ``scale = amax · 2^margin / fmt.max`` (rounded up to a power of two with
-    ``power_of_two``), where ``amax`` comes from:
+    ``power_of_two``) for the granularities ``tensor``, ``axis`` and ``block``, where
+    ``amax`` comes from:
 
     * ``dynamic``: the tensor itself, every call;
     * ``delayed``: the largest (``algo="max"``) or latest (``"most_recent"``) ``amax`` of the
@@ -94,6 +98,26 @@ class CastConfig:
     so a maximum above ``fmt.max`` (E4M3: a mantissa above 1.75) saturates; ``"ceil"``
     rounds ``amax / fmt.max`` up to a power of two (as NVIDIA's MXFP8 training recipe
     does), so nothing saturates at the cost of up to one binade of headroom.
+
+    MX and NVFP4 granularities have their own scale rules, and ``margin`` (binades of
+    headroom, ``|x / scale| <= fmt.max · 2^-margin``) applies to them as follows:
+
+    * ``mx``: the E8M0 exponent is shifted by ``margin``, which must be a whole number
+      (``ValueError`` otherwise; an E8M0 scale is a power of two): ``"floor"`` gives
+      ``2^(floor(log2 amax) - emax + margin)``, ``"ceil"`` the power of two at or above
+      ``amax · 2^margin / fmt.max``: the ``margin=0`` scale times ``2^margin`` either way
+      (clamped to E8M0's range);
+    * ``nv``: the per-tensor scale is multiplied by ``2^margin`` and the E4M3 block scales
+      are unchanged (:func:`lowprec.core.scales.nv_scale`): every scale is the
+      ``margin=0`` one times ``2^margin``.
+
+    ``power_of_two=True`` is refused (``ValueError``) for ``mx`` (its scales are powers of
+    two by definition; ``mx_scale="ceil"`` is the rounding up that ``power_of_two`` means
+    elsewhere) and ``nv`` (its block scales are E4M3 values, not powers of two).
+
+    ``history_len`` and ``algo`` only mean something to delayed scaling: a non-default
+    value with ``scaling="dynamic"`` or ``"static"`` raises ``ValueError`` (the scale
+    comes from the tensor itself or is fixed; no history is kept).
 
     Delayed and static scaling keep one scale per tensor (``granularity="tensor"``): a
     history of per-row scales would depend on the batch shape.
@@ -112,8 +136,8 @@ class CastConfig:
     scaling: Scaling = "dynamic"
     margin: float = 0.0
     power_of_two: bool = False
-    history_len: int = 16
-    algo: Literal["max", "most_recent"] = "max"
+    history_len: int = _HISTORY_LEN
+    algo: Literal["max", "most_recent"] = _ALGO
     static_scale: float | None = None
     mx_scale: Literal["floor", "ceil"] = "floor"
     rounding: Literal["nearest", "stochastic"] = "nearest"
@@ -156,6 +180,29 @@ class CastConfig:
             raise ValueError(f"history_len must be >= 1, got {self.history_len}")
         if self.algo not in ("max", "most_recent"):
             raise ValueError(f"algo must be 'max' or 'most_recent', got {self.algo!r}")
+        if self.scaling != "delayed":
+            for name, default in (("history_len", _HISTORY_LEN), ("algo", _ALGO)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} only applies to scaling='delayed', "
+                        f"got scaling={self.scaling!r} (its scale keeps no amax history; "
+                        f"leave {name} at {default!r})"
+                    )
+        if g.kind in ("mx", "nv") and self.power_of_two:
+            why = (
+                "MX scales are powers of two by definition (mx_scale='ceil' rounds "
+                "amax / fmt.max up to one)"
+                if g.kind == "mx"
+                else "NVFP4 block scales are E4M3 values, not powers of two"
+            )
+            raise ValueError(
+                f"power_of_two=True does not apply to granularity {self.granularity!r}: {why}"
+            )
+        if g.kind == "mx" and self.margin != int(self.margin):
+            raise ValueError(
+                f"margin must be a whole number of binades for granularity "
+                f"{self.granularity!r} (it shifts the E8M0 exponent), got {self.margin}"
+            )
         if self.static_scale is not None:
             if self.scaling != "static":
                 raise ValueError("static_scale is only used with scaling='static'")

@@ -67,20 +67,47 @@ __all__ = ["GroupedFloat8Fn", "GroupedScales", "grouped_config", "grouped_linear
 
 log = logging.getLogger(__name__)
 
+_DEFAULT_CAST = CastConfig()  # the defaults of the delayed-only fields
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` itself where ``torch._grouped_mm`` takes its layout — one of its last two dims
+    of stride 1, the other's stride a multiple of 16 bytes (and at least that dim's size),
+    the data 16-byte aligned — else a copy of the same values in such a layout: the stride-1
+    dim kept (row- or column-major), the other stride rounded up to 16 bytes (a view of a
+    padded buffer; the padding is never read). An odd in- or out-features count (e.g. 21
+    float32 columns: an 84-byte row) is what makes the copy necessary."""
+    al = 16 // t.element_size()
+    s, shape = t.stride(), t.shape
+    if t.data_ptr() % 16 == 0:
+        if s[-1] == 1 and s[-2] >= max(1, shape[-1]) and s[-2] % al == 0:
+            return t
+        if s[-2] == 1 and s[-1] >= max(1, shape[-2]) and s[-1] % al == 0:
+            return t
+    col = s[-2] == 1 and s[-1] != 1  # column-major (a transposed view): kept so
+    u = t.transpose(-1, -2) if col else t
+    n = u.shape[-1]
+    buf = u.new_zeros(*u.shape[:-1], -(-max(n, 1) // al) * al)
+    buf[..., :n] = u
+    v = buf[..., :n]
+    return v.transpose(-1, -2) if col else v
+
 
 def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """Per group ``e``: ``a_e · b_e``. With a 3-D ``b (E×K×N)``, ``a (M×K)`` is grouped
     by rows and the result is ``(M×N)``; with a 2-D ``b (M×K)``, ``a (N×M)`` and ``b`` are
     grouped along the contracted ``M`` and the result is ``(E×N×K)`` (an empty group: 0).
-    ``torch._grouped_mm`` where it takes the dtype, else one ``bmm`` of the groups padded
-    to the largest one (float64)."""
+    Any sizes and strides: ``torch._grouped_mm`` where it takes the dtype (float32,
+    bfloat16), on operands laid out as its stride rules require (:func:`_aligned`: copied
+    to 16-byte-aligned rows where they are not), else one ``bmm`` of the groups padded to
+    the largest one (float64). The result is contiguous."""
     o = offs.to(torch.int32)
     a = a.contiguous() if 0 in a.stride() else a  # an expanded gradient (stride 0)
     b = b.contiguous() if 0 in b.stride() else b
     if a.dtype in (torch.float32, torch.bfloat16) and hasattr(torch, "_grouped_mm"):
         with autocast_off(a.device.type):
-            out: Tensor = torch._grouped_mm(a, b, offs=o)
-        return out
+            out: Tensor = torch._grouped_mm(_aligned(a), _aligned(b), offs=o)
+        return out.contiguous()  # an odd last dim comes back in a padded layout
     m = a.shape[0] if b.dim() == 3 else b.shape[0]
     gid, counts, starts = _groups(offs, m)
     e, c = offs.numel(), int(counts.max()) if offs.numel() else 0
@@ -141,8 +168,17 @@ def _dynamic(c: CastConfig, delayed: bool) -> CastConfig:
     )
     if keep and c.rounding == "nearest":
         return c
-    scaling = c.scaling if keep else "dynamic"
-    return dataclasses.replace(c, scaling=scaling, rounding="nearest")
+    if keep:
+        return dataclasses.replace(c, rounding="nearest")
+    # made dynamic: the delayed-only fields back to their defaults (CastConfig refuses
+    # a history length or algorithm on a cast that keeps no history)
+    return dataclasses.replace(
+        c,
+        scaling="dynamic",
+        rounding="nearest",
+        history_len=_DEFAULT_CAST.history_len,
+        algo=_DEFAULT_CAST.algo,
+    )
 
 
 def grouped_config(r: Float8Config, delayed: bool = False) -> tuple[Float8Config, list[str]]:

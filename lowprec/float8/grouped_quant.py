@@ -116,7 +116,7 @@ def quantize_grouped(
         rows_per = xb.shape[0] // max(a.shape[0], 1)
         ga = gp[:: max(rows_per, 1)][: a.shape[0]] if a.shape[0] else gp[:0]
         t_amax = _segment_amax(fin.amax(1), ga, e)[ga].unsqueeze(1) if a.numel() else None
-        s = nonfinite_scale(nv_scale(a, fmt, t_amax), a, fmt, "nv")
+        s = nonfinite_scale(nv_scale(a, fmt, t_amax, cast.margin), a, fmt, "nv")
         q = to_format(apply_scale(xb, s, op="div"), fmt, saturate=True)
         v = apply_scale(q.float(), s)[: xp.shape[0], :n].to(dtype)
     return v if dest is None else v[dest]

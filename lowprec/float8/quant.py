@@ -273,16 +273,19 @@ _nv_eager: Callable[[Tensor, CastConfig, int], Parts] = torch.compiler.disable(_
 
 def _group_scale(a: Tensor, cast: CastConfig, kind: str, fmt: Format) -> Tensor:
     """The scales of a non-tensor granularity ``kind`` from the groups' maxima ``a``
-    (elementwise, except NVFP4's tensor-level factor; traceable by ``torch.compile``)."""
+    (elementwise, except NVFP4's tensor-level factor; traceable by ``torch.compile``).
+    ``cast.margin`` applies to every kind: ``amax · 2^margin / fmt.max`` (axis, block,
+    MX ``"ceil"``), the E8M0 exponent shifted by ``margin`` (MX ``"floor"``), NVFP4's
+    tensor scale times ``2^margin`` (:func:`~lowprec.core.scales.nv_scale`)."""
     if kind in ("axis", "block"):
         return cast.scale_for(a)
     # mx: OCP's floor or the power of two at or above amax/max; nv: two-level
     if kind == "nv":
-        s = nv_scale(a, fmt)
+        s = nv_scale(a, fmt, margin=cast.margin)
     elif cast.mx_scale == "floor":
-        s = mx_scale(a, fmt)
+        s = mx_scale(a, fmt, cast.margin)
     else:
-        s = compute_scale(a, fmt, 0.0, True)
+        s = compute_scale(a, fmt, cast.margin, True)
     return nonfinite_scale(s, a, fmt, kind)  # a block holding Inf/NaN reads NaN
 
 

@@ -180,6 +180,45 @@ def test_masks_and_fully_masked_rows(mask_kind: str, scaling: str) -> None:
     assert got[2][1, :, 10:].abs().max() == 0 and got[3][1, :, 10:].abs().max() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_integer_mask_is_refused_as_torch_does(dtype: torch.dtype) -> None:
+    """An integer 0/1 mask is neither a keep mask nor a bias: ``TypeError`` naming
+    ``attn_mask`` (SDPA refuses it too), never an additive bias of 0 and 1; the same mask
+    as bool gives the FP64 reference's attention (``_close``'s tolerance)."""
+    q, k, v, g = _inputs(8)
+    keep = torch.ones(2, 1, 24, 24, dtype=torch.bool)
+    keep[1, :, :, 12:] = False
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=keep.to(dtype))
+    with pytest.raises(TypeError, match="attn_mask"):
+        fp8_attention(q, k, v, attn_mask=keep.to(dtype))
+    bias = torch.zeros(keep.shape).masked_fill(~keep, -math.inf)
+    got = _run(q, k, v, g, attn_mask=keep, scaling="rowwise")
+    for a, b in zip(got, _reference(q, k, v, g, bias, 0.25, "rowwise"), strict=True):
+        _close(a, b)
+
+
+def test_mask_shape_is_checked_against_the_scores() -> None:
+    """A mask that broadcasts to the scores ``(B, H, L, N) = (2, 4, 24, 24)`` is applied as
+    its broadcast (the FP64 reference with the expanded mask, ``_close``'s tolerance); one
+    that does not, or would grow them, raises ``ValueError`` naming ``attn_mask`` and both
+    shapes (bool and float masks), not a broadcasting error from inside the GEMMs."""
+    q, k, v, g = _inputs(9)
+    gen = torch.Generator().manual_seed(1)
+    for shape in [(24, 24), (1, 24), (2, 1, 1, 24), (4, 24, 1), (2, 4, 24, 24)]:
+        keep = torch.rand(shape, generator=gen) > 0.3
+        keep[..., 0] = True  # every query row keeps a key
+        bias = torch.zeros(2, 4, 24, 24).masked_fill(~keep.expand(2, 4, 24, 24), -math.inf)
+        got = _run(q, k, v, g, attn_mask=keep, scaling="headwise")
+        for x, want in zip(got, _reference(q, k, v, g, bias, 0.25, "headwise"), strict=True):
+            _close(x, want)
+    for shape in [(24, 23), (24, 25), (3, 24, 24), (2, 4, 24, 24, 1), (1, 2, 4, 24, 24), (2,)]:
+        for mask in (torch.ones(shape, dtype=torch.bool), torch.zeros(shape)):
+            with pytest.raises(ValueError, match=r"attn_mask.*\(2, 4, 24, 24\)") as e:
+                fp8_attention(q, k, v, attn_mask=mask)
+            assert str(tuple(shape)) in str(e.value)
+
+
 def test_gqa_equals_repeated_heads() -> None:
     """Grouped-query attention: the same output as repeating each key/value head for its
     query heads, and the key/value gradients summed over the group (FP32 sums)."""

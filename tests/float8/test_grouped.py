@@ -48,17 +48,17 @@ def _config(name: str) -> Float8Config:
     return _custom() if name == "custom" else Float8Config.from_name(name)
 
 
-def _data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _data(
+    seed: int, counts: list[int] = COUNTS, n: int = N, k: int = K
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    m = sum(COUNTS)
+    m = sum(counts)
     # rows of very different magnitudes: per-group scales matter
-    x = torch.randn(m, K, generator=gen) * torch.rand(m, 1, generator=gen).mul(8).exp2()
-    w = (
-        torch.randn(len(COUNTS), N, K, generator=gen)
-        * torch.tensor([0.5, 1, 4, 16, 0.1])[:, None, None]
-    )
-    g = torch.randn(m, N, generator=gen) * 1e-3
-    offs = torch.cumsum(torch.tensor(COUNTS), 0)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).mul(8).exp2()
+    mags = torch.tensor([0.5, 1, 4, 16, 0.1])[torch.arange(len(counts)) % 5]
+    w = torch.randn(len(counts), n, k, generator=gen) * mags[:, None, None]
+    g = torch.randn(m, n, generator=gen) * 1e-3
+    offs = torch.cumsum(torch.tensor(counts), 0)
     return x, w, g, offs
 
 
@@ -71,13 +71,13 @@ def _q(t: Tensor, cast: CastConfig, cd: int) -> Tensor:
 
 
 def _reference(
-    x: Tensor, w: Tensor, g: Tensor, r: Float8Config
+    x: Tensor, w: Tensor, g: Tensor, r: Float8Config, counts: list[int] = COUNTS
 ) -> tuple[list[tuple[Tensor, Tensor]], ...]:
     """Per expert, per GEMM: the (a, b) operands (float64) whose product is the GEMM."""
     fwd, dgrad, wgrad = [], [], []
     start = 0
     hp = r.high_precision_gemms
-    for e, n in enumerate(COUNTS):
+    for e, n in enumerate(counts):
         xe, ge, we = x[start : start + n], g[start : start + n], w[e]
         start += n
         c = r.for_gemm("forward")
@@ -124,6 +124,51 @@ def test_grouped_gemms_equal_the_fp64_per_expert_loop(name: str) -> None:
     _close(xr.grad, dgrad, stack=False)
     _close(wr.grad, wgrad, stack=True)
     assert bool((wr.grad[1] == 0).all())  # the expert without tokens
+
+
+# (N, K): out- and in-features that are not multiples of 4 (a float32 row of 16-byte
+# multiples: torch._grouped_mm's stride rule), in either role, or not of 8 (bf16).
+ODD_NK = [(33, 20), (32, 21), (30, 22), (21, 33)]
+ODD_COUNTS = [3, 0, 9, 4]  # an expert without tokens, groups shorter than any block
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "mxfp8", "nvfp4", "rowwise-gw-hp"])
+@pytest.mark.parametrize(("n", "k"), ODD_NK)
+def test_odd_feature_counts_equal_the_fp64_per_expert_loop(name: str, n: int, k: int) -> None:
+    """In- or out-features not a multiple of 4: output, input gradient and every expert's
+    weight gradient equal the FP64 per-expert loop of the dequantized operands up to
+    float32 accumulation (``_close``'s bound), as for aligned sizes."""
+    r = _config(name)
+    x, w, g, offs = _data(5, ODD_COUNTS, n, k)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = grouped_linear(xr, wr, offs, r)
+    assert y.shape == (sum(ODD_COUNTS), n) and y.is_contiguous()
+    y.backward(g)
+    fwd, dgrad, wgrad = _reference(x, w, g, r, ODD_COUNTS)
+    _close(y, fwd, stack=False)
+    assert xr.grad is not None and wr.grad is not None
+    _close(xr.grad, dgrad, stack=False)
+    _close(wr.grad, wgrad, stack=True)
+    assert bool((wr.grad[1] == 0).all())  # the expert without tokens
+
+
+@pytest.mark.parametrize(("n", "k"), [(32, 20), (36, 24), (30, 22)])
+def test_odd_feature_counts_bf16_emulation(n: int, k: int) -> None:
+    """bf16 operands need rows of multiples of 8 elements for ``torch._grouped_mm``: with
+    ``emulation_dtype="bf16"`` and ``out_dtype=bf16`` the GEMMs stay within the bound of
+    ``test_bf16_emulation_and_out_dtype`` (operands 2⁻⁹ each, output 2⁻⁹) of the loop."""
+    r = Float8Config.from_name("rowwise", emulation_dtype="bf16")
+    x, w, g, offs = _data(6, ODD_COUNTS, n, k)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = grouped_linear(xr, wr, offs, r, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    y.backward(g.bfloat16())
+    fwd, dgrad, wgrad = _reference(x, w, g.bfloat16().float(), r, ODD_COUNTS)
+    extra = 2.0**-8 + 2.0**-8
+    _close(y, fwd, stack=False, extra=extra)
+    assert xr.grad is not None and wr.grad is not None
+    _close(xr.grad, dgrad, stack=False, extra=extra)
+    _close(wr.grad, wgrad, stack=True, extra=extra)
 
 
 @pytest.mark.parametrize("name", [*CONFIGS, "custom"])
