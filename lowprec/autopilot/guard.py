@@ -206,6 +206,10 @@ class Guard:
         self.last_spike_move = -(10**9)
         self.last_errors: dict[str, float] = {}
 
+    def watched(self) -> list[str]:
+        """The names of the model's float8 layers, which the guard can move."""
+        return [n for n, m in self.model.named_modules() if isinstance(m, Float8Linear)]
+
     # -- the decision --------------------------------------------------------------------
     def _reasons(self, records: Sequence[Mapping[str, Any]]) -> dict[str, str]:
         c, out = self.config, {}

@@ -45,8 +45,13 @@ def _number(check: Callable[[float], object], name: str) -> Any:
 
 
 def _candidates(text: str) -> tuple[str, ...]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"no format given; name one or more of {','.join(CANDIDATES)}"
+        )
     try:
-        return check_candidates([c.strip() for c in text.split(",") if c.strip()])
+        return check_candidates(names)
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("candidates: ")) from None
 
@@ -114,8 +119,8 @@ def add_tune(subparsers: Any) -> None:
     p.add_argument(
         "--lr",
         type=_number(lambda v: TrainConfig.check_field("lr", v), "lr"),
-        default=d.lr,
-        help=f"lr of --steps-before (default {d.lr:g}; at most {LR_MAX:g})",
+        default=None,
+        help=f"lr of --steps-before (default {d.lr:g}; at most {LR_MAX:g}); needs --steps-before",
     )
     p.set_defaults(handler=_run_tune, parser=p)
 
@@ -131,6 +136,8 @@ def _run_tune(args: argparse.Namespace) -> int:
     problem = output_problem(args.out)
     if problem is not None:
         args.parser.error(f"--out: {problem}")
+    if args.lr is not None and args.steps_before == 0:
+        args.parser.error("--lr: the lr of the --steps-before steps; give --steps-before N > 0")
     try:  # the flags' combination, naming the flags (as lowprec train does)
         TrainConfig.check_together({"width": args.width, "heads": args.heads}, flags=True)
         cfg = TuneConfig(
@@ -146,7 +153,7 @@ def _run_tune(args: argparse.Namespace) -> int:
             candidates=args.candidates,
             seed=args.seed,
             steps_before=args.steps_before,
-            lr=args.lr,
+            lr=TuneConfig().lr if args.lr is None else args.lr,
         )
     except ValueError as e:
         args.parser.error(str(e))

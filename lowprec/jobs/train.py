@@ -178,6 +178,8 @@ def train(
         return _complete(out, cfg)
     prepared, data = build(cfg, data, parallel)
     guard = Guard(prepared.model) if cfg.guard else None
+    if not resume and env.is_main():
+        _warn_idle_settings(cfg, guard)
     logged = _logged(out) if resume and env.is_main() else []  # read before restore cuts them
     start = checkpoints.restore(out, prepared, parallel, guard) if resume else 0
     has_ckpt = env.on_main(
@@ -255,6 +257,24 @@ def _complete(out: Path, cfg: TrainConfig) -> dict[str, Any]:
         stacklevel=3,
     )
     return summary
+
+
+def _warn_idle_settings(cfg: TrainConfig, guard: Guard | None) -> None:
+    """Warn where a setting cannot act as asked: a warm-up as long as the run (the learning
+    rate never reaches ``--lr``), a guard over a model with no float8 layer to move."""
+    if cfg.warmup >= cfg.steps:
+        log.warning(
+            "warning: --warmup %d is not below --steps %d: the learning rate rises for the "
+            "whole run and never reaches --lr %g",
+            cfg.warmup,
+            cfg.steps,
+            cfg.lr,
+        )
+    if guard is not None and not guard.watched():
+        log.warning(
+            "warning: --guard: recipe %s has no float8 layer to move; the guard does nothing",
+            cfg.recipe_name,
+        )
 
 
 class _Loop:

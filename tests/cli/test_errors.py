@@ -148,3 +148,40 @@ def test_report_refuses_a_run_given_twice(
     line = _fails(["report", str(run), str(again), "-o", str(tmp_path / "r.html")], capsys, 2)
     assert f"{again}: the same run directory as {run}; give each run once" in line
     assert not (tmp_path / "r.html").exists()
+
+
+def test_settings_that_cannot_act_are_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A warm-up as long as the run (the learning rate never reaches --lr) and --guard on a
+    recipe without float8 layers (nothing to move) were accepted in silence."""
+    argv = ["train", *TINY, "--warmup", "6", "--guard", "--out", str(tmp_path / "a")]
+    with caplog.at_level("WARNING", logger="lowprec.jobs.train"):
+        assert main(argv) == 0
+    text = caplog.text
+    assert "--warmup 6 is not below --steps 4" in text, text
+    assert "--guard: recipe fp32 has no float8 layer to move" in text, text
+    caplog.clear()
+    argv = ["train", *TINY, "--warmup", "2", "--recipe", "fp8-tensorwise", "--guard"]
+    with caplog.at_level("WARNING", logger="lowprec.jobs.train"):
+        assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    assert "--warmup" not in caplog.text and "--guard" not in caplog.text, caplog.text
+
+
+def test_tune_refuses_options_that_would_be_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tune --lr without --steps-before (the lr of no step: the plan was byte-identical
+    to the default) and --candidates "" (a silent all-bf16 plan) are refused."""
+    out = str(tmp_path / "plan.json")
+    for argv, words in (
+        (["--lr", "0.5"], ("error: --lr", "--steps-before N > 0")),
+        (["--candidates", ""], ("--candidates", "no format given")),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["tune", *argv, "--out", out])
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]  # argparse's usage, then one error line
+        assert e.value.code == 2 and "Traceback" not in err, err
+        assert all(w in last for w in words), last
+    assert not (tmp_path / "plan.json").exists()
