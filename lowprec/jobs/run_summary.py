@@ -25,15 +25,20 @@ __all__ = [
 
 
 def diverged_at(recs: list[dict[str, Any]]) -> int | None:
-    """The step at which a run diverged, or ``None``: the step of a record marked
-    ``"stopped": "nonfinite"`` (the run stopped there), else, if the last record's loss is
-    not finite (the run ended non-finite), the first step of the final run of non-finite
-    losses. A loss-scaled run whose scaler skipped a bad step and recovered did not diverge."""
-    stop = next((r["step"] for r in recs if r.get("stopped") == "nonfinite"), None)
-    if stop is not None or not recs or math.isfinite(recs[-1]["loss"]):
-        return stop
-    i = len(recs) - 1
-    while i > 0 and not math.isfinite(recs[i - 1]["loss"]):
+    """The step at which a run diverged, or ``None``: where the run ended on a NaN/Inf
+    loss (the last record's, or that of a record marked ``"stopped": "nonfinite"``), the
+    first step of that final run of non-finite losses (a loss-scaled run that skipped 25
+    NaN-loss steps in a row diverged at the first of them, not where it stopped); else the
+    step of the stop marker (the gradients or weights became NaN/Inf there, the loss
+    finite). A loss-scaled run whose scaler skipped a bad step and recovered did not
+    diverge."""
+    end = next((i for i, r in enumerate(recs) if r.get("stopped") == "nonfinite"), None)
+    if end is None:
+        if not recs or math.isfinite(recs[-1]["loss"]):
+            return None
+        end = len(recs) - 1
+    i = end
+    while i > 0 and not math.isfinite(recs[i]["loss"]) and not math.isfinite(recs[i - 1]["loss"]):
         i -= 1
     step: int = recs[i]["step"]
     return step

@@ -367,6 +367,11 @@ class _Loop:
                     "The loss is finite and the scaled gradients overflow: lower the loss "
                     "scale, or use dynamic loss scaling"
                 )
+            elif self.scaler_skips:  # the loss itself: no loss scale cures the forward
+                advice = (
+                    "The loss itself is NaN/Inf (the forward overflows), which no loss scale "
+                    "cures: lower --lr, or use a BF16 or unit-scaled recipe"
+                )
         if stop is None and self.guard is not None and not rec["skipped"]:
             moves = self.guard.check(done, self.recorder.gemm_records, rec["loss"])
             if moves:  # written before the step's metrics line: a resume cuts both

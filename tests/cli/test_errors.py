@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -185,3 +186,43 @@ def test_tune_refuses_options_that_would_be_ignored(
         assert e.value.code == 2 and "Traceback" not in err, err
         assert all(w in last for w in words), last
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_loss_scaled_run_whose_loss_is_nan_is_not_told_to_use_loss_scaling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fp16-dynamic-ls at lr 3: the forward overflows and the loss is NaN at every step.
+    The error line told this loss-scaled run to "use a recipe with loss scaling"; it now
+    says no loss scale cures a NaN loss. The report's verdict names the first NaN step."""
+    argv = [
+        "train",
+        "--recipe",
+        "fp16-dynamic-ls",
+        "--steps",
+        "40",
+        "--width",
+        "64",
+        "--depth",
+        "1",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--eval-every",
+        "10",
+        "--lr",
+        "3",
+        "--max-skips",
+        "3",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "r"),
+    ]
+    line = cli_error(argv, capsys, code=1, notes=True)
+    assert "which no loss scale cures" in line and "recipe with loss scaling" not in line, line
+    from lowprec.jobs.run_summary import diverged_at
+    from lowprec.jobs.rundir import read_metrics
+
+    recs = read_metrics(tmp_path / "r")
+    first = next(r["step"] for r in recs if not math.isfinite(r["loss"]))
+    assert diverged_at(recs) == first < recs[-1]["step"]

@@ -342,3 +342,20 @@ def test_the_demo_judges_each_runs_curve_and_its_references() -> None:
     got = {r["recipe"]: r["verdict"] for r in results}
     assert got["fp32"] == "reference" and got["bf16"].endswith(": diverging"), got
     assert got["fp8-tensorwise"] == "matches fp32 (within seed spread ±1%)"
+
+
+def test_a_run_that_skipped_nan_losses_until_it_stopped_diverged_at_the_first() -> None:
+    """fp16-dynamic-ls at lr 3: the loss NaN at every step from 15, the run stopped at 39
+    (25 skips in a row). It read "fails: loss NaN/Inf at step 39"; it diverged at 15. A
+    stop on NaN gradients with a finite loss stays at the stop's step."""
+    recs: list[dict[str, Any]] = [{"step": i, "loss": 4.0 - 0.01 * i} for i in range(1, 15)]
+    recs += [{"step": i, "loss": math.nan} for i in range(15, 40)]
+    recs[-1]["stopped"] = "nonfinite"
+    from lowprec.jobs.run_summary import diverged_at
+
+    assert diverged_at(recs) == 15
+    grads = [{"step": i, "loss": 3.0} for i in range(1, 6)]
+    grads[-1]["stopped"] = "nonfinite"
+    assert diverged_at(grads) == 5
+    one = [{"step": 1, "loss": 4.0}, {"step": 2, "loss": math.inf, "stopped": "nonfinite"}]
+    assert diverged_at(one) == 2
