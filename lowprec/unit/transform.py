@@ -168,7 +168,9 @@ def unit_scale(
     weights do not compute its function once unit-scaled: see the module doc).
     ``residual``: the τ scheme of :func:`lowprec.unit.functional.residual_taus`
     (``"running-mean"``, ``"fixed"`` with ``tau``), one ``τ`` per residual add found, or a
-    function of their number ``n`` giving the list (e.g. :func:`lowprec.unit.umup.umup_taus`).
+    function of their number ``n`` giving the list (e.g. :func:`lowprec.unit.umup.umup_taus`);
+    a list's τ must lie in ``(0, 1)`` and ``tau`` goes only with ``"fixed"`` (``ValueError``
+    here, not at the first call). ``output_mult`` and ``float8_readout`` need a readout.
     ``readout``: the output layer's module name (``"auto"``: the last ``nn.Linear``;
     ``None``: none). ``config``: a :class:`UnitConfig`; or ``float8``/``strict`` as
     keywords (default ``False``) — not both (``ValueError`` naming the keywords).
@@ -196,7 +198,18 @@ def unit_scale(
             f"residual must be a scheme name, a sequence of taus or a function, got "
             f"{type(residual).__name__}"
         )
+    if isinstance(residual, Sequence) and not isinstance(residual, str):
+        for t in residual:  # checked here, not at the first forward
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t < 1.0:
+                raise ValueError(f"residual: every tau must be a number in (0, 1), got {t!r}")
+    if residual != "fixed" and tau != 0.5:
+        raise ValueError(f"tau={tau!r} applies only to residual='fixed' (got {residual!r})")
     cfg = _config(config, float8, strict)
+    if readout is None and (cfg.output_mult != 1.0 or cfg.float8_readout):
+        raise ValueError(
+            "readout=None: output_mult and float8_readout act on the readout layer; name it "
+            "(readout='auto' or its module name) or leave them at their defaults"
+        )
     ex = _example(model, example_inputs)
     model = copy.deepcopy(model)
     bad = sorted({f"{type(m).__name__}: no unit-scaling rule for this module type"

@@ -176,3 +176,26 @@ def test_cross_entropy_empty_mean_and_no_classes_refused() -> None:
         U.cross_entropy(_r(0, 5), torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="logits: need at least one class"):
         U.cross_entropy(_r(3, 0), torch.zeros(3, dtype=torch.long))
+
+
+def test_arguments_that_would_be_ignored_or_fail_late_are_refused() -> None:
+    """Found by a new-user trial: an invalid tau list was accepted and failed only at the
+    first forward; tau with a scheme other than "fixed", and output_mult/float8_readout
+    with readout=None, were accepted and ignored (outputs bit-identical to the defaults)."""
+    import torch.nn as nn
+
+    from lowprec.unit import UnitConfig, unit_scale
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+
+    for taus in ([0.1, 1.2], [-0.5], [float("nan")], [1.0]):
+        with pytest.raises(ValueError, match="every tau must be a number in"):
+            unit_scale(model(), residual=taus)
+    with pytest.raises(ValueError, match="applies only to residual='fixed'"):
+        unit_scale(model(), tau=0.3)
+    with pytest.raises(ValueError, match="readout=None: output_mult"):
+        unit_scale(model(), readout=None, config=UnitConfig(output_mult=5.0))
+    unit_scale(model(), residual="fixed", tau=0.3)  # accepted where it acts
+    unit_scale(model(), residual=[])  # no residual add in this model: no tau
+    unit_scale(model(), readout=None)
