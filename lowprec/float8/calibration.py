@@ -15,13 +15,16 @@ __all__ = ["calibrate", "calibrated_scalers"]
 
 
 @contextlib.contextmanager
-def calibrate(model: nn.Module, fresh: bool = True) -> Iterator[None]:
+def calibrate(model: nn.Module, fresh: bool = True, training_only: bool = False) -> Iterator[None]:
     """Calibrate the static roles of every ``Float8Linear`` in ``model``.
 
     Inside the block, forward (and backward, for a static ``grad_output``) passes record
     the running maximum of each static role's ``amax``; on exit the scales freeze. Roles
     that saw no data raise ``ValueError`` naming them. ``fresh=False`` continues from the
     maxima the scalers hold (a calibration whose end was undone) instead of from zero.
+    ``training_only=True`` records only the passes of modules in training mode (a
+    calibration on training batches, between which an evaluation must not count);
+    by default every pass inside the block records, ``model.eval()`` ones included.
 
     Example:
         >>> import torch
@@ -39,8 +42,11 @@ def calibrate(model: nn.Module, fresh: bool = True) -> Iterator[None]:
         raise ValueError("model: a Float8Linear on the meta device has no data to calibrate")
     if not isinstance(fresh, bool):
         raise TypeError(f"fresh must be a bool, got {type(fresh).__name__}")
+    if not isinstance(training_only, bool):
+        raise TypeError(f"training_only must be a bool, got {type(training_only).__name__}")
     for m in static:  # a new calibration starts from scratch (it may lower a scale)
         m._calibrating = True
+        m._calibrate_eval = not training_only
         for s in m.calibrated_scalers() if fresh else ():
             s.reset()
     try:
@@ -48,6 +54,7 @@ def calibrate(model: nn.Module, fresh: bool = True) -> Iterator[None]:
     finally:
         for m in static:
             m._calibrating = False
+            m._calibrate_eval = True
     names = {id(m): n for n, m in model.named_modules()}
     empty = [
         f"{names[id(m)] or 'model'}.{r}"

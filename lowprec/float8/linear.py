@@ -115,6 +115,7 @@ class Float8Linear(nn.Linear):
         self.recipe = recipe
         self.linear_fn: LinearFn | None = None
         self._calibrating = False
+        self._calibrate_eval = True  # calibrate(training_only=True) sets it False
         dev = self.weight.device
         self._scalers: dict[str, HistoryScaler] = {}
         for role in ROLES:
@@ -300,10 +301,16 @@ class Float8Linear(nn.Linear):
             self._scalers.get(role),
             self.recipe.cast(role),
             t,
-            update=self.training or self._calibrating,
-            calibrating=self._calibrating,
+            update=self.training or self._recording(),
+            calibrating=self._recording(),
             amax=amax,
         )
+
+    def _recording(self) -> bool:
+        """Whether this forward records static maxima: inside :func:`calibrate`, in any
+        mode, or only in training mode where the calibration is a training one (a
+        recipe's calibration on its first batches: an evaluation then records nothing)."""
+        return self._calibrating and (self.training or self._calibrate_eval)
 
     def gemm(
         self, x: Tensor, w: Tensor, reduce: AmaxReducer | None = None, sharded: str = ""
@@ -326,17 +333,16 @@ class Float8Linear(nn.Linear):
         amp = dev != "meta" and torch.is_autocast_enabled(dev)  # meta: no autocast, shapes only
         out_dtype = torch.get_autocast_dtype(dev) if amp else x.dtype
         x2d = x.reshape(-1, x.shape[-1])
-        upd = self.training or self._calibrating
+        cal = self._recording()
+        upd = self.training or cal
         r = self.recipe
         go_sc = self._scalers.get("grad_output")
         xr = reduce if "x" in sharded else None
         wr = reduce if "w" in sharded else None
         gr = reduce if "g" in sharded else None
         own = bool(r.gemms or r.hadamard)  # GEMMs that take their own tensor-wise scales
-        spec = GemmSpec(
-            r, upd, self._calibrating, go_sc, gr, xr if own else None, wr if own else None
-        )
-        kw: dict[str, Any] = {"update": upd, "calibrating": self._calibrating}
+        spec = GemmSpec(r, upd, cal, go_sc, gr, xr if own else None, wr if own else None)
+        kw: dict[str, Any] = {"update": upd, "calibrating": cal}
         # An FP8-gathered operand (lowprec.distributed) arrives quantized, its scaler run.
         xs = ws = None
         if not isinstance(x2d, ScaledTensor):

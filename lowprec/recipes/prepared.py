@@ -83,7 +83,8 @@ class Prepared:
             if not (self.recipe.needs_calibration and self.model.training and self.calibrating):
                 return False
             self._calibration = contextlib.ExitStack()
-            self._calibration.enter_context(calibrate(self.model))
+            # training batches only: an evaluation in between records nothing
+            self._calibration.enter_context(calibrate(self.model, training_only=True))
             self._calibrated_batches = 0
         return self.model.training
 
@@ -121,7 +122,7 @@ class Prepared:
         self._calibrated_batches = state["batches"]
         if self._calibration is None and state["open"]:
             stack = contextlib.ExitStack()
-            stack.enter_context(calibrate(self.model, fresh=False))
+            stack.enter_context(calibrate(self.model, fresh=False, training_only=True))
             self._calibration = stack
 
     def zero_grad(self) -> None:
@@ -153,7 +154,7 @@ class Prepared:
             for s in calibrated_scalers(self.model):
                 s.unfreeze()
             stack = contextlib.ExitStack()
-            stack.enter_context(calibrate(self.model, fresh=False))
+            stack.enter_context(calibrate(self.model, fresh=False, training_only=True))
             self._calibration = stack
 
     def state_dict(self) -> dict[str, Any]:

@@ -279,3 +279,45 @@ def test_rounded_norm_check_runs_for_fp16_until_it_warns(
         run.scaler.update()
         run.zero_grad()
     assert calls == ([3] if dtype == torch.float16 else [])
+
+
+def _static_run(evaluate: bool) -> tuple[float, dict[str, Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    run = prepare(model, "fp8-static", lambda ps: torch.optim.SGD(ps, lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        x = torch.randn(16, 32, generator=g, dtype=torch.bfloat16)
+        run.model.train()
+        with run.compute():
+            loss = run.model(x).float().pow(2).mean()
+            run.scaler.scale(loss).backward()
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.zero_grad()
+        if evaluate and step == 0:  # a validation pass inside the 4 calibration batches
+            run.model.eval()
+            with torch.no_grad(), run.compute():
+                x_val = torch.randn(16, 32, generator=torch.Generator().manual_seed(9))
+                run.model(100 * x_val.bfloat16())
+    return float(loss), {k: v.clone() for k, v in run.model.state_dict().items()}
+
+
+def test_an_evaluation_during_static_calibration_changes_nothing() -> None:
+    """fp8-static calibrates on its first 4 training batches; an evaluation between them
+    (HF's eval_steps, Lightning's val_check_interval) recorded its amax into the static
+    maxima (0.83 -> 86 with inputs 100x larger) and changed every later step. Training
+    with and without the evaluation is now bit-identical. An explicit ``calibrate(model)``
+    block still records eval-mode passes (calibration on held-out data)."""
+    from lowprec.float8 import Float8Linear, calibrate
+
+    loss_a, state_a = _static_run(False)
+    loss_b, state_b = _static_run(True)
+    assert loss_a == loss_b
+    for k in state_a:
+        assert torch.equal(state_a[k], state_b[k]), k
+    m = Float8Linear.from_linear(nn.Linear(16, 16), "static")
+    m.eval()
+    with calibrate(m):
+        m(torch.full((4, 16), 3.0)).sum().backward()
+    assert float(m.input_static_amax) == 3.0
