@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Collection
@@ -51,6 +52,7 @@ __all__ = [
     "linear_layers",
     "load_lowprec_state",
     "lowprec_state",
+    "move_scheduler",
     "unit_accumulated",
     "unwrap",
     "with_module_filter",
@@ -225,3 +227,60 @@ def unit_accumulated(loss: Tensor, recipe: Recipe, k: int) -> Tensor:
     if recipe.unit is None or k <= 1:
         return loss
     return lowprec.unit.scale_bwd(loss, math.sqrt(k))
+
+
+def move_scheduler(scheduler: Any, new: torch.optim.Optimizer) -> None:
+    """Rebind a torch LR ``scheduler`` built on a user's optimizer to ``new``, the one
+    lowprec built over the prepared parameters (its base rates from ``new``'s groups, and
+    ``new.step`` marked as torch's schedulers mark their own optimizer's). Where the group
+    counts differ (u-μP's groups, the weight-decay split), a per-group setting that is the
+    same for every group (``LambdaLR``'s one ``lr_lambda``) serves every group of ``new``;
+    ``ValueError`` where they differ between groups. A scheduler already on ``new`` is
+    left as it is."""
+    if getattr(scheduler, "optimizer", None) is new:
+        return
+    old = getattr(scheduler, "optimizer", None)
+    n_old, n_new = (len(o.param_groups) for o in (old, new)) if old is not None else (0, 0)
+    if n_old != n_new:  # per-group settings (LambdaLR's lr_lambdas): one for all, or refuse
+        per_group = {
+            k: v
+            for k, v in vars(scheduler).items()
+            if k not in ("base_lrs", "_last_lr") and isinstance(v, list) and len(v) == n_old
+        }
+        for k, v in per_group.items():
+            if any(x is not v[0] and x != v[0] for x in v):
+                raise ValueError(
+                    f"scheduler: its {k} differ between the {n_old} parameter groups it was "
+                    f"built on; lowprec's optimizer has {n_new} (u-muP or weight-decay "
+                    "groups): build the scheduler on the optimizer lowprec made"
+                )
+            setattr(scheduler, k, [v[0]] * n_new)
+    # the schedule's current factor (its last rate over its base) carries over to new
+    factors = [1.0]
+    if old is not None and getattr(scheduler, "base_lrs", None):
+        factors = [float(g["lr"]) / b if b else 1.0
+                   for g, b in zip(old.param_groups, scheduler.base_lrs, strict=False)]  # fmt: skip
+    scheduler.optimizer = new
+    for g in new.param_groups:
+        g.setdefault("initial_lr", g["lr"])
+    scheduler.base_lrs = [g["initial_lr"] for g in new.param_groups]
+    for i, g in enumerate(new.param_groups):
+        g["lr"] = g["initial_lr"] * (factors[i] if len(factors) == n_new else factors[0])
+    scheduler._last_lr = [g["lr"] for g in new.param_groups]
+    _track_step(new)
+
+
+def _track_step(optimizer: Any) -> None:
+    """Mark ``optimizer.step`` calls as torch's LR schedulers do for their own optimizer
+    (their check that ``optimizer.step()`` ran before ``scheduler.step()``)."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper

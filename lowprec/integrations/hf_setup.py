@@ -37,6 +37,8 @@ class LowprecCallback(TrainerCallback):  # type: ignore[misc]
         # A skipped step leaves the optimizer's per-step state (the masters' copied
         # gradients) behind; the Trainer zeroes only the model's gradients.
         self.trainer.lowprec.optimizer.zero_grad(set_to_none=True)
+        # the rate this step used: the scheduler steps after this callback
+        self.trainer._step_lr = self.trainer._get_learning_rate()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._end_step(state.global_step)

@@ -44,7 +44,6 @@ scaler; save it with the rest (``fabric.save(path, {"model": m, "optimizer": o,
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -59,6 +58,7 @@ from lowprec.integrations.common import (
     ModuleFilter,
     load_lowprec_state,
     lowprec_state,
+    move_scheduler,
     unit_accumulated,
     with_module_filter,
 )
@@ -215,10 +215,7 @@ class LowprecPrecision(_Recipe, Precision):  # type: ignore[misc]
         for config in lr_schedulers:
             s = getattr(config, "scheduler", config)
             if getattr(s, "optimizer", None) is old:
-                s.optimizer = new
-                s.base_lrs = [g.get("initial_lr", g["lr"]) for g in new.param_groups]
-                s._last_lr = [g["lr"] for g in new.param_groups]
-                _track_step(new)
+                move_scheduler(s, new)
         return model, [new], lr_schedulers
 
     @contextlib.contextmanager
@@ -319,22 +316,6 @@ class LowprecFabricPrecision(_Recipe, FabricPrecision):  # type: ignore[misc]
 
     def unscale_gradients(self, optimizer: Any) -> None:
         self._need().scaler.unscale_(optimizer)
-
-
-def _track_step(optimizer: Any) -> None:
-    """Mark ``optimizer.step`` calls as torch's LR schedulers do for their own optimizer
-    (their check that ``optimizer.step()`` ran before ``scheduler.step()``)."""
-    step = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper
 
 
 def _umup_groups(net: nn.Module, root: nn.Module, groups: list[dict[str, Any]]) -> list[Any]:

@@ -66,6 +66,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
+from lowprec.amp.master import MasterWeights
 from lowprec.analysis.gemms import DEFAULT_EVERY
 from lowprec.autopilot.guard import Guard, GuardConfig, Move
 from lowprec.integrations.common import (
@@ -73,6 +74,7 @@ from lowprec.integrations.common import (
     decay_groups,
     load_lowprec_state,
     lowprec_state,
+    move_scheduler,
     unit_accumulated,
     unwrap,
     with_module_filter,
@@ -162,6 +164,17 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         if run_dir is not None and not isinstance(run_dir, (str, Path)):
             raise TypeError(f"run_dir must be a str, Path or None, got {type(run_dir).__name__}")
         r = with_module_filter(recipe, model, module_filter)
+        if r.unit is not None:
+            outside = [n for n, on in (
+                ("args.label_smoothing_factor", bool(getattr(args, "label_smoothing_factor", 0))),
+                ("compute_loss_func", trainer_kwargs.get("compute_loss_func") is not None),
+            ) if on]  # fmt: skip
+            if outside:
+                raise ValueError(
+                    f"{', '.join(outside)}: with a unit recipe the loss must be the model's "
+                    "own (unit) loss; HF would compute it outside the model as a plain op, and "
+                    "every gradient would be off by a factor of the token count"
+                )
         parallel = parallel_mode(args)
         if not isinstance(guard, (bool, GuardConfig)):
             raise TypeError(f"guard must be a bool or a GuardConfig, got {type(guard).__name__}")
@@ -212,6 +225,7 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
         self._numerics_every = numerics_every
         self._recorder: RunRecorder | None = None
         self._step_loss: Tensor | None = None
+        self._step_lr: float | None = None  # the rate of the step being logged
         self._unscaled = False
         callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), LowprecCallback(self)]
         with hf_config_view(net):
@@ -276,8 +290,13 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
 
     # -- the optimizer -------------------------------------------------------------------
     def create_optimizer(self, model: nn.Module | None = None) -> Any:
-        """The optimizer that :func:`lowprec.recipes.prepare` built."""
+        """The optimizer that :func:`lowprec.recipes.prepare` built; a scheduler passed as
+        ``optimizers=(None, scheduler)`` moves onto it
+        (:func:`~lowprec.integrations.common.move_scheduler`: it stepped the user's
+        optimizer, and logged its rates, while lowprec's kept the base rate)."""
         self.optimizer = self.lowprec.optimizer
+        if self.lr_scheduler is not None:
+            move_scheduler(self.lr_scheduler, self.optimizer)
         return self.optimizer
 
     def _unscale(self) -> None:
@@ -287,7 +306,14 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
             self._unscaled = True
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
+        """Clip (and return the norm of) the unscaled gradients: with FP32 master weights
+        the FP32 ones (:meth:`~lowprec.amp.master.MasterWeights.clip_grad_norm_`), whose
+        norm is exact where the model's FP16 copies underflow (a norm of 0 there: no
+        clip at all); otherwise the Trainer's own clip."""
         self._unscale()
+        opt = self.lowprec.optimizer
+        if isinstance(opt, MasterWeights):
+            return opt.clip_grad_norm_(self.args.max_grad_norm)
         return super()._clip_grad_norm(model)  # type: ignore[no-untyped-call]
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
@@ -476,7 +502,8 @@ class LowprecTrainer(Trainer):  # type: ignore[misc]
             if moves:
                 extra["guard_moves"] = len(moves)
                 rec.append("guard.jsonl", [m.to_dict() for m in moves])
-        rec.log(step, loss=loss, lr=self._get_learning_rate(), **extra)
+        lr, self._step_lr = self._step_lr, None  # the rate the step used (on_optimizer_step)
+        rec.log(step, loss=loss, lr=self._get_learning_rate() if lr is None else lr, **extra)
 
 
 def make_trainer(

@@ -292,3 +292,100 @@ def test_unit_recipe_step_is_the_one_batch_unit_gradient(tmp_path: Path, accumul
         got = params[name].detach() - before[name]
         # float32 sums in another order (micro-batches, the √k factor): 1e-4 relative
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), name
+
+
+def test_a_unit_recipe_refuses_a_loss_computed_outside_the_model(tmp_path: Path) -> None:
+    """label_smoothing_factor (HF's LabelSmoother) and compute_loss_func compute the loss
+    outside the model, bypassing the unit loss: every update was 0.002-0.003x the one
+    without (found by a new-user trial). Refused, naming the argument."""
+    m = tiny_llama()
+    with pytest.raises(ValueError, match=r"args\.label_smoothing_factor: with a unit recipe"):
+        make_trainer(m, _args(tmp_path, label_smoothing_factor=0.1), recipe="fp32-unit")
+    with pytest.raises(ValueError, match="compute_loss_func: with a unit recipe"):
+        make_trainer(
+            m, _args(tmp_path), recipe="fp32-unit",
+            compute_loss_func=lambda out, labels, num_items_in_batch=None: out.loss,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_a_scheduler_passed_with_optimizers_drives_lowprecs_optimizer(
+    tmp_path: Path, recipe: str
+) -> None:
+    """optimizers=(None, LambdaLR(user_optimizer, lambda s: 0.0)): HF stepped and logged the
+    user's scheduler (rate 0) while lowprec's optimizer kept lr 0.01 and moved the
+    parameters. The scheduler now drives lowprec's optimizer (its one lambda for each of
+    the weight-decay groups): rate 0, parameters unchanged; a schedule of per-group
+    lambdas that differ is refused."""
+    m = tiny_llama()
+    user = torch.optim.AdamW(m.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(user, lambda s: 0.0)
+    t = make_trainer(m, _args(tmp_path, max_steps=3, save_steps=100, learning_rate=0.01,
+                                weight_decay=0.1), recipe=recipe, train_dataset=Tokens(),
+                     optimizers=(None, sched))  # fmt: skip
+    before = [p.detach().clone() for p in t.model.parameters()]
+    t.train()
+    assert sched.optimizer is t.lowprec.optimizer
+    assert [g["lr"] for g in t.lowprec.optimizer.param_groups] == [0.0, 0.0]
+    for b, p in zip(before, t.model.parameters(), strict=True):
+        assert torch.equal(b, p.detach())
+    m2 = tiny_llama()
+    two = torch.optim.AdamW([{"params": [p]} for p in m2.parameters()][:3], lr=0.01)
+    odd = torch.optim.lr_scheduler.LambdaLR(two, [lambda s: 1.0, lambda s: 0.5, lambda s: 0.0])
+    t2 = make_trainer(m2, _args(tmp_path / "b", max_steps=1), recipe=recipe,
+                      train_dataset=Tokens(), optimizers=(None, odd))  # fmt: skip
+    with pytest.raises(ValueError, match="lr_lambdas differ between the 3 parameter groups"):
+        t2.train()
+
+
+def test_clipping_uses_the_fp32_master_gradients(tmp_path: Path) -> None:
+    """fp16-dynamic-ls with a loss of ~1e-7: the unscaled gradients rounded into the
+    model's FP16 .grad underflow (norm 0), so HF's clip saw 0, logged grad_norm 0 and did
+    not clip. The clip is now MasterWeights.clip_grad_norm_ of the FP32 gradients: the
+    logged norm is theirs, and the optimizer steps on torch's clip of them."""
+    m = tiny_llama()
+    m.register_forward_hook(
+        lambda mod, inp, out: (out.__setitem__("loss", out.loss * 1e-7), out)[1]
+    )
+    args = _args(tmp_path, max_steps=1, max_grad_norm=5e-8, save_steps=100)
+    t = make_trainer(m, args, recipe="fp16-dynamic-ls", train_dataset=Tokens(),
+                     optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 1.0}))  # fmt: skip
+    opt = t.lowprec.optimizer
+    assert isinstance(opt, MasterWeights)
+    seen: dict[str, float] = {}
+    clip, inner_step = opt.clip_grad_norm_, opt.optimizer.step
+
+    def norm() -> float:
+        gs = [p.grad.double().norm() for p in opt.master_params if p.grad is not None]
+        return float(torch.stack(gs).norm())
+
+    def spy_clip(max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        seen["before"] = norm()
+        return clip(max_norm, norm_type)
+
+    def spy_step(*a: Any, **k: Any) -> Any:
+        seen["stepped"] = norm()
+        return inner_step(*a, **k)
+
+    opt.clip_grad_norm_ = spy_clip  # type: ignore[method-assign]
+    opt.optimizer.step = spy_step  # type: ignore[method-assign]
+    t.train()
+    total = seen["before"]
+    logged = next(h["grad_norm"] for h in t.state.log_history if "grad_norm" in h)
+    assert total > 1e-8 and logged == pytest.approx(total, rel=1e-4)
+    coef = 5e-8 / (total + 1e-6)  # torch's clip coefficient (its 1e-6 included)
+    assert seen["stepped"] == pytest.approx(coef * total, rel=1e-4)
+
+
+def test_the_run_directory_logs_the_rate_each_step_used(tmp_path: Path) -> None:
+    """run_dir's metrics recorded the next step's learning rate (logged after the
+    scheduler stepped: 0.00833, ..., 0 where HF logged 0.01, ..., 0.00167). Each record
+    now holds the rate its step used, HF's logged learning_rate."""
+    args = _args(tmp_path / "out", max_steps=6, save_steps=100, learning_rate=0.01,
+                 lr_scheduler_type="linear")  # fmt: skip
+    t = make_trainer(tiny_llama(), args, recipe="bf16", train_dataset=Tokens(),
+                     run_dir=tmp_path / "run")  # fmt: skip
+    t.train()
+    hf = [h["learning_rate"] for h in t.state.log_history if "learning_rate" in h]
+    ours = [r["lr"] for r in read_metrics(tmp_path / "run")]
+    assert hf[0] == pytest.approx(0.01) and ours == pytest.approx(hf, rel=1e-9), (ours, hf)
