@@ -138,7 +138,8 @@ def apply(
     ``lr`` is the optimizer's base learning rate (u-μP's groups are relative to it); the
     float8 conversion gives each linear its config by ``layers``
     (:func:`~lowprec.recipes.layers.layer_config`: the first matching rule's config, else
-    the float8 technique's unless its last name component is in ``float8_skip``).
+    the float8 technique's unless its last name component is in ``float8_skip``, or it is a
+    unit-scaled model's readout).
     """
     by: dict[str, Any] = {kind_of(c): c for c in technique}
     groups: list[Any] | None = None
@@ -155,8 +156,13 @@ def apply(
     if "float8" in by:
         default = by["float8"]
         depths = block_depths(model)
+        # a unit model's readout (whatever its name) stays in the model's dtype, as the
+        # float8 skip names do, unless a layer rule names it
+        readout = getattr(model, "unit_report", {}).get("readout") if "unit" in by else None
 
         def config(m: nn.Module, fqn: str) -> Float8Config | None:
+            if fqn == readout and not any(r.matches(fqn, depths) for r in layers):
+                return None
             return layer_config(layers, fqn, default, float8_skip, depths)
 
         model = lowprec.float8.apply(model, default, config)

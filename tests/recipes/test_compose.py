@@ -278,3 +278,23 @@ def test_unit_plus_float8_compiles_as_one_graph() -> None:
         assert p.grad is not None and r is not None
         err = float((p.grad - r).norm() / r.norm())
         assert err < 0.2, (name, err)
+
+
+def test_a_unit_float8_recipe_keeps_the_readout_whatever_its_name() -> None:
+    """fp8-unit-rowwise says "readout in BF16", but a readout not named head/lm_head (the
+    float8 skip names) became a Float8Linear. The unit model's readout (its unit_report)
+    now stays a plain linear in the model's dtype; the hidden linear is float8."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.out = nn.Linear(64, 256), nn.Linear(256, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.nn.functional.gelu(self.fc(x)))
+
+    run = prepare(Net(), "fp8-unit-rowwise")
+    assert run.model.unit_report["readout"] == "out"
+    assert type(run.model.out) is nn.Linear and run.model.out.weight.dtype == torch.bfloat16
+    assert type(run.model.fc).__name__ == "Float8Linear"
