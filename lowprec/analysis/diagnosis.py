@@ -289,11 +289,10 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
     if verdict_text is not None:
         notes.append(f"Verdict: {verdict_text}.")
     if s.get("diverged_at") is not None:
-        notes.append(
-            _DIVERGED.get(str(s.get("diverged_cause")), _DIVERGED["loss"]).format(
-                step=s["diverged_at"]
-            )
-        )
+        cause = str(s.get("diverged_cause"))
+        if "loss" in cause and run.recipe_dict.get("loss_scaling") in ("dynamic", "static"):
+            cause = "scaled loss"  # loss scaling is there already: it does not cure this
+        notes.append(_DIVERGED.get(cause, _DIVERGED["loss"]).format(step=s["diverged_at"]))
     if run.stopped_early and s.get("diverged_at") is None:
         notes.append(
             f"The run stopped at step {s.get('steps')} of {run.planned_steps} (interrupted?): "
@@ -435,6 +434,11 @@ _DIVERGED = {
     "loss": (
         "The loss became NaN/Inf at step {step}: the run diverged. Look for overflow below, "
         "lower the learning rate, or use loss scaling with skipped steps."
+    ),
+    "scaled loss": (
+        "The loss became NaN/Inf at step {step}: the run diverged, its loss scaling "
+        "notwithstanding (a NaN/Inf loss is the forward's, which no loss scale cures). Look "
+        "for overflow below and lower the learning rate."
     ),
     "gradients": (
         "The gradients were Inf/NaN at every step up to step {step} while the loss stayed "

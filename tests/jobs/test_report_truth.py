@@ -315,6 +315,9 @@ def test_a_diverged_run_measured_long_before_says_so() -> None:
     )
     assert not any("expected while a dynamic loss scale" in n for n in notes), notes
     assert any("diverged all the same" in n for n in notes), notes
+    # a loss-scaled run is not told to use loss scaling
+    assert any("its loss scaling notwithstanding" in n for n in notes), notes
+    assert not any("use loss scaling with skipped steps" in n for n in notes), notes
 
 
 def test_the_demo_judges_each_runs_curve_and_its_references() -> None:
