@@ -289,10 +289,10 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
     if verdict_text is not None:
         notes.append(f"Verdict: {verdict_text}.")
     if s.get("diverged_at") is not None:
-        cause = str(s.get("diverged_cause"))
-        if "loss" in cause and run.recipe_dict.get("loss_scaling") in ("dynamic", "static"):
-            cause = "scaled loss"  # loss scaling is there already: it does not cure this
-        notes.append(_DIVERGED.get(cause, _DIVERGED["loss"]).format(step=s["diverged_at"]))
+        what = str(s.get("diverged_cause"))
+        if "loss" in what and run.recipe_dict.get("loss_scaling") in ("dynamic", "static"):
+            what = "scaled loss"  # loss scaling is there already: it does not cure this
+        notes.append(_DIVERGED.get(what, _DIVERGED["loss"]).format(step=s["diverged_at"]))
     if run.stopped_early and s.get("diverged_at") is None:
         notes.append(
             f"The run stopped at step {s.get('steps')} of {run.planned_steps} (interrupted?): "
