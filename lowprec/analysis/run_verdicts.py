@@ -18,8 +18,9 @@ from lowprec.analysis.verdicts import (
     NOT_JUDGED,
     REFERENCE,
     as_reason,
-    curve_verdict,
     of_kind,
+    own_verdict,
+    skipped_tail,
     unit_scaled,
     verdict,
 )
@@ -99,10 +100,6 @@ def compared_vals(run: Run, ref_run: Run) -> tuple[float, float, int] | str | No
     return mine[step], r, step
 
 
-def _skipped_tail(n: int) -> str:
-    return f"; {n} step{'s' if n > 1 else ''} skipped" if n else ""
-
-
 def summary_verdicts(
     runs: Sequence[Run], tolerance: Mapping[str, float] | None = None
 ) -> list[tuple[str, str]]:
@@ -110,7 +107,7 @@ def summary_verdicts(
 
     Every run is first judged by itself: one that diverged (NaN/Inf) fails, one whose
     loss curve rose or did not fall fails, and one too short to show a curve is not
-    judged (:func:`~lowprec.analysis.verdicts.curve_verdict`); a reference run in high
+    judged (:func:`~lowprec.analysis.verdicts.own_verdict`); a reference run in high
     precision (:attr:`Run.is_reference`) that passes is a ``"reference"``. Every other run's
     val loss is judged against its reference in ``runs`` (:func:`references`: of its kind,
     unit-scaled runs against a unit-scaled reference only, trained with its settings where
@@ -124,19 +121,9 @@ def summary_verdicts(
     not judged itself, or the reference has no finite val loss at the run's step."""
     own: dict[int, str] = {}
     for i, run in enumerate(runs):
-        s = run.summary
-        if s.get("diverged_at") is not None:
-            own[i] = verdict(
-                None, None, None, diverged_at=s["diverged_at"], cause=s.get("diverged_cause")
-            )
-        else:
-            curve = curve_verdict(s)
-            v = s.get("val_loss")
-            evaluated = s.get("evaluated") is not False
-            if curve is None and evaluated and isinstance(v, (int, float)) and not math.isfinite(v):
-                curve = "fails: no finite val loss"  # evaluated, and NaN/Inf
-            if curve is not None:
-                own[i] = curve + _skipped_tail(int(s.get("skipped_steps") or 0))
+        text = own_verdict(run.summary)
+        if text is not None:
+            own[i] = text
     index = {id(r): i for i, r in enumerate(runs)}
     out = []
     for i, (run, ref_run) in enumerate(zip(runs, references(runs), strict=True)):
@@ -146,7 +133,7 @@ def summary_verdicts(
             out.append((run.name, own[i]))
             continue
         if run.is_reference:
-            out.append((run.name, REFERENCE + _skipped_tail(skipped)))
+            out.append((run.name, REFERENCE + skipped_tail(skipped)))
             continue
         ref = None if ref_run is None else ref_run.recipe
         if ref_run is not None:

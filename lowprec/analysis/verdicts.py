@@ -27,7 +27,9 @@ __all__ = [
     "gap_spread",
     "is_reference_recipe",
     "of_kind",
+    "own_verdict",
     "reference_of",
+    "skipped_tail",
     "unit_scaled",
     "verdict",
 ]
@@ -165,7 +167,7 @@ def verdict(
     """
     if diverged_at is not None:
         return f"fails: {cause or 'loss'} NaN/Inf at step {diverged_at}"
-    tail = f"; {skipped} step{'s' if skipped > 1 else ''} skipped" if skipped else ""
+    tail = skipped_tail(skipped)
     if reference is None:
         return f"{NO_REFERENCE}{tail}"
     if gap is None or not math.isfinite(gap):
@@ -230,6 +232,40 @@ def curve_verdict(summary: Mapping[str, Any]) -> str | None:
             f"fails: loss {start:.3g} at the start, {end:.3g} at the end ({n} steps): not learning"
         )
     return None
+
+
+def skipped_tail(n: int) -> str:
+    """What a verdict appends for ``n`` skipped steps (nothing for none).
+
+    Example:
+        >>> skipped_tail(2), skipped_tail(0)
+        ('; 2 steps skipped', '')
+    """
+    return f"; {n} step{'s' if n > 1 else ''} skipped" if n else ""
+
+
+def own_verdict(summary: Mapping[str, Any]) -> str | None:
+    """A run judged by itself, before any comparison, from its summary
+    (:func:`lowprec.jobs.run_summary.summary_of`): a run that diverged fails
+    (:func:`verdict`); else one whose loss curve fails or is too short
+    (:func:`curve_verdict`), or that evaluated to a NaN/Inf val loss, gets that verdict with
+    its skipped steps appended; ``None`` for a run its reference may judge.
+
+    Example:
+        >>> own_verdict({"diverged_at": 3, "diverged_cause": "loss"})
+        'fails: loss NaN/Inf at step 3'
+        >>> own_verdict({"val_loss": float("nan"), "skipped_steps": 1})
+        'fails: no finite val loss; 1 step skipped'
+    """
+    if summary.get("diverged_at") is not None:
+        at, cause = summary["diverged_at"], summary.get("diverged_cause")
+        return verdict(None, None, None, diverged_at=at, cause=cause)
+    text = curve_verdict(summary)
+    v = summary.get("val_loss")
+    evaluated = summary.get("evaluated") is not False
+    if text is None and evaluated and isinstance(v, (int, float)) and not math.isfinite(v):
+        text = "fails: no finite val loss"
+    return None if text is None else text + skipped_tail(int(summary.get("skipped_steps") or 0))
 
 
 def as_reason(text: str) -> str:

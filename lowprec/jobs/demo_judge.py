@@ -18,9 +18,10 @@ from rich.table import Table
 from lowprec.analysis.verdicts import (
     REFERENCE,
     as_reason,
-    curve_verdict,
     is_reference_recipe,
+    own_verdict,
     reference_of,
+    skipped_tail,
     verdict,
 )
 from lowprec.jobs.run_summary import share_cell
@@ -74,20 +75,11 @@ def with_references(recipes: Sequence[str]) -> list[str]:
 
 def judge(results: list[dict[str, Any]], tolerance: dict[str, float]) -> None:
     """Add each result's ``reference``, gaps and ``verdict`` (in place). A run is first
-    judged by itself (diverged, or its loss curve: :func:`curve_verdict`); a reference that
+    judged by itself (:func:`own_verdict`: diverged, its loss curve); a reference that
     passes is :data:`REFERENCE`; the others are judged against their reference's val loss,
     or not judged where the reference itself fails or was not judged."""
     val = {s["recipe"]: s["val_loss"] for s in results}
-    own: dict[str, str] = {}
-    for s in results:
-        if s["diverged_at"] is not None:
-            own[s["recipe"]] = verdict(
-                None, None, None, diverged_at=s["diverged_at"], cause=s.get("diverged_cause")
-            )
-        else:
-            curve = curve_verdict(s)
-            if curve is not None:
-                own[s["recipe"]] = curve
+    own = {s["recipe"]: text for s in results if (text := own_verdict(s)) is not None}
     for s in results:
         ref = reference(s["recipe"], list(val))
         s["reference"] = ref
@@ -98,8 +90,8 @@ def judge(results: list[dict[str, Any]], tolerance: dict[str, float]) -> None:
         n = s["skipped_steps"]
         if s["recipe"] in own:
             s["verdict"] = own[s["recipe"]]
-        elif is_reference(s["recipe"]) and s["diverged_at"] is None:
-            s["verdict"] = REFERENCE + (f"; {n} step{'s' if n > 1 else ''} skipped" if n else "")
+        elif is_reference(s["recipe"]):  # (a diverged one is in own)
+            s["verdict"] = REFERENCE + skipped_tail(n)
         elif ref is not None and ref in own:
             s["verdict"] = f"not judged: its reference {ref} {as_reason(own[ref])}"
         else:
