@@ -90,8 +90,6 @@ __all__ = ["LeanOptimizer", "sr_bf16"]
 Master = Literal["none", "remainder"]
 _LOW = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _FP32 = StateCodec("fp32")
-# The dtype each codec format stores its codes in (state_codec)
-_STORED = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.uint8, "int8": torch.int8}
 
 
 def _local(t: Tensor) -> Tensor:
@@ -382,11 +380,11 @@ class LeanOptimizer(torch.optim.Optimizer):
                 continue
             c = self.codec(name, p.dim())
             v, scaled = st[name], name + "_scale" in st
-            if isinstance(v, Tensor) and v.dtype == _STORED[c.format] and scaled == c.blocked:
+            if isinstance(v, Tensor) and v.dtype == c.stored_dtype and scaled == c.blocked:
                 continue
             saved = str(v.dtype).removeprefix("torch.") if isinstance(v, Tensor) else "no tensor"
             saved += " codes with block scales" if scaled else ""
-            want = str(_STORED[c.format]).removeprefix("torch.")
+            want = str(c.stored_dtype).removeprefix("torch.")
             want += " codes with block scales" if c.blocked else ""
             raise ValueError(
                 f"state_dict: state {name!r} of parameter {i!r} was saved as {saved}, but this "

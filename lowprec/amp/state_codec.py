@@ -103,6 +103,7 @@ _FIRST_CODE = {"e4m3": 2.0**-9, "int8": 1.0}
 # The codes of non-finite elements: NaN (E4M3's own NaN; int8's -128, outside [-127, 127]),
 # and +inf for ``sqrt`` codecs, whose finite codes are >= 0 (E4M3's -NaN; int8's -1)
 _NAN_CODE = {"e4m3": 0x7F, "int8": -128}
+_STORED = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.uint8, "int8": torch.int8}
 _INF_CODE = {"e4m3": 0xFF, "int8": -1}
 
 
@@ -133,6 +134,12 @@ class StateCodec:
             raise TypeError(f"sqrt must be a bool, got {self.sqrt!r}")
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype :meth:`encode`'s codes are kept in: ``float32``, ``bfloat16``, and
+        ``uint8`` (E4M3 bits) or ``int8`` for the 8-bit formats."""
+        return _STORED[self.format]
 
     @property
     def blocked(self) -> bool:
