@@ -67,8 +67,6 @@ __all__ = ["GroupedFloat8Fn", "GroupedScales", "grouped_config", "grouped_linear
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_CAST = CastConfig()  # the defaults of the delayed-only fields
-
 
 def _aligned(t: Tensor) -> Tensor:
     """``t`` itself where ``torch._grouped_mm`` takes its layout — one of its last two dims
@@ -176,8 +174,8 @@ def _dynamic(c: CastConfig, delayed: bool) -> CastConfig:
         c,
         scaling="dynamic",
         rounding="nearest",
-        history_len=_DEFAULT_CAST.history_len,
-        algo=_DEFAULT_CAST.algo,
+        history_len=CastConfig.history_len,  # the dataclass's defaults
+        algo=CastConfig.algo,
     )
 
 
