@@ -145,6 +145,9 @@ class _Recorder(TorchFunctionMode):
         self.seen: set[str] = set()
         self.plans: dict[str, dict[int, Step]] = {}
         self.order: list[tuple[str, int]] = []
+        # ("pre" | "post", module name, 0) of each module call and ("add", name, k) of each
+        # residual add in ``order``, in call order: where fx's adds ran among them
+        self.events: list[tuple[str, str, int]] = []
         self._next = 0
 
     def where(self) -> str | None:
@@ -163,12 +166,18 @@ class _Recorder(TorchFunctionMode):
             if any(t is out for t in ts):
                 del fr.pending[k], fr.steps[k]
                 self.order.remove((fr.name, k))
+                self.events.remove(("add", fr.name, k))
+
+    def _planned(self, name: str, k: int) -> None:
+        self.order.append((name, k))
+        self.events.append(("add", name, k))
 
     def pre(self, name: str, module: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
         if self.stack and self.stack[-1].pending and _is_norm(module):
             self._normalised(self.stack[-1], _tensors((args, kw), 2))
         fr = _Frame(name, first=name not in self.seen)
         self.seen.add(name)
+        self.events.append(("pre", name, 0))
         locs = [(("arg", i), a) for i, a in enumerate(args)] + [
             (("kw", k), v) for k, v in kw.items()
         ]
@@ -179,6 +188,7 @@ class _Recorder(TorchFunctionMode):
 
     def post(self, module: nn.Module, args: Any, out: Any) -> None:
         fr = self.stack.pop()
+        self.events.append(("post", fr.name, 0))
         if fr.first and fr.steps:
             self.plans[fr.name] = fr.steps
         if self.stack:
@@ -204,7 +214,7 @@ class _Recorder(TorchFunctionMode):
                 if src is None or src[1] not in pb or not pb & child:
                     continue
                 fr.steps[k] = Step(k, "residual", skip=src[0])
-                self.order.append((fr.name, k))
+                self._planned(fr.name, k)
                 made = next((e for e in fr.add_outs if e[0] is branch), None)
                 if made is not None and made[2]:
                     fr.steps[made[1]] = Step(made[1], "branch_sum")
@@ -235,7 +245,7 @@ class _Recorder(TorchFunctionMode):
                 continue
             fr.steps[k] = Step(k, "residual", skip=src[0], branch_inputs=inputs)
             fr.pending[k] = out
-            self.order.append((fr.name, k))
+            self._planned(fr.name, k)
             return True
         return False
 
@@ -268,10 +278,12 @@ class _Recorder(TorchFunctionMode):
 
 def analyse(
     model: nn.Module, run: Callable[[], Any], outer: Callable[[Callable[[], str | None]], Any]
-) -> tuple[dict[str, dict[int, Step]], list[tuple[str, int]]]:
+) -> tuple[dict[str, dict[int, Step]], list[tuple[str, int]], list[tuple[str, str, int]]]:
     """Run ``run()`` (a forward of ``model``) under the recorder, itself inside the mode
     ``outer(where)`` (``where()``: the module being run); return the plans (module name →
-    planned adds by number) and the residual adds in call order."""
+    planned adds by number), the residual adds in call order, and the call's events in
+    order: ``("pre", name, 0)`` and ``("post", name, 0)`` around each module call (the
+    root named ``"<root>"``), ``("add", name, k)`` at each residual add of ``order``."""
     rec = _Recorder()
     handles = []
     for name, m in model.named_modules():
@@ -284,7 +296,7 @@ def analyse(
     finally:
         for h in handles:
             h.remove()
-    return rec.plans, rec.order
+    return rec.plans, rec.order, rec.events
 
 
 def _input(args: tuple[Any, ...], kw: dict[str, Any], loc: tuple[str, Any]) -> Any:

@@ -102,10 +102,11 @@ def _names_all(model: nn.Module, kw: Mapping[str, Any]) -> bool:
 
 def _run_analysis(
     model: nn.Module, cfg: UnitConfig, ex: tuple[tuple[Any, ...], dict[str, Any]]
-) -> tuple[Any, list[tuple[str, int]], list[tuple[str, str]]]:
+) -> tuple[Any, list[tuple[str, int]], list[tuple[str, str, int]], list[tuple[str, str]]]:
     """Run ``model`` once on ``ex`` (no gradients, eval mode, its own forward: the unit
     model's mode is the analysis' outer one) and return the plans, the residual adds in
-    call order and the unhandled calls seen."""
+    call order, the call's events (:func:`~lowprec.unit.residual_run.analyse`) and the
+    unhandled calls seen."""
     collected: list[tuple[str, str]] = []
     args, kw = ex
     modes = [m for m in model.modules() if m.training]
@@ -113,7 +114,7 @@ def _run_analysis(
     try:
         model.eval()  # dropout off: the example run draws no random numbers
         with torch.no_grad():
-            plans, order = analyse(
+            plans, order, events = analyse(
                 model,
                 lambda: model(*args, **kw),
                 lambda where: UnitMode(cfg, _Where(where), collected),
@@ -122,7 +123,7 @@ def _run_analysis(
         object.__setattr__(model, "_unit_analysing", False)
         for m in modes:
             m.train()
-    return plans, order, collected
+    return plans, order, events, collected
 
 
 class _Where:
@@ -160,6 +161,45 @@ def _taus(plan: _Plan, n: int, final: bool) -> list[float]:
     return taus[:n]
 
 
+def _call_order(
+    model: nn.Module,
+    fx_adds: list[tuple[str, str, str, str]],
+    order: list[tuple[str, int]],
+    events: list[tuple[str, str, int]],
+) -> list[int | tuple[str, int]]:
+    """Every residual add in the order the model runs them, which the residual schemes'
+    τ follow: ``fx_adds``' indices and ``order``'s ``(module, k)``, placed by ``events``
+    of an analysis run (:func:`~lowprec.unit.residual_run.analyse`). An fx add runs
+    after the last module its graph calls before it (else at its module's call) and
+    before the next: it is placed just after that call's ``post`` (or the ``pre``) event.
+    Without events (no run), and for an fx module the run never called, fx's adds come
+    first, in the order fx found them (modules in ``named_modules`` order, each graph's
+    adds in graph order)."""
+    if not events:
+        return [*range(len(fx_adds)), *order]
+    keyed: list[tuple[tuple[int, int, int], int | tuple[str, int]]] = []
+    at = {e: i for i, e in reversed(list(enumerate(events)))}  # an event's first place
+    for e, i in at.items():
+        if e[0] == "add":
+            keyed.append(((i, 0, 0), (e[1], e[2])))
+    for idx, (_, mname, _, add_name) in enumerate(fx_adds):
+        name = mname or "<root>"
+        start = at.get(("pre", name, 0))
+        if start is None:
+            keyed.append(((-1, 0, idx), idx))
+            continue
+        nodes = list(cast(fx.GraphModule, model.get_submodule(mname)).graph.nodes)
+        anchor = ("pre", name, 0)
+        pos = next(p for p, node in enumerate(nodes) if node.name == add_name)
+        for node in nodes[:pos]:
+            if node.op == "call_module":
+                anchor = ("post", f"{mname}.{node.target}" if mname else str(node.target), 0)
+        i = next((j for j in range(start, len(events)) if events[j] == anchor), start)
+        keyed.append(((i, 1, pos), idx))
+    keyed.sort(key=lambda kv: kv[0])
+    return [a for _, a in keyed]
+
+
 def _finish(
     model: nn.Module, plan: _Plan, ex: tuple[tuple[Any, ...], dict[str, Any]] | None
 ) -> None:
@@ -170,15 +210,23 @@ def _finish(
     pending = ex is None and bool(plan.untraced)
     plans: dict[str, Any] = {}
     order: list[tuple[str, int]] = []
+    events: list[tuple[str, str, int]] = []
     op_msgs: list[tuple[str, str]] = []
     if ex is not None and plan.untraced:
-        plans, order, op_msgs = _run_analysis(model, cfg, ex)
-    n = len(plan.fx_adds) + len(order)
-    taus = _taus(plan, n, final=not pending)
-    residual_names = _set_fx_taus(model, plan.fx_adds, taus[: len(plan.fx_adds)])
-    for (mname, k), t in zip(order, taus[len(plan.fx_adds) :], strict=True):
-        plans[mname][k].tau = t
-        residual_names.append(f"{mname}: add #{k} (tau={t:.4g})")
+        plans, order, events, op_msgs = _run_analysis(model, cfg, ex)
+    adds = _call_order(model, plan.fx_adds, order, events)
+    taus = _taus(plan, len(adds), final=not pending)
+    fx_taus = [0.0] * len(plan.fx_adds)
+    for a, t in zip(adds, taus, strict=True):
+        if isinstance(a, int):
+            fx_taus[a] = t
+        else:
+            plans[a[0]][a[1]].tau = t
+    fx_names = _set_fx_taus(model, plan.fx_adds, fx_taus)
+    residual_names = [
+        fx_names[a] if isinstance(a, int) else f"{a[0]}: add #{a[1]} (tau={t:.4g})"
+        for a, t in zip(adds, taus, strict=True)
+    ]
     unit_adds = plan.fx_sums + [
         f"{mname}: add #{k} ({st.kind})"
         for mname, steps in plans.items()
