@@ -9,8 +9,9 @@
   optimizers for BF16/FP16 parameters without FP32 masters (stochastic rounding, or a
   16-bit remainder: :mod:`~lowprec.amp.remainder`) and with states in BF16 or 8 bits
   (:class:`StateCodec`); :func:`training_state_bytes` counts what a run keeps.
-* :mod:`~lowprec.amp.ops`: softmax, LayerNorm and cross-entropy in FP32;
-  :class:`MatmulInFp32`, FP16/BF16 matrix products with FP32 accumulation on CPU.
+* :mod:`~lowprec.amp.ops`: softmax, LayerNorm and cross-entropy in FP32 (as functions, and
+  for any model as :class:`SensitiveInFp32`); :class:`MatmulInFp32`, FP16/BF16 matrix
+  products with FP32 accumulation on CPU.
 * :func:`grad_stats` (from :mod:`lowprec.analysis.stats`): gradient statistics.
 
 Example:
@@ -38,6 +39,7 @@ from lowprec.amp.master import MasterWeights
 from lowprec.amp.ops import (
     Fp16MatmulInFp32,
     MatmulInFp32,
+    SensitiveInFp32,
     cross_entropy_fp32,
     layer_norm_fp32,
     native_bf16_matmul,
@@ -58,6 +60,7 @@ __all__ = [
     "MasterWeights",
     "MatmulInFp32",
     "NoLossScaler",
+    "SensitiveInFp32",
     "StateCodec",
     "StaticLossScaler",
     "StepRecord",

@@ -16,15 +16,19 @@ The scalers are drop-ins for ``torch.amp.GradScaler``::
 with GradScaler's rules: ``unscale_`` at most once per optimizer between ``update`` calls
 and not after ``step``; ``step`` at most once per optimizer between ``update`` calls;
 ``update`` backs off if any optimizer's step since the last ``update`` was skipped, and
-``update(new_scale)`` sets the scale. Differences: ``step`` returns True if the update
-was applied, False if skipped (GradScaler returns the optimizer's return value or None);
+``update(new_scale)`` sets the scale (an optimizer unscaled and not stepped counts as
+GradScaler counts it: Inf/NaN in its gradients backs off). Differences: ``step`` returns
+True if the update was applied, False if skipped (GradScaler returns the optimizer's
+return value or None);
 :class:`NoLossScaler` is GradScaler with ``enabled=False`` (``is_enabled()`` False,
 ``unscale_`` does nothing, ``step`` always applies the update).
 
 ``optimizer`` may be a :class:`~lowprec.amp.master.MasterWeights`: its gradients are
 copied to the FP32 masters, unscaled and checked there, and ``unscale_`` writes the
 unscaled gradients back into the model's gradients, so that clipping
-``model.parameters()`` clips the real update (:mod:`lowprec.amp.master`).
+``model.parameters()`` clips the real update (:mod:`lowprec.amp.master`). A skipped step,
+and an unscaled one that ``update`` ends without ``step``, discard the copied gradients
+(:meth:`~lowprec.amp.master.MasterWeights.discard_grads`): the next step copies its own.
 
 Under ``torch.distributed`` the Inf/NaN flag is all-reduced with MAX over
 ``process_group`` (default: the default group, when ``torch.distributed`` is
@@ -82,6 +86,7 @@ class LossScaler:
         self.process_group = process_group
         self._stage: dict[int, str] = {}
         self._found: dict[int, bool] = {}
+        self._masters: dict[int, MasterWeights] = {}  # unscaled since the last update()
         self._mark = 0  # len(history) at the last update()
 
     @property
@@ -132,6 +137,7 @@ class LossScaler:
         master = isinstance(optimizer, MasterWeights)
         if master:
             optimizer.copy_grads()
+            self._masters[id(optimizer)] = optimizer
         grads = [_local(p.grad) for p in _params(optimizer) if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         flags: list[Tensor] = [torch.tensor(force_skip, device=device)]
@@ -173,6 +179,8 @@ class LossScaler:
         self.history.append(StepRecord(self._scale, skipped))
         if not skipped:
             optimizer.step(*args, **kwargs)
+        elif isinstance(optimizer, MasterWeights):
+            optimizer.discard_grads()  # the next step's gradients are copied afresh
         self._stage[id(optimizer)] = _STEPPED
         return not skipped
 
@@ -180,6 +188,11 @@ class LossScaler:
         """End the step: adjust the scale from the steps since the last ``update`` (a
         dynamic scaler backs off if any was skipped), or set it to ``new_scale``."""
         records = self.history[self._mark :]
+        # optimizers unscaled and not stepped count as torch's do: Inf/NaN backs off
+        unstepped = [self._found[k] for k, st in self._stage.items() if st == _UNSCALED]
+        for opt in self._masters.values():  # the copied gradients are not reused
+            opt.discard_grads()
+        self._masters.clear()
         self._stage.clear()
         self._found.clear()
         self._mark = len(self.history)
@@ -187,8 +200,8 @@ class LossScaler:
             s = number("new_scale", new_scale)
             self._check_scale("new_scale", s)
             self._scale = s
-        elif records:
-            self._adjust(any(r.skipped for r in records))
+        elif records or unstepped:
+            self._adjust(any(r.skipped for r in records) or any(unstepped))
 
     def _adjust(self, skipped: bool) -> None:
         """Change the scale after a step (a fixed scale does not change)."""
@@ -207,6 +220,7 @@ class LossScaler:
         """Load a :meth:`state_dict`: all or nothing (every entry is validated first;
         ``ValueError``/``TypeError`` naming the entry leave the scaler unchanged)."""
         self._apply(self._check_state(state_dict))
+        self._masters.clear()
         self._stage.clear()
         self._found.clear()
         self._mark = len(self.history)

@@ -18,7 +18,19 @@ FP32 gradient becomes ``c · g32`` up to one rounding of ``g_before · c`` in th
 dtype (relative ``2^-11`` for FP16, ``2^-8`` for BF16). An element whose low-precision
 gradient was zero (underflow) takes the tensor's least-squares factor
 ``Σ g_after g_before / Σ g_before²`` (``c`` for a uniform clip), unless it was set to a
-non-zero value, which is then taken as it is.
+non-zero value, which is then taken as it is. A clip that zeroes every gradient because
+their norm overflowed the model's dtype (``clip_grad_norm_`` of FP16 gradients whose norm
+passes 65504 divides by ``inf``) is logged: the update is then zero, as torch's is for
+FP16 parameters; :meth:`MasterWeights.clip_grad_norm_` clips by the FP32 norm.
+
+A step's gradients are copied once, and taken afresh when the model's gradients are new
+tensors since (``model.zero_grad()`` or ``p.grad = None`` and another backward) or when the
+loss scaler skipped the step or ended it (:meth:`MasterWeights.discard_grads`). Model
+parameters changed in place since the last write-back (``model.load_state_dict``, an
+initialisation under ``torch.no_grad()``) are taken into the masters before the next step
+(elements that moved by more than their dtype's rounding of the master), not overwritten
+by it. A ``closure`` (LBFGS) evaluates the model at the optimizer's trial points: the
+masters are written back before each of its calls after the first.
 """
 
 from __future__ import annotations
@@ -118,7 +130,9 @@ class MasterWeights(torch.optim.Optimizer):
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator
         self._grads_copied = False
+        self._copied: list[Tensor | None] = []  # the model's gradients copy_grads copied
         self._pushed: list[tuple[Tensor | None, int]] | None = None
+        self._written = [_version(p) for p in self.model_params]  # at the last write-back
         # torch.optim.Optimizer's bookkeeping, without its own param_groups/state (the
         # inner optimizer's are used): hooks, the profiled step.
         self.defaults = self.optimizer.defaults
@@ -164,20 +178,34 @@ class MasterWeights(torch.optim.Optimizer):
         self.optimizer.add_param_group({**group, "params": masters})
         self.model_params.extend(group["params"])
         self.master_params.extend(masters)
+        self._written.extend(_version(p) for p in group["params"])
         if self._grads_copied:  # mid-step: the new masters get this step's gradients too
             for p, m in zip(group["params"], masters, strict=True):
                 m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
+                self._copied.append(p.grad)
             if self._pushed is not None:
                 self._pushed.extend((p.grad, _version(p.grad)) for p in group["params"])
 
     # -- gradients -------------------------------------------------------------------------
     def copy_grads(self) -> None:
-        """Copy the model's gradients into the FP32 masters (once per step)."""
-        if self._grads_copied:
+        """Copy the model's gradients into the FP32 masters (once per step: again only
+        where the model's gradients are other tensors than the ones copied, i.e. new)."""
+        if self._grads_copied and all(
+            p.grad is g for p, g in zip(self.model_params, self._copied, strict=True)
+        ):
             return
         for p, m in zip(self.model_params, self.master_params, strict=True):
             m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
+        self._copied = [p.grad for p in self.model_params]
         self._grads_copied = True
+        self._pushed = None
+
+    def discard_grads(self) -> None:
+        """End a step without an update (a loss scaler's skipped or ended step): the next
+        :meth:`copy_grads` copies the model's gradients afresh, even where they are the
+        same tensors (``zero_grad(set_to_none=False)`` and another backward)."""
+        self._grads_copied = False
+        self._copied = []
         self._pushed = None
 
     @torch.no_grad()
@@ -245,6 +273,7 @@ class MasterWeights(torch.optim.Optimizer):
         gradients (per-element factor; see the module docstring)."""
         if self._pushed is None:
             return
+        zeroed: list[Tensor] = []  # per FP16 gradient: its norm² if an edit zeroed it all
         for p, m, (g0, v0) in zip(self.model_params, self.master_params, self._pushed, strict=True):
             g = p.grad
             if g is g0 and (g is None or _version(g) == v0):
@@ -259,41 +288,89 @@ class MasterWeights(torch.optim.Optimizer):
             before = m.grad.to(p.dtype).to(torch.float32)  # what push_grads wrote
             nz = before != 0
             den = (before * before).sum()
+            if g.dtype == torch.float16:
+                zeroed.append(torch.where((now == 0).all(), den, 0.0))
             lsq = torch.where(den > 0, (now * before).sum() / den.clamp_min(1e-38), 1.0)
             factor = torch.where(nz, now / torch.where(nz, before, 1.0), lsq)
             m.grad = torch.where(nz | (now == 0), m.grad * factor, now)
         self._pushed = None
+        if zeroed:
+            norm = float(torch.stack(zeroed).sum().sqrt())  # of the FP16 gradients zeroed
+            if norm > torch.finfo(torch.float16).max:
+                _log.warning(
+                    "the model's FP16 gradients were all set to zero after unscale_: their "
+                    "norm, %.4g, overflows FP16, so torch.nn.utils.clip_grad_norm_ of the "
+                    "model's parameters computed inf and clipped by 0; this step's update "
+                    "is zero. Clip the FP32 gradients with optimizer.clip_grad_norm_"
+                    "(max_norm) (MasterWeights) instead",
+                    norm,
+                )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Copy the gradients to FP32 (with any edits of the model's gradients since
         :meth:`push_grads`), step the inner optimizer, write the masters back. A
         ``closure`` (re-evaluating the model's loss) has its gradients copied each call."""
+        self.take_model_edits()
         if closure is None:
             self.copy_grads()
             self._pull_edits()
             _faults.point("optimizer")
             loss = self.optimizer.step()
         else:
+            calls = 0
 
             def inner() -> Any:
+                nonlocal calls
+                if calls:  # the optimizer moved the masters: evaluate the model there
+                    self._write_back()
+                calls += 1
                 with torch.enable_grad():
                     out = closure()
-                self._grads_copied = False
+                self.discard_grads()
                 self.copy_grads()
                 return out
 
             loss = self.optimizer.step(inner)
         _faults.point("writeback")
+        self._write_back()
+        self.discard_grads()
+        return loss
+
+    @torch.no_grad()
+    def _write_back(self) -> None:
+        """The masters into the model's parameters (rounded to nearest, or
+        stochastically), and the parameters' versions after it."""
         for p, m in zip(self.model_params, self.master_params, strict=True):
             if self.stochastic_rounding and p.dtype in (torch.bfloat16, torch.float16):
                 fmt = "bf16" if p.dtype == torch.bfloat16 else "fp16"
                 p.copy_(quantize(m, fmt, rounding="stochastic", generator=self.generator))
             else:
                 p.copy_(m)
-        self._grads_copied = False
-        self._pushed = None
-        return loss
+        self._written = [_version(p) for p in self.model_params]
+
+    @torch.no_grad()
+    def take_model_edits(self) -> None:
+        """Take the model parameters changed in place since the last write-back into their
+        masters (``step`` and ``state_dict`` call it). In a changed parameter an element
+        is taken where it differs from its master by more than the write-back's rounding
+        could (``|p - m| > eps·|m| + δ`` for the dtype's ``eps`` and subnormal spacing
+        ``δ``, and ``p`` is not ``m`` rounded to nearest); others keep the master's FP32
+        value. A change through ``p.data`` (no version bump) is not seen."""
+        for i, (p, m) in enumerate(zip(self.model_params, self.master_params, strict=True)):
+            v = _version(p)
+            if v == self._written[i]:
+                continue
+            new = p.detach()
+            if new.dtype == m.dtype:
+                m.copy_(new)
+            else:
+                fi = torch.finfo(new.dtype)
+                up = new.to(torch.float32)
+                tol = fi.eps * m.abs() + fi.smallest_normal * fi.eps
+                moved = (new != m.to(new.dtype)) & ~((up - m).abs() <= tol)
+                m.copy_(torch.where(moved, up, m))
+            self._written[i] = v
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.model_params:
@@ -302,14 +379,16 @@ class MasterWeights(torch.optim.Optimizer):
             elif p.grad is not None:
                 p.grad.zero_()
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._grads_copied = False
-        self._pushed = None
+        self.discard_grads()
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict (``"optimizer"``), the FP32 masters
         (``"master"``), the model's low-precision parameters (``"params"``: with stochastic
-        rounding they are not the masters rounded to nearest) and the generator's state."""
+        rounding they are not the masters rounded to nearest) and the generator's state.
+        Model parameters changed since the last step are taken into the masters first
+        (:meth:`take_model_edits`)."""
+        self.take_model_edits()
         out: dict[str, Any] = {
             "optimizer": self.optimizer.state_dict(),
             "master": [m.detach().clone() for m in self.master_params],
@@ -345,8 +424,8 @@ class MasterWeights(torch.optim.Optimizer):
                 p.copy_(m if params is None else params[i])
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
-        self._grads_copied = False
-        self._pushed = None
+        self._written = [_version(p) for p in self.model_params]
+        self.discard_grads()
 
 
 def _version(t: Tensor | None) -> int:

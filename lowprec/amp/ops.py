@@ -2,6 +2,8 @@
 
 * :func:`softmax_fp32`, :func:`layer_norm_fp32`, :func:`cross_entropy_fp32`: the op in
   FP32, the result in the input's dtype (the loss in FP32).
+* :class:`SensitiveInFp32`: a torch function mode running every softmax, normalisation
+  and loss of any model that way (what a recipe's ``compute()`` runs under).
 * :class:`MatmulInFp32` (:class:`Fp16MatmulInFp32`): a torch function mode running FP16/BF16
   matrix products as FP32 products rounded once; :func:`native_bf16_matmul` says whether
   the CPU has BF16 matrix instructions.
@@ -24,6 +26,7 @@ from lowprec.core.modes import eager_frames
 __all__ = [
     "Fp16MatmulInFp32",
     "MatmulInFp32",
+    "SensitiveInFp32",
     "cross_entropy_fp32",
     "layer_norm_fp32",
     "native_bf16_matmul",
@@ -68,6 +71,78 @@ def cross_entropy_fp32(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean cross-entropy over all positions, in FP32 (``logits`` ``(..., V)``)."""
     _check_float("logits", logits)
     return F.cross_entropy(_up(logits).flatten(0, -2), targets.flatten())
+
+
+_LOW = (torch.float16, torch.bfloat16)
+_PLAIN = (Tensor, torch.nn.Parameter)  # not tensor subclasses (ScaledTensor, DTensor)
+
+# softmax and normalisations: computed in FP32, the result rounded to the input's dtype
+_KEEP_DTYPE = {
+    F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, Tensor.softmax,
+    Tensor.log_softmax, F.layer_norm, F.group_norm, F.rms_norm, F.normalize,
+}  # fmt: skip
+# losses: computed and returned in FP32 (torch.autocast's choice)
+_LOSSES = {
+    F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+    F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.kl_div,
+    F.poisson_nll_loss, F.gaussian_nll_loss, F.soft_margin_loss,
+    F.multilabel_soft_margin_loss, F.cosine_embedding_loss, F.margin_ranking_loss,
+    F.hinge_embedding_loss, F.triplet_margin_loss, F.multi_margin_loss,
+    F.multilabel_margin_loss,
+}  # fmt: skip
+
+
+def _up_low(a: Any) -> Any:
+    return a.float() if type(a) in _PLAIN and a.dtype in _LOW else a
+
+
+@eager_frames
+class SensitiveInFp32(TorchFunctionMode):
+    """Run softmax, the normalisations and the losses of FP16/BF16 tensors in FP32.
+
+    Inside this context ``softmax``/``log_softmax`` (functional, ``torch.`` and tensor
+    methods), ``F.layer_norm``, ``F.group_norm``, ``F.rms_norm``, ``F.normalize`` and
+    every ``torch.nn.functional`` loss upcast their FP16/BF16 tensor arguments (exactly),
+    compute in FP32, and return: the normalisations and softmaxes rounded once to their
+    first tensor argument's dtype (the model stays in its dtype), the losses in FP32.
+    This is ``torch.autocast``'s FP32 list for these ops, for a model whose parameters
+    are FP16/BF16 (a recipe's ``param_dtype``): its LayerNorm statistics, softmax sums
+    and log-probabilities are FP32 sums instead of FP16/BF16 ones. Other calls, FP32
+    inputs and tensor subclasses (``ScaledTensor``, ``DTensor``) pass unchanged; under
+    ``torch.autocast`` it does nothing (autocast decides). BatchNorm is not here: a
+    recipe keeps BatchNorm modules in FP32 (their running statistics accumulate in
+    place), and torch's kernels take FP16/BF16 inputs with FP32 weights and statistics.
+    A torch *function* mode, so ``torch.compile`` traces through it.
+
+    Example:
+        >>> x = torch.randn(4, 8).half()
+        >>> with SensitiveInFp32():
+        ...     y, loss = torch.softmax(x, -1), F.cross_entropy(x, torch.zeros(4).long())
+        >>> y.dtype, loss.dtype
+        (torch.float16, torch.float32)
+    """
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        loss = func in _LOSSES
+        if not (loss or func in _KEEP_DTYPE):
+            return func(*args, **kwargs)
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        if (
+            first is None
+            or type(first) not in _PLAIN
+            or first.dtype not in _LOW
+            or torch.is_autocast_enabled(first.device.type)
+        ):
+            return func(*args, **kwargs)
+        out = func(*tree_map(_up_low, args), **tree_map(_up_low, kwargs))
+        return out if loss else out.to(first.dtype)
 
 
 # ---------------------------------------------------------------------------------------

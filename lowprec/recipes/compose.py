@@ -130,7 +130,9 @@ def apply(
     (:func:`lowprec.unit.apply` with :func:`lowprec.unit.recipe_param_groups`,
     :func:`lowprec.scalify.apply`, :func:`lowprec.float8.apply`) and cast it to
     ``dtype`` (BF16 or FP16 without scalify: its floating-point inputs too,
-    :class:`CastInputs`); return the model (a new module for unit and scalify) and u-μP parameter
+    :class:`CastInputs`), BatchNorm modules excepted (FP32 parameters and running
+    statistics, which FP16/BF16 would not accumulate: torch's kernels take FP16/BF16
+    inputs with them); return the model (a new module for unit and scalify) and u-μP parameter
     groups (unit) or ``None``. Unit scaling re-initialises the model's weights to unit
     variance (:func:`lowprec.unit.apply`'s default; a pretrained model's weights are not
     kept).
@@ -150,6 +152,9 @@ def apply(
     if "scalify" in by:
         model = lowprec.scalify.apply(model, by["scalify"])
     model.to(dtype)
+    for m in model.modules():  # running statistics accumulate in place: kept in FP32
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.float()
     if dtype in (torch.bfloat16, torch.float16) and "scalify" not in by:
         # (scalify scales its FP32 inputs into the format itself: a cast first would not)
         model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True)

@@ -15,6 +15,7 @@ from lowprec.amp import (
     LossScaler,
     MasterWeights,
     MatmulInFp32,
+    SensitiveInFp32,
     lean_optimizer,
     native_bf16_matmul,
 )
@@ -62,14 +63,18 @@ class Prepared:
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
-        """Context for forward and backward: autocast, CPU FP16/BF16 matmul handling, and
-        the calibration of static float8 scales on the first training batches."""
+        """Context for forward and backward: autocast; with FP16/BF16 parameters softmax,
+        the normalisations and the losses in FP32 (:class:`~lowprec.amp.SensitiveInFp32`)
+        and, on CPU, matmuls with FP32 accumulation; and the calibration of static float8
+        scales on the first training batches."""
         with contextlib.ExitStack() as stack:
             calibrating = self._begin_calibration()
             if self.recipe.autocast is not None:
                 device = next(self.model.parameters()).device.type
                 stack.enter_context(torch.autocast(device, dtype=DTYPES[self.recipe.autocast]))
             dtype = self.recipe.param_dtype
+            if dtype in ("fp16", "bf16") and self.recipe.scalify is None:
+                stack.enter_context(SensitiveInFp32())  # type: ignore[no-untyped-call]
             if _on_cpu(self.model) and (
                 dtype == "fp16" or (dtype == "bf16" and not native_bf16_matmul())
             ):
