@@ -71,19 +71,25 @@ def scaled_dot_product_attention(
 
     For unit ``q, k, v`` the logits have std ``σ = scale·√d``. A row of ``m`` allowed keys
     (``m = n`` keys; ``m = i+1`` with ``is_causal``; the count of ``True`` entries of a
-    boolean ``attn_mask``, read once per call) gives ``Var y_i = Σ_j p_ij²`` and
-    ``Var ∂q_i = σ²·Σ_j p_ij²(u_j - Σ_k p_ik u_k)²`` (``u`` unit: the incoming gradient
-    times ``v``); their expectations ``P2(m)``, ``D2(m)`` over Gaussian logits are
-    sampled (:func:`lowprec.unit.moments.softmax_row_table`; ``P2 ≈ e^{σ²}/m`` only while
+    boolean ``attn_mask``, read once per call) gives ``Var y_i = Σ_j p_ij²``; its
+    expectation ``P2(m)`` over Gaussian logits is sampled
+    (:func:`lowprec.unit.moments.softmax_row_table`; ``P2 ≈ e^{σ²}/m`` only while
     ``e^{σ²} ≪ m``) and averaged over the rows:
 
-    * dropout ``p`` keeps ``p_ij/(1-p)`` with probability ``1-p``: ``P2 → P2/(1-p)``,
-      ``D2 → D2/(1-p)``;
-    * output and ``∂v`` scaled by ``1/√P2``, ``∂q, ∂k`` by ``1/√D2`` (``∂k`` sums the same
-      terms over the rows instead of the keys: the same mean);
+    * dropout ``p`` keeps ``p_ij/(1-p)`` with probability ``1-p``: ``P2 → P2/(1-p)``;
+    * the output and ``∂q, ∂k, ∂v`` are scaled by one ``s = 1/√P2``: ``q, k, v`` come from
+      one activation in a model, so their edges are not cut edges and share the output's
+      scale (the cut-edge rule); the backward is the exact gradient of the scaled
+      forward. ``∂v`` is then unit; ``∂q, ∂k`` have rms ``√(D2/P2)`` with
+      ``D2 = σ²·E[Σ_j p_ij²(u_j - Σ_k p_ik u_k)²]`` (``u`` unit): about ``σ`` for
+      small ``σ``, within a factor of about 2.3 of 1 from ``σ = 0.5`` to 4
+      (docs/unit-scaling.md);
     * ``enable_gqa`` (``H_q = G·H_kv`` query heads share a key/value head): ``∂k, ∂v`` sum
-      ``G`` heads' contributions, so they get a further ``1/√G``. The forward equals the
-      repeated-key/value formulation (``k, v`` repeated ``G`` times along the head dim).
+      ``G`` heads' contributions and get a further ``1/√G``, which the key/value
+      projections' ``G`` times smaller fan-out undoes where their input gradients meet the
+      query projection's (a unit linear scales its input gradient by ``1/√fan_out``). The
+      forward equals the repeated-key/value formulation (``k, v`` repeated ``G`` times
+      along the head dim).
 
     A float ``attn_mask`` is refused (``ValueError``): its additive values are not a set
     of allowed keys.
@@ -104,16 +110,14 @@ def scaled_dot_product_attention(
     d, n, rows = max(1, q.shape[-1]), max(1, k.shape[-2]), max(1, q.shape[-2])
     sigma = (d**-0.5 if scale is None else abs(scale)) * d**0.5
     if attn_mask is not None:
-        counts, p2s, d2s = moments.softmax_row_table(n, sigma)
+        counts, p2s, _ = moments.softmax_row_table(n, sigma)
         keys = attn_mask.sum(-1, dtype=torch.float32)  # exact to 2**24 keys a row
         p2 = float(moments.row_values(keys, counts, p2s).mean())
-        d2 = float(moments.row_values(keys, counts, d2s).mean())
     else:
-        p2, d2 = moments.attention_rows(rows, n, sigma, is_causal)
+        p2, _ = moments.attention_rows(rows, n, sigma, is_causal)
     s = (p2 / (1.0 - p_drop)) ** -0.5
-    s_q = (max(d2, 1e-12) / (1.0 - p_drop)) ** -0.5  # D2 → 0: no gradient; scale stays finite
-    q = scale_bwd(q, s_q)
-    k, v = scale_bwd(k, s_q * group**-0.5), scale_bwd(v, s * group**-0.5)
+    q = scale_bwd(q, s)
+    k, v = scale_bwd(k, s * group**-0.5), scale_bwd(v, s * group**-0.5)
     kw = {"enable_gqa": True} if enable_gqa else {}
     y = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=p_drop, is_causal=is_causal, scale=scale, **kw

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lowprec.unit import functional as U
-from lowprec.unit.moments import row_values, softmax_row_table
+from lowprec.unit.moments import attention_rows, row_values, softmax_row_table
 
 
 def _randn(*shape: int, seed: int) -> Tensor:
@@ -145,14 +145,73 @@ def test_row_moments_match_an_independent_sample(sigma: float) -> None:
 @pytest.mark.parametrize("mult", [0.5, 1.0, 2.0, 4.0])
 def test_sdpa_is_unit_at_every_softmax_mult(causal: bool, mult: float) -> None:
     """Unit ``q, k, v`` (2×4 heads of d = 64, 256 keys) and a unit incoming gradient: the
-    rms of the output and of ``∂q, ∂k, ∂v`` within ±10% of 1 at each multiplier (measured
-    0.96-1.07 in benchmarks/bench_unit_attention.py; the closed form ``min(1, e^{σ²}/m)``
-    this replaced gave 0.44-0.88 at mult 2 and 4)."""
+    rms of the output and ``∂v`` within ±10% of 1 at each multiplier, and of ``∂q, ∂k``
+    within ±10% of ``√(D2/P2)`` (the rule's one scale, ``1/√P2``, on the three inputs'
+    gradients; 0.42-2.08 here, measured 0.43-2.04). The closed form ``min(1, e^{σ²}/m)``
+    the sampled ``P2`` replaced gave an output rms of 0.44-0.88 at mult 2 and 4."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 256, 64, generator=g).requires_grad_() for _ in range(3))
     y = U.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=mult / 8.0)
     y.backward(torch.randn(y.shape, generator=g))
-    for name, t in (("y", y), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+    p2, d2 = attention_rows(256, 256, mult, causal)
+    ratio = math.sqrt(d2 / p2)
+    for name, t, want in (("y", y, 1.0), ("dq", q.grad, ratio), ("dk", k.grad, ratio),
+                          ("dv", v.grad, 1.0)):  # fmt: skip
         assert t is not None
         rms = float(t.detach().double().square().mean().sqrt())
-        assert 0.9 <= rms <= 1.1, (name, mult, causal, rms)
+        assert 0.9 <= rms / want <= 1.1, (name, mult, causal, rms, want)
+
+
+@pytest.mark.parametrize(
+    ("causal", "mask", "gqa", "dropout"),
+    [(False, False, False, 0.0), (True, False, False, 0.0), (False, True, False, 0.0),
+     (True, False, True, 0.0), (False, False, False, 0.25)],
+    ids=["full", "causal", "bool-mask", "gqa", "dropout"],
+)  # fmt: skip
+def test_sdpa_backward_is_the_gradient_of_its_forward(
+    causal: bool, mask: bool, gqa: bool, dropout: float
+) -> None:
+    """``q, k, v`` of a model come from one activation ``x``: their edges are not cut edges,
+    so their gradients carry the output's scale and ``∂x`` is the exact gradient of the
+    unit forward ``s·SDPA(q, k, v)`` (FP64, to rounding). With grouped-query heads the key
+    and value paths' share of ``∂x`` gets a further ``1/√G``. Separate scales on
+    ``∂q, ∂k`` (``1/√D2``) gave a ``∂x`` at cosine 0.976 to the true one at 16 causal
+    keys (4 heads of 16, mult 1)."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, L, d = 4, (2 if gqa else 4), 16, 8
+    x = torch.randn(2, L, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    wq = torch.randn(32, heads * d, generator=g, dtype=torch.float64) / 32**0.5
+    wk, wv = (torch.randn(32, kv_heads * d, generator=g, dtype=torch.float64) / 32**0.5
+              for _ in range(2))  # fmt: skip
+    keep = torch.rand(2, 1, L, L, generator=g) > 0.3
+    keep[..., 0] = True
+    gy = torch.randn(2, heads, L, d, generator=g, dtype=torch.float64)
+
+    def heads_of(t: Tensor, h: int) -> Tensor:
+        return t.view(2, L, h, d).transpose(1, 2)
+
+    def run(unit: bool, kv_grad: bool = True) -> tuple[Tensor, Tensor]:
+        """The unit rule, or plain SDPA (key/value heads repeated) by autograd; with
+        ``kv_grad=False`` only the query path reaches ``x``."""
+        q = heads_of(x @ wq, heads)
+        xkv = x if kv_grad else x.detach()
+        k, v = heads_of(xkv @ wk, kv_heads), heads_of(xkv @ wv, kv_heads)
+        kw = {"attn_mask": keep if mask else None, "is_causal": causal, "dropout_p": dropout}
+        torch.manual_seed(5)  # one dropout pattern for every run
+        if unit:
+            y = U.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kw)
+        else:
+            rep = heads // kv_heads
+            k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
+            y = F.scaled_dot_product_attention(q, k, v, **kw)
+        (gx,) = torch.autograd.grad(y, x, gy)
+        return y.detach(), gx
+
+    y, gx = run(True)
+    y_ref, gx_ref = run(False)
+    s = float(y.norm() / y_ref.norm())
+    torch.testing.assert_close(y, y_ref * s, rtol=1e-10, atol=1e-12)  # s·SDPA
+    if gqa:  # the query path at s, the key/value paths at s/√G (G = 2)
+        _, gx_q = run(False, kv_grad=False)
+        gx_ref = gx_q + (gx_ref - gx_q) / 2**0.5
+    torch.testing.assert_close(gx, gx_ref * s, rtol=1e-10, atol=1e-12)
