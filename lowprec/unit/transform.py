@@ -172,7 +172,8 @@ def unit_scale(
     a list's τ must lie in ``(0, 1)`` and ``tau`` goes only with ``"fixed"`` (``ValueError``
     here, not at the first call). The τ go to the adds in the order the model runs them
     where a run analyses it (fx's adds placed among the run's by the modules called before
-    them), else in the order fx finds them (modules, then each graph's adds). ``output_mult`` and ``float8_readout`` need a readout.
+    them), else in the order fx finds them (modules, then each graph's adds).
+    ``output_mult`` and ``float8_readout`` need a readout.
     ``readout``: the output layer's module name (``"auto"``: the last ``nn.Linear``;
     ``None``: none). ``config``: a :class:`UnitConfig`; or ``float8``/``strict`` as
     keywords (default ``False``) — not both (``ValueError`` naming the keywords).
