@@ -245,7 +245,9 @@ def _equivariant(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 @rule(aten.gelu.default, aten.silu.default, aten.maximum.default, aten.minimum.default)
 def _like_input(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """gelu, silu (``|f(x)| ≲ |x|``), maximum, minimum: ``v = f(d_x·s_x)`` in float32,
-    ``s = s_x`` (two operands: ``max(s_a, s_b)``), ``d = v / s``."""
+    ``s = s_x`` (two operands: ``max(s_a, s_b)``, a plain one at its own scale as in
+    :func:`number_pair`: ``maximum(x, 0.5)`` at ``s_x = 2^-30`` read inf at ``s_x``),
+    ``d = v / s``."""
     check_compatible(*args)
     work = work_dtype(*args)
     if len(args) == 1 and isinstance(args[0], ScaledTensor) and scalar(args[0].scale):
@@ -254,7 +256,9 @@ def _like_input(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
         if fused is not None:
             return out(func, args, fused, sx)
     v = func(*(deq(a, work) for a in args), **kwargs)
-    scales = [a.scale for a in args if isinstance(a, ScaledTensor)]
+    ref = next(a for a in args if isinstance(a, ScaledTensor))
+    scales = [a.scale if isinstance(a, ScaledTensor) else number_pair(a, ref, work)[1]
+              for a in args]  # fmt: skip
     s = scales[0] if len(scales) == 1 else combine(scales[0], scales[1], tuple(v.shape))
     return out(func, args, apply_scale(v, torch.where(s > 0, s, 1.0).to(work), "div"), s)
 

@@ -73,12 +73,15 @@ def _sdpa_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     r"""The kernel's backward on ``g = d_g·s_g`` and the forward's ``q' = τ' d_q``, ``d_k``,
     ``d_v`` (scale 1) gives ``∂/∂q'``, ``dk'``, ``dv'``. With ``dS = s_g s_v · dS'``:
     ``dv = s_g·dv'``, ``dq = τ s_g s_v s_k·∂/∂q'``, ``dk = (s_g s_v / s_k)·dk'`` (each then
-    :func:`~lowprec.scalify.core.guard`\ ed: ``dv'`` sums up to L rows)."""
+    :func:`~lowprec.scalify.core.guard`\ ed: ``dv'`` sums up to L rows). The kernel takes
+    the forward's output as it computed it, in ``d_v``'s units: ``d_o·s_o/s_v`` (a
+    rescale policy may have given ``o`` a scale other than the forward's ``s_v``)."""
     g, q, k, v, o, lse, dropout_p, causal = args[:8]
     work = work_dtype(q, k, v)
     dg, sg = _operand(g, work, grad=True)
     (dq, sq), (dk, sk), (dv, sv) = (_operand(t, work) for t in (q, k, v))
-    do = scalar_pair(o, work)[0]
+    d_o, so = scalar_pair(o, work)
+    do = d_o * (so / sv).to(work)
     t = _scale(q, kwargs.get("scale"))
     tau = (t * sq * sk).to(work)
     gq, gk, gv = func(dg, dq * tau, dk, dv, do, lse, dropout_p, causal,

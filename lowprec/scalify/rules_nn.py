@@ -146,7 +146,10 @@ def _same_scale(xs: list[Any]) -> Tensor | None:
 @rule(aten.cat.default, aten.stack.default)
 def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """cat/stack of ``x_i``: per-tensor scales give ``s = max s_i``, ``d = cat(d_i·s_i/s)``;
-    otherwise ``s = cat`` of the materialised elementwise scales."""
+    otherwise ``s = cat`` of the materialised elementwise scales. A plain tensor counts at
+    its own scale (:func:`~lowprec.scalify.rules.number_pair`: an empty or all-zero one at
+    0, small values their own): HF's key/value cache starts each layer with
+    ``cat([empty, k])``, whose result at scale 1 flushed ``k`` at ``s_k = 2^-30`` to zero."""
     xs = list(args[0])
     check_compatible(*xs)
     ref = first_st(xs)
@@ -155,7 +158,8 @@ def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if same is not None:  # (eager) d_i·s_i/s = d_i: the stored data, joined as they are
         d = func([x.qdata for x in xs], *args[1:], **kwargs)
         return ScaledTensor._wrap(d, same, ref.dtype, ref._fmt, out_domain(args))
-    pairs = [pair(x, work) for x in xs]
+    pairs = [pair(x, work) if isinstance(x, ScaledTensor) else number_pair(x, ref, work)
+             for x in xs]  # fmt: skip
     if all(scalar(s) for _, s in pairs):
         s = torch.stack([p[1].reshape(()) for p in pairs]).amax()
         safe = torch.where(s > 0, s, 1.0)

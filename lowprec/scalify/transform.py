@@ -13,15 +13,17 @@ see :mod:`lowprec.scalify.domains`), and leave as plain tensors of each paramete
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
 from lowprec.core.registry import Registry
 from lowprec.core.tensor import ScaledTensor
+from lowprec.core.warn import warn_once
 from lowprec.scalify import fallback as _fallback  # noqa: F401  (registers the rules)
 from lowprec.scalify import rules as _rules  # noqa: F401
 from lowprec.scalify import rules_attn as _rules_attn  # noqa: F401
@@ -40,6 +42,7 @@ POLICIES.add("static", rescale="none", description="scales only propagate")
 POLICIES.add("dynamic", rescale="max", pow2="up", description="each op's output by its max")
 POLICIES.add("dynamic-l2", rescale="l2", pow2="up", description="each op's output by its RMS")
 F = TypeVar("F", bound=Callable[..., Any])
+_log = logging.getLogger(__name__)
 
 
 def resolve_config(data_format: str | None, policy: str | ScalifyConfig) -> ScalifyConfig:
@@ -146,6 +149,21 @@ def _check_not_tensor_parallel(module: nn.Module) -> None:
             )
 
 
+def _check_no_checkpointing(module: nn.Module) -> None:
+    """``TypeError`` naming the first module with activation checkpointing on (HF's
+    ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing = True`` on its
+    layers): its forward is recomputed in backward after scalify has handed the
+    parameters back, so the recomputed part would skip scaled arithmetic (with FP8 data
+    the gradients differed from the uncheckpointed ones by 16%)."""
+    for name, m in module.named_modules():
+        if getattr(m, "gradient_checkpointing", False) is True:
+            raise TypeError(
+                f"scalify: module {name or '<root>'!r} ({type(m).__name__}) has gradient "
+                "checkpointing on: its forward would be recomputed in backward outside "
+                "scaled arithmetic. Turn it off (model.gradient_checkpointing_disable())"
+            )
+
+
 def _leave(x: Tensor) -> Tensor:
     return unscale(x) if isinstance(x, ScaledTensor) else x
 
@@ -214,12 +232,41 @@ class Scalified(nn.Module):
         _check_inputs(args, kwargs)
         _check_not_sharded_inside(self.module)
         _check_not_tensor_parallel(self.module)
+        _check_no_checkpointing(self.module)
         params = dict(self.module.named_parameters())
 
         def call(params: dict[str, Tensor], *args: Any, **kwargs: Any) -> Any:
             return torch.func.functional_call(self.module, params, args, kwargs, strict=False)
 
         return _run(self.config, self._key, call, (params, *args), kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate`` (HF transformers) with every forward it makes
+        in scaled arithmetic (through this wrapper, KV cache included); ``AttributeError``
+        if the wrapped model has none. Calling ``self.module.generate`` instead would run
+        the model unscaled."""
+        inner = self.module
+        gen = getattr(inner, "generate", None)
+        if not callable(gen):
+            raise AttributeError(f"{type(inner).__name__} has no generate()")
+        own = inner.__dict__.get("forward")
+        original = inner.forward
+
+        def scaled(*a: Any, **k: Any) -> Any:
+            inner.forward = original  # the wrapper calls the model's own forward
+            try:
+                return self(*a, **k)
+            finally:
+                inner.forward = scaled
+
+        inner.forward = scaled
+        try:
+            return gen(*args, **kwargs)
+        finally:
+            if own is None:
+                del inner.forward
+            else:
+                inner.forward = own
 
     def extra_repr(self) -> str:
         return f"config={self.config}"
@@ -237,6 +284,16 @@ def run_scalified(obj: Any, cfg: ScalifyConfig) -> Any:
     @functools.wraps(obj)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         _check_inputs(args, kwargs)
+        if isinstance(getattr(obj, "__self__", None), nn.Module) and not any(
+            isinstance(t, Tensor) and t.is_floating_point() for t in tree_leaves((args, kwargs))
+        ):
+            warn_once(
+                _log, "scalify:no-float-inputs",
+                "scalify: %s got no floating-point tensor, and the parameters of its module "
+                "are not scaled when a bound method is wrapped: nothing runs in scaled "
+                "arithmetic. Wrap the module instead (scalify(model); scalify(model)"
+                ".generate(...) for HF generation)", getattr(obj, "__qualname__", obj),
+            )  # fmt: skip
         return _run(cfg, key, obj, args, kwargs)
 
     return wrapped
