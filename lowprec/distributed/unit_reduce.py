@@ -15,11 +15,27 @@ each row contributes depends on the loss:
   ``N^{3/2}·b^{-3/2} Σ_rank`` and the one-process gradient is the sum divided by
   ``N^{3/2}``.
 
-:class:`UnitDivisor` chooses at each backward: hooks on the prepared module clear
-:func:`lowprec.unit.unit_loss_computed` when its forward begins, and when the backward
-reaches the module's outputs (before any gradient is reduced) read it and set the
-divisor: ``√N`` if a unit loss was computed since, else ``N^{3/2}``. (A loss of the
-user's own that sums over rows gets the mean's divisor, as under plain DDP.)
+:class:`UnitDivisor` chooses at each backward, from which of the prepared module's outputs
+the gradient arrives. The module's forward hook passes its outputs through one autograd
+node (:class:`_Tap`) and records whether a unit loss was computed in the forward; the
+node's backward sees every output's gradient at once, before any of the module's
+parameters gets one:
+
+* the gradient reaches only a loss output (a 0-dim output of a forward that computed a
+  unit loss, e.g. HF's ``loss`` or CharGPT's): ``√N``;
+* it reaches only other outputs (logits): a loss outside the model, ``N^{3/2}`` (a mean),
+  or ``√N`` if a unit loss was computed after the forward (the user's
+  ``lowprec.unit.functional.cross_entropy(model(x), y)``);
+* both (the model's unit loss plus a mean loss of the user's on its logits, e.g. an
+  auxiliary term): ``√N``, and the gradient through the other outputs is divided by
+  ``N`` on its way in, so that the mean loss's part of the sum is its one-process part
+  too (before, one divisor served both: the mean term's gradient came out N times too
+  large; a unit loss computed in the forward and left unused made every gradient N
+  times too large).
+
+A unit loss *and* a mean loss both computed outside the model cannot be told apart at
+the model's outputs: divide the mean one by ``N`` yourself. (A loss of the user's own
+that sums over rows gets the mean's divisor, as under plain DDP.)
 """
 
 from __future__ import annotations
@@ -30,8 +46,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lowprec.core.autograd import apply_fn
 from lowprec.unit import unit_loss_computed
 
 __all__ = ["UnitDivisor"]
@@ -40,7 +57,9 @@ __all__ = ["UnitDivisor"]
 class UnitDivisor:
     """The divisor of the ranks' gradient sum for a unit recipe on ``world`` ranks
     (module docstring), handed to ``apply`` at each backward of the module it is attached
-    to (:meth:`attach`); :attr:`factor` is the last one chosen (``√world`` before any)."""
+    to (:meth:`attach`); :attr:`factor` is the last one chosen (``√world`` before any),
+    :attr:`unit_loss` whether that backward came from a unit loss (only, or with
+    another: :attr:`mixed`)."""
 
     def __init__(self, world: int, apply: Callable[[float], None]) -> None:
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -48,6 +67,7 @@ class UnitDivisor:
         self.world, self.apply = world, apply
         self.factor = math.sqrt(world)
         self.unit_loss = True
+        self.mixed = False
 
     def attach(self, module: nn.Module) -> None:
         """Choose at each backward of ``module``'s outputs (forward hooks on ``module``,
@@ -60,12 +80,44 @@ class UnitDivisor:
         unit_loss_computed(clear=True)
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def _end(self, module: nn.Module, args: Any, output: Any) -> None:
-        outs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
-        if outs:
-            torch.autograd.graph.register_multi_grad_hook(outs, self._choose, mode="any")
+    def _end(self, module: nn.Module, args: Any, output: Any) -> Any:
+        inner = unit_loss_computed(clear=True)  # a unit loss in the forward; cleared for after
+        leaves, spec = tree_flatten(output)
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+        if not idx or not torch.is_grad_enabled():
+            return None
+        loss = tuple(inner and leaves[i].dim() == 0 for i in idx)
+        tapped = apply_fn(_Tap, self, loss, *(leaves[i] for i in idx))
+        for i, t in zip(idx, tapped, strict=True):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
 
-    def _choose(self, grad: Tensor) -> None:
-        self.unit_loss = unit_loss_computed()
+    def _choose(self, loss_used: bool, other_used: bool) -> float:
+        """Set the divisor for this backward; the factor for the other outputs' gradient."""
+        outside_unit = unit_loss_computed()  # a unit loss on the outputs, after the forward
+        self.mixed = loss_used and other_used and not outside_unit
+        self.unit_loss = loss_used or outside_unit
         self.factor = math.sqrt(self.world) if self.unit_loss else self.world**1.5
         self.apply(self.factor)
+        return 1.0 / self.world if self.mixed else 1.0
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on the module's outputs; its backward sees every output's gradient at
+    once, chooses the divisor (:meth:`UnitDivisor._choose`) and scales the gradient of
+    the outputs that are not the model's unit loss when both kinds arrive."""
+
+    @staticmethod
+    def forward(ctx: Any, div: UnitDivisor, loss: tuple[bool, ...], *outs: Tensor) -> Any:
+        ctx.div, ctx.loss = div, loss
+        ctx.set_materialize_grads(False)
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> Any:
+        loss_used = any(g is not None for g, k in zip(grads, ctx.loss, strict=True) if k)
+        other_used = any(g is not None for g, k in zip(grads, ctx.loss, strict=True) if not k)
+        f = ctx.div._choose(loss_used, other_used)
+        out = [g if (g is None or k or f == 1.0) else g * f
+               for g, k in zip(grads, ctx.loss, strict=True)]  # fmt: skip
+        return (None, None, *out)

@@ -27,20 +27,21 @@ import lowprec.distributed as LD
 from lowprec.jobs.model import CharGPT, ModelConfig
 from lowprec.unit import functional as U
 
-LOSSES = ("mean-ce", "mean-mse", "unit-ce", "in-forward")
+LOSSES = ("mean-ce", "mean-mse", "unit-ce", "in-forward", "unused-unit", "mixed")
+IN_MODEL = ("in-forward", "unused-unit", "mixed")  # CharGPT, which computes its unit loss
 MODES = (("ddp", "fp32"), ("ddp", "bf16"), ("ddp", "fp8"), ("fsdp", "fp32"))
 
 
 def _model(loss: str) -> nn.Module:
     torch.manual_seed(0)
-    if loss == "in-forward":
+    if loss in IN_MODEL:
         return CharGPT(ModelConfig(width=32, depth=1, heads=2, seq_len=8, vocab_size=16))
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 10))
 
 
 def _batch(loss: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    if loss == "in-forward":
+    if loss in IN_MODEL:
         return torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g)
     x = torch.randn(8, 16, generator=g)
     y = (
@@ -51,9 +52,14 @@ def _batch(loss: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _backward(model: nn.Module, loss: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """One backward; the gradient of the input (of the embedding output for CharGPT)."""
-    if loss == "in-forward":
+def _backward(
+    model: nn.Module, loss: str, x: torch.Tensor, y: torch.Tensor, aux: float = 0.5
+) -> torch.Tensor:
+    """One backward; the gradient of the input (of the embedding output for CharGPT).
+    ``unused-unit``: the model computes its unit loss, the user back-propagates a mean
+    cross-entropy of its logits instead; ``mixed``: the unit loss plus ``aux`` times that
+    mean loss."""
+    if loss in IN_MODEL:
         emb: list[torch.Tensor] = []
 
         def keep(m: nn.Module, a: Any, o: torch.Tensor) -> None:
@@ -62,7 +68,9 @@ def _backward(model: nn.Module, loss: str, x: torch.Tensor, y: torch.Tensor) -> 
 
         inner = model.module if hasattr(model, "module") else model
         h = inner.tok.register_forward_hook(keep)
-        model(x, y)[1].backward()
+        logits, unit = model(x, y)
+        mean = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        {"in-forward": unit, "unused-unit": mean, "mixed": unit + aux * mean}[loss].backward()
         h.remove()
         return emb[0].grad.detach().clone()
     x = x.clone().requires_grad_(True)
@@ -98,7 +106,9 @@ def main(path: str) -> None:
         halves = []
         for r in range(2):
             half = lowprec.prepare(_model(loss), "fp32-unit")
-            halves.append(_backward(half.model, loss, x[4 * r : 4 * r + 4], y[4 * r : 4 * r + 4]))
+            # (mixed: a rank's mean term reaches the model divided by N = 2, see unit_reduce)
+            rows = slice(4 * r, 4 * r + 4)
+            halves.append(_backward(half.model, loss, x[rows], y[rows], aux=0.25))
         res[f"{loss}/reference_dx"] = [h.double().reshape(-1).tolist() for h in halves]
         for mode, comm in MODES:
             p = LD.prepare(_model(loss), "fp32-unit", mode, grad_comm=comm)

@@ -6,13 +6,18 @@ ranks' gradients are summed and divided by ``√N`` after lowprec's unit losses 
 backward is the sum's) and by ``N^{3/2}`` after a plain mean loss
 (``lowprec.distributed.unit_reduce``). With ``√N`` for every loss, a mean loss computed
 outside the model (the README's ``F.cross_entropy(model(x), y)``) got exactly N = 2 times
-the one-process gradient, with no error.
+the one-process gradient, with no error. The divisor follows the outputs the gradient
+comes through: a model that computes its unit loss while the user back-propagates a mean
+loss of its logits instead (``unused-unit``: every gradient was 2 times too large), and
+the unit loss plus a mean term (``mixed``: the mean term's part was 2 times too large),
+give the one-process gradient too.
 
 Tolerances, relative L2 per parameter: FP32 communication, 1e-5 (only the order of float32
 sums differs); BF16 communication, 1e-2 (each bucket rounded to BF16, 2^-9 relative per
 element, summed); FP8 (E4M3) communication, 0.1 (half an E4M3 step is 2^-4 relative per
 element at the bucket's shared scale). Each rank's input gradient is that of one process
-on the rank's half batch (1e-6: nothing reduces it).
+on the rank's half batch (1e-6: nothing reduces it), with ``mixed``'s mean term at 1/N of
+its weight (it enters the model divided by N).
 """
 
 from __future__ import annotations
