@@ -40,6 +40,7 @@ Every step appends ``StepRecord(scale, skipped)`` to ``scaler.history``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +50,12 @@ from torch import Tensor
 
 from lowprec.amp._checks import check_config, check_positive, number
 from lowprec.amp.master import MasterWeights
+from lowprec.core.warn import warn_once
 
 __all__ = ["DynamicLossScaler", "LossScaler", "NoLossScaler", "StaticLossScaler", "StepRecord"]
 
 _UNSCALED, _STEPPED = "unscaled", "stepped"
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -278,13 +281,28 @@ class NoLossScaler(LossScaler):
 
 
 class StaticLossScaler(LossScaler):
-    """A fixed loss scale ``S``; steps with Inf/NaN gradients are skipped.
+    """A fixed loss scale ``S``; steps with Inf/NaN gradients are skipped. After
+    :data:`STATIC_SKIP_WARNING` skipped steps in a row a WARNING says that the scale
+    overflows every step (it never backs off; :class:`DynamicLossScaler` does).
 
     Example:
         >>> s = StaticLossScaler(1024.0)
         >>> s.scale(torch.tensor(0.5)).item()
         512.0
     """
+
+    def _adjust(self, skipped: bool) -> None:
+        records = self.history[-STATIC_SKIP_WARNING:]
+        if skipped and len(records) == STATIC_SKIP_WARNING and all(r.skipped for r in records):
+            warn_once(
+                _log, f"static-loss-scale:{self._scale}",
+                "the static loss scale %g skipped the last %d steps (Inf/NaN gradients): "
+                "the scaled gradients overflow every step; lower the scale or use "
+                "DynamicLossScaler", self._scale, STATIC_SKIP_WARNING,
+            )  # fmt: skip
+
+
+STATIC_SKIP_WARNING = 10  # skipped steps in a row before StaticLossScaler warns
 
 
 _GRADSCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval"}

@@ -85,7 +85,10 @@ class MasterWeights(torch.optim.Optimizer):
     such as ``"lr"``): the factory then gets the same groups over the FP32 copies.
     ``step()`` copies the model's gradients to FP32 (if not yet done), runs the inner step,
     and writes the FP32 result back into the model's parameters: rounded to nearest, or
-    with ``stochastic_rounding=True`` stochastically (unbiased; for BF16/FP16 parameters).
+    with ``stochastic_rounding=True`` stochastically (unbiased; for BF16/FP16 parameters),
+    drawing from ``generator`` (default: its own, seeded from torch's global generator at
+    construction; its state is in :meth:`state_dict`, and data parallelism broadcasts it
+    so that every replica rounds alike).
 
     ``param_groups`` and ``state`` are the inner optimizer's (over the masters), ``defaults``
     its defaults. ``add_param_group`` takes model parameters and gives them FP32 masters.
@@ -127,6 +130,15 @@ class MasterWeights(torch.optim.Optimizer):
                 "optimizer_factory must return a torch.optim.Optimizer, got "
                 f"{type(self.optimizer).__name__}"
             )
+        if not isinstance(stochastic_rounding, bool):
+            raise TypeError(f"stochastic_rounding must be a bool, got {stochastic_rounding!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+            )
+        if stochastic_rounding and generator is None:  # its own: in state_dict, syncable
+            generator = torch.Generator(self.master_params[0].device)
+            generator.manual_seed(int(torch.randint(0, 2**62, (), dtype=torch.int64)))
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator
         self._grads_copied = False

@@ -13,7 +13,7 @@
   stochastic-rounding generator (``optimizer_extra``: ``get_state_dict`` keeps only
   ``state`` and ``param_groups`` of an optimizer's state dict), so a resumed run draws the
   same numbers;
-* the loss scaler's state and the recipe;
+* the loss scaler's state, the recipe and the optimizer's class;
 * ``extra``: anything else the caller adds (step, data position, RNG states), any nesting
   of dicts, lists, numbers and tensors.
 
@@ -274,6 +274,14 @@ def _optimizer_extra(optimizer: Any) -> dict[str, Any]:
     return {"generator": gen.get_state()} if isinstance(gen, torch.Generator) else {}
 
 
+def _optimizer_kind(optimizer: Any) -> str:
+    """The optimizer's class, with the inner optimizer's for a wrapper (``MasterWeights``):
+    ``"MasterWeights(AdamW)"``, ``"LeanAdamW"``, ``"SGD"``."""
+    inner = getattr(optimizer, "optimizer", None)
+    name = type(optimizer).__name__
+    return f"{name}({type(inner).__name__})" if isinstance(inner, torch.optim.Optimizer) else name
+
+
 def _live_state(prepared: Prepared) -> dict[str, Any]:
     """The model and optimizer state of ``prepared`` (sharded: DCP's own state dicts,
     by parameter name, and :func:`_optimizer_extra`), plus the scaler and the recipe."""
@@ -293,6 +301,7 @@ def _live_state(prepared: Prepared) -> dict[str, Any]:
         "calibration": prepared.calibration_progress(),
         "recipe": prepared.recipe.to_dict(),
         "layout": mode,
+        "optimizer_kind": _optimizer_kind(prepared.optimizer),
     }
 
 
@@ -310,7 +319,8 @@ def save(prepared: Prepared, path: str | Path, extra: dict[str, Any] | None = No
 def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
     """Restore ``prepared`` from the DCP directory ``path`` (every rank calls it) and
     return the ``extra`` that :func:`save` stored. ``ValueError`` if it was saved with
-    another recipe or layout (FSDP2 shards vs a replicated model)."""
+    another recipe, layout (FSDP2 shards vs a replicated model) or optimizer class (an
+    AdamW state would load its rates and moments into an SGD)."""
     path = str(path)
     reader = _SafeReader(path)
     try:
@@ -352,6 +362,13 @@ def load(prepared: Prepared, path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"checkpoint {path}: saved with layout {skeleton['layout']!r} (fsdp: sharded, "
             f"replicated: ddp or one process), this run is {live['layout']!r}"
+        )
+    saved_kind = skeleton.get("optimizer_kind")  # (absent from checkpoints before it)
+    if saved_kind is not None and saved_kind != live["optimizer_kind"]:
+        raise ValueError(
+            f"checkpoint {path}: saved with optimizer {saved_kind}, this run has "
+            f"{live['optimizer_kind']}: its state and hyperparameters would load into the "
+            "wrong optimizer"
         )
     # The template: this run's own tensors (DTensors: the shards this rank needs), and for
     # what this run does not hold yet (loaded optimizer moments, extra) the saved shapes.

@@ -229,3 +229,26 @@ def test_an_overflowed_fp16_clip_is_reported(caplog: pytest.LogCaptureFixture) -
         clipped = step(lambda: torch.nn.utils.clip_grad_value_(m.parameters(), 1.0))
     assert clipped == pytest.approx(0.1 * 512, rel=1e-4)  # every element clipped to 1
     assert "overflows" not in caplog.text
+
+
+def test_a_static_scale_that_overflows_every_step_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """StaticLossScaler(2^30) on FP16 gradients skips every step; it used to say nothing.
+    The WARNING comes at the 10th skip in a row (not at 9), once; a finite step resets
+    the count."""
+    from lowprec.amp.loss_scaling import STATIC_SKIP_WARNING
+    from lowprec.core.warn import reset_warnings
+
+    reset_warnings("static-loss-scale:")
+    m = nn.Linear(4, 1).half()
+    opt = MasterWeights(m.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    sc = StaticLossScaler(2.0**30)
+    x = torch.full((2, 4), 100.0, dtype=torch.float16)
+    with caplog.at_level(logging.WARNING, logger="lowprec.amp.loss_scaling"):
+        for i in range(STATIC_SKIP_WARNING + 3):
+            opt.zero_grad()
+            sc.scale(m(x).float().sum()).backward()
+            assert not sc.step(opt)
+            sc.update()
+            if i == STATIC_SKIP_WARNING - 2:
+                assert "skipped the last" not in caplog.text
+    assert caplog.text.count("the static loss scale 1.07374e+09 skipped the last 10 steps") == 1

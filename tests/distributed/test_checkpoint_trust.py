@@ -190,3 +190,21 @@ def test_the_metadata_reader_refuses_every_other_global(payload: tuple[Any, byte
     with pytest.raises(ValueError, match=r"refused to load (builtins|io)\.open"):
         ckpt._read_metadata(io.BytesIO(data))
     assert not marker.exists()
+
+
+def test_another_optimizer_class_is_refused(tmp_path: Path) -> None:
+    """An AdamW checkpoint loaded into an SGD run was accepted: SGD took AdamW's rate and
+    weight decay and the moments stayed unused (a new user's trial). The same class loads;
+    another is refused with both named, and nothing of the run changes."""
+    p = _trained()
+    ckpt.save(p, tmp_path / "c")
+    torch.manual_seed(0)
+    q = prepare(_Net(), "fp16-dynamic-ls", lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
+    before = {k: v.clone() for k, v in q.model.state_dict().items()}
+    with pytest.raises(
+        ValueError, match=r"MasterWeights\(AdamW\), this run has MasterWeights\(SGD\)"
+    ):
+        ckpt.load(q, tmp_path / "c")
+    assert _equal(before, q.model.state_dict())
+    assert q.optimizer.param_groups[0]["lr"] == 1e-3
+    ckpt.load(_prepared(seed=5), tmp_path / "c")  # the same class loads
