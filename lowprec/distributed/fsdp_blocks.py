@@ -114,7 +114,10 @@ def post_gather(
         data = payload.view(storage_dtype(fmt)).float()
     scale = sraw.view(torch.float8_e8m0fnu).float() if e8m0 else sraw
     pad = tuple(shape) if tuple(data.shape) != tuple(shape) else None
-    w = dequantize_parts(data, scale, pad, param_dtype)
+    # contiguous: FSDP2 reads the unsharded weight with as_strided at the original shape's
+    # contiguous strides, and a crop of the padded blocks is a view with the padded row
+    # stride (in_features not a multiple of the block width gave a garbage forward)
+    w = dequantize_parts(data, scale, pad, param_dtype).contiguous()
     if out is None:
         return w, (w,)
     # A re-gather (backward) into the storage FSDP2 freed after forward: the saved weight

@@ -201,6 +201,11 @@ def shard(
         raise ValueError(f"grad_comm must be one of {list(GRAD_COMM)}, got {grad_comm!r}")
     if fp8_all_gather not in (True, False, "blocks"):
         raise ValueError(f"fp8_all_gather must be True, False or 'blocks', got {fp8_all_gather!r}")
+    if mode == "ddp" and fp8_all_gather == "blocks":
+        raise ValueError(
+            "fp8_all_gather='blocks' applies to FSDP2's weight all-gather; DDP gathers no "
+            "weights (its replicas hold them whole): leave fp8_all_gather at its default"
+        )
     if mode == "fsdp":
         master = torch.float32 if not _lean_shards(r) else r.torch_dtype
         with torch.no_grad():

@@ -163,7 +163,12 @@ BLOCK_CASES: dict[str, tuple[str, tuple[int, ...]]] = {
     "mxfp4": ("mxfp4", (64, 128, 64, 16)),
     "blockwise": ("blockwise", (128, 256, 128, 16)),
     "rowwise-uneven": ("rowwise", (64, 15, 64)),
+    # in_features not a multiple of the block width (128-wide tiles; MX blocks of 32): the
+    # gathered weight is cropped from padded blocks (it was read with the padded stride)
+    "blockwise-k64": ("blockwise", (64, 256, 64)),
+    "mxfp8-k80": ("mxfp8", (80, 128, 16)),
 }
+PADDED_K = ("blockwise-k64", "mxfp8-k80")
 
 
 def block_recipe(name: str) -> Any:

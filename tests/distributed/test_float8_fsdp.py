@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from lowprec.distributed import enable_fp8_all_gather, fp8_all_gather_eligible
 from lowprec.float8 import Float8Linear, convert_to_float8
-from tests.distributed._float8_worker import BLOCK_CASES, STEPS, results
+from tests.distributed._float8_worker import BLOCK_CASES, PADDED_K, STEPS, results
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +126,7 @@ def _gathered(case: str, narrow: bool) -> int:
     return 2 * STEPS * total
 
 
-@pytest.mark.parametrize("case", list(BLOCK_CASES))
+@pytest.mark.parametrize("case", [c for c in BLOCK_CASES if c not in PADDED_K])
 def test_block_layouts_gather_narrow_bytes(blocks: dict[str, Any], case: str) -> None:
     r = blocks[case]
     assert r["hp"]["bytes"] == _gathered(case, narrow=False)
@@ -142,7 +143,7 @@ def test_block_layouts_narrow_gather_matches_fp32_gather(blocks: dict[str, Any],
     # The forward operand Q_K(W) is that of the FP32 gather (each shard quantizes whole
     # rows): the first step's loss, which only the forward sees, is equal to the last bit.
     assert narrow[0] == hp[0]
-    if case in ("blockwise", "mxfp8", "mxfp4"):
+    if case in ("blockwise", "mxfp8", "mxfp4", *PADDED_K):
         # 128x128 tiles are the same in both GEMMs; MX: the power-of-two scales of the
         # K-blocks and N-blocks of these init weights agree, so re-quantizing the
         # dequantized weight along N is exact: the whole run is bit-identical.
@@ -252,3 +253,27 @@ def test_blocks_wraps_row_local_layouts_and_names_the_others(
     assert "nv:16 needs the global amax" in caplog.text
     with pytest.raises(TypeError, match="blocks must be a bool"):
         enable_fp8_all_gather(_mlp("mxfp8"), blocks="yes")  # type: ignore[arg-type]
+
+
+def test_blocks_is_refused_under_ddp() -> None:
+    """``prepare(..., "ddp", fp8_all_gather="blocks")`` was accepted and ignored (a new
+    user's trial): DDP gathers no weights. A world of one; the refusal comes before any
+    wrapping."""
+    import gc
+    import tempfile
+
+    import torch.distributed as dist
+
+    from lowprec.distributed.parallel import prepare
+
+    own = not dist.is_initialized()
+    if own:
+        store = dist.FileStore(tempfile.mktemp(), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="fp8_all_gather='blocks' applies to FSDP2"):
+            prepare(nn.Sequential(nn.Linear(32, 32)), "fp8-rowwise", "ddp", fp8_all_gather="blocks")
+    finally:
+        gc.collect()
+        if own:
+            dist.destroy_process_group()
