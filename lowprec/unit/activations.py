@@ -119,6 +119,10 @@ def softmax(x: Tensor, dim: int = -1, *, mult: float = 1.0,
     check_float("x", x)
     d = check_dim("dim", x, dim)
     mult = check_number("mult", mult)
+    if mult == 0.0:
+        raise ValueError(
+            "mult must be non-zero (a zero multiplier flattens every row: no gradient)"
+        )
     n = max(1, x.shape[d]) if x.dim() else 1
     p2, dx2 = moments.softmax_gains(n, mult)
     s_out, s_in = apply_constraint(constraint, p2**-0.5, dx2**-0.5)

@@ -121,7 +121,9 @@ def residual_taus(
     * ``"weighted"``: embedding weight 1, each branch ``weight`` (default ``1/n``):
       ``τ_l = w/(1 + (l+1)w)`` (u-μP's depth rule, :func:`lowprec.unit.umup.umup_taus`).
 
-    ``tau`` must lie in (0, 1) and ``weight`` be finite and > 0 (``ValueError``; NaN too).
+    ``tau`` must lie in (0, 1) and ``weight`` be finite and > 0 (``ValueError``; NaN too);
+    ``tau`` goes only with ``"fixed"`` and ``weight`` only with ``"weighted"`` (another
+    value with another scheme is a ``ValueError``, not ignored).
 
     Example:
         >>> residual_taus(3)
@@ -129,6 +131,10 @@ def residual_taus(
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if scheme != "fixed" and tau != 0.5:
+        raise ValueError(f"tau={tau!r} applies only to scheme='fixed' (got {scheme!r})")
+    if scheme != "weighted" and weight is not None:
+        raise ValueError(f"weight={weight!r} applies only to scheme='weighted' (got {scheme!r})")
     if scheme == "fixed":
         return [_check_tau(tau)] * n
     if scheme == "running-mean":

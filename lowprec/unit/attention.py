@@ -22,7 +22,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lowprec.unit import moments
-from lowprec.unit.core import check_float, check_number, check_same_dtype, scale_bwd, scale_fwd
+from lowprec.unit.core import (
+    check_flag,
+    check_float,
+    check_number,
+    check_same_dtype,
+    scale_bwd,
+    scale_fwd,
+)
 from lowprec.unit.core import unit_op as _unit_op
 
 __all__ = ["dropout", "scaled_dot_product_attention"]
@@ -33,12 +40,12 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
     """Inverted dropout multiplies kept values by ``1/(1-p)``: ``Var y = Var x/(1-p)`` and
     likewise ``∂x``; both passes are scaled by ``√(1-p)`` (one scale: a plain multiply).
     ``inplace=True`` is refused (``ValueError``): the scale makes a new tensor anyway."""
-    if inplace:
+    if check_flag("inplace", inplace):
         raise ValueError("inplace=True is not supported by the unit-scaled dropout")
     check_float("x", x)
     if not 0.0 <= check_number("p", p) < 1.0:
         raise ValueError(f"p must be in [0, 1), got {p!r}")
-    if not training or p == 0.0:
+    if not check_flag("training", training) or p == 0.0:
         return x
     return F.dropout(x, p, training=True) * math.sqrt(1.0 - p)
 

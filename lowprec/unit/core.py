@@ -196,6 +196,21 @@ def check_float(name: str, x: object, optional: bool = False) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
+def check_flag(name: str, v: object) -> bool:
+    """``v`` if it is a bool; ``TypeError`` naming ``name`` otherwise (a string such as
+    ``"no"`` is truthy: taken as ``True`` it would switch the option on)."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {v!r}")
+    return v
+
+
+def check_constraint(constraint: object) -> None:
+    """``ValueError`` unless ``constraint`` is one of :data:`CONSTRAINTS` (for a module's
+    constructor: the op checks it at every call, a module already when it is built)."""
+    if constraint not in CONSTRAINTS:
+        raise ValueError(f"constraint must be one of {list(CONSTRAINTS)}, got {constraint!r}")
+
+
 def check_number(name: str, v: object, low: float = -math.inf, *, open_low: bool = False) -> float:
     """``v`` as a finite float ``>= low`` (``> low`` with ``open_low``); ``TypeError`` /
     ``ValueError`` naming ``name`` otherwise (NaN and ±inf included)."""

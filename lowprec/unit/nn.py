@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lowprec.unit import functional as U
-from lowprec.unit.core import check_number, scale_bwd
+from lowprec.unit.core import check_constraint, check_flag, check_number, scale_bwd
 from lowprec.unit.umup import umup_taus
 
 __all__ = [
@@ -61,7 +61,8 @@ class Linear(nn.Linear):
         constraint: str | None = "to_output_scale",
         float8: bool = False,
     ) -> None:
-        self.constraint, self.float8 = constraint, float8
+        check_constraint(constraint)
+        self.constraint, self.float8 = constraint, check_flag("float8", float8)
         _size("in_features", in_features, 0)
         _size("out_features", out_features, 0)
         super().__init__(in_features, out_features, bias)
@@ -135,6 +136,7 @@ class GELU(nn.GELU):
         self, approximate: str = "none", mult: float = 1.0, constraint: str | None = "gmean"
     ) -> None:
         super().__init__(approximate)
+        check_constraint(constraint)
         self.mult, self.constraint = check_number("mult", mult), constraint
 
     def forward(self, x: Tensor) -> Tensor:
@@ -150,6 +152,7 @@ class SiLU(nn.SiLU):
         if inplace:
             raise ValueError("inplace=True is not supported by the unit-scaled SiLU")
         super().__init__()
+        check_constraint(constraint)
         self.mult, self.constraint = check_number("mult", mult), constraint
 
     def forward(self, x: Tensor) -> Tensor:
@@ -163,6 +166,7 @@ class Softmax(nn.Softmax):
         self, dim: int = -1, mult: float = 1.0, constraint: str | None = "to_output_scale"
     ) -> None:
         super().__init__(dim)
+        check_constraint(constraint)
         self.mult, self.constraint = check_number("mult", mult), constraint
 
     def forward(self, x: Tensor) -> Tensor:
@@ -193,6 +197,7 @@ class Conv1d(nn.Conv1d):
     ) -> None:  # fmt: skip
         if padding_mode != "zeros":
             raise ValueError(f"padding_mode must be 'zeros', got {padding_mode!r}")
+        check_constraint(constraint)
         self.constraint = constraint
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
                          groups, bias)  # fmt: skip

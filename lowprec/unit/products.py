@@ -23,6 +23,7 @@ from lowprec.core.rounding import quantize
 from lowprec.unit import moments
 from lowprec.unit.core import (
     apply_constraint,
+    check_flag,
     check_float,
     check_number,
     check_same_dtype,
@@ -50,7 +51,7 @@ def _product(
     and the product, in a wide-range dtype, is scaled as the maths reads. Its three GEMMs
     are observed (:mod:`lowprec.core.observe`) at scale 1 where a sink is active.
     """
-    if float8:
+    if check_flag("float8", float8):
         a_hp, b_hp = scale_bwd(a, s_a), scale_bwd(b, s_b)
         a, b = quantize_ste(a_hp, "e4m3fn"), quantize_ste(b_hp, "e4m3fn")
         y = quantize_grad(f(a, b), "e5m2")
@@ -98,10 +99,16 @@ def _observe_fp8(
 def matmul(
     a: Tensor, b: Tensor, *, constraint: str | None = "to_output_scale", float8: bool = False
 ) -> Tensor:
-    """``a @ b`` for ``a (..., M, K)``, ``b (..., K, N)`` (both activations: no cut edge).
+    """``a @ b`` for ``a (..., M, K)``, ``b (..., K, N)`` (batch dims broadcast).
 
-    Forward ``y = (a @ b) / √K``; backward ``∂a = (g bᵀ)/√N``, ``∂b = (aᵀ g)/√M'`` with
-    ``M'`` the rows ``aᵀ g`` sums over; the three scales are tied by ``constraint``.
+    Forward ``y = (a @ b) / √K``; backward ``∂a = (g bᵀ)/√N'``, ``∂b = (aᵀ g)/√M'`` with
+    ``N'``, ``M'`` the terms each element of ``∂a``, ``∂b`` sums: ``N`` (``M``) times the
+    batch elements an operand is broadcast over (a ``(M, K)`` weight against a batch of
+    ``B`` right operands sums ``N·B`` terms, as does one expanded to that batch).
+    Activations (no cut edge) have their scales tied to the output's by ``constraint``;
+    an operand that is an ``nn.Parameter`` (or a view of one: ``self.w @ x``,
+    ``x @ self.w.t()``) is a cut edge and keeps its own ``1/√N'`` or ``1/√M'``, as a linear's
+    weight gradient does.
     ``float8``: operands rounded to E4M3, the gradient into the product to E5M2.
     """
     check_float("a", a)
@@ -109,10 +116,34 @@ def matmul(
     check_same_dtype(a=a, b=b)
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError(f"a, b: need >= 2 dims, got shapes {tuple(a.shape)}, {tuple(b.shape)}")
-    k, n = max(1, b.shape[-2]), max(1, b.shape[-1])
-    m = max(1, a.numel() // k // max(1, b.numel() // (k * n)))
-    s_out, s_a, s_b = apply_constraint(constraint, k**-0.5, n**-0.5, m**-0.5)
+    k, n, m = max(1, b.shape[-2]), max(1, b.shape[-1]), max(1, a.shape[-2])
+    batch = 1  # (loops, not generators: Dynamo traces this)
+    for size in torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]):  # type: ignore[no-untyped-call]
+        batch *= int(size)
+    n_eff = n * batch // _distinct(a)
+    m_eff = m * batch // _distinct(b)
+    weight_a, weight_b = _is_weight(a), _is_weight(b)
+    tied = [s for s, w in ((n_eff**-0.5, weight_a), (m_eff**-0.5, weight_b)) if not w]
+    s_out, *rest = apply_constraint(constraint, k**-0.5, *tied)
+    s_a = n_eff**-0.5 if weight_a else rest.pop(0)
+    s_b = m_eff**-0.5 if weight_b else rest.pop(0)
     return _product(torch.matmul, a, b, s_out, s_a, s_b, float8)
+
+
+def _distinct(t: Tensor) -> int:
+    """The batch elements of ``t (..., R, C)`` that are distinct in memory (an expanded,
+    stride-0 batch dim holds one)."""
+    n = 1
+    for size, stride in zip(t.shape[:-2], t.stride()[:-2], strict=True):
+        if stride != 0:
+            n *= int(size)
+    return max(1, n)
+
+
+def _is_weight(t: Tensor) -> bool:
+    """Whether ``t`` is an ``nn.Parameter`` that requires grad, or a view of one."""
+    base = t._base if t._base is not None else t
+    return bool(t.requires_grad and isinstance(base, torch.nn.Parameter))
 
 
 @_unit_op
@@ -227,14 +258,20 @@ def linear_readout(
     *,
     constraint: str | None = "to_output_scale",
     float8: bool = False,
+    mult: float = 1.0,
+    matmul: Matmul | None = None,
 ) -> Tensor:
-    """The output layer (u-μP): ``y = x Wᵀ/fan_in + b`` — :func:`linear` with a further
-    forward-only ``1/√fan_in`` (μP's readout multiplier), so ``std(y) = 1/√fan_in`` at init;
-    backward as :func:`linear` (``∂x`` at the linear's output scale, ``∂W`` unit).
+    """The output layer (u-μP): ``y = mult·x Wᵀ/fan_in + b`` — :func:`linear` with a
+    further forward-only ``mult/√fan_in`` on ``x Wᵀ`` (μP's readout multiplier; ``mult``
+    u-μP's ``output_mult``, > 0), so ``std(y) = mult/√fan_in`` at init; the bias is added
+    as :func:`linear` adds it, unscaled. Backward as :func:`linear` (``∂x`` at the
+    linear's output scale, ``∂W``, ``∂b`` unit). ``matmul``: as :func:`linear`'s (a
+    float8 layer's GEMM, :attr:`lowprec.float8.Float8Linear.linear_fn`).
     """
     check_float("weight", weight)
+    mult = check_number("mult", mult, 0.0, open_low=True)
     fan_in = max(1, weight.shape[1]) if weight.dim() == 2 else 1
-    return _affine(x, weight, bias, constraint, float8, fan_in**-0.5)
+    return _affine(x, weight, bias, constraint, float8, mult * fan_in**-0.5, matmul)
 
 
 @_unit_op

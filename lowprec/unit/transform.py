@@ -74,6 +74,7 @@ from typing import Any, cast
 
 from torch import Tensor, nn
 
+from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.convert import convert_modules
@@ -174,8 +175,11 @@ def unit_scale(
     where a run analyses it (fx's adds placed among the run's by the modules called before
     them), else in the order fx finds them (modules, then each graph's adds).
     ``output_mult`` and ``float8_readout`` need a readout.
-    ``readout``: the output layer's module name (``"auto"``: the last ``nn.Linear``;
-    ``None``: none). ``config``: a :class:`UnitConfig`; or ``float8``/``strict`` as
+    ``readout``: the output layer's module name (``"auto"``: the last ``nn.Linear``,
+    unless it sits in a block of a module list, as in a headless backbone: then none, with
+    a WARNING; ``None``: none). It computes
+    :func:`lowprec.unit.functional.linear_readout` with ``mult=output_mult``.
+    ``config``: a :class:`UnitConfig`; or ``float8``/``strict`` as
     keywords (default ``False``) — not both (``ValueError`` naming the keywords).
     ``example_inputs`` (a tuple of positional arguments, a dict of keyword arguments or one
     tensor; default: the model's ``dummy_inputs`` if its ``forward`` names every key, as HF
@@ -258,13 +262,21 @@ def unit_scale(
 
 
 class _ReadoutScale:
-    """Forward hook: μP's readout multiplier ``output_mult/√fan_in`` (forward only)."""
+    """Forward hook: μP's readout multiplier ``output_mult/√fan_in`` on ``x Wᵀ`` (forward
+    only), the bias left as it is, as :func:`lowprec.unit.functional.linear_readout`
+    computes it: ``f·(y - b) + b``. (It scaled the whole output, the bias included.) The
+    ``b`` subtracted and added back is the parameter itself, so its gradient is the unit
+    linear's; ``y - b`` rounds once in the output's dtype."""
 
     def __init__(self, factor: float) -> None:
         self.factor = factor
 
     def __call__(self, module: nn.Module, args: Any, out: Tensor) -> Tensor:
-        return scale_fwd(out, self.factor)
+        bias = getattr(module, "bias", None)
+        if bias is None:
+            return scale_fwd(out, self.factor)
+        b = bias.to(out.dtype)
+        return cast(Tensor, scale_fwd(out - b, self.factor) + b)
 
 
 def _readout_forward(self: nn.Linear, x: Tensor) -> Tensor:
@@ -276,8 +288,19 @@ def _find_readout(model: nn.Module, readout: str | None) -> str | None:
     if readout is None:
         return None
     if readout == "auto":
-        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        return names[-1] if names else None
+        names: list[str] = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        if not names:
+            return None
+        if any(part.isdigit() for part in names[-1].split(".")[:-1]):  # in a block of a list
+            warn_once(
+                log, f"unit:readout:{type(model).__name__}",
+                "unit_scale: readout='auto' found no output head (the last nn.Linear, %r, is "
+                "inside a repeated block): the model is taken as a backbone without a readout "
+                "(no μP output multiplier, hidden learning rates for every weight); pass "
+                "readout=<module name> to name one", names[-1],
+            )  # fmt: skip
+            return None
+        return names[-1]
     try:
         m = model.get_submodule(readout)
     except AttributeError:

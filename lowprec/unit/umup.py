@@ -57,6 +57,7 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
+from lowprec.unit.core import check_number
 from lowprec.unit.functional import residual_taus
 
 __all__ = ["ROLES", "Role", "tag_params", "umup_param_groups", "umup_taus"]
@@ -74,8 +75,7 @@ def umup_taus(n: int, residual_mult: float = 1.0) -> list[float]:
         >>> [round(t, 3) for t in umup_taus(4)]
         [0.2, 0.167, 0.143, 0.125]
     """
-    if residual_mult <= 0:
-        raise ValueError(f"residual_mult must be > 0, got {residual_mult!r}")
+    residual_mult = check_number("residual_mult", residual_mult, 0.0, open_low=True)
     return residual_taus(n, "weighted", weight=residual_mult**2 / max(n, 1))
 
 
@@ -171,8 +171,9 @@ def umup_param_groups(
     """
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {list(_OPTIMIZERS)}, got {optimizer!r}")
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a positive float, got {lr!r}")
+    weight_decay = check_number("weight_decay", weight_decay, 0.0)
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
         raise ValueError(f"depth must be a positive int or None, got {depth!r}")
     if weight_decay < 0:

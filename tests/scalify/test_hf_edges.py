@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lowprec.core.warn import reset_warnings
 from lowprec.scalify import ScalifyConfig, coverage, reset_coverage, scalify
+from tests.scalify.test_hf import IDS, llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,15 +70,7 @@ def test_plain_operands_of_cat_and_maximum_count_at_their_own_scale() -> None:
 
 
 def _llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    return llama("sdpa").eval()  # test_hf's tiny Llama (vocab 64, hidden 32, 2 layers)
 
 
 def test_small_activations_through_the_kv_cache() -> None:

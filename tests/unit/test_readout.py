@@ -1,0 +1,105 @@
+"""The readout of a unit-scaled model (found by a new user's trial): μP's multiplier
+``output_mult/√fan_in`` applies to ``x Wᵀ``, not to the bias (a converted model scaled
+its bias by it, ``U.linear_readout`` does not); a headless backbone gets no readout
+instead of a hidden layer as one; a readout that a layer rule makes a ``Float8Linear``
+keeps the multiplier.
+
+Oracle: ``lowprec.unit.functional.linear_readout`` on the readout's own input, weights and
+bias (FP64: exact), and the high-precision readout (FP8: within its rounding)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lowprec.core.warn import reset_warnings
+from lowprec.float8 import Float8Config, Float8Linear
+from lowprec.jobs.model import CharGPT, ModelConfig
+from lowprec.recipes import get_recipe, prepare
+from lowprec.recipes.layers import LayerRule
+from lowprec.unit import UnitConfig, unit_scale
+from lowprec.unit import functional as U
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("mult", [1.0, 2.5])
+def test_the_readout_multiplier_leaves_the_bias_alone(mult: float) -> None:
+    """With the weights zeroed and the bias 1 the output is 1 (it read 1/√64·mult =
+    0.125·mult); with both set it is ``linear_readout(x, W, b, mult)`` to FP64 rounding."""
+    u = unit_scale(_net(), config=UnitConfig(output_mult=mult)).double()
+    seen: list[Tensor] = []
+    u[2].register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad():
+        u[2].bias.fill_(1.0)
+        y = u(x)
+        want = U.linear_readout(seen[-1], u[2].weight, u[2].bias, mult=mult)
+        torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+        u[2].weight.zero_()
+        torch.testing.assert_close(u(x), torch.ones(8, 10, dtype=torch.float64))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc(self.ln(x))
+
+
+class _Backbone(nn.Module):
+    """Blocks and no head, as ``AutoModel``'s backbones: the last Linear is a block's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_backbone_has_no_readout_unless_named(caplog: pytest.LogCaptureFixture) -> None:
+    """``readout="auto"`` took ``layers.1.fc`` as the readout (its branch then read 1/√32
+    of unit, and u-μP gave it the readout's rate); now none, with a WARNING; a named one
+    is taken."""
+    reset_warnings("unit:readout:")
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="lowprec.unit"):
+        u = unit_scale(_Backbone())
+    assert u.unit_report["readout"] is None
+    assert "found no output head" in caplog.text and "'layers.1.fc'" in caplog.text
+    torch.manual_seed(0)
+    named = unit_scale(_Backbone(), readout="layers.1.fc")
+    assert named.unit_report["readout"] == "layers.1.fc"
+
+
+def test_a_float8_readout_named_by_a_layer_rule_keeps_its_multiplier() -> None:
+    """fp8-unit-rowwise with a rule making the readout a tensor-wise Float8Linear: its
+    output is the high-precision readout's within FP8 rounding (relative 0.1); without the
+    multiplier it was √width = 8 times that."""
+    cfg = ModelConfig(vocab_size=16, width=64, depth=1, heads=2, seq_len=8)
+    base = get_recipe("fp8-unit-rowwise")
+    tw = Float8Config.from_name("tensorwise")
+    ruled = dataclasses.replace(base, name="ruled", layers=(LayerRule("head", tw),))
+    ids = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for r in (base, ruled):
+        torch.manual_seed(0)
+        p = prepare(CharGPT(cfg), r)
+        with torch.no_grad(), p.compute():
+            outs.append(p.model(ids)[0].float())
+        head = p.model.get_submodule(p.model.unit_report["readout"])
+        assert isinstance(head, Float8Linear) == (r is ruled)
+    rel = float((outs[1] - outs[0]).norm() / outs[0].norm())
+    assert rel < 0.1, rel
