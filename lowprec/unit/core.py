@@ -20,9 +20,11 @@ scale; each weight gradient gets its own. Constraints pick that shared scale:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, ParamSpec, TypeVar, cast, get_args
 
 import torch
@@ -63,15 +65,38 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+_PLAIN = threading.local()
+
+
+@contextlib.contextmanager
+def plain_ops() -> Iterator[None]:
+    """While this runs (this thread), every unit mode (:class:`lowprec.unit.mode.UnitMode`)
+    passes ops through unchanged: code that must compute what the plain model computes (an
+    MoE router's softmax and top-k, the load-balancing loss) runs inside it, and so does a
+    unit op's own body under ``torch.compile``. Nested uses are counted."""
+    _PLAIN.depth = getattr(_PLAIN, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PLAIN.depth -= 1
+
+
 def unit_op(fn: Callable[P, R]) -> Callable[P, R]:
     """Make ``fn`` overridable by torch function modes, like ``torch.nn.functional`` ops.
 
     Inside :func:`lowprec.unit.unit_scale`'s mode a unit op is seen as *one* call and run
-    as it is, so the standard torch ops it calls inside are not converted a second time.
+    as it is, so the standard torch ops it calls inside are not converted a second time:
+    eagerly the mode runs it with itself switched off; while Dynamo traces it (Dynamo does
+    not dispatch a Python function to a mode) its body runs in :func:`plain_ops`. (Before,
+    a unit op called in a unit model's own forward had its products scaled twice when
+    compiled: ``1/√K`` too small.)
     """
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        if torch.compiler.is_compiling():
+            with plain_ops():
+                return fn(*args, **kwargs)
         tensors = tuple(a for a in args if isinstance(a, Tensor))
         if has_torch_function(tensors):
             out = handle_torch_function(wrapper, tensors, *args, **kwargs)

@@ -23,14 +23,12 @@ GPT-J's, a hand-written one) gets two rules on top of the ops':
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import os
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, cast
 
@@ -44,7 +42,7 @@ from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
 from lowprec.unit.attention import check_qkv
 from lowprec.unit.config import UnitConfig
-from lowprec.unit.core import check_number, scale_fwd
+from lowprec.unit.core import _PLAIN, check_number, plain_ops, scale_fwd
 
 __all__ = ["UNIT_OPS", "UnitMode", "plain_ops"]
 
@@ -56,21 +54,6 @@ for _op_name in dir(U):
     if callable(_f) and hasattr(_f, "__wrapped__"):
         UNIT_OPS[_f] = _f.__wrapped__
 UNIT_OPS[scale_fwd] = scale_fwd.__wrapped__  # type: ignore[attr-defined]
-
-_PLAIN = threading.local()
-
-
-@contextlib.contextmanager
-def plain_ops() -> Iterator[None]:
-    """While this runs (this thread), every :class:`UnitMode` passes ops through unchanged:
-    code that must compute what the plain model computes (an MoE router's softmax and
-    top-k, the load-balancing loss) runs inside it. Nested uses are counted."""
-    _PLAIN.depth = getattr(_PLAIN, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _PLAIN.depth -= 1
-
 
 _MATMUL = {torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm, torch.mm,
            Tensor.mm}  # fmt: skip

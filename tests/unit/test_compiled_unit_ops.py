@@ -1,7 +1,7 @@
-"""The readout of a unit-scaled model with a bias, under ``torch.compile``: its forward hook
-(μP's multiplier on ``x Wᵀ``, the bias left alone) gives eager's output and gradients.
-Oracle: the eager model. Tolerance: float32 kernels that differ in summation order (rtol
-1e-4)."""
+"""Unit-scaled models under ``torch.compile``: the readout with a bias (its forward hook:
+μP's multiplier on ``x Wᵀ``, the bias left alone) and unit ops called in the model's own
+forward give eager's output and gradients. Oracle: the eager model. Tolerance: float32
+kernels that differ in summation order (rtol 1e-4)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lowprec.unit import UnitConfig, unit_scale
+from lowprec.unit import functional as U
 
 
 @pytest.mark.slow
@@ -30,5 +31,39 @@ def test_compiled_readout_with_a_bias_equals_eager() -> None:
     (ye, ge), (yc, gc) = run(u), run(torch.compile(u))
     torch.testing.assert_close(yc, ye, rtol=1e-4, atol=1e-6)
     assert len(gc) == len(ge) == 4
+    for a, b in zip(gc, ge, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+class _Explicit(nn.Module):
+    """A forward that calls unit ops itself (``U.linear``, ``U.gelu``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.w = nn.Linear(64, 64), nn.Parameter(torch.randn(10, 64))
+        self.head = nn.Linear(10, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(U.gelu(U.linear(self.a(x), self.w)))
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager_with_unit_ops_in_the_forward() -> None:
+    """Dynamo does not dispatch a Python function to the unit mode: a unit op called in the
+    forward had its products converted a second time, scaled by ``1/√K`` twice (the output
+    8 times too small at K = 64); its body now runs with the mode passing ops through."""
+    torch.manual_seed(0)
+    u = unit_scale(_Explicit())
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+
+    def run(m: nn.Module) -> tuple[Tensor, list[Tensor]]:
+        u.zero_grad(set_to_none=True)
+        y = m(x)
+        y.square().sum().backward()
+        return y.detach(), [p.grad.clone() for p in u.parameters() if p.grad is not None]
+
+    (ye, ge), (yc, gc) = run(u), run(torch.compile(u))
+    torch.testing.assert_close(yc, ye, rtol=1e-4, atol=1e-6)
+    assert len(gc) == len(ge) == 5
     for a, b in zip(gc, ge, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
