@@ -29,6 +29,7 @@ from torch import nn
 from lowprec.scalify import coverage, reset_coverage, scalify
 
 transformers = pytest.importorskip("transformers")
+from tests.scalify._hf import IDS, gpt2, llama  # noqa: E402
 
 U_FP16, U_E5M2 = 2.0**-11, 2.0**-3
 FP16_BOUND, FP8_BOUND = 10 * U_FP16, 2 * U_E5M2
@@ -36,26 +37,7 @@ BOUND = {"fp16": FP16_BOUND, "fp8": FP8_BOUND}
 FLASH = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 
-def llama(attn: str) -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, attn_implementation=attn,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def gpt2(attn: str) -> nn.Module:
-    cfg = transformers.GPT2Config(
-        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16,
-        bos_token_id=0, eos_token_id=0, attn_implementation=attn,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)  # dropout 0.1 (the default), training mode
-
-
 MODELS = {"llama": llama, "gpt2": gpt2}
-IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
 
 
 def grads(run: nn.Module, model: nn.Module) -> tuple[float, dict[str, torch.Tensor]]:

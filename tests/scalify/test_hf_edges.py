@@ -18,9 +18,9 @@ from torch import Tensor
 
 from lowprec.core.warn import reset_warnings
 from lowprec.scalify import ScalifyConfig, coverage, reset_coverage, scalify
-from tests.scalify.test_hf import IDS, llama
 
 transformers = pytest.importorskip("transformers")
+from tests.scalify._hf import IDS, llama  # noqa: E402
 
 POLICIES = ["static", "dynamic", "dynamic-l2", ScalifyConfig(rescale="l1"),
             ScalifyConfig(rescale="l2")]  # fmt: skip
