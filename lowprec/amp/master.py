@@ -141,8 +141,8 @@ class MasterWeights(torch.optim.Optimizer):
             generator.manual_seed(int(torch.randint(0, 2**62, (), dtype=torch.int64)))
         self.stochastic_rounding = stochastic_rounding
         self.generator = generator
-        self._grads_copied = False
-        self._copied: list[Tensor | None] = []  # the model's gradients copy_grads copied
+        # the model's gradients copy_grads copied this step; None: not copied this step
+        self._copied: list[Tensor | None] | None = None
         self._pushed: list[tuple[Tensor | None, int]] | None = None
         self._written = [_version(p) for p in self.model_params]  # at the last write-back
         # torch.optim.Optimizer's bookkeeping, without its own param_groups/state (the
@@ -191,7 +191,7 @@ class MasterWeights(torch.optim.Optimizer):
         self.model_params.extend(group["params"])
         self.master_params.extend(masters)
         self._written.extend(_version(p) for p in group["params"])
-        if self._grads_copied:  # mid-step: the new masters get this step's gradients too
+        if self._copied is not None:  # mid-step: the new masters get this step's gradients
             for p, m in zip(group["params"], masters, strict=True):
                 m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
                 self._copied.append(p.grad)
@@ -202,22 +202,20 @@ class MasterWeights(torch.optim.Optimizer):
     def copy_grads(self) -> None:
         """Copy the model's gradients into the FP32 masters (once per step: again only
         where the model's gradients are other tensors than the ones copied, i.e. new)."""
-        if self._grads_copied and all(
+        if self._copied is not None and all(
             p.grad is g for p, g in zip(self.model_params, self._copied, strict=True)
         ):
             return
         for p, m in zip(self.model_params, self.master_params, strict=True):
             m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
         self._copied = [p.grad for p in self.model_params]
-        self._grads_copied = True
         self._pushed = None
 
     def discard_grads(self) -> None:
         """End a step without an update (a loss scaler's skipped or ended step): the next
         :meth:`copy_grads` copies the model's gradients afresh, even where they are the
         same tensors (``zero_grad(set_to_none=False)`` and another backward)."""
-        self._grads_copied = False
-        self._copied = []
+        self._copied = None
         self._pushed = None
 
     @torch.no_grad()
