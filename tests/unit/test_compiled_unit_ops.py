@@ -13,6 +13,26 @@ from lowprec.unit import UnitConfig, unit_scale
 from lowprec.unit import functional as U
 
 
+def _run(u: nn.Module, m: nn.Module, x: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """``m`` (``u`` or its compiled form) on ``x``: the output, then the gradients of
+    ``Σ y²`` for the input and each of ``u``'s parameters that gets one."""
+    u.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = m(x)
+    y.square().sum().backward()
+    assert x.grad is not None
+    grads = [p.grad.clone() for p in u.parameters() if p.grad is not None]
+    return y.detach(), [x.grad, *grads]
+
+
+def _assert_compiled_equals_eager(u: nn.Module, x: Tensor, n_params: int) -> None:
+    (ye, ge), (yc, gc) = _run(u, u, x), _run(u, torch.compile(u), x)
+    torch.testing.assert_close(yc, ye, rtol=1e-4, atol=1e-6)
+    assert len(gc) == len(ge) == 1 + n_params  # the input's and every parameter's
+    for a, b in zip(gc, ge, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_compiled_readout_with_a_bias_equals_eager() -> None:
     torch.manual_seed(0)
@@ -21,18 +41,7 @@ def test_compiled_readout_with_a_bias_equals_eager() -> None:
     with torch.no_grad():
         u[2].bias.normal_()
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
-
-    def run(m: nn.Module) -> tuple[Tensor, list[Tensor]]:
-        u.zero_grad(set_to_none=True)
-        y = m(x)
-        y.square().sum().backward()
-        return y.detach(), [p.grad.clone() for p in u.parameters() if p.grad is not None]
-
-    (ye, ge), (yc, gc) = run(u), run(torch.compile(u))
-    torch.testing.assert_close(yc, ye, rtol=1e-4, atol=1e-6)
-    assert len(gc) == len(ge) == 4
-    for a, b in zip(gc, ge, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    _assert_compiled_equals_eager(u, x, n_params=4)
 
 
 class _Explicit(nn.Module):
@@ -55,15 +64,4 @@ def test_compiled_equals_eager_with_unit_ops_in_the_forward() -> None:
     torch.manual_seed(0)
     u = unit_scale(_Explicit())
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
-
-    def run(m: nn.Module) -> tuple[Tensor, list[Tensor]]:
-        u.zero_grad(set_to_none=True)
-        y = m(x)
-        y.square().sum().backward()
-        return y.detach(), [p.grad.clone() for p in u.parameters() if p.grad is not None]
-
-    (ye, ge), (yc, gc) = run(u), run(torch.compile(u))
-    torch.testing.assert_close(yc, ye, rtol=1e-4, atol=1e-6)
-    assert len(gc) == len(ge) == 5
-    for a, b in zip(gc, ge, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    _assert_compiled_equals_eager(u, x, n_params=5)
