@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from lowprec.core.modes import eager_frames
+from lowprec.core.modes import eager_frames, is_plain
 
 __all__ = [
     "Fp16MatmulInFp32",
@@ -74,7 +74,6 @@ def cross_entropy_fp32(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 _LOW = (torch.float16, torch.bfloat16)
-_PLAIN = (Tensor, torch.nn.Parameter)  # not tensor subclasses (ScaledTensor, DTensor)
 
 # softmax and normalisations: computed in FP32, the result rounded to the input's dtype
 _KEEP_DTYPE = {
@@ -93,7 +92,7 @@ _LOSSES = {
 
 
 def _up_low(a: Any) -> Any:
-    return a.float() if type(a) in _PLAIN and a.dtype in _LOW else a
+    return a.float() if is_plain(a) and a.dtype in _LOW else a
 
 
 @eager_frames
@@ -136,7 +135,7 @@ class SensitiveInFp32(TorchFunctionMode):
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
         if (
             first is None
-            or type(first) not in _PLAIN
+            or not is_plain(first)
             or first.dtype not in _LOW
             or torch.is_autocast_enabled(first.device.type)
         ):

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from torch import Tensor
 from torch._dynamo import eval_frame
+from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["eager_frames"]
+__all__ = ["eager_frames", "is_plain"]
 
 M = TypeVar("M", bound=type[TorchFunctionMode])
 
@@ -45,3 +47,13 @@ def eager_frames(cls: M) -> M:
     if skip is not None:  # (torch without it: nothing to mark)
         skip(getattr(fn, "__func__", fn).__code__)
     return cls
+
+
+_PLAIN = (Tensor, Parameter)
+
+
+def is_plain(t: object) -> bool:
+    """Whether ``t`` is a plain ``torch.Tensor`` or ``nn.Parameter``: not a tensor subclass
+    (``ScaledTensor``, ``DTensor``, a float8 wrapper), whose own ``__torch_function__`` or
+    ``__torch_dispatch__`` rules a mode must leave to it."""
+    return type(t) in _PLAIN

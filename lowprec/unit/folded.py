@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lowprec.core.modes import is_plain
+
 __all__ = ["ScaledLinear", "UnitSoftmax", "gemm_kernels_apply"]
 
 
@@ -27,18 +29,15 @@ def _mm(a: Tensor, b: Tensor, alpha: float, bias: Tensor | None = None) -> Tenso
     return torch.addmm(bias, a, b, alpha=alpha)
 
 
-# Tensors the GEMM-``alpha`` linear takes; subclasses (DTensor, scaled or float8 wrappers)
-# go through the primitives and the subclass's own ``F.linear`` rule.
-_PLAIN = (Tensor, torch.nn.Parameter)
-
-
 def gemm_kernels_apply(*ts: Tensor | None) -> bool:
     """Whether :class:`ScaledLinear` may compute a unit linear: plain tensors, and no torch
     function mode active that may handle ``F.linear`` itself (the unit + float8 recipes'
     float8 product, a user's mode); otherwise the primitives call ``F.linear``."""
     if torch._C._len_torch_function_stack() > 0:
         return False
-    return all(type(t) in _PLAIN for t in ts if t is not None)
+    # subclasses (DTensor, scaled or float8 wrappers) go through the primitives and the
+    # subclass's own ``F.linear`` rule
+    return all(is_plain(t) for t in ts if t is not None)
 
 
 def _rows(x: Tensor) -> Tensor:
