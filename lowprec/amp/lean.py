@@ -173,6 +173,11 @@ class LeanOptimizer(torch.optim.Optimizer):
                     "state_rounding='stochastic' does nothing with state='fp32' (FP32 states "
                     "are stored exactly): leave it 'auto' or 'nearest'"
                 )
+            if state != "8bit" and block_size != 256:
+                raise ValueError(
+                    f"block_size={block_size!r} only applies to state='8bit' (its blocks of "
+                    f"scaled E4M3 codes), got state={state!r}: leave it at 256"
+                )
             if state_rounding == "auto":  # 8-bit EMAs stall under nearest rounding (module doc)
                 state_rounding = "stochastic" if state == "8bit" else "nearest"
             codecs = state_codecs(state, block_size, state_rounding)[: len(self.moments)]

@@ -136,7 +136,9 @@ def quantize(
     fmt = get_format(fmt, arg="fmt")
     _check_rounding(rounding, fmt, x.dtype)
     _check_saturate(saturate)
-    if generator is not None and not isinstance(generator, torch.Generator):
+    if seed is None:  # (with a seed: the counter path's own message)
+        check_generator(generator, rounding)
+    elif generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if seed is not None:
         return _quantize_counter(x, fmt, rounding, saturate, generator, seed)
@@ -156,6 +158,20 @@ def quantize(
             if y is not None:
                 return y
     return round_bits(x, fmt, rounding, saturate, generator, rand)
+
+
+def check_generator(generator: object, rounding: str) -> None:
+    """``TypeError`` for a ``generator`` that is not a ``torch.Generator``; ``ValueError``
+    for one given with ``rounding="nearest"``, which draws nothing (it would be ignored)."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if rounding != "stochastic":
+        raise ValueError(
+            f"generator: rounding={rounding!r} draws nothing; a generator is for "
+            "rounding='stochastic'"
+        )
 
 
 def _quantize_counter(

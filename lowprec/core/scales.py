@@ -65,6 +65,7 @@ __all__ = [
     "ScaleOverflowError",
     "amax",
     "check_margin",
+    "check_scaled_cast",
     "compute_scale",
     "group_scale",
     "mx_scale",
@@ -163,6 +164,29 @@ def check_margin(margin: float) -> float:
     if not (math.isfinite(margin) and abs(margin) <= _MAX_MARGIN):
         raise ValueError(f"margin must be finite with |margin| <= {_MAX_MARGIN:g}, got {margin}")
     return float(margin)
+
+
+def check_scaled_cast(fmt: Format, kind: str, power_of_two: bool) -> None:
+    """``ValueError`` for a scaled cast of signed values (``x / scale`` into ``fmt``, the
+    scale of a granularity of kind ``kind``) that would compute something else than it
+    says: an unsigned element format (E8M0 is a scale format: every negative value would
+    be NaN), ``"nv"`` with another element format than E2M1, ``power_of_two`` with ``"mx"``
+    (its scales are powers of two already) or ``"nv"`` (its block scales are E4M3 values)."""
+    if not fmt.signed:
+        raise ValueError(
+            f"fmt {fmt.name!r} is unsigned (a scale format): a scaled cast needs a signed "
+            "element format (every negative value would be NaN)"
+        )
+    if kind == "nv" and fmt.name != "e2m1":
+        raise ValueError(f"granularity 'nv' (NVFP4) needs fmt 'e2m1', got {fmt.name!r}")
+    if kind in ("mx", "nv") and power_of_two:
+        why = (
+            "MX scales are powers of two by definition (mx_scale='ceil' rounds "
+            "amax / fmt.max up to one)"
+            if kind == "mx"
+            else "NVFP4 block scales are E4M3 values, not powers of two"
+        )
+        raise ValueError(f"power_of_two=True does not apply to granularity {kind!r}: {why}")
 
 
 def _amax_arg(amax: Tensor) -> Tensor:

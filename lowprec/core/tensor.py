@@ -46,9 +46,9 @@ from lowprec.core import kernels
 from lowprec.core.autograd import apply_fn
 from lowprec.core.formats import Format, Rounding, get_format
 from lowprec.core.granularity import Granularity, apply_scale, as_granularity, check_scale_shape
-from lowprec.core.rounding import to_format
+from lowprec.core.rounding import check_generator, to_format
 from lowprec.core.scalers import Scaler, _check_scale_value
-from lowprec.core.scales import amax, check_margin, group_scale
+from lowprec.core.scales import amax, check_margin, check_scaled_cast, group_scale
 
 __all__ = [
     "LOGICAL_DTYPES",
@@ -479,6 +479,7 @@ def quantize_scaled(
     fmt = get_format(fmt, arg="fmt")
     if not isinstance(power_of_two, bool):
         raise TypeError(f"power_of_two must be a bool, got {type(power_of_two).__name__}")
+    check_generator(generator, rounding)
     if scaler is not None:
         if not isinstance(scaler, Scaler):
             raise TypeError(f"scaler must be a lowprec Scaler, got {type(scaler).__name__}")
@@ -499,6 +500,7 @@ def quantize_scaled(
         scale = scaler(x)
     else:
         g = as_granularity(granularity or "tensor")
+        check_scaled_cast(fmt, g.kind, power_of_two)
         scale = group_scale(amax(x, g), fmt, g, check_margin(margin), power_of_two)
     out: ScaledTensor = apply_fn(_QuantizeScaled, x, scale, fmt, rounding, saturate, generator)
     return out

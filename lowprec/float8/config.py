@@ -53,7 +53,7 @@ from lowprec.core.formats import get_format
 from lowprec.core.granularity import Granularity, K
 from lowprec.core.observe import GEMMS as GEMMS  # y = x Wᵀ, dx = g W, dW = gᵀ x
 from lowprec.core.registry import Registry
-from lowprec.core.scales import check_margin, group_scale
+from lowprec.core.scales import check_margin, check_scaled_cast, group_scale
 from lowprec.float8.config_checks import GEMM_ROLES as GEMM_ROLES  # each GEMM's (a, b) roles
 from lowprec.float8.config_checks import ROLES as ROLES
 from lowprec.float8.config_checks import check_gemms, check_hadamard
@@ -74,6 +74,8 @@ Scaling = Literal["dynamic", "delayed", "static"]
 
 _HISTORY_LEN = 16  # CastConfig's defaults of the delayed-only fields
 _ALGO: Literal["max", "most_recent"] = "max"
+# the largest element format max a scaled GEMM emulates: max² · K stays finite in FP32
+_MAX_ELEMENT = 2.0**48
 
 
 @dataclass(frozen=True)
@@ -165,8 +167,6 @@ class CastConfig:
             raise ValueError(f"mx_scale must be 'floor' or 'ceil', got {self.mx_scale!r}")
         if self.mx_scale != "floor" and g.kind != "mx":
             raise ValueError("mx_scale only applies to granularity 'mx' / 'mx:B'")
-        if g.kind == "nv" and f.name != "e2m1":
-            raise ValueError(f"granularity 'nv' (NVFP4) needs fmt 'e2m1', got {f.name!r}")
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
         if self.rounding == "stochastic" and not f.signed:
@@ -188,15 +188,13 @@ class CastConfig:
                         f"got scaling={self.scaling!r} (its scale keeps no amax history; "
                         f"leave {name} at {default!r})"
                     )
-        if g.kind in ("mx", "nv") and self.power_of_two:
-            why = (
-                "MX scales are powers of two by definition (mx_scale='ceil' rounds "
-                "amax / fmt.max up to one)"
-                if g.kind == "mx"
-                else "NVFP4 block scales are E4M3 values, not powers of two"
-            )
+        check_scaled_cast(f, g.kind, self.power_of_two)
+        if f.max > _MAX_ELEMENT:
             raise ValueError(
-                f"power_of_two=True does not apply to granularity {self.granularity!r}: {why}"
+                f"fmt {f.name!r}: its max ({f.max:.3g}) is above 2^48; the emulated GEMM "
+                "multiplies payloads near fmt.max in FP32 (C = (A_q B_q) s_A s_B), which "
+                "would overflow. Keep that GEMM in high precision (high_precision_gemms) "
+                "instead"
             )
         if g.kind == "mx" and self.margin != int(self.margin):
             raise ValueError(

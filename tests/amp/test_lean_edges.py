@@ -306,6 +306,9 @@ def test_torch_keyword_arguments_and_inconsistent_lean_arguments() -> None:
         LeanAdamW(p, block_size=0)
     with pytest.raises(ValueError, match="state_rounding='stochastic' does nothing"):
         LeanAdamW(p, state_rounding="stochastic")
+    for state in ("fp32", "bf16"):  # no blocks: the argument was accepted and ignored
+        with pytest.raises(ValueError, match=f"block_size=64 only applies.*got state={state!r}"):
+            LeanAdamW(p, state=state, block_size=64)
 
 
 # -- 6. the global RNG -----------------------------------------------------------------------

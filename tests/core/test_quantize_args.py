@@ -71,3 +71,41 @@ def test_power_of_two_must_be_a_bool(bad: object) -> None:
 def test_to_format_is_public() -> None:
     """docs/formats.md names ``lowprec.to_format``; it was only in ``lowprec.core.rounding``."""
     assert lowprec.to_format is to_format and "to_format" in lowprec.__all__
+
+
+def test_scaled_casts_that_would_compute_something_else_raise() -> None:
+    """``quantize_scaled`` refuses what ``CastConfig`` refuses: an unsigned element format
+    (E8M0: every negative value became NaN, and 1.0 read 1.25), ``"nv"`` with another
+    format than E2M1, and ``power_of_two`` with ``"mx"`` (accepted and ignored)."""
+    from lowprec.core.tensor import quantize_scaled
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="'e8m0' is unsigned"):
+        quantize_scaled(x, "e8m0")
+    with pytest.raises(ValueError, match="needs fmt 'e2m1', got 'e4m3fn'"):
+        quantize_scaled(x, "e4m3fn", granularity="nv")
+    for g in ("mx", "mx:32"):
+        with pytest.raises(ValueError, match="power_of_two=True does not apply to granul"):
+            quantize_scaled(x, "e2m1", granularity=g, power_of_two=True)
+    # what they allow still works: MX scales are powers of two without the flag
+    s = quantize_scaled(x, "e2m1", granularity="mx").scale
+    assert torch.equal(s, torch.exp2(torch.log2(s).round()))
+
+
+def test_a_generator_with_nearest_rounding_raises() -> None:
+    """Round-to-nearest draws nothing: a generator was accepted and left unused (its state
+    unchanged), where ``seed`` with nearest rounding already raised."""
+    from lowprec.core.tensor import quantize_scaled
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(ValueError, match="generator: rounding='nearest' draws nothing"):
+        lowprec.quantize(x, "e4m3fn", generator=g)
+    with pytest.raises(ValueError, match="generator: rounding='nearest' draws nothing"):
+        quantize_scaled(x, "e4m3fn", generator=g)
+    with pytest.raises(TypeError, match=r"generator must be a torch\.Generator"):
+        lowprec.quantize(x, "e4m3fn", rounding="stochastic", generator=1)  # type: ignore[arg-type]
+    # with stochastic rounding the generator is used: its state moves
+    before = g.get_state()
+    quantize_scaled(x, "e4m3fn", rounding="stochastic", generator=g)
+    assert not torch.equal(g.get_state(), before)

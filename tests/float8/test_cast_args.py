@@ -133,6 +133,12 @@ def test_grouped_quantization_honours_the_margin(cast: CastConfig) -> None:
         ({"granularity": "axis", "history_len": 4}, "history_len"),
         ({"scaling": "static", "history_len": 4}, "history_len"),
         ({"scaling": "static", "static_scale": 0.5, "algo": "most_recent"}, "algo"),
+        # an unsigned (scale) element format: every negative value was NaN (48% of randn)
+        ({"fmt": "e8m0"}, "unsigned"),
+        # formats whose max² overflows the emulated GEMM's FP32 product: NaN outputs
+        ({"fmt": "bf16"}, "above 2\\^48"),
+        ({"fmt": "tf32"}, "above 2\\^48"),
+        ({"fmt": "e4m3fn", "granularity": "nv:16"}, "needs fmt 'e2m1'"),
     ],
 )
 def test_arguments_without_a_meaning_raise(kw: dict[str, object], name: str) -> None:
