@@ -18,7 +18,11 @@ GPT-J's, a hand-written one) gets two rules on top of the ops':
 * a softmax's output (through dropout, casts and views that keep its rows) taken as the
   left operand of a matmul is attention probabilities: that matmul is
   :func:`lowprec.unit.functional.probs_matmul` (``1/√(mean_i Σ_j p_ij²)``, whatever the
-  mask) instead of the generic ``1/√K``.
+  mask) instead of the generic ``1/√K``;
+* an activation repeated ``c`` times (grouped-query attention's key/value heads: HF's
+  ``repeat_kv``, ``repeat_interleave``), through views, as an operand of a matmul of two
+  activations has its backward scaled by ``1/√c`` (its ``c`` copies' gradients sum), as
+  the SDPA rule's ``enable_gqa``: the written-out form then has SDPA's gradients.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lowprec.core.modes import eager_frames
@@ -42,7 +46,7 @@ from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
 from lowprec.unit.attention import check_qkv
 from lowprec.unit.config import UnitConfig
-from lowprec.unit.core import _PLAIN, check_number, plain_ops, scale_fwd
+from lowprec.unit.core import _PLAIN, check_number, plain_ops, scale_bwd, scale_fwd
 
 __all__ = ["UNIT_OPS", "UnitMode", "plain_ops"]
 
@@ -73,9 +77,16 @@ _SOFTMAX = {torch.softmax, F.softmax, Tensor.softmax}
 _KEEPS_PROBS = {F.dropout, Tensor.to, Tensor.type_as, Tensor.contiguous, Tensor.float,
                 Tensor.half, Tensor.bfloat16, Tensor.clone, Tensor.view, Tensor.reshape,
                 torch.reshape}  # fmt: skip
+# ops that repeat a tensor (grouped-query attention's key/value heads, HF's ``repeat_kv``)
+_REPEATS = {Tensor.expand, Tensor.expand_as, Tensor.repeat, Tensor.repeat_interleave,
+            torch.repeat_interleave, torch.broadcast_to}  # fmt: skip
+# ops that keep a repeated tensor's copies (views, transposes, casts, copies)
+_KEEPS_REPEATS = {*_KEEPS_PROBS, Tensor.transpose, torch.transpose, Tensor.permute,
+                  torch.permute, Tensor.flatten}  # fmt: skip
 _LOG_SOFTMAX = {torch.log_softmax, F.log_softmax, Tensor.log_softmax}
 _RELU = {F.relu, torch.relu, Tensor.relu}
 _KEEP = 4  # tensors each of the attention patterns' lists remembers
+_KEEP_REPEATS = 8  # two repeats (key, value) and their views
 _DIVS = {Tensor.__truediv__, Tensor.div, torch.div}
 _SCALINGS = {Tensor.__mul__, Tensor.__rmul__, Tensor.mul, torch.mul, *_DIVS}
 _NO_RULE = {
@@ -139,8 +150,9 @@ def _sdpa(cfg: UnitConfig, query: Tensor, key: Tensor, value: Tensor,
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask, is_causal: give one of them, not both (as torch)")
     group = check_qkv(query, key, value, enable_gqa)
-    if group > 1:
+    if group > 1:  # the G copies' gradients sum: 1/√G each, as the SDPA rule's
         key, value = key.repeat_interleave(group, -3), value.repeat_interleave(group, -3)
+        key, value = scale_bwd(key, group**-0.5), scale_bwd(value, group**-0.5)
     logits = UNIT_OPS[U.matmul](query, key.transpose(-2, -1), float8=True)  # q·k/√d
     d = max(1, query.shape[-1])
     if scale is not None and check_number("scale", scale) * d**0.5 != 1.0:
@@ -251,6 +263,11 @@ class UnitMode(TorchFunctionMode):
         # weak dictionaries), so no tensor is kept alive for long.
         self._probs: list[Tensor] = []
         self._products: list[tuple[Tensor, int]] = []
+        # The last few repeats of an activation (and their views) with their copy count
+        # ``c``: as an operand of a matmul of two activations, the ``c`` copies' gradients
+        # sum in the backward, which is scaled by ``1/√c`` (the SDPA rule's ``enable_gqa``,
+        # so that grouped-query attention written out has the SDPA form's gradients).
+        self._repeats: list[tuple[Tensor, int]] = []
 
     def _unhandled(self, func: Any, cause: str) -> None:
         where = self.runtime.where() if self.runtime is not None else None
@@ -277,6 +294,8 @@ class UnitMode(TorchFunctionMode):
             if out is not NotImplemented:
                 return out
             args, kw = rt.substitute(args, kw)
+        if self._repeats and func in _MATMUL and len(args) == 2 and not kw:
+            args = self._scaled_repeats(args)
         if self._probs and args and any(t is args[0] for t in self._probs):
             if (
                 func in _MATMUL
@@ -300,12 +319,40 @@ class UnitMode(TorchFunctionMode):
                 return args[0]  # the model's 1/√K, which the unit matmul applied
         out = self._convert(func, args, kw)
         if isinstance(out, Tensor):
+            if func in _REPEATS or (self._repeats and func in _KEEPS_REPEATS):
+                self._track_repeat(func, args, out)
             if func in _SOFTMAX:
                 self._probs = [*self._probs[-(_KEEP - 1) :], out]
             elif func in _MATMUL and len(args) == 2 and isinstance(args[1], Tensor):
                 k = max(1, args[1].shape[-2]) if args[1].dim() >= 2 else 1
                 self._products = [*self._products[-(_KEEP - 1) :], (out, k)]
         return out
+
+    def _track_repeat(self, func: Any, args: tuple[Any, ...], out: Tensor) -> None:
+        """Remember ``out`` if it repeats an activation (not a parameter) that needs a
+        gradient, or is a view of such a repeat (same element count)."""
+        x = args[0] if args else None
+        if not isinstance(x, Tensor) or isinstance(x, nn.Parameter) or not x.requires_grad:
+            return
+        if func in _REPEATS:
+            copies = out.numel() // x.numel() if x.numel() else 1
+        elif out.numel() == x.numel():
+            copies = next((c for t, c in self._repeats if t is x), 1)
+        else:
+            return
+        if copies > 1:
+            self._repeats = [*self._repeats[-(_KEEP_REPEATS - 1) :], (out, copies)]
+
+    def _scaled_repeats(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A matmul's operands, a repeated activation (``c`` copies) in ``scale_bwd(·,
+        1/√c)``; unchanged where an operand is a parameter (not two activations)."""
+        if not all(isinstance(a, Tensor) and not isinstance(a, nn.Parameter) for a in args):
+            return args
+        out = []
+        for a in args:
+            c = next((c for t, c in self._repeats if t is a), 1)
+            out.append(a if c == 1 else scale_bwd(a, c**-0.5))
+        return tuple(out)
 
     def _drops_scaling(self, func: Any, x: Any, c: Any) -> bool:
         """Whether ``func(x, c)`` multiplies a unit matmul's output ``x`` by ``1/√K`` (or
