@@ -50,6 +50,7 @@ from lowprec.float8.gemm_options import role_scale
 from lowprec.float8.grouped import GroupedScales, grouped_config, run_grouped
 from lowprec.float8.grouped_quant import group_amax
 from lowprec.float8.mm import autocast_off
+from lowprec.float8.replay import ForwardReplay, recomputing
 
 __all__ = [
     "Float8Experts",
@@ -264,6 +265,7 @@ class Float8Experts(nn.Module):
         _carry_hooks(experts, self)
         self.train(experts.training)
         self._scalers: dict[str, DelayedScaler] = {}  # buffer name -> its scaler
+        self._replay: dict[str, ForwardReplay] = {}  # weight name -> its forwards' scales
         for name in weight_names(self):
             w = self._parameters[name]
             assert w is not None
@@ -311,13 +313,27 @@ class Float8Experts(nn.Module):
         if not self._scalers:
             return None if given is None else GroupedScales(weight=given)
         upd, has = self.training, {b.split("_amax_history")[0] for b in self._scalers}
+        # a recomputation (activation checkpointing) uses its forward's scales and records
+        # nothing (lowprec.float8.replay); backward records grad_output once
+        again = recomputing(upd)
+        replay = self._replay.setdefault(name, ForwardReplay())
+        keep = upd and not torch.compiler.is_compiling()
+        key = group_amax(x.detach(), offs) if keep else None  # each expert's input amax
+        used = replay.take(key) if again and key is not None else None
         xs = ws = None
-        if f"{name}_input" in has:
-            xs = self._role_scale(name, "input", group_amax(x.detach(), offs), upd)
+        if used is not None:
+            xs, ws = used
+        else:
+            if f"{name}_input" in has:
+                a = key if key is not None else group_amax(x.detach(), offs)
+                xs = self._role_scale(name, "input", a, upd and not again)
+            if given is None and f"{name}_weight" in has:
+                a = w3.detach().abs().amax(dim=(1, 2))
+                ws = self._role_scale(name, "weight", a, upd and not again)
+            if key is not None and not again:
+                replay.save(key, (xs, ws))
         if given is not None:
             ws = given
-        elif f"{name}_weight" in has:
-            ws = self._role_scale(name, "weight", w3.detach().abs().amax(dim=(1, 2)), upd)
         go = None
         if f"{name}_grad_output" in has:
 

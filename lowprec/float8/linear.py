@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from lowprec.core.autograd import apply_fn, apply_outside_graph
 from lowprec.core.hadamard import fqn_key
 from lowprec.core.scalers import AmaxReducer, DelayedScaler, StaticScaler
+from lowprec.core.scales import amax as tensor_wide_amax
 from lowprec.core.tensor import ScaledTensor
 from lowprec.float8.carry import _carry_extras, _carry_hooks
 from lowprec.float8.config import ROLES, CastConfig, Float8Config
@@ -37,6 +38,7 @@ from lowprec.float8.gemms import (
     role_scale,
 )
 from lowprec.float8.mm import autocast_off
+from lowprec.float8.replay import ForwardReplay, recomputing
 
 __all__ = ["Float8Linear", "LinearFn", "WeightForward", "register_weight_forward"]
 
@@ -129,6 +131,12 @@ class Float8Linear(nn.Linear):
                 self._scalers[role] = sc
         if recipe.stochastic:  # (layer key, step counter) of the stochastic-rounding streams
             self.register_buffer("rng_state", torch.zeros(2, dtype=torch.int64, device=dev))
+        # what each training forward used, for its recomputation (activation checkpointing):
+        # only where a forward reads and advances state (delayed x/W scales, the streams)
+        self._replay = ForwardReplay()
+        self._replays = recipe.stochastic or any(
+            isinstance(self._scalers.get(role), DelayedScaler) for role in ("input", "weight")
+        )
         self.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
 
     def _bind_state(self) -> None:
@@ -335,6 +343,12 @@ class Float8Linear(nn.Linear):
         x2d = x.reshape(-1, x.shape[-1])
         cal = self._recording()
         upd = self.training or cal
+        # a recomputation (activation checkpointing) uses its forward's scales and streams
+        # and records nothing (lowprec.float8.replay); backward records grad_output once
+        again = self._replays and recomputing(self.training)
+        keep = self._replays and self.training and not torch.compiler.is_compiling()
+        key = _input_key(x2d) if keep else None
+        used = self._replay.take(key) if again and key is not None else None
         r = self.recipe
         go_sc = self._scalers.get("grad_output")
         xr = reduce if "x" in sharded else None
@@ -342,18 +356,29 @@ class Float8Linear(nn.Linear):
         gr = reduce if "g" in sharded else None
         own = bool(r.gemms or r.hadamard)  # GEMMs that take their own tensor-wise scales
         spec = GemmSpec(r, upd, cal, go_sc, gr, xr if own else None, wr if own else None)
-        kw: dict[str, Any] = {"update": upd, "calibrating": cal}
+        kw: dict[str, Any] = {"update": upd and not again, "calibrating": cal}
         # An FP8-gathered operand (lowprec.distributed) arrives quantized, its scaler run.
         xs = ws = None
-        if not isinstance(x2d, ScaledTensor):
-            xs = role_scale(self._scalers.get("input"), r.input, x2d, reduce=xr, **kw)
-        if not isinstance(w, ScaledTensor):
-            ws = role_scale(self._scalers.get("weight"), r.weight, w, reduce=wr, **kw)
+        if used is not None:
+            xs, ws, step = used
+        else:
+            if not isinstance(x2d, ScaledTensor):
+                sc = self._scalers.get("input")
+                # the key is the amax a delayed scaler of its own would compute: one pass
+                mine = isinstance(sc, DelayedScaler) and sc.reducer is None and xr is None
+                xa = key if mine else None
+                xs = role_scale(sc, r.input, x2d, reduce=xr, amax=xa, **kw)
+            if not isinstance(w, ScaledTensor):
+                ws = role_scale(self._scalers.get("weight"), r.weight, w, reduce=wr, **kw)
+        rng = self._buffers.get("rng_state")
+        if key is not None and not again:
+            self._replay.save(key, (xs, ws, None if rng is None else rng.clone()))
+        elif used is not None and step is not None:
+            rng = step  # the streams of the forward recomputed
         # A frozen static grad_output scale is known now; otherwise backward computes it
         # from the state threaded through the function (an input, for torch.compile).
         gs = go_sc.scale if isinstance(go_sc, StaticScaler) and go_sc.frozen else None
         go = self._state("grad_output")
-        rng = self._buffers.get("rng_state")
         args = (x2d, w, xs, ws, gs, go, spec, out_dtype, rng)
         with autocast_off(dev):
             # MX and NVFP4 linears, stochastic rounding (seeded generators) and Hadamard
@@ -366,7 +391,7 @@ class Float8Linear(nn.Linear):
                 y: Tensor = apply_outside_graph(Float8MatmulFn, *args)
             else:
                 y = apply_fn(Float8MatmulFn, *args, inputs=(0, 1))
-        if rng is not None and self.training:  # the next call draws the next streams
+        if rng is not None and self.training and not again:  # the next call: the next streams
             with torch.no_grad():
                 rng[1] += 1
         return y.reshape(*x.shape[:-1], w.shape[0])
@@ -390,6 +415,12 @@ class Float8Linear(nn.Linear):
         # The casts per role, then formats per GEMM and high-precision GEMMs if any:
         # e.g. ``..., weight_grad=[grad_output=dyn:nv:16:e2m1, input=dyn:nv:16:e2m1]``.
         return f"{super().extra_repr()}, recipe={self.recipe.name}, {self.recipe.describe()}"
+
+
+def _input_key(x: Tensor) -> Tensor:
+    """The key a forward is kept by for its recomputation: its input's ``amax``."""
+    t = x.qdata if isinstance(x, ScaledTensor) else x
+    return tensor_wide_amax(t.detach(), "tensor").float()
 
 
 def _after_load(module: nn.Module, incompatible: Any) -> None:
