@@ -29,6 +29,13 @@ and restore the scaler (``scaler.pt``) with the model and optimizer, and the par
 recipe's state they do not hold (buffers such as amax histories, static-scale calibration,
 the recipe, checked on load) is registered with ``accelerator.register_for_checkpointing``.
 
+Gradient accumulation (``Accelerator(gradient_accumulation_steps=k)``, ``with
+accelerator.accumulate(model)``): ``accelerator.backward`` divides each micro-batch's loss
+by ``k``; for a unit recipe the adapter's ``accelerator.backward`` also scales the backward
+by ``√k`` (:func:`~lowprec.integrations.common.unit_accumulated`), so the step's gradient
+is the unit gradient of one batch of all ``k`` micro-batches' rows, as the HF ``Trainer``
+and Lightning adapters give: the user divides the loss by nothing.
+
 Several processes (``accelerate launch``, DDP): the float8 scaling state is reduced over
 the ranks after each backward, so every rank casts with the same scales (a unit recipe's
 gradients are averaged by Accelerate's DDP: a WARNING says so).
@@ -39,6 +46,7 @@ GradScaler would sit on top of the recipe's), and DeepSpeed.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +59,7 @@ from lowprec.integrations.common import (
     factory_of,
     load_lowprec_state,
     lowprec_state,
+    unit_accumulated,
     with_module_filter,
 )
 from lowprec.recipes import OptimizerFactory, Prepared, Recipe
@@ -81,6 +90,25 @@ def _data_parallel(prepared: Prepared) -> None:
             "(lowprec.distributed.prepare and make_trainer choose the divisor)",
             prepared.recipe.name,
         )
+
+
+def _unit_backward(accelerator: Any, recipe: Recipe) -> None:
+    """``accelerator.backward`` for a unit recipe: the loss's backward also scaled by
+    ``√k``, ``k`` the Accelerator's ``gradient_accumulation_steps`` at each call
+    (:func:`~lowprec.integrations.common.unit_accumulated`). ``accelerator.backward``
+    divides every micro-batch's loss by ``k``, right for a mean loss; a unit weight
+    gradient carries ``b^-1/2`` of its own backward's ``b`` tokens, so the ``k``
+    micro-batches sum to ``√k`` times one batch of ``k·b`` tokens and the step's
+    gradient was ``1/√k`` of that batch's unit gradient (``1/(k·√k)`` for users who also
+    divided by ``√k`` as the docs said). ``k`` = 1: unchanged."""
+    backward = accelerator.backward
+
+    @functools.wraps(backward)
+    def unit_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        k = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
+        return backward(unit_accumulated(loss, recipe, k), **kwargs)
+
+    accelerator.backward = unit_backward
 
 
 class LowprecCheckpoint:
@@ -154,6 +182,8 @@ def prepare(
     if int(getattr(accelerator, "num_processes", 1)) > 1:
         _data_parallel(prepared)
     accelerator.scaler = prepared.scaler
+    if prepared.recipe.unit is not None:
+        _unit_backward(accelerator, prepared.recipe)
     wrapped_model, wrapped_optimizer = accelerator.prepare(prepared.model, prepared.optimizer)
     accelerator.register_for_checkpointing(LowprecCheckpoint(prepared))
     return wrapped_model, wrapped_optimizer, prepared

@@ -34,24 +34,32 @@ What it does, at the plugin hooks Lightning calls:
   ckpt_path=...)`` resumes exactly.
 
 :class:`LowprecFabricPrecision` is Fabric's: ``Fabric(plugins=[LowprecFabricPrecision(r)])``
-converts the module in ``fabric.setup_module``/``fabric.setup``, builds the recipe's optimizer
+converts the module in ``fabric.setup_module``/``fabric.setup`` (for a unit recipe the
+handle it returns records the converted module as its original one, so ``state_dict()``,
+``parameters()`` and ``.module`` are the trained unit model's), builds the recipe's optimizer
 with :meth:`LowprecFabricPrecision.optimizer`, runs forward inside ``compute()``, scales the
-loss in ``fabric.backward``, unscales in ``fabric.clip_gradients`` and steps through the
-scaler; save it with the rest (``fabric.save(path, {"model": m, "optimizer": o,
-"lowprec": fabric.strategy.precision})``).
+loss in ``fabric.backward``, unscales in ``fabric.clip_gradients`` (pass
+``error_if_nonfinite=False`` under dynamic loss scaling: an overflowing step is skipped, not
+an error) and steps through the scaler; save it with the rest (``fabric.save(path, {"model":
+m, "optimizer": o, "lowprec": fabric.strategy.precision})``). Fabric accumulates nothing
+itself: with ``k`` micro-batches a step, divide a unit recipe's loss by ``√k``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.fabric.wrappers import _FabricModule
 from lightning.pytorch.plugins import Precision
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
+from torch.utils.hooks import RemovableHandle
 
 import lowprec.unit
 from lowprec.integrations.common import (
@@ -281,25 +289,48 @@ class LowprecFabricPrecision(_Recipe, FabricPrecision):  # type: ignore[misc]
         module_filter: ModuleFilter | None = None,
     ) -> None:
         self._init(recipe, module, module_filter)
+        self._handle_hook: RemovableHandle | None = None
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Convert ``module`` (a unit or scalify recipe: the new module is returned when
-        ``module`` is the network itself)."""
+        ``module`` is the network itself).
+
+        A unit recipe's new module has parameters of its own (a u-μP copy, initialised
+        anew), and Fabric's handle (``_FabricModule``) points ``state_dict()``,
+        ``load_state_dict``, ``parameters()``, ``.module`` and attribute look-ups at the
+        module given to ``setup_module``, not at the one this returns: they showed the
+        untrained model. So the handle that ``setup_module`` builds next records the
+        converted module as its original one (:func:`_point_handle_at`). A scalify wrapper
+        shares the given module's parameters: the handle keeps the given module (its
+        ``save_pretrained``)."""
         if self._builds_new and self.module_name is None:
             r = with_module_filter(self.recipe, module, self.module_filter)
             net, _ = compose.apply(module, r.technique, r.torch_dtype, 1.0, r.float8_skip, r.layers)
             self.recipe, self._root, self._keys = r, net, set(net.state_dict())
             self.prepared = Prepared(net, None, r.policy.make_scaler(), r)
+            self._drop_handle_hook()  # one of an earlier setup_module (that failed?)
+            own = {id(p) for p in net.parameters()} != {id(p) for p in module.parameters()}
+            if own:
+                self._handle_hook = _point_handle_at(module, net)
             return net
         return self._convert(module)
+
+    def _drop_handle_hook(self) -> None:
+        """Remove the hook of :func:`_point_handle_at` (it may not remove itself: torch
+        iterates over the hooks while it runs)."""
+        if self._handle_hook is not None:
+            self._handle_hook.remove()
+            self._handle_hook = None
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``optimizer`` (a fresh one over the converted module's parameters) rebuilt as
         the recipe says (FP32 masters, lean states, u-μP groups); pass the result to
         ``fabric.setup_optimizers``."""
+        self._drop_handle_hook()
         return self._optimizer(optimizer)
 
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        self._drop_handle_hook()
         return self._compute()
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
@@ -316,6 +347,35 @@ class LowprecFabricPrecision(_Recipe, FabricPrecision):  # type: ignore[misc]
 
     def unscale_gradients(self, optimizer: Any) -> None:
         self._need().scaler.unscale_(optimizer)
+
+
+def _point_handle_at(given: nn.Module, converted: nn.Module) -> RemovableHandle:
+    """Make the ``_FabricModule`` that ``fabric.setup_module(given)`` builds next take
+    ``converted`` as its ``_original_module`` (the module its ``state_dict``,
+    ``load_state_dict``, ``parameters``, ``.module`` and attribute look-ups use) in place
+    of ``given``: a module-registration hook (:func:`torch.nn.modules.module.
+    register_module_module_registration_hook`) that replaces that one assignment, then
+    does nothing until the plugin removes it (at its next call: the optimizer, a forward).
+    Fabric 2.x builds the handle right after ``convert_module`` and the strategy's setup,
+    in the same call."""
+    ref = weakref.ref(given)
+    fired = False
+
+    def hook(module: nn.Module, name: str, submodule: nn.Module | None) -> nn.Module | None:
+        nonlocal fired
+        if (
+            not fired
+            and name == "_original_module"
+            and isinstance(module, _FabricModule)
+            and submodule is not None
+            and submodule is ref()
+        ):
+            fired = True
+            return converted
+        return None
+
+    # torch types the hook as returning None; a module returned replaces the assignment's
+    return register_module_module_registration_hook(hook)  # type: ignore[arg-type]
 
 
 def _umup_groups(net: nn.Module, root: nn.Module, groups: list[dict[str, Any]]) -> list[Any]:

@@ -3,6 +3,7 @@ lowprec's own loop does, bit for bit, and ``save_state``/``load_state`` resume e
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,40 @@ def test_an_optimizer_over_part_of_the_model_is_refused() -> None:
     m[1].requires_grad_(False)
     _, _, p = prepare(acc, m, torch.optim.AdamW(m[0].parameters()), "bf16")
     assert sum(len(g["params"]) for g in p.optimizer.param_groups) == 2
+
+
+@pytest.mark.parametrize(("recipe", "k"), [("fp32-unit", 2), ("fp32-unit", 4), ("fp32", 2)])
+def test_accumulated_gradient_is_the_one_batch_gradient(recipe: str, k: int) -> None:
+    """Accelerate's own accumulation loop (``Accelerator(gradient_accumulation_steps=k)``,
+    ``with accelerator.accumulate(model)``, ``accelerator.backward(loss)``, no division of
+    the user's) gives, at the step, the gradient of one batch of all ``4k`` rows:
+    ``accelerator.backward`` divides every loss by ``k``, and for a unit recipe the adapter
+    scales its backward by ``√k`` too (a unit weight gradient carries ``b^-1/2`` of its own
+    backward's ``b`` rows, so ``k`` micro-batches sum to ``√k`` times the batch of ``4k``).
+    Before, the step's unit gradient was ``1/√k`` of that batch's (``1/(k√k)`` following
+    the docs' "divide by √k yourself": 0.25 at ``k`` = 4). ``fp32``: a mean loss, the
+    control (unchanged). Tolerance 1e-5 relative (of each tensor's largest entry): the
+    same float32 sums, in ``k`` parts then added, instead of one reduction (measured at
+    most 6e-7)."""
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=k)
+    model, opt, lp = prepare(acc, tiny_llama(), lambda ps: torch.optim.SGD(ps, lr=1e-3), recipe)
+    ref = copy.deepcopy(lp.model)
+    ids = Tokens(64).ids[: 4 * k]
+    with lp.compute():
+        ref(input_ids=ids, labels=ids).loss.backward()  # one batch of all 4k rows
+    got: dict[str, torch.Tensor] = {}
+    for i in range(k):
+        batch = ids[4 * i : 4 * i + 4]
+        with acc.accumulate(model):
+            with lp.compute():
+                loss = model(input_ids=batch, labels=batch).loss
+                acc.backward(loss)
+            assert acc.sync_gradients == (i == k - 1)
+            if acc.sync_gradients:
+                got = {n: p.grad.detach().clone() for n, p in lp.model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+    for name, p in ref.named_parameters():
+        assert p.grad is not None
+        err = float((got[name] - p.grad).abs().max() / p.grad.abs().max())
+        assert err <= 1e-5, (name, err, "norm ratio", float(got[name].norm() / p.grad.norm()))

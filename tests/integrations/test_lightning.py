@@ -193,6 +193,52 @@ def test_fabric_save_and_load_resume_exactly(tmp_path: Path) -> None:
     assert all(torch.equal(sa[k], sb[k]) for k in sa), "parameters and amax histories"
 
 
+@pytest.mark.slow
+def test_fabric_handle_is_the_trained_unit_model(tmp_path: Path) -> None:
+    """A unit recipe builds a new module (a u-μP copy with parameters of its own); the
+    handle ``fabric.setup_module`` returns shows it everywhere after training:
+    ``state_dict()`` (the trained values, not the initial ones), ``parameters()``,
+    ``named_parameters()``, ``.module`` (whose loss, in the recipe's ``compute()``, is the
+    handle's), ``save_pretrained`` through ``.module``. Fabric's handle pointed them at
+    the module given to ``setup_module``: the untrained, non-unit model."""
+    from safetensors.torch import load_file
+
+    hooks = torch.nn.modules.module._global_module_registration_hooks
+    n_hooks = len(hooks)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[LowprecFabricPrecision("bf16-unit")])
+    raw = tiny_llama()
+    model = fabric.setup_module(raw)
+    plugin = fabric.strategy.precision
+    net = plugin.prepared.model
+    assert net is not raw and type(net).__name__ == "UnitLlamaForCausalLM"
+    assert model.module is net
+    init = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    opt = fabric.setup_optimizers(plugin.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2)))
+    for batch in _loader():
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    assert len(hooks) == n_hooks, "the plugin's module-registration hook is removed"
+    trained = dict(net.named_parameters())
+    sd = model.state_dict()
+    assert sd.keys() == init.keys()
+    for name, p in trained.items():
+        assert torch.equal(sd[name], p.detach()), name
+        assert not torch.equal(sd[name], init[name]), f"{name} was trained"
+    assert {id(p) for p in model.parameters()} == {id(p) for p in trained.values()}
+    assert {id(p) for _, p in model.named_parameters()} == {id(p) for p in trained.values()}
+    ids = Tokens(8, seed=1).ids
+    with torch.no_grad():
+        handle_loss = float(model(input_ids=ids, labels=ids).loss)
+        with plugin.prepared.compute():
+            module_loss = float(model.module(input_ids=ids, labels=ids).loss)
+    assert module_loss == handle_loss
+    model.module.save_pretrained(tmp_path / "hf")
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(torch.equal(saved[name], p.detach()) for name, p in trained.items())
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown name"):
         LowprecPrecision("no-such-recipe")
