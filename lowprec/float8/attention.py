@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from lowprec.core.autograd import apply_fn
+from lowprec.core.checks import check_flag, check_number
 from lowprec.core.upcast import upcast
 from lowprec.float8.config import ATTENTION_SCALINGS, CastConfig, Float8Config
 from lowprec.float8.mm import autocast_off, payload_mm
@@ -262,8 +263,12 @@ def fp8_attention(
         raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    is_causal = check_flag("is_causal", is_causal)
+    enable_gqa = check_flag("enable_gqa", enable_gqa)
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask, is_causal: give one of them, not both (as torch)")
+    if scale is not None:  # a finite number (a string, NaN or Inf was taken as it came)
+        scale = check_number("scale", scale)
     if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         if not enable_gqa or k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
             raise ValueError(

@@ -102,6 +102,21 @@ def _hf_models(model: nn.Module) -> list[Any]:
     return found
 
 
+def _unsupported_features(m: nn.Module) -> str:
+    """What in HF model ``m``'s attention the FP8 attention forward would refuse at its
+    first call (the ``softcap`` and ``s_aux`` arguments), found before anything changes:
+    attention sinks (a ``sinks`` parameter, GPT-OSS) and logit soft-capping (Gemma 2)."""
+    found = []
+    if any(isinstance(getattr(x, "sinks", None), Tensor) for x in m.modules()):
+        found.append("attention sinks (s_aux)")
+    cfg: Any = getattr(m, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        if c is not None and getattr(c, "attn_logit_softcapping", None) is not None:
+            found.append("logit soft-capping (softcap)")
+            break
+    return " and ".join(found)
+
+
 def apply_attention(model: nn.Module, config: Float8Config) -> int:
     """Run ``model``'s attention in FP8 with ``config.attention`` and
     :func:`~lowprec.float8.attention.attention_formats` ``(config)`` (module docstring):
@@ -122,6 +137,12 @@ def apply_attention(model: nn.Module, config: Float8Config) -> int:
             raise ValueError(
                 f"model: {type(m).__name__} uses attn_implementation={impl!r}; FP8 attention "
                 "replaces 'sdpa' or 'eager' (load the model with one of them)"
+            )
+        why = _unsupported_features(m)
+        if why:
+            raise ValueError(
+                f"model: {type(m).__name__}'s attention uses {why}, which lowprec's FP8 "
+                "attention does not support; convert without Float8Config.attention"
             )
     for m in hooks:
         setattr(m, HOOK, attn)

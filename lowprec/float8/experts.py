@@ -399,13 +399,11 @@ class Float8Experts(nn.Module):
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """``hidden_states (T, H)``, ``top_k_index (T, k)`` expert ids, ``top_k_weights
         (T, k)`` routing weights → ``(T, H)`` (module docstring)."""
-        for name, a in (("hidden_states", hidden_states), ("top_k_index", top_k_index)):
-            if not isinstance(a, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__name__}")
         if getattr(self.original, "_is_expert_parallel", False):
             raise ValueError("experts: expert parallelism is not supported by Float8Experts")
         up, down = weight_names(self)
         e = self._parameters[down].shape[0]  # type: ignore[union-attr]
+        self._check_inputs(hidden_states, top_k_index, top_k_weights, up)
         k, t, h = top_k_index.shape[-1], hidden_states.shape[0], hidden_states.shape[-1]
         ids = top_k_index.reshape(-1)
         if not torch.compiler.is_compiling() and ids.numel():
@@ -431,6 +429,34 @@ class Float8Experts(nn.Module):
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
         out = y[inv].view(t, k, h).sum(dim=1)
         return out.to(hidden_states.dtype)
+
+    def _check_inputs(self, x: object, idx: object, p: object, up: str) -> None:
+        """``TypeError``/``ValueError`` naming the argument unless ``x`` is ``(T, H)``
+        floating point with ``H`` the experts' input size, ``idx`` ``(T, k)`` integer ids and
+        ``p`` ``(T, k)`` floating-point weights (a wider ``p`` would pair tokens with other
+        tokens' weights)."""
+        for name, a in (("hidden_states", x), ("top_k_index", idx), ("top_k_weights", p)):
+            if not isinstance(a, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__name__}")
+        assert isinstance(x, Tensor) and isinstance(idx, Tensor) and isinstance(p, Tensor)
+        w = self._parameters[up]
+        assert w is not None
+        h = w.shape[1] if self.is_transposed else w.shape[2]  # (E, out, in) or (E, in, out)
+        if x.dim() != 2 or x.shape[1] != h or not x.dtype.is_floating_point:
+            raise ValueError(
+                f"hidden_states: expected a floating-point (tokens, {h}) tensor, got "
+                f"{tuple(x.shape)} {x.dtype}"
+            )
+        if idx.dim() != 2 or idx.shape[0] != x.shape[0] or idx.dtype.is_floating_point:
+            raise ValueError(
+                f"top_k_index: expected integer expert ids of shape ({x.shape[0]}, k), got "
+                f"{tuple(idx.shape)} {idx.dtype}"
+            )
+        if p.shape != idx.shape or not p.dtype.is_floating_point:
+            raise ValueError(
+                f"top_k_weights: expected floating-point weights of top_k_index's shape "
+                f"{tuple(idx.shape)}, got {tuple(p.shape)} {p.dtype}"
+            )
 
     def extra_repr(self) -> str:
         w = self._parameters[weight_names(self)[1]]

@@ -58,6 +58,7 @@ from torch import Tensor
 from lowprec.core.autograd import apply_outside_graph
 from lowprec.core.formats import get_format
 from lowprec.core.rounding import to_format
+from lowprec.core.warn import warn_once
 from lowprec.float8.config import GEMM_ROLES, GEMMS, ROLES, CastConfig, Float8Config
 from lowprec.float8.grouped_quant import _groups, _segment_amax, group_amax, quantize_grouped
 from lowprec.float8.mm import autocast_off
@@ -265,6 +266,14 @@ class GroupedFloat8Fn(torch.autograd.Function):
         hw = _hardware_ok(x, r, "forward", ("input", "weight"))
         if hw and sc.input is None and sc.weight is None and n % 16 == k % 16 == 0:
             return _hardware_gemm(x, offs, cf.input, w, cf.weight).to(out_dtype)
+        if r.emulate is False:
+            warn_once(
+                log,
+                "float8:grouped-hw-missing",
+                "float8: emulate=False but the hardware grouped FP8 GEMM does not apply to "
+                "these expert GEMMs (needs CUDA sm90, dynamic E4M3 tensor/row scales, dims "
+                "% 16 == 0); emulating (reported once)",
+            )
         ed = EMULATION_DTYPES[cf.emulation_dtype]
         xq = quantize_grouped(x, offs, cf.input, 1, ed, _scale(r, "forward", "input", sc.input))
         wq = _quantize_weight(w, cf.weight, 1, ed, _scale(r, "forward", "weight", sc.weight))

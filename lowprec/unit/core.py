@@ -32,6 +32,8 @@ from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
 from lowprec.core.autograd import apply_fn
+from lowprec.core.checks import check_flag as check_flag
+from lowprec.core.checks import check_number as check_number
 
 __all__ = [
     "CONSTRAINTS",
@@ -221,32 +223,11 @@ def check_float(name: str, x: object, optional: bool = False) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
-def check_flag(name: str, v: object) -> bool:
-    """``v`` if it is a bool; ``TypeError`` naming ``name`` otherwise (a string such as
-    ``"no"`` is truthy: taken as ``True`` it would switch the option on)."""
-    if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool, got {v!r}")
-    return v
-
-
 def check_constraint(constraint: object) -> None:
     """``ValueError`` unless ``constraint`` is one of :data:`CONSTRAINTS` (for a module's
     constructor: the op checks it at every call, a module already when it is built)."""
     if constraint not in CONSTRAINTS:
         raise ValueError(f"constraint must be one of {list(CONSTRAINTS)}, got {constraint!r}")
-
-
-def check_number(name: str, v: object, low: float = -math.inf, *, open_low: bool = False) -> float:
-    """``v`` as a finite float ``>= low`` (``> low`` with ``open_low``); ``TypeError`` /
-    ``ValueError`` naming ``name`` otherwise (NaN and ±inf included)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-    f = float(v)
-    if not math.isfinite(f) or f < low or (open_low and f == low):
-        rel = ">" if open_low else ">="
-        bound = "" if low == -math.inf else f" and {rel} {low:g}"
-        raise ValueError(f"{name} must be finite{bound}, got {v!r}")
-    return f
 
 
 def check_dim(name: str, x: Tensor, dim: object) -> int:

@@ -447,3 +447,42 @@ def test_hf_other_implementation_refused() -> None:
     with pytest.raises(ValueError, match="flex_attention"):
         f8.apply(m, Float8Config(attention="tensorwise"))
     assert not any(isinstance(x, f8.Float8Linear) for x in m.modules())  # nothing changed
+
+
+def test_attention_sinks_are_refused_before_anything_changes() -> None:
+    """GPT-OSS's attention sinks (``s_aux``): ``apply`` succeeded, converting the experts
+    and switching the attention implementation, and the first forward raised (a new
+    user's trial). Now ``apply`` refuses, naming the feature, and the model is unchanged."""
+    from tests import _moe
+
+    m = _moe.model("gpt_oss", layers=1)
+    before = {n: type(x) for n, x in m.named_modules()}
+    impl = m.config._attn_implementation
+    with pytest.raises(ValueError, match=r"attention sinks \(s_aux\)"):
+        f8.apply(m, Float8Config.from_name("tensorwise", attention="tensorwise"))
+    assert {n: type(x) for n, x in m.named_modules()} == before
+    assert m.config._attn_implementation == impl
+    f8.apply(m, "tensorwise")  # without FP8 attention it converts
+    assert any(isinstance(x, f8.Float8Experts) for x in m.modules())
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "name"),
+    [
+        ({"scale": "0.3"}, TypeError, "scale"),
+        ({"scale": math.nan}, ValueError, "scale"),
+        ({"scale": math.inf}, ValueError, "scale"),
+        ({"is_causal": "yes"}, TypeError, "is_causal"),
+        ({"is_causal": 1}, TypeError, "is_causal"),
+        ({"enable_gqa": "no"}, TypeError, "enable_gqa"),
+    ],
+)
+def test_fp8_attention_refuses_misread_arguments(
+    kw: dict[str, Any], exc: type[Exception], name: str
+) -> None:
+    """Accepted before: ``scale="0.3"`` (a string taken by ``float``), ``scale=nan`` (a
+    NaN output), a truthy string as ``is_causal`` (a new user's trial)."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(exc, match=name):
+        fp8_attention(q, q, q, **kw)
+    assert torch.isfinite(fp8_attention(q, q, q, scale=0.3, is_causal=True)).all()

@@ -472,7 +472,7 @@ def test_every_experts_class_of_the_installed_transformers_converts() -> None:
             gen = torch.Generator().manual_seed(0)
             x = torch.randn(9, h, generator=gen)
             idx = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(9)])
-            w = torch.rand(9, 2, generator=gen)
+            w = torch.rand(idx.shape, generator=gen)  # (9, 1) where there is one expert
             ref = built(x, idx, w)
             got = Float8Experts(built, hp)(x, idx, w)
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
@@ -582,3 +582,43 @@ def test_odd_intermediate_size_trains_against_the_plain_eager_model(
         assert got is not None and want is not None, n
         rel = float((got - want).norm() / want.norm())
         assert rel < 0.25, (n, rel)
+
+
+def test_experts_refuse_inputs_by_name() -> None:
+    """A new user's trial: routing weights wider than the ids, ``(T, 3)`` against ``(T,
+    2)``, were accepted and paired tokens with other tokens' weights (0.42 relative from
+    HF's eager experts); other bad inputs raised IndexError/RuntimeError from inside."""
+    experts = _moe.model("mixtral", layers=1).model.layers[0].mlp.experts
+    m = Float8Experts(experts, "tensorwise")
+    x, idx = torch.randn(6, 32), torch.randint(0, 4, (6, 2))
+    p = torch.rand(6, 2)
+    assert m(x, idx, p).shape == (6, 32)
+    bad: list[tuple[tuple[object, ...], type[Exception], str]] = [
+        ((x, idx, torch.rand(6, 3)), ValueError, "top_k_weights"),
+        ((x, idx, torch.rand(6, 1)), ValueError, "top_k_weights"),
+        ((x, idx, [[0.5, 0.5]] * 6), TypeError, "top_k_weights"),
+        ((x, idx, p.long()), ValueError, "top_k_weights"),
+        ((x[None], idx, p), ValueError, "hidden_states"),
+        ((torch.randn(6, 31), idx, p), ValueError, "hidden_states"),
+        ((x, idx.float(), p), ValueError, "top_k_index"),
+        ((x, idx[:5], p[:5]), ValueError, "top_k_index"),
+        ((x, idx + 4, p), ValueError, "top_k_index"),
+    ]
+    for args, exc, name in bad:
+        with pytest.raises(exc, match=name):
+            m(*args)
+
+
+def test_experts_say_when_emulate_false_cannot_be_honoured(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``emulate=False`` on a machine without the grouped FP8 GEMM (here: no CUDA) was
+    accepted and emulated silently for experts; linears already said so."""
+    from lowprec.core.warn import _WARNED
+
+    _WARNED.discard("float8:grouped-hw-missing")
+    experts = _moe.model("mixtral", layers=1).model.layers[0].mlp.experts
+    m = Float8Experts(experts, Float8Config.from_name("tensorwise", emulate=False))
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        m(torch.randn(6, 32), torch.randint(0, 4, (6, 2)), torch.rand(6, 2))
+    assert "emulate=False but the hardware grouped FP8 GEMM does not apply" in caplog.text
