@@ -35,7 +35,9 @@ Under ``torch.distributed`` the Inf/NaN flag is all-reduced with MAX over
 initialised): one all-reduce per optimizer per step, so that an overflow on any rank
 (sharded gradients) makes every rank skip the step and back off identically.
 
-Every step appends ``StepRecord(scale, skipped)`` to ``scaler.history``.
+Every step appends ``StepRecord(scale, skipped)`` to ``scaler.history``, which keeps the
+last :data:`HISTORY_LIMIT` steps (``skipped_steps`` counts every step: the count of the
+older ones is kept); the checkpointed state holds no more.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ class LossScaler:
     def __init__(self, scale: float = 1.0, process_group: Any = None) -> None:
         check_positive("scale", scale)
         self._scale = float(scale)
-        self.history: list[StepRecord] = []
+        self.history: list[StepRecord] = []  # the last HISTORY_LIMIT steps (at least)
+        self._skipped_before = 0  # skipped steps among those dropped from history
         self.process_group = process_group
         self._stage: dict[int, str] = {}
         self._found: dict[int, bool] = {}
@@ -106,7 +109,18 @@ class LossScaler:
 
     @property
     def skipped_steps(self) -> int:
-        return sum(r.skipped for r in self.history)
+        """Skipped steps since the scaler started (history kept or not)."""
+        return self._skipped_before + sum(r.skipped for r in self.history)
+
+    def _record(self, rec: StepRecord) -> None:
+        """Append a step to :attr:`history`, dropping the oldest beyond
+        :data:`HISTORY_LIMIT` (in batches: at twice the limit, back to the limit)."""
+        self.history.append(rec)
+        extra = len(self.history) - HISTORY_LIMIT
+        if extra >= HISTORY_LIMIT:
+            self._skipped_before += sum(r.skipped for r in self.history[:extra])
+            del self.history[:extra]
+            self._mark = max(0, self._mark - extra)
 
     def scale(self, outputs: Any) -> Any:
         """``outputs · S``, computed in FP32; ``outputs`` a tensor or (nested) lists and
@@ -179,7 +193,7 @@ class LossScaler:
         if stage is None:
             self._unscale(optimizer, push=False, force_skip=force)
         skipped = force or self._found[id(optimizer)]
-        self.history.append(StepRecord(self._scale, skipped))
+        self._record(StepRecord(self._scale, skipped))
         if not skipped:
             optimizer.step(*args, **kwargs)
         elif isinstance(optimizer, MasterWeights):
@@ -216,7 +230,9 @@ class LossScaler:
         return {
             "type": type(self).__name__,
             "scale": self._scale,
-            "history": [(r.scale, r.skipped) for r in self.history],
+            "history": [(r.scale, r.skipped) for r in self.history[-HISTORY_LIMIT:]],
+            "skipped_before": self.skipped_steps
+            - sum(r.skipped for r in self.history[-HISTORY_LIMIT:]),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -251,7 +267,12 @@ class LossScaler:
             rec_scale = number(f"state['history'][{i}]", rec[0])
             check_positive(f"state['history'][{i}]", rec_scale)
             history.append(StepRecord(rec_scale, bool(rec[1])))
-        return {"_scale": scale, "history": history}
+        before = state.get("skipped_before", 0)  # (states saved before it: none dropped)
+        if isinstance(before, bool) or not isinstance(before, int) or before < 0:
+            raise ValueError(f"state['skipped_before'] must be an int >= 0, got {before!r}")
+        before += sum(r.skipped for r in history[:-HISTORY_LIMIT])
+        history = history[-HISTORY_LIMIT:]
+        return {"_scale": scale, "history": history, "_skipped_before": before}
 
     def _apply(self, checked: dict[str, Any]) -> None:
         for k, v in checked.items():
@@ -272,12 +293,12 @@ class NoLossScaler(LossScaler):
         """Nothing to undo (the scale is 1)."""
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> bool:
-        self.history.append(StepRecord(1.0, False))
+        self._record(StepRecord(1.0, False))
         optimizer.step(*args, **kwargs)
         return True
 
     def skip(self, optimizer: Any) -> None:
-        self.history.append(StepRecord(1.0, True))
+        self._record(StepRecord(1.0, True))
 
 
 class StaticLossScaler(LossScaler):
@@ -303,6 +324,7 @@ class StaticLossScaler(LossScaler):
 
 
 STATIC_SKIP_WARNING = 10  # skipped steps in a row before StaticLossScaler warns
+HISTORY_LIMIT = 10_000  # steps a scaler's history keeps (and its state saves)
 
 
 _GRADSCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval"}

@@ -158,3 +158,34 @@ def test_master_weights_load_is_all_or_nothing(what: str) -> None:
         opt.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(mbefore, opt.master_params, strict=True))
+
+
+def test_scaler_history_is_bounded_and_counts_every_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``history`` grew one record a step without limit, in memory and in every saved
+    state (16 MB at 1M steps in a new user's trial). It now keeps the last HISTORY_LIMIT
+    steps (4 here), ``skipped_steps`` still counts all, and a loaded state continues the
+    count; the scale still backs off on the step that follows the trimming."""
+    from lowprec.amp import loss_scaling
+
+    monkeypatch.setattr(loss_scaling, "HISTORY_LIMIT", 4)
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = DynamicLossScaler(init_scale=2.0**10, growth_interval=1000)
+    pattern = [i % 3 == 0 for i in range(23)]  # 8 skipped of 23
+    for skip in pattern:
+        p.grad = torch.full((2,), math.inf if skip else 1.0)
+        s.step(opt)
+        s.update()
+        assert len(s.history) < 8
+    assert s.skipped_steps == sum(pattern) == 8
+    assert s.loss_scale == 2.0**10 * 0.5**8  # every skip backed off
+    state = s.state_dict()
+    assert len(state["history"]) == 4
+    t = DynamicLossScaler(init_scale=2.0**10, growth_interval=1000)
+    t.load_state_dict(copy.deepcopy(state))
+    assert t.skipped_steps == 8 and t.loss_scale == s.loss_scale
+    # a state saved before the limit (a long history, no count) keeps its count too
+    old = {**state, "history": [(1.0, True)] * 10}
+    del old["skipped_before"]
+    t.load_state_dict(old)
+    assert t.skipped_steps == 10 and len(t.history) == 4
