@@ -33,6 +33,7 @@ from lowprec.analysis.verdicts import (
     failing,
     gap_spread,
     is_reference_recipe,
+    percent,
     reference_of,
     verdict,
 )
@@ -257,7 +258,7 @@ def gemm_findings(run: Run) -> list[str]:
         )
         more = f"; {len(bad) - 1} more of the {len(ops)} cast operands too" if len(bad) > 1 else ""
         out.append(
-            f"In {r['layer']}'s {_gemm_text(r['gemm'])}, {100 * float(op[measure]):.3g}% of the "
+            f"In {r['layer']}'s {_gemm_text(r['gemm'])}, {percent(op[measure])} of the "
             f"{_ROLE_TEXT.get(role, role)} were {what} by the cast to {op['format'].upper()} "
             f"({_scale_text(op)}{sq_text}) at step {step}{more}."
         )
@@ -272,6 +273,42 @@ def gemm_findings(run: Run) -> list[str]:
                 f"at SQNR {float(op['sqnr_db']):.1f} dB."
             )
     return out
+
+
+def _power_text(scale: float) -> str:
+    e = math.log2(scale) if scale > 0 and math.isfinite(scale) else 0.5
+    return f"2^{e:.0f}" if e == int(e) else f"{scale:g}"
+
+
+def _loss_scale_overflow(run: Run, gone: Sequence[Mapping[str, Any]]) -> str:
+    """Why NaN/Inf gradients of a loss-scaled run are the scale's doing (``""`` if they
+    may not be): every NaN/Inf tensor is a gradient (no weight or activation went
+    NaN/Inf, so nothing diverged) and the run's loss scaler skipped steps, so no update
+    was applied on them: the loss, times the scale, overflowed the gradients' format."""
+    scaling = run.recipe_dict.get("loss_scaling")
+    skipped = [m for m in run.metrics if m.get("skipped")]
+    if scaling in (None, "none") or not skipped:
+        return ""
+    if any(r["kind"] not in BACKWARD_KINDS for r in gone):
+        return ""
+    scale = skipped[-1].get("loss_scale", run.recipe_dict.get("loss_scale"))
+    if not isinstance(scale, (int, float)):
+        return ""
+    fmt = run.compute_format
+    steps = len(run.metrics)
+    share = f"all {steps}" if len(skipped) == steps else f"{len(skipped)} of the {steps}"
+    cure = (
+        "lower the loss scale, or use dynamic loss scaling, which backs off"
+        if scaling == "static"
+        else "the dynamic scaler backs off on each skipped step; a lower initial loss scale "
+        "skips fewer"
+    )
+    return (
+        f", and the loss scaler skipped {share} steps (no update applied): the {scaling} "
+        f"loss scale {_power_text(float(scale))} made the scaled gradients overflow "
+        f"{fmt.upper()} (max {get_format(fmt).max:g}) to Inf, which is why they are NaN/Inf; "
+        f"{cure}."
+    )
 
 
 def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
@@ -359,10 +396,16 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
         cause = True
         share, r = gone[0]
         more = f" ({len(gone) - 1} more tensors too)" if len(gone) > 1 else ""
+        what = (
+            f"{percent(share)} of the {KIND_TEXT[r['kind']]} of {r['name']} are NaN/Inf at "
+            f"step {last}{more}"
+        )
+        scaled = _loss_scale_overflow(run, [t[1] for t in gone])
         notes.append(
-            f"{100 * share:.3g}% of the {KIND_TEXT[r['kind']]} of {r['name']} are NaN/Inf at "
-            f"step {last}{more}: the values themselves diverged (an update or an operation "
-            "made them NaN/Inf), which no format's range explains."
+            f"{what}{scaled}"
+            if scaled
+            else f"{what}: the values themselves diverged (an update or an operation made "
+            "them NaN/Inf), which no format's range explains."
         )
     for fmt in judged_formats(run) if last is not None else ():
         assert last is not None
@@ -381,7 +424,7 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
                 else ""
             )
             notes.append(
-                f"{100 * share:.3g}% of the {KIND_TEXT[r['kind']]} of {r['name']} underflow in "
+                f"{percent(share)} of the {KIND_TEXT[r['kind']]} of {r['name']} underflow in "
                 f"{fmt} (below its smallest normal, {get_format(fmt).min_normal:.3g}) at step "
                 f"{last}{more}: use loss scaling or unit scaling."
             )
@@ -395,7 +438,7 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
             cause = True
             share, _, r = over[0]
             notes.append(
-                f"{100 * share:.3g}% of the {KIND_TEXT[r['kind']]} of {r['name']} overflow "
+                f"{percent(share)} of the {KIND_TEXT[r['kind']]} of {r['name']} overflow "
                 f"{fmt} (above {get_format(fmt).max:g}) at step {last}: scale them "
                 "(loss scaling, float8 scaling) or keep them in a wider format."
             )

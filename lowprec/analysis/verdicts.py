@@ -28,11 +28,27 @@ __all__ = [
     "is_reference_recipe",
     "of_kind",
     "own_verdict",
+    "percent",
     "reference_of",
     "skipped_tail",
     "unit_scaled",
     "verdict",
 ]
+
+
+def percent(share: float) -> str:
+    """``share`` (a fraction, 0.9993) as a percentage for a sentence or a table cell:
+    three significant digits and never an exponent (``"99.9%"``, ``"100%"``,
+    ``"0.123%"``), ``"<0.001%"`` for a share below 1e-5 but not 0, ``"NaN%"`` if not finite."""
+    v = 100 * float(share)
+    if not math.isfinite(v):
+        return "NaN%"
+    if 0 < v < 0.001:
+        return "<0.001%"
+    if abs(v) >= 100:
+        return f"{v:.0f}%"
+    return f"{float(f'{v:.3g}'):g}%"
+
 
 FAIL_GAP = 0.05  # a val-loss gap above this (and above the spread) is a failure
 REFERENCE = "reference"
@@ -173,7 +189,7 @@ def verdict(
     if gap is None or not math.isfinite(gap):
         return f"fails: no finite val loss{tail}"
     pct = f"{100 * gap:+.1f}%"
-    tol = f"±{100 * tolerance:.2g}%" if tolerance is not None else "not measured"
+    tol = f"±{percent(tolerance)}" if tolerance is not None else "not measured"
     if gap > max(tolerance or 0.0, FAIL_GAP):
         return f"fails: {pct} val loss vs {reference}{tail}"
     if tolerance is None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from torch import nn
 
+from lowprec.analysis.verdicts import percent
 from lowprec.core.observe import GEMMS
 from lowprec.float8 import Float8Config, Float8Linear
 from lowprec.float8.config import PRESETS, ROLES
@@ -223,9 +224,9 @@ class Guard:
                 if op.get("high_precision"):
                     continue
                 if float(op.get("flushed") or 0.0) >= c.flush_limit:
-                    why = f"{gemm}: {100 * float(op['flushed']):.0f}% of {role} flushed to zero"
+                    why = f"{gemm}: {percent(op['flushed'])} of {role} flushed to zero"
                 elif float(op.get("saturated") or 0.0) >= c.saturate_limit:
-                    why = f"{gemm}: {100 * float(op['saturated']):.2g}% of {role} saturated"
+                    why = f"{gemm}: {percent(op['saturated'])} of {role} saturated"
                 if why:
                     break
             if why is None and isinstance(err, (int, float)) and err >= c.rel_err_limit:

@@ -8,7 +8,7 @@ A plan's JSON (:meth:`Plan.to_dict`, written by :meth:`Plan.save` atomically in 
     {"kind": "lowprec-plan", "version": 1, "target": "b200", "cost": 0.41,
      "budget": {"loss": 0.005, "grad": 0.05}, "seed": 0, "reference_loss": 4.2,
      "measured": {"loss_delta": ..., "grad_err": ..., "error": ...},
-     "candidates": [...], "moved": [...],
+     "candidates": [...], "moved": [...], "model": "--model reference --width 128 ...",
      "layers": {"blocks.0.fc": {"format": "nvfp4", "flops": ..., "gemms": {
          "forward": {"format": "nvfp4", "flops": ..., "loss_delta": ..., "grad_err": ...,
                      "sqnr_db": ..., "rel_err": ..., "error": ...,
@@ -89,6 +89,10 @@ class Plan:
         reference_loss: the mean loss of the tuning batches in the model's precision.
         measured: ``{"loss_delta", "grad_err", "error"}`` of the whole plan on them.
         moved: the GEMMs (``"fqn:gemm"``) the repair moved to a safer choice, in order.
+        model: the model it was tuned on, in words (``lowprec tune`` writes its flags,
+            ``"--model llama --width 32 ..."``; ``""``: not recorded). A plan names that
+            model's layers: :func:`lowprec.prepare` refuses its recipe on a model none of
+            whose layers it names (:func:`lowprec.recipes.compose.check_layer_rules`).
     """
 
     recipe: Recipe
@@ -101,6 +105,7 @@ class Plan:
     measured: dict[str, float] = field(default_factory=dict)
     candidates: tuple[str, ...] = CANDIDATES
     moved: tuple[str, ...] = ()
+    model: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, Recipe):
@@ -118,6 +123,8 @@ class Plan:
             raise TypeError(f"layers must be a dict, got {type(self.layers).__name__}")
         object.__setattr__(self, "candidates", tuple(self.candidates))
         object.__setattr__(self, "moved", tuple(self.moved))
+        if not isinstance(self.model, str):
+            raise TypeError(f"model must be a str, got {type(self.model).__name__}")
 
     def formats(self) -> dict[str, str]:
         """``{fqn: format}``: each layer's choice in one word (``nvfp4``), or per GEMM
@@ -137,6 +144,7 @@ class Plan:
             "measured": dict(self.measured),
             "candidates": list(self.candidates),
             "moved": list(self.moved),
+            "model": self.model,
             "layers": self.layers,
             "recipe": self.recipe.to_dict(),
         }
@@ -166,6 +174,7 @@ class Plan:
             measured=d.get("measured", {}),
             candidates=tuple(d.get("candidates", CANDIDATES)),
             moved=tuple(d.get("moved", ())),
+            model=d.get("model", ""),
         )
 
     def to_json(self) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lowprec.autopilot import is_plan_dict
+from lowprec.autopilot import Plan, is_plan_dict
 from lowprec.cli import parallel as cli_parallel
 from lowprec.cli.args import int_arg
 from lowprec.distributed import env
@@ -30,6 +30,7 @@ from lowprec.jobs.run_summary import summary_cells
 from lowprec.jobs.rundir import RunError, output_problem, read_config
 from lowprec.jobs.train import ON_NONFINITE, TrainConfig, saved_config, train
 from lowprec.recipes import Recipe, get_recipe, recipe_names
+from lowprec.recipes.compose import LayerRulesError
 
 __all__ = ["add_demo", "add_recipes", "add_report", "add_train"]
 
@@ -57,12 +58,44 @@ def _recipe_or_file(text: str) -> str | Recipe:
         raise argparse.ArgumentTypeError(f"cannot read {text}: {e.strerror or e}") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text} is not JSON ({e})") from None
+    if is_plan_dict(d):  # lowprec tune's plan: read as Plan.load reads it (its recipe)
+        try:
+            return Plan.from_dict(d).recipe
+        except (KeyError, ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(f"{text} is not a valid plan ({e})") from None
     try:
-        return Recipe.from_dict(d["recipe"] if is_plan_dict(d) else d)  # lowprec tune's plan
+        return Recipe.from_dict(d)
     except KeyError as e:  # a str() of a KeyError is only the key, quoted
         raise argparse.ArgumentTypeError(f"{text} is not a recipe (no key {e})") from None
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(f"{text} is not a recipe ({e})") from None
+
+
+class _RecipeAction(argparse.Action):
+    """``train --recipe``: the recipe (:func:`_recipe_or_file`) in ``recipe``, and in
+    ``recipe_file`` the file it came from with what it says of its model (a plan's
+    :attr:`~lowprec.autopilot.Plan.model`), for the messages of :func:`_run_train`."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        try:
+            recipe = _recipe_or_file(values)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        setattr(namespace, self.dest, recipe)
+        source = None
+        if isinstance(recipe, Recipe):
+            try:
+                plan = Plan.load(values)
+                source = (values, "the plan" + (f", tuned on {plan.model}," if plan.model else ""))
+            except (OSError, ValueError, TypeError, KeyError):
+                source = (values, "the recipe")  # a recipe file, not a plan
+        namespace.recipe_file = source
 
 
 # ---- lowprec recipes -----------------------------------------------------------------------
@@ -147,7 +180,7 @@ def add_train(subparsers: Any) -> None:
         text = f.metadata["help"]
         if f.name == "recipe":
             text += f" (Recipe.to_dict format); presets: {', '.join(recipe_names())}"
-            extra["metavar"] = "NAME|FILE.json"
+            extra = {"action": _RecipeAction, "metavar": "NAME|FILE.json"}
         elif f.name == "model":
             extra = {"choices": model_names()}
             text += "; needs pip install 'lowprec[hf]' for the HF ones"
@@ -184,7 +217,7 @@ def add_train(subparsers: Any) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     cli_parallel.add_options(p)
-    p.set_defaults(handler=_run_train, parser=p)
+    p.set_defaults(handler=_run_train, parser=p, recipe_file=None)
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
@@ -221,6 +254,13 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     return replace(base, steps=given.get("steps", base.steps))
 
 
+def _model_flags(cfg: TrainConfig) -> str:
+    return (
+        f"--model {cfg.model} --width {cfg.width} --depth {cfg.depth} --heads {cfg.heads} "
+        f"--seq-len {cfg.seq_len}"
+    )
+
+
 def _run_train(args: argparse.Namespace) -> int:
     cfg = _train_config(args)
     args.recipe = cfg.recipe_name  # the default run directory's name
@@ -241,6 +281,13 @@ def _run_train(args: argparse.Namespace) -> int:
             parallel=args.parallel,
         )
         main = env.is_main()
+    except LayerRulesError as e:
+        if args.recipe_file is None:
+            raise
+        path, what = args.recipe_file
+        raise LayerRulesError(
+            f"--recipe {path}: {what} does not fit this run's model ({_model_flags(cfg)}): {e}"
+        ) from None
     finally:
         if args.parallel is not None:
             env.shutdown()

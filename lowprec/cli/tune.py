@@ -8,20 +8,24 @@ Example:
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from lowprec.autopilot import Plan
 from lowprec.autopilot.cost import CANDIDATES, RATES, TARGETS, check_candidates
 from lowprec.cli.args import int_arg
 from lowprec.jobs.model import model_names
 from lowprec.jobs.rundir import output_problem
 from lowprec.jobs.train_config import LR_MAX, TrainConfig
-from lowprec.jobs.tune import TuneConfig, check_budget, plan_rows, run_tune
+from lowprec.jobs.tune import TuneConfig, TuneInterrupted, check_budget, plan_rows, run_tune
 
 __all__ = ["add_tune"]
 
@@ -125,6 +129,31 @@ def add_tune(subparsers: Any) -> None:
     p.set_defaults(handler=_run_tune, parser=p)
 
 
+def _interruptible(job: Callable[[], Plan], out: Path) -> Plan:
+    """Run ``job``; SIGINT (Ctrl-C) or SIGTERM stops it at once with
+    :class:`~lowprec.jobs.tune.TuneInterrupted` (one line, exit 128 + the signal, as
+    ``lowprec train``): tuning has no checkpoint to write, and the plan is written only at
+    the end, atomically (a temporary file the stop left is removed)."""
+
+    def term(signum: int, frame: FrameType | None) -> None:
+        raise TuneInterrupted(signum, str(out))
+
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+            old = signal.signal(signal.SIGTERM, term)
+    try:
+        return job()
+    except TuneInterrupted:
+        raise
+    except KeyboardInterrupt:
+        raise TuneInterrupted(signal.SIGINT, str(out)) from None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+        out.with_name(out.name + ".tmp").unlink(missing_ok=True)
+
+
 def _run_tune(args: argparse.Namespace) -> int:
     # --out is checked before any work: tuning takes minutes
     if args.out.suffix.lower() != ".json":
@@ -158,7 +187,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     except ValueError as e:
         args.parser.error(str(e))
     console = Console(file=sys.stdout, width=160, highlight=False)
-    plan = run_tune(cfg, args.out, say=console.print)
+    plan = _interruptible(lambda: run_tune(cfg, args.out, say=console.print), args.out)
     table = Table(title=f"plan for {plan.target}: {args.out}", title_justify="left")
     for col in ("layer", "FLOPs", "forward", "input_grad", "weight_grad", "SQNR dB", "error"):
         table.add_column(col, justify="left" if col == "layer" else "right")

@@ -21,7 +21,7 @@ from lowprec.analysis.diagnosis import (
 )
 from lowprec.analysis.run_verdicts import compared_vals, references
 from lowprec.analysis.tracking import BACKWARD_KINDS
-from lowprec.analysis.verdicts import REFERENCE
+from lowprec.analysis.verdicts import REFERENCE, percent
 from lowprec.jobs.attribution import attribute_run
 from lowprec.jobs.rundir import CHECKPOINT, RunError
 
@@ -55,7 +55,7 @@ def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def cell(t: tuple[float, str, dict[str, Any]]) -> str:
     share, fmt, r = t
-    return f"{100 * share:.3g}% ({fmt}, {r['name']} {KIND_TEXT[r['kind']]})"
+    return f"{percent(share)} ({fmt}, {r['name']} {KIND_TEXT[r['kind']]})"
 
 
 def summary_rows(runs: Sequence[Run]) -> list[list[str]]:
@@ -100,7 +100,7 @@ def summary_rows(runs: Sequence[Run]) -> list[list[str]]:
 def flush_cell(t: tuple[dict[str, Any], str, dict[str, Any]]) -> str:
     r, role, op = t
     where = f"{r['layer']} {r['gemm']} {role}"
-    return f"{100 * float(op['flushed']):.3g}% flushed ({op['format']}, {where})"
+    return f"{percent(op['flushed'])} flushed ({op['format']}, {where})"
 
 
 def gemm_table(run: Run) -> str:
@@ -127,7 +127,7 @@ def gemm_table(run: Run) -> str:
                 if sq_num and min(sq_num) == math.inf
                 else num(min(sq_num, default=None), "{:.1f} dB"),
                 num(max(float(o.get("flushed") or 0) for o in ops.values()) * 100, "{:.2f}%"),
-                num(max(float(o.get("saturated") or 0) for o in ops.values()) * 100, "{:.3g}%"),
+                percent(max(float(o.get("saturated") or 0) for o in ops.values())),
                 num(err, "{:.3g}"),
             ]
         )

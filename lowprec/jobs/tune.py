@@ -10,8 +10,9 @@ plan.json`` trains with its recipe.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,21 @@ from torch import nn
 from lowprec.autopilot import Budget, Plan, tune
 from lowprec.autopilot.cost import check_candidates, check_target
 from lowprec.jobs.data import CharData
+from lowprec.jobs.interrupts import Interrupted
 from lowprec.jobs.model import ModelConfig, build_model, check_model_name
 from lowprec.jobs.train_config import TrainConfig, check_int
 from lowprec.jobs.train_setup import check_memory
 from lowprec.recipes import prepare
 from lowprec.recipes.step import train_step
 
-__all__ = ["BUDGET_RANGE", "TuneConfig", "check_budget", "plan_rows", "run_tune"]
+__all__ = [
+    "BUDGET_RANGE",
+    "TuneConfig",
+    "TuneInterrupted",
+    "check_budget",
+    "plan_rows",
+    "run_tune",
+]
 
 BUDGET_RANGE = (1e-9, 1e3)  # the float budgets lowprec tune takes (check_budget)
 
@@ -64,6 +73,13 @@ class TuneConfig:
         TrainConfig.check_field("lr", self.lr)  # as lowprec train's --lr
         ModelConfig(65, self.width, self.depth, self.heads, self.seq_len)  # width % heads
 
+    def model_flags(self) -> str:
+        """The model's flags, as :attr:`lowprec.autopilot.Plan.model` records them."""
+        return (
+            f"--model {self.model} --width {self.width} --depth {self.depth} "
+            f"--heads {self.heads} --seq-len {self.seq_len}"
+        )
+
 
 def check_budget(budget: object) -> None:
     """``ValueError`` naming ``budget`` unless it is a :class:`~lowprec.autopilot.Budget` or
@@ -82,6 +98,24 @@ def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
+class TuneInterrupted(Interrupted):
+    """``lowprec tune`` stopped by SIGINT/SIGTERM: it has no run directory or checkpoint,
+    and the plan is written only at the end (atomically), so none was written."""
+
+    def __init__(self, signum: int, out: str) -> None:
+        super().__init__(0, signum, out)
+
+    def __str__(self) -> str:
+        return f"interrupted ({self.signal_name}); no plan written to {self.out}"
+
+
+def _diverged(cfg: TuneConfig, what: str) -> ValueError:
+    return ValueError(
+        f"the model diverged during --steps-before {cfg.steps_before} training at --lr "
+        f"{cfg.lr:g}: {what}; lower --lr (or --steps-before)"
+    )
+
+
 def run_tune(cfg: TuneConfig, out: Path, say: Callable[[str], None] = print) -> Plan:
     """Build, optionally pre-train, tune and save the plan to ``out`` (module docstring)."""
     check_memory(cfg.batch_size, cfg.seq_len, cfg.width, cfg.depth, cfg.heads)
@@ -94,10 +128,17 @@ def run_tune(cfg: TuneConfig, out: Path, say: Callable[[str], None] = print) -> 
         warm = max(cfg.steps_before // 5, 1)
         for step in range(cfg.steps_before):
             lr = cfg.lr * min(1.0, (step + 1) / warm)
-            train_step(prepared, *data.batch("train", step), lr)
+            loss = float(train_step(prepared, *data.batch("train", step), lr).loss.detach())
+            if not math.isfinite(loss):
+                raise _diverged(cfg, f"the loss was {loss} at step {step + 1}")
         model = prepared.model
-        say(f"trained {cfg.steps_before} steps in bf16 before measuring")
     batches = [data.batch("train", cfg.steps_before + i) for i in range(cfg.batches)]
+    if cfg.steps_before:  # weights that diverged give a NaN/Inf loss on the tuning batches
+        with torch.no_grad():
+            losses = [float(_loss(model, b)) for b in batches]
+        if not all(math.isfinite(v) for v in losses):
+            raise _diverged(cfg, f"the loss of the tuning batches is {losses}")
+        say(f"trained {cfg.steps_before} steps in bf16 before measuring")
     plan = tune(
         model,
         batches,
@@ -108,6 +149,7 @@ def run_tune(cfg: TuneConfig, out: Path, say: Callable[[str], None] = print) -> 
         seed=cfg.seed,
         progress=say,
     )
+    plan = replace(plan, model=cfg.model_flags())
     out.parent.mkdir(parents=True, exist_ok=True)
     plan.save(out)
     return plan

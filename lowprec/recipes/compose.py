@@ -23,6 +23,7 @@ readout and layers in ``float8_skip`` stay unit-scaled in the model's dtype.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +41,18 @@ from lowprec.scalify import ScalifyConfig
 from lowprec.unit import UnitConfig
 from lowprec.unit.functional import linear as unit_linear
 
-__all__ = ["KINDS", "TechniqueConfig", "apply", "check", "kind_of", "normalize"]
+__all__ = [
+    "KINDS",
+    "LayerRulesError",
+    "TechniqueConfig",
+    "apply",
+    "check",
+    "check_layer_rules",
+    "kind_of",
+    "normalize",
+]
+
+log = logging.getLogger(__name__)
 
 TechniqueConfig = UnitConfig | Float8Config | ScalifyConfig
 # Technique name -> config class, in the order prepare() applies them.
@@ -125,6 +137,7 @@ def apply(
     lr: float,
     float8_skip: tuple[str, ...],
     layers: tuple[LayerRule, ...] = (),
+    name: str = "",
 ) -> tuple[nn.Module, list[Any] | None]:
     """Apply ``technique`` to ``model`` through each technique's entry point
     (:func:`lowprec.unit.apply` with :func:`lowprec.unit.recipe_param_groups`,
@@ -141,7 +154,8 @@ def apply(
     float8 conversion gives each linear its config by ``layers``
     (:func:`~lowprec.recipes.layers.layer_config`: the first matching rule's config, else
     the float8 technique's unless its last name component is in ``float8_skip``, or it is a
-    unit-scaled model's readout).
+    unit-scaled model's readout), checked against the model by :func:`check_layer_rules`
+    (``name``: the recipe's, for its messages).
     """
     by: dict[str, Any] = {kind_of(c): c for c in technique}
     groups: list[Any] | None = None
@@ -165,15 +179,72 @@ def apply(
         # float8 skip names do, unless a layer rule names it
         readout = getattr(model, "unit_report", {}).get("readout") if "unit" in by else None
 
+        seen: list[str] = []  # the linear-like layers the conversion asked about
+
         def config(m: nn.Module, fqn: str) -> Float8Config | None:
+            seen.append(fqn)
             if fqn == readout and not any(r.matches(fqn, depths) for r in layers):
                 return None
             return layer_config(layers, fqn, default, float8_skip, depths)
 
         model = lowprec.float8.apply(model, default, config)
+        check_layer_rules(name, layers, seen, depths)
         if "unit" in by:
             _unit_float8(model)
     return model, groups
+
+
+class LayerRulesError(ValueError):
+    """A recipe's layer rules match none of the model's layers (:func:`check_layer_rules`)."""
+
+
+def _some(names: Sequence[str], k: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in names[:k])
+    return shown + (f" and {len(names) - k} more" if len(names) > k else "")
+
+
+def check_layer_rules(
+    name: str,
+    rules: tuple[LayerRule, ...],
+    fqns: Sequence[str],
+    depths: dict[str, int] | None = None,
+) -> None:
+    """Check a recipe's layer ``rules`` against the fully-qualified names ``fqns`` of the
+    model's linear-like layers, as its float8 conversion saw them. A rule is checked unless
+    it is a catch-all (a pattern of ``*`` only, such as the ``LayerRule("*", None)`` that
+    ends a plan of ``lowprec tune``) or depth-relative (``{last:15%}`` may rightly match no
+    block of a shallow model). ``ValueError`` if no checked rule matches any layer (the
+    recipe would train as if it had no rules: a plan tuned on another model, whose layer
+    names are not this model's); a WARNING naming the checked rules that match no layer
+    (a misspelt pattern: that layer silently gets the recipe's default)."""
+    checked = [r for r in rules if r.pattern.strip("*") and not r.depth_relative]
+    if not checked:
+        return
+    unmatched = [r.pattern for r in checked if not any(r.matches(f, depths) for f in fqns)]
+    if not unmatched:
+        return
+    what = f"recipe {name!r}" if name else "recipe"
+    if len(unmatched) == len(checked):
+        layers = (
+            f"its linear layers are {_some(list(fqns))}"
+            if fqns
+            else "it has no linear layer a float8 recipe converts"
+        )
+        raise LayerRulesError(
+            f"{what}: none of its {len(checked)} layer rules matches a layer of this model "
+            f"(the rules name {_some(unmatched)}; {layers}); it would train without them. "
+            "A plan of lowprec tune names the layers of the model it was tuned on: tune "
+            "again for this model"
+        )
+    log.warning(
+        "%s: %d of its %d layer rules match no layer of this model (a misspelt name, or a "
+        "model of another shape), so the layers they were meant for get a later rule's or "
+        "the recipe's default config: %s",
+        what,
+        len(unmatched),
+        len(checked),
+        ", ".join(repr(p) for p in unmatched),
+    )
 
 
 class CastInputs:

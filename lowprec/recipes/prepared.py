@@ -262,7 +262,9 @@ def prepare(
     r = get_recipe(recipe)
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     lr = factory_lr(factory) if r.unit is not None else 0.0
-    model, params = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip, r.layers)
+    model, params = compose.apply(
+        model, r.technique, r.torch_dtype, lr, r.float8_skip, r.layers, r.name
+    )
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
     if param_groups is not None:
