@@ -82,7 +82,11 @@ for part in "$@"; do
       run 200 probe taskset -c 0,1 python3 host_probe.py --out "$OUT/host_probe.json" \
         --code-dir /tmp/probe_code
       unset TORCHINDUCTOR_CACHE_DIR
-      tar -czf "$OUT/probe_code.tar.gz" -C /tmp probe_code 2>/dev/null ;;
+      tar -czf "$OUT/probe_code.tar.gz" -C /tmp probe_code 2>/dev/null
+      # issue 39's hypothesis: oneMKL's GEMMs move a bit with the operands' alignment
+      # unless its conditional numerical reproducibility is on
+      run 60 probe-cnr env MKL_CBWR=AUTO taskset -c 0,1 python3 host_probe.py --repeat-only \
+        --out "$OUT/host_probe_cnr.json" ;;
     repeat)
       run 200 repeat python3 "$ROOT/scripts/repeat_runs.py" --runs 16 --jobs 7 --threads 2 \
         --out /tmp/repeat

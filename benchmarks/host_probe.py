@@ -110,8 +110,22 @@ def main() -> int:
     p.add_argument("--threads", default="1,2", help="comma list of torch thread counts")
     p.add_argument("--out", required=True)
     p.add_argument("--code-dir", default=None, help="copy inductor's generated C++ here")
+    p.add_argument(
+        "--repeat-only",
+        action="store_true",
+        help="only the repeatability part (e.g. again under MKL_CBWR=AUTO: oneMKL's "
+        "conditional numerical reproducibility, which promises bitwise-equal GEMMs "
+        "whatever the operands' alignment)",
+    )
     a = p.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
+    if a.repeat_only:
+        rep = repeatability(threads)
+        env = {k: os.environ.get(k, "") for k in ("MKL_CBWR", "OMP_NUM_THREADS")}
+        write_json(run_record("host_probe_repeat", "cpu", env=env, repeatability=rep), a.out)
+        bad = [r for r in rep if r["differ"]]
+        print(f"repeatability ({env}): {len(bad)} of {len(rep)} cases moved a bit")
+        return 0
     t_start = time.time()
     torch.manual_seed(0)
     x = torch.randn(a.numel)
