@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch._dynamo import eval_frame
 from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["eager_frames", "is_plain"]
+__all__ = ["checkpointed_layer", "eager_frames", "is_plain"]
 
 M = TypeVar("M", bound=type[TorchFunctionMode])
 
@@ -57,3 +57,16 @@ def is_plain(t: object) -> bool:
     (``ScaledTensor``, ``DTensor``, a float8 wrapper), whose own ``__torch_function__`` or
     ``__torch_dispatch__`` rules a mode must leave to it."""
     return type(t) in _PLAIN
+
+
+def checkpointed_layer(model: nn.Module) -> str | None:
+    """The name of the first module of ``model`` with HF's activation checkpointing on
+    (``gradient_checkpointing_enable()`` marks the layers it recomputes with
+    ``gradient_checkpointing = True``; ``"<root>"`` for ``model`` itself), else ``None``.
+    Such a layer's forward runs again in backward, outside the torch function modes the
+    forward was called in (``torch.utils.checkpoint`` restores autocast and the RNG, not
+    modes): its recomputed ops are not the converted ones."""
+    for name, m in model.named_modules():
+        if getattr(m, "gradient_checkpointing", False) is True:
+            return name or "<root>"
+    return None

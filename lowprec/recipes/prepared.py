@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lowprec.amp import (
     LossScaler,
@@ -19,12 +21,16 @@ from lowprec.amp import (
     lean_optimizer,
     native_bf16_matmul,
 )
+from lowprec.core.modes import checkpointed_layer
+from lowprec.core.warn import warn_once
 from lowprec.float8 import Float8Linear, calibrate
 from lowprec.float8.calibration import calibrated_scalers
 from lowprec.recipes import compose
 from lowprec.recipes.policy import DTYPES, Policy
 from lowprec.recipes.presets import get_recipe
 from lowprec.recipes.recipe import Recipe
+
+_log = logging.getLogger("lowprec.recipes")
 
 __all__ = ["OptimizerFactory", "Prepared", "build_optimizer", "factory_lr", "prepare"]
 
@@ -73,12 +79,25 @@ class Prepared:
                 device = next(self.model.parameters()).device.type
                 stack.enter_context(torch.autocast(device, dtype=DTYPES[self.recipe.autocast]))
             dtype = self.recipe.param_dtype
+            modes: list[TorchFunctionMode] = []
             if dtype in ("fp16", "bf16") and self.recipe.scalify is None:
-                stack.enter_context(SensitiveInFp32())  # type: ignore[no-untyped-call]
+                modes.append(SensitiveInFp32())  # type: ignore[no-untyped-call]
             if _on_cpu(self.model) and (
                 dtype == "fp16" or (dtype == "bf16" and not native_bf16_matmul())
             ):
-                stack.enter_context(MatmulInFp32(DTYPES[dtype]))  # type: ignore[no-untyped-call]
+                modes.append(MatmulInFp32(DTYPES[dtype]))  # type: ignore[no-untyped-call]
+            if modes and self.model.training and checkpointed_layer(self.model) is not None:
+                warn_once(
+                    _log,
+                    f"compute:checkpointing:{self.recipe.name}",
+                    "recipe %s: activation checkpointing recomputes layers in backward "
+                    "outside compute(), without its FP32 softmax/normalisations%s: their "
+                    "gradients differ from a run without checkpointing (docs/reliability.md)",
+                    self.recipe.name,
+                    " and FP32-accumulated matmuls" if len(modes) > 1 else "",
+                )
+            for mode in modes:
+                stack.enter_context(mode)
             yield
         if calibrating:
             self._end_calibration_batch()

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 
+from lowprec.core.modes import checkpointed_layer
 from lowprec.core.registry import Registry
 from lowprec.core.tensor import ScaledTensor
 from lowprec.core.warn import warn_once
@@ -155,13 +156,14 @@ def _check_no_checkpointing(module: nn.Module) -> None:
     layers): its forward is recomputed in backward after scalify has handed the
     parameters back, so the recomputed part would skip scaled arithmetic (with FP8 data
     the gradients differed from the uncheckpointed ones by 16%)."""
-    for name, m in module.named_modules():
-        if getattr(m, "gradient_checkpointing", False) is True:
-            raise TypeError(
-                f"scalify: module {name or '<root>'!r} ({type(m).__name__}) has gradient "
-                "checkpointing on: its forward would be recomputed in backward outside "
-                "scaled arithmetic. Turn it off (model.gradient_checkpointing_disable())"
-            )
+    name = checkpointed_layer(module)
+    if name is not None:
+        m = module if name == "<root>" else module.get_submodule(name)
+        raise TypeError(
+            f"scalify: module {name!r} ({type(m).__name__}) has gradient "
+            "checkpointing on: its forward would be recomputed in backward outside "
+            "scaled arithmetic. Turn it off (model.gradient_checkpointing_disable())"
+        )
 
 
 def _leave(x: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, fx, nn
 
+from lowprec.core.modes import checkpointed_layer
 from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
 from lowprec.unit.config import UnitConfig
@@ -45,6 +46,18 @@ def _unit_forward_class(cls: type[nn.Module]) -> type[nn.Module]:
             return _own_forward(self, args, kwargs)
         if d.get("_unit_pending") is not None:
             return _first_call(self, args, kwargs)
+        if (
+            self.training
+            and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and checkpointed_layer(self) is not None
+        ):
+            raise NotImplementedError(
+                "unit_scale: activation checkpointing (gradient_checkpointing_enable) "
+                "recomputes layers in backward outside the unit mode, so their gradients "
+                "would be those of the plain layers (16x to 3e7x off, measured); call "
+                "model.gradient_checkpointing_disable() to train a unit-scaled model"
+            )
         with UnitMode(cast(UnitConfig, self._unit_config), d.get("_unit_runtime")):
             return _own_forward(self, args, kwargs)
 
