@@ -79,6 +79,7 @@ def transposed_operand(o: CastOperand) -> CastOperand:
 
 def observe_backward(
     ctx: Any,
+    saved: tuple[Tensor, ...],
     sink: GemmSink,
     g: Tensor,
     fp8_dx: bool,
@@ -91,9 +92,11 @@ def observe_backward(
     (``recipe.for_gemm``), streams and transforms, and the tensor-wise scales it uses
     (``scales``: ``gs_dx``, ``ws_dx``, the input gradient's; ``gs_dw``, ``xs_dw``, the
     weight gradient's; ``None``: computed from the operand); ``share_g``: the weight
-    gradient multiplies the input gradient's quantized gradient, transposed."""
+    gradient multiplies the input gradient's quantized gradient, transposed. ``saved``:
+    ``ctx.saved_tensors`` as the backward read them (a non-reentrant checkpoint refuses a
+    second read)."""
     gs_dx, ws_dx, gs_dw, xs_dw = scales
-    x, xq_data, xq_scale, _, w, _ = ctx.saved_tensors
+    x, xq_data, xq_scale, _, w, _ = saved
     r: Float8Config = ctx.spec.recipe
     st: Streams = ctx.streams
     dev = g.device

@@ -49,6 +49,7 @@ from lowprec.float8.operands import (
     transposed,
 )
 from lowprec.float8.quant import Parts, dequantize_parts, quantize_parts
+from lowprec.float8.replay import recomputing
 
 __all__ = [
     "Float8MatmulFn",
@@ -141,7 +142,10 @@ class Float8MatmulFn(torch.autograd.Function):
         rng: Tensor | None = None,
     ) -> Tensor:
         r = spec.recipe
-        ctx.sink = sink = gemm_sink()
+        ctx.sink = gemm_sink()
+        # a forward recomputed in backward (activation checkpointing) was observed when it
+        # first ran: its backward, not its forward, is observed again
+        sink = None if recomputing(True) else ctx.sink
         ctx.x_hp = None
         ctx.streams = st = Streams(r, rng)
         ctx.w_fwd = None
@@ -263,7 +267,9 @@ class Float8MatmulFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, xq_data, xq_scale, x_base, w, w_base = ctx.saved_tensors
+        # read once: a non-reentrant checkpoint refuses a second unpack of a saved tensor
+        saved = ctx.saved_tensors
+        x, xq_data, xq_scale, x_base, w, w_base = saved
         go_state = ctx.go_state
         spec: GemmSpec = ctx.spec
         r = spec.recipe
@@ -316,7 +322,8 @@ class Float8MatmulFn(torch.autograd.Function):
                 xs_dw = own_scale(cdw.input, x, spec.x_reduce) if own_x else x_base
         sink: GemmSink | None = ctx.sink
         if sink is not None:
-            observe_backward(ctx, sink, g, fp8_dx, fp8_dw, (gs_dx, ws_dx, gs_dw, xs_dw), share_g)
+            scales = (gs_dx, ws_dx, gs_dw, xs_dw)
+            observe_backward(ctx, saved, sink, g, fp8_dx, fp8_dw, scales, share_g)
         dx = dw = None
         if ctx.needs_input_grad[0] and not fp8_dx:  # dx = g W, unquantized
             wh = w.dequantize() if isinstance(w, ScaledTensor) else w
@@ -405,7 +412,7 @@ def _hadamard_forward(
     ws = own_scale(cf.weight, wh, spec.w_reduce)
     xq = operand(xh, cf.input, 1, xs, cf, gx)[0]
     wq = operand(wh, cf.weight, 0, ws, cf, gw)[0]
-    if ctx.sink is not None:
+    if ctx.sink is not None and not recomputing(True):
         xo = observed("input", xh, cf.input, 1, xs, None, gx)
         ctx.sink("forward", xo, observed("weight", wh, cf.weight, 0, ws, None, gw))
         ctx.x_hp = x_hp.detach()

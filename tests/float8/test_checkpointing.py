@@ -96,3 +96,33 @@ def test_moe_experts_with_delayed_scaling(reentrant: bool) -> None:
     idx = torch.randint(0, 4, (16, 2), generator=torch.Generator().manual_seed(1))
     weights = torch.rand(16, 2, generator=torch.Generator().manual_seed(2))
     _compare(m, lambda g, c: (torch.randn(16, 32, generator=g) * c, idx, weights), reentrant)
+
+
+def test_observed_gemms_under_non_reentrant_checkpointing() -> None:
+    """An observed step (``lowprec train``'s GEMM records, ``measure_gemms``) read a saved
+    tensor twice in backward, which a non-reentrant checkpoint refuses (CheckpointError:
+    unpack triggered for a tensor already unpacked, a new user's trial). Each GEMM is
+    observed once, as without checkpointing, and the gradients are the uncheckpointed
+    run's."""
+    from lowprec.core.observe import CastOperand, observing
+
+    class Count:
+        def __init__(self) -> None:
+            self.gemms: list[str] = []
+
+        def capture(self) -> Callable[[str, CastOperand, CastOperand], None]:
+            return lambda gemm, a, b: self.gemms.append(gemm)
+
+    torch.manual_seed(0)
+    plain = f8.apply(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)), "delayed")
+    ckpt = copy.deepcopy(plain)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    seen = []
+    for m, wrap in ((plain, False), (ckpt, True)):
+        obs = Count()
+        with observing(obs):
+            y = checkpoint(m, x, use_reentrant=False) if wrap else m(x)
+            y.square().sum().backward()
+        seen.append(sorted(obs.gemms))
+    assert seen[0] == seen[1] and len(seen[0]) == 5  # 2 layers x 3, less the input's dx
+    _same(plain, ckpt)
