@@ -419,7 +419,8 @@ class Float8Linear(nn.Linear):
 
 def _input_key(x: Tensor) -> Tensor:
     """The key a forward is kept by for its recomputation: its input's ``amax``."""
-    t = x.qdata if isinstance(x, ScaledTensor) else x
+    # an operand that arrives quantized (an FP8 gather): its payload, read as float32
+    t = x.qdata.float() if isinstance(x, ScaledTensor) else x
     return tensor_wide_amax(t.detach(), "tensor").float()
 
 
