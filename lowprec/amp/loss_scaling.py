@@ -227,12 +227,12 @@ class LossScaler:
         check_positive(name, s)
 
     def state_dict(self) -> dict[str, Any]:
+        dropped, kept = self.history[:-HISTORY_LIMIT], self.history[-HISTORY_LIMIT:]
         return {
             "type": type(self).__name__,
             "scale": self._scale,
-            "history": [(r.scale, r.skipped) for r in self.history[-HISTORY_LIMIT:]],
-            "skipped_before": self.skipped_steps
-            - sum(r.skipped for r in self.history[-HISTORY_LIMIT:]),
+            "history": [(r.scale, r.skipped) for r in kept],
+            "skipped_before": self._skipped_before + sum(r.skipped for r in dropped),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -265,7 +265,8 @@ class Float8Experts(nn.Module):
         _carry_hooks(experts, self)
         self.train(experts.training)
         self._scalers: dict[str, DelayedScaler] = {}  # buffer name -> its scaler
-        self._replay: dict[str, ForwardReplay] = {}  # weight name -> its forwards' scales
+        # weight name -> its forwards' scales, for their recomputations
+        self._replay = {name: ForwardReplay() for name in weight_names(self)}
         for name in weight_names(self):
             w = self._parameters[name]
             assert w is not None
@@ -316,7 +317,7 @@ class Float8Experts(nn.Module):
         # a recomputation (activation checkpointing) uses its forward's scales and records
         # nothing (lowprec.float8.replay); backward records grad_output once
         again = recomputing(upd)
-        replay = self._replay.setdefault(name, ForwardReplay())
+        replay = self._replay[name]
         keep = upd and not torch.compiler.is_compiling()
         key = group_amax(x.detach(), offs) if keep else None  # each expert's input amax
         used = replay.take(key) if again and key is not None else None

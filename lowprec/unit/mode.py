@@ -348,11 +348,12 @@ class UnitMode(TorchFunctionMode):
         1/√c)``; unchanged where an operand is a parameter (not two activations)."""
         if not all(isinstance(a, Tensor) and not isinstance(a, nn.Parameter) for a in args):
             return args
-        out = []
-        for a in args:
-            c = next((c for t, c in self._repeats if t is a), 1)
-            out.append(a if c == 1 else scale_bwd(a, c**-0.5))
-        return tuple(out)
+        copies = [next((c for t, c in self._repeats if t is a), 1) for a in args]
+        if all(c == 1 for c in copies):
+            return args  # the usual case: neither operand is a tracked repeat
+        return tuple(
+            a if c == 1 else scale_bwd(a, c**-0.5) for a, c in zip(args, copies, strict=True)
+        )
 
     def _drops_scaling(self, func: Any, x: Any, c: Any) -> bool:
         """Whether ``func(x, c)`` multiplies a unit matmul's output ``x`` by ``1/√K`` (or
