@@ -13,12 +13,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import math
 import os
 import signal
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from difflib import get_close_matches
 from pathlib import Path
 from typing import TextIO, TypeAlias
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     command's own process a Ctrl-C after this returns ends it at once, quietly, with 130
     (:func:`lowprec._startup.run_then_guard`). Notes
     about repaired run files (:class:`~lowprec.jobs.rundir.RunNote`) print as
-    ``note: ...``.
+    ``note: ...``, lowprec's logged warnings as ``warning: ...``.
     """
     # A Ctrl-C from the end of the command's own handlers on: a quiet exit, never a traceback
     return run_then_guard(lambda: _main(argv))
@@ -303,7 +305,7 @@ def _main(argv: list[str] | None) -> int:
     try:  # the outer handler also catches a second Ctrl-C while the first is reported
         end_startup_guard()  # from here a Ctrl-C is a KeyboardInterrupt handled below
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _log_lines():
                 warnings.showwarning = _show_warning
                 return handler(args)
         except Interrupted as e:
@@ -353,6 +355,31 @@ def _one_line(e: BaseException) -> str:
     if not isinstance(e, (ValueError, TypeError, OSError)):
         text = f"{type(e).__name__}: {text}"
     return " ".join(text.split())
+
+
+class _LineHandler(logging.Handler):
+    """A lowprec log record at WARNING or above as one line on the current ``sys.stderr``:
+    ``warning: ...`` / ``error: ...``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = " ".join(record.getMessage().split())
+            print(f"{record.levelname.lower()}: {text}", file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _log_lines() -> Iterator[None]:
+    """The ``lowprec`` loggers' warnings and errors as ``warning: ...`` lines while a
+    command runs (without a handler, Python printed the bare message)."""
+    log = logging.getLogger("lowprec")
+    handler = _LineHandler(logging.WARNING)
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
 
 
 def _show_warning(

@@ -327,7 +327,9 @@ def prepare(
     factory = optimizer_factory or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     lr = factory_lr(factory) if r.unit is not None else 0.0
     # 1. the technique (as on one process)
-    model, groups = compose.apply(model, r.technique, r.torch_dtype, lr, r.float8_skip, r.layers)
+    model, groups = compose.apply(
+        model, r.technique, r.torch_dtype, lr, r.float8_skip, r.layers, r.name
+    )
     if sync_module_states:
         pg = mesh.get_group() if mesh is not None and mode == "fsdp" else None
         if mode == "ddp":

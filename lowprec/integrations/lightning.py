@@ -117,7 +117,9 @@ class _Recipe:
         r = with_module_filter(self.recipe, target, self.module_filter)
         self.recipe = r
         # lr=1.0: u-muP's groups are made again for the optimizer's learning rate in connect
-        net, _ = compose.apply(target, r.technique, r.torch_dtype, 1.0, r.float8_skip, r.layers)
+        net, _ = compose.apply(
+            target, r.technique, r.torch_dtype, 1.0, r.float8_skip, r.layers, r.name
+        )
         if name is not None:
             setattr(root, name, net)
         elif net is not root:
@@ -305,7 +307,9 @@ class LowprecFabricPrecision(_Recipe, FabricPrecision):  # type: ignore[misc]
         ``save_pretrained``)."""
         if self._builds_new and self.module_name is None:
             r = with_module_filter(self.recipe, module, self.module_filter)
-            net, _ = compose.apply(module, r.technique, r.torch_dtype, 1.0, r.float8_skip, r.layers)
+            net, _ = compose.apply(
+                module, r.technique, r.torch_dtype, 1.0, r.float8_skip, r.layers, r.name
+            )
             self.recipe, self._root, self._keys = r, net, set(net.state_dict())
             self.prepared = Prepared(net, None, r.policy.make_scaler(), r)
             self._drop_handle_hook()  # one of an earlier setup_module (that failed?)

@@ -264,7 +264,7 @@ def _warn_idle_settings(cfg: TrainConfig, guard: Guard | None) -> None:
     rate never reaches ``--lr``), a guard over a model with no float8 layer to move."""
     if cfg.warmup >= cfg.steps:
         log.warning(
-            "warning: --warmup %d is not below --steps %d: the learning rate rises for the "
+            "--warmup %d is not below --steps %d: the learning rate rises for the "
             "whole run and never reaches --lr %g",
             cfg.warmup,
             cfg.steps,
@@ -272,7 +272,7 @@ def _warn_idle_settings(cfg: TrainConfig, guard: Guard | None) -> None:
         )
     if guard is not None and not guard.watched():
         log.warning(
-            "warning: --guard: recipe %s has no float8 layer to move; the guard does nothing",
+            "--guard: recipe %s has no float8 layer to move; the guard does nothing",
             cfg.recipe_name,
         )
 
@@ -313,7 +313,9 @@ class _Loop:
         old = self.redo.pop(done, None)
         if old is None:
             return
-        keys = [k for k in _REDO_KEYS if k in old or k in rec]
+        # a value logged by one process only (a validation loss of a step that the first
+        # process stopped at, --on-nonfinite stop) is no difference of the numbers
+        keys = [k for k in _REDO_KEYS if k in old and k in rec]
         if all(_same(old.get(k), rec.get(k)) for k in keys):
             return
         rec["resume_mismatch"] = True

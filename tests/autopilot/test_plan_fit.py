@@ -78,6 +78,33 @@ def test_a_plan_naming_no_layer_of_the_model_is_refused() -> None:
     assert "its linear layers are '0', '2'" in str(e.value)
 
 
+def test_trainer_and_distributed_paths_name_the_recipe_too() -> None:
+    """The Lightning plugin and ``lowprec.distributed.prepare`` apply the recipe through the
+    same check, and their refusals name the plan (they said "recipe")."""
+    import gc
+    import tempfile
+
+    import torch.distributed as dist
+
+    from lowprec.distributed.parallel import prepare as dist_prepare
+
+    recipe = _plan_recipe("model.layers.0.mlp.up_proj")
+    lightning = pytest.importorskip("lowprec.integrations.lightning")
+    with pytest.raises(ValueError, match="recipe 'plan-h100': none of its 1 layer rules"):
+        lightning.LowprecPrecision(recipe).convert_module(_model())
+    own = not dist.is_initialized()
+    if own:
+        store = dist.FileStore(tempfile.mktemp(), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="recipe 'plan-h100': none of its 1 layer rules"):
+            dist_prepare(_model(), recipe, "ddp")
+    finally:
+        gc.collect()
+        if own:
+            dist.destroy_process_group()
+
+
 def test_a_plan_with_a_misspelt_layer_warns_naming_it(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="lowprec.recipes.compose"):
         p = lowprec.prepare(_model(), _plan_recipe("0", "2x"))
@@ -116,6 +143,18 @@ def test_cli_refuses_a_plan_for_another_model(
     assert "this run's model (--model reference --width 32" in line, line
     assert "none of its 1 layer rules matches" in line, line
     assert not any(out.iterdir())  # nothing trained; the same --out takes the next try
+
+
+def test_cli_prints_the_misspelt_rule_warning_as_a_warning_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The layer-rule WARNING (a logging record) printed as a bare message in the CLI."""
+    plan = _write_plan(tmp_path / "p.json", "blocks.0.fc", "blocks.0.fcx")
+    assert main(["train", *TINY, "--recipe", str(plan), "--out", str(tmp_path / "r")]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "layer rules" in ln]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("warning: recipe 'plan-h100': 1 of its 2 layer rules"), lines
+    assert "'blocks.0.fcx'" in lines[0], lines
 
 
 def test_tune_records_the_model_in_the_plan(tmp_path: Path) -> None:

@@ -110,7 +110,7 @@ def test_nonfinite_run_stops_with_one_line(
     since keeps such values in range): one line naming the
     step and what became NaN/Inf, exit 1, every checkpoint finite."""
     out = tmp_path / "nan"
-    args = ["train", *TINY, "--recipe", "fp16", "--lr", "1e4", "--out", str(out)]
+    args = ["train", *TINY, "--warmup", "1", "--recipe", "fp16", "--lr", "1e4", "--out", str(out)]
     line = _fails(args, capsys, code=1)
     assert "became NaN/Inf" in line and "--on-nonfinite stop" in line, line
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]

@@ -274,6 +274,11 @@ def test_every_file_of_a_nan_run_is_strict_json(
                       "--max-skips", "2"], capsys, code=1)  # fmt: skip
     assert "consecutive steps skipped" in line
     _strict((out / "summary.json").read_text())
+    # step 2, redone under skip, evaluates where the stopped process did not: the same
+    # numbers, no resume mismatch (it was reported as "not bit-exact")
+    _, metrics, _ = read_run(out)
+    assert [r["step"] for r in metrics] == [1, 2, 3] and metrics[1]["skipped"]
+    assert not any("resume_mismatch" in r for r in metrics), metrics
 
 
 # ---- the progress bar and the table --------------------------------------------------------
