@@ -26,10 +26,10 @@ __all__ = ["Float8Conv1D", "is_conv1d"]
 
 def is_conv1d(mod: nn.Module) -> bool:
     """True for an HF ``transformers.pytorch_utils.Conv1D`` (or a module of that name and
-    layout): integer ``nf``/``nx``, a 2-D ``weight`` of shape ``(nx, nf)`` and a ``bias`` of
-    shape ``(nf,)`` or ``None``."""
-    if type(mod).__name__ != "Conv1D":
-        return False
+    layout, or a subclass of one): integer ``nf``/``nx``, a 2-D ``weight`` of shape
+    ``(nx, nf)`` and a ``bias`` of shape ``(nf,)`` or ``None``."""
+    if not any(c.__name__ == "Conv1D" for c in type(mod).__mro__):
+        return False  # (a subclass: unit scaling's converted UnitConv1D)
     nf, nx = getattr(mod, "nf", None), getattr(mod, "nx", None)
     w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
     if not isinstance(nf, int) or not isinstance(nx, int) or not isinstance(w, Tensor):

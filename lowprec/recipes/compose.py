@@ -34,7 +34,10 @@ from torch.utils._pytree import tree_map
 import lowprec.float8
 import lowprec.scalify
 import lowprec.unit
+import lowprec.unit.moe
 from lowprec.float8 import Float8Config, Float8Linear
+from lowprec.float8.conv1d import Float8Conv1D
+from lowprec.float8.grouped import grouped_config
 from lowprec.recipes.layers import LayerRule, block_depths, layer_config
 from lowprec.recipes.policy import Policy
 from lowprec.scalify import ScalifyConfig
@@ -180,17 +183,25 @@ def apply(
         readout = getattr(model, "unit_report", {}).get("readout") if "unit" in by else None
 
         seen: list[str] = []  # the linear-like layers the conversion asked about
+        unit_experts: list[tuple[str, nn.Module, Float8Config]] = []
 
         def config(m: nn.Module, fqn: str) -> Float8Config | None:
             seen.append(fqn)
             if fqn == readout and not any(r.matches(fqn, depths) for r in layers):
                 return None
-            return layer_config(layers, fqn, default, float8_skip, depths)
+            c = layer_config(layers, fqn, default, float8_skip, depths)
+            form = getattr(type(m), "_unit_form", None) if "unit" in by else None
+            if form == "experts" and c is not None:  # keeps its unit forward (its GEMMs:
+                unit_experts.append((fqn, m, c))  # _unit_float8)
+                return None
+            if form == "router":  # unit's router (a readout-like x Wᵀ/H) stays as it is
+                return None
+            return c
 
         model = lowprec.float8.apply(model, default, config)
         check_layer_rules(name, layers, seen, depths)
         if "unit" in by:
-            _unit_float8(model)
+            _unit_float8(model, unit_experts)
     return model, groups
 
 
@@ -272,8 +283,38 @@ class CastInputs:
 # ---- unit + float8 ------------------------------------------------------------------------
 
 
-def _unit_float8(model: nn.Module) -> None:
-    """Every plain ``Float8Linear`` of ``model`` computes the unit linear around its GEMM."""
+def _unit_float8(model: nn.Module, experts: list[tuple[str, nn.Module, Float8Config]]) -> None:
+    """Every plain ``Float8Linear`` of ``model`` (and ``Float8Conv1D``: GPT-2's layers)
+    computes the unit linear around its GEMM; each unit experts module of ``experts``
+    (``(fqn, module, config)``) computes its experts' unit linears around float8 GEMMs of
+    its config (one group per expert, :func:`lowprec.float8.grouped_linear`; dynamic
+    scaling and nearest rounding where the config asks for what the grouped GEMMs do not
+    implement, as :class:`~lowprec.float8.Float8Experts` runs it)."""
     for m in model.modules():
-        if type(m) is Float8Linear:
+        if isinstance(m, Float8Linear) and type(m) in (Float8Linear, Float8Conv1D):
             m.linear_fn = unit_linear
+    for fqn, mod, cfg in experts:
+        run, changes = grouped_config(cfg)
+        if changes:
+            log.warning(
+                "%s: unit experts run %s with dynamic scaling and nearest rounding (the "
+                "grouped GEMMs do not implement %s)",
+                fqn,
+                cfg.name,
+                "; ".join(changes),
+            )
+        lowprec.unit.moe.inject_matmul(mod, _ExpertGemm(run))
+
+
+class _ExpertGemm:
+    """``x Wᵀ`` of one expert's 2-D operands as a float8 grouped GEMM of one group."""
+
+    def __init__(self, config: Float8Config) -> None:
+        self.config = config
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        offs = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
+        return lowprec.float8.grouped_linear(x, w.unsqueeze(0), offs, self.config)
+
+    def __repr__(self) -> str:
+        return f"float8 expert GEMM ({self.config.name})"

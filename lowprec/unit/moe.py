@@ -78,8 +78,9 @@ from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import scale_bwd, scale_fwd
 from lowprec.unit.mode import UNIT_OPS, plain_ops
 from lowprec.unit.moments import gauss_moment
+from lowprec.unit.products import Matmul
 
-__all__ = ["convert_moe", "is_experts", "route_aux_losses", "routing_moment"]
+__all__ = ["convert_moe", "inject_matmul", "is_experts", "route_aux_losses", "routing_moment"]
 
 _SAMPLES = 8192  # rows of the Monte Carlo estimates (ρ, a custom gate's RMS)
 
@@ -215,6 +216,8 @@ def _experts_forward(
         b_up = scale_bwd(cast(Tensor, self._parameters[up + "_bias"]), sk)
         b_down = scale_bwd(cast(Tensor, self._parameters[down + "_bias"]), sk)
     custom, gain = _custom_gate(self), float(self.__dict__.get("_unit_gate_gain", 1.0))
+    mm = self.__dict__.get("_unit_matmul")  # inject_matmul: e.g. a float8 recipe's GEMM
+    gemm: dict[str, Any] = {"float8": cfg.float8} if mm is None else {"matmul": mm}
     outs: list[Tensor] = []
     start = 0
     for e, n in enumerate(counts):
@@ -223,13 +226,13 @@ def _experts_forward(
         xs = x_g[start : start + n]
         start += n
         wu, wd = (w_up[e].t(), w_down[e].t()) if self.is_transposed else (w_up[e], w_down[e])
-        y = U.linear(xs, wu, None if b_up is None else b_up[e], float8=cfg.float8)
+        y = U.linear(xs, wu, None if b_up is None else b_up[e], **gemm)
         if custom:
             with plain_ops():
                 y = self._apply_gate(y) * gain
         else:
             y = self._apply_gate(y) if self.has_gate else self.act_fn(y)
-        outs.append(U.linear(y, wd, None if b_down is None else b_down[e], float8=cfg.float8))
+        outs.append(U.linear(y, wd, None if b_down is None else b_down[e], **gemm))
     y = torch.cat(outs) if outs else hidden_states.new_zeros(0, h)
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
@@ -238,6 +241,28 @@ def _experts_forward(
     inv = torch.argsort(perm)  # perm's inverse permutation
     out: Tensor = y[inv].view(t, k, h).sum(dim=1) * alpha
     return out.to(hidden_states.dtype)
+
+
+def inject_matmul(experts: nn.Module, matmul: Matmul | None) -> None:
+    """Make each expert's two unit linears compute their product ``x' W'ᵀ`` with
+    ``matmul`` (``None``: ``F.linear``, or unit's own FP8 casts with ``float8``), as a
+    :class:`~lowprec.float8.Float8Linear`'s ``linear_fn`` injects its GEMM into a unit
+    linear (:func:`lowprec.unit.functional.linear`'s ``matmul``): the unit scales stay
+    around it. ``experts``: an experts module :func:`convert_moe` converted (else
+    ``TypeError``); ``matmul`` is called with one expert's 2-D operands."""
+    if getattr(type(experts), "_unit_form", None) != "experts":
+        raise TypeError(
+            f"experts must be an experts module converted by unit scaling, got "
+            f"{type(experts).__name__}"
+        )
+    if matmul is not None and not callable(matmul):
+        raise TypeError(f"matmul must be callable or None, got {type(matmul).__name__}")
+    if matmul is not None and cast(UnitConfig, experts.__dict__["_unit_cfg"]).float8:
+        raise ValueError(
+            "matmul: this model's unit config casts to FP8 itself (float8=True); give a "
+            "matmul or float8=True, not both"
+        )
+    object.__setattr__(experts, "_unit_matmul", matmul)
 
 
 def _router_of(parent: nn.Module) -> tuple[str, nn.Module] | None:
