@@ -147,10 +147,11 @@ def is_experts(mod: nn.Module) -> bool:
 
 
 def holds_expert_weights(mod: nn.Module) -> bool:
-    """``mod`` holds a 3-D floating-point parameter of its own (expert weights that
-    :func:`is_experts` may not recognise)."""
+    """``mod`` holds a 3-D floating-point parameter of its own with more than one slice
+    (expert weights ``(E, …)`` that :func:`is_experts` may not recognise; not a ``(1, n, d)``
+    token or position table such as ViT's ``cls_token``)."""
     return any(
-        isinstance(p, Tensor) and p.dim() == 3 and p.dtype.is_floating_point
+        isinstance(p, Tensor) and p.dim() == 3 and p.shape[0] > 1 and p.dtype.is_floating_point
         for p in mod._parameters.values()
     )
 

@@ -309,9 +309,16 @@ def test_generic_detection_of_an_unlisted_experts_class(caplog: Any) -> None:
             super().__init__()
             self.w = nn.Parameter(torch.randn(2, 4, 4))
 
+    class Tokens(nn.Module):  # ViT's embeddings: (1, n, d) tables, no expert weights
+        def __init__(self) -> None:
+            super().__init__()
+            self.cls_token = nn.Parameter(torch.randn(1, 1, 4))
+            self.position_embeddings = nn.Parameter(torch.randn(1, 5, 4))
+
     holder = nn.Module()
     holder.experts = MyExperts(Cfg())
     holder.odd = Odd()
+    holder.tokens = Tokens()
     x = torch.randn(7, 16)
     idx = torch.tensor([[0, 2], [2, 2], [1, 0], [0, 0], [2, 0], [2, 1], [0, 2]])
     wts = torch.rand(7, 2)
@@ -319,7 +326,8 @@ def test_generic_detection_of_an_unlisted_experts_class(caplog: Any) -> None:
     with caplog.at_level(logging.WARNING, logger="lowprec.float8.convert"):
         apply(holder, Float8Config.from_name("tensorwise", high_precision_gemms=GEMMS))
     assert isinstance(holder.experts, Float8Experts)
-    assert "odd" in caplog.text
+    assert "odd (Odd: 3-D weights, not an experts module)" in caplog.text
+    assert "tokens" not in caplog.text  # (it was named as a linear-like layer)
     torch.testing.assert_close(holder.experts(x, idx, wts), ref, rtol=1e-6, atol=1e-6)
 
 
