@@ -50,6 +50,19 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
     return F.dropout(x, p, training=True) * math.sqrt(1.0 - p)
 
 
+def check_mask(attn_mask: Tensor | None, is_causal: bool) -> None:
+    """The masks the unit attention takes: a boolean ``attn_mask`` or ``is_causal``, not
+    both; a float (additive) mask is refused (``ValueError``: its values are not a set of
+    allowed keys, so the attention's variance has no rule)."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise ValueError(
+            f"attn_mask: a float (additive) mask of dtype {attn_mask.dtype} is not supported "
+            "(its values are not a set of allowed keys); pass a boolean mask or is_causal=True"
+        )
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask, is_causal: give one of them, not both (as torch)")
+
+
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> int:
     """``ValueError``/``TypeError`` unless ``q, k, v`` are floating tensors of one dtype with
     ``(..., L, E)`` dims, and with ``enable_gqa`` ``(..., H, L, E)`` with ``q``'s heads a
@@ -101,13 +114,7 @@ def scaled_dot_product_attention(
     A float ``attn_mask`` is refused (``ValueError``): its additive values are not a set
     of allowed keys.
     """
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        raise ValueError(
-            f"attn_mask: a float (additive) mask of dtype {attn_mask.dtype} is not supported "
-            "(its values are not a set of allowed keys); pass a boolean mask or is_causal=True"
-        )
-    if attn_mask is not None and is_causal:
-        raise ValueError("attn_mask, is_causal: give one of them, not both (as torch)")
+    check_mask(attn_mask, is_causal)
     p_drop = check_number("dropout_p", dropout_p)
     if not 0.0 <= p_drop < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")

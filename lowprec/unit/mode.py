@@ -22,7 +22,15 @@ GPT-J's, a hand-written one) gets two rules on top of the ops':
 * an activation repeated ``c`` times (grouped-query attention's key/value heads: HF's
   ``repeat_kv``, ``repeat_interleave``), through views, as an operand of a matmul of two
   activations has its backward scaled by ``1/√c`` (its ``c`` copies' gradients sum), as
-  the SDPA rule's ``enable_gqa``: the written-out form then has SDPA's gradients.
+  the SDPA rule's ``enable_gqa``: the written-out form then has SDPA's gradients;
+* an activation multiplied by a number ``c`` (through views: OPT's and Whisper's
+  ``q_proj(x)·d^-1/2``, then attention at scale 1) is *pre-scaled*. As SDPA's query or key
+  it enters the rule divided by ``c``, at scale ``scale·c``: the same logits, with the
+  unit-scale query the rule's variance assumes (it read ``c²`` of the logits' variance
+  otherwise). As an operand of a matmul contracting ``K = 1/c²`` (the model's ``1/√K``
+  applied first) it enters divided by ``c``: the unit matmul applies ``1/√K`` itself, as
+  for a multiplication after it; so does a linear's input pre-scaled by ``1/√fan_in``
+  (T5's ``d^-1/2`` before its tied output layer).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from lowprec.core.modes import eager_frames
 from lowprec.core.warn import warn_once
 from lowprec.unit import functional as U
-from lowprec.unit.attention import check_qkv
+from lowprec.unit.attention import check_mask, check_qkv
 from lowprec.unit.config import UnitConfig
 from lowprec.unit.core import _PLAIN, check_number, plain_ops, scale_bwd, scale_fwd
 
@@ -87,6 +95,7 @@ _LOG_SOFTMAX = {torch.log_softmax, F.log_softmax, Tensor.log_softmax}
 _RELU = {F.relu, torch.relu, Tensor.relu}
 _KEEP = 4  # tensors each of the attention patterns' lists remembers
 _KEEP_REPEATS = 8  # two repeats (key, value) and their views
+_FOLDS = {F.scaled_dot_product_attention, F.linear}  # take pre-scaled operands (module doc)
 _DIVS = {Tensor.__truediv__, Tensor.div, torch.div}
 _SCALINGS = {Tensor.__mul__, Tensor.__rmul__, Tensor.mul, torch.mul, *_DIVS}
 _NO_RULE = {
@@ -139,7 +148,9 @@ def _sdpa(cfg: UnitConfig, query: Tensor, key: Tensor, value: Tensor,
     ``1/√d``). With ``float8`` the attention is written out as HF's eager attention is
     converted (unit ``matmul`` for ``q kᵀ``, the unit softmax, dropout, ``probs_matmul``),
     so that its two matmuls round their operands to FP8 as every other matmul does; a
-    float ``attn_mask`` is then added to the logits, a boolean one masks them."""
+    boolean ``attn_mask`` masks the logits. A float (additive) ``attn_mask`` is refused
+    in both forms, as the SDPA rule refuses it (``ValueError``: the op then runs unchanged
+    and is reported), so that ``float8`` changes only the roundings of the model."""
     if not cfg.float8:
         if cfg.softmax_mult != 1.0:
             d = max(1, query.shape[-1]) if query.dim() else 1
@@ -147,8 +158,7 @@ def _sdpa(cfg: UnitConfig, query: Tensor, key: Tensor, value: Tensor,
         return cast(Tensor, UNIT_OPS[U.scaled_dot_product_attention](
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         ))  # fmt: skip
-    if attn_mask is not None and is_causal:
-        raise ValueError("attn_mask, is_causal: give one of them, not both (as torch)")
+    check_mask(attn_mask, is_causal)
     group = check_qkv(query, key, value, enable_gqa)
     if group > 1:  # the G copies' gradients sum: 1/√G each, as the SDPA rule's
         key, value = key.repeat_interleave(group, -3), value.repeat_interleave(group, -3)
@@ -160,10 +170,8 @@ def _sdpa(cfg: UnitConfig, query: Tensor, key: Tensor, value: Tensor,
     n_q, n_k = query.shape[-2], key.shape[-2]
     if is_causal:
         attn_mask = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril()
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
+    if attn_mask is not None:
         logits = logits.masked_fill(~attn_mask, torch.finfo(logits.dtype).min)
-    elif attn_mask is not None:
-        logits = logits + attn_mask
     p = UNIT_OPS[U.softmax](logits, -1, mult=cfg.softmax_mult)
     if dropout_p:
         p = UNIT_OPS[U.dropout](p, dropout_p, True)
@@ -268,6 +276,9 @@ class UnitMode(TorchFunctionMode):
         # sum in the backward, which is scaled by ``1/√c`` (the SDPA rule's ``enable_gqa``,
         # so that grouped-query attention written out has the SDPA form's gradients).
         self._repeats: list[tuple[Tensor, int]] = []
+        # The last few activations multiplied by a number ``c`` (and their views), with
+        # ``c``: pre-scaled queries (module doc).
+        self._prescaled: list[tuple[Tensor, float]] = []
 
     def _unhandled(self, func: Any, cause: str) -> None:
         where = self.runtime.where() if self.runtime is not None else None
@@ -296,6 +307,8 @@ class UnitMode(TorchFunctionMode):
             args, kw = rt.substitute(args, kw)
         if self._repeats and func in _MATMUL and len(args) == 2 and not kw:
             args = self._scaled_repeats(args)
+        if self._prescaled and (func in _MATMUL or func in _FOLDS):
+            args, kw = self._fold_prescaled(func, args, kw)
         if self._probs and args and any(t is args[0] for t in self._probs):
             if (
                 func in _MATMUL
@@ -321,6 +334,8 @@ class UnitMode(TorchFunctionMode):
         if isinstance(out, Tensor):
             if func in _REPEATS or (self._repeats and func in _KEEPS_REPEATS):
                 self._track_repeat(func, args, out)
+            if func in _SCALINGS or (self._prescaled and func in _KEEPS_REPEATS):
+                self._track_prescaled(func, args, kw, out)
             if func in _SOFTMAX:
                 self._probs = [*self._probs[-(_KEEP - 1) :], out]
             elif func in _MATMUL and len(args) == 2 and isinstance(args[1], Tensor):
@@ -342,6 +357,71 @@ class UnitMode(TorchFunctionMode):
             return
         if copies > 1:
             self._repeats = [*self._repeats[-(_KEEP_REPEATS - 1) :], (out, copies)]
+
+    def _prescale(self, t: object) -> float:
+        """The number a tracked pre-scaled activation ``t`` was multiplied by (else 1)."""
+        return next((c for x, c in self._prescaled if x is t), 1.0)
+
+    def _track_prescaled(
+        self, func: Any, args: tuple[Any, ...], kw: dict[str, Any], out: Tensor
+    ) -> None:
+        """Remember ``out`` if it is an activation (not a parameter) that needs a gradient
+        times a finite, non-zero Python number, or a view of such a one (same size)."""
+        x = args[0] if args else None
+        if not isinstance(x, Tensor) or isinstance(x, nn.Parameter) or not x.requires_grad:
+            return
+        if func in _SCALINGS:
+            c = args[1] if len(args) == 2 and not kw else None
+            if not isinstance(c, (int, float)) or isinstance(c, bool):
+                return
+            if c == 0 or not math.isfinite(c):
+                return
+            f = (1.0 / c if func in _DIVS else float(c)) * self._prescale(x)
+        elif out.numel() == x.numel():
+            f = self._prescale(x)
+        else:
+            return
+        if f != 1.0:
+            self._prescaled = [*self._prescaled[-(_KEEP_REPEATS - 1) :], (out, f)]
+
+    def _fold_prescaled(
+        self, func: Any, args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """SDPA's or a matmul's arguments with their pre-scaled operands folded (module
+        doc); unchanged where none is pre-scaled."""
+        if func is F.linear:  # x Wᵀ: W (fan_out, fan_in)
+            if not args or not isinstance(
+                w := args[1] if len(args) > 1 else kw.get("weight"), Tensor
+            ):
+                return args, kw
+            c = self._prescale(args[0])
+            if c != 1.0 and abs(c * math.sqrt(w.shape[-1]) - 1.0) < 1e-6:
+                return (args[0] / c, *args[1:]), kw
+            return args, kw
+        if func in _MATMUL:
+            if len(args) != 2 or kw or not all(isinstance(a, Tensor) for a in args):
+                return args, kw
+            k = args[1].shape[-2] if args[1].dim() >= 2 else args[1].shape[0]
+            folded = []
+            for a in args:
+                c = self._prescale(a)
+                folded.append(a / c if c != 1.0 and abs(c * math.sqrt(k) - 1.0) < 1e-6 else a)
+            return tuple(folded), kw
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+        bound = {**dict(zip(names, args, strict=False)), **kw}
+        q, key = bound.get("query"), bound.get("key")
+        cq, ck = self._prescale(q), self._prescale(key)
+        if (cq == 1.0 and ck == 1.0) or not isinstance(q, Tensor) or "value" not in bound:
+            return args, kw
+        given = bound.get("scale")
+        s = max(1, q.shape[-1]) ** -0.5 if given is None else _number(given)
+        if s is None or len(args) > len(names):
+            return args, kw
+        bound["scale"] = s * cq * ck  # the same logits q·k·scale
+        q = q / cq if cq != 1.0 else q
+        key = key / ck if ck != 1.0 and isinstance(key, Tensor) else key
+        rest = {n: v for n, v in bound.items() if n not in ("query", "key", "value")}
+        return (q, key, bound["value"]), rest
 
     def _scaled_repeats(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """A matmul's operands, a repeated activation (``c`` copies) in ``scale_bwd(·,

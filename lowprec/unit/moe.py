@@ -237,10 +237,14 @@ def _experts_forward(
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
     p_g = scale_bwd(top_k_weights.reshape(-1)[perm].to(y.dtype), 1.0 / (alpha * math.sqrt(h)))
-    y = y * p_g.unsqueeze(-1)
-    inv = torch.argsort(perm)  # perm's inverse permutation
-    out: Tensor = y[inv].view(t, k, h).sum(dim=1) * alpha
-    return out.to(hidden_states.dtype)
+    # The combination's ops have no unit rule; run plainly, the mode keeps no record of
+    # them (a tracked ``· alpha``, made in this eagerly run function, would reach the
+    # compiled frame that resumes after it in the mode's state: Dynamo fails on it)
+    with plain_ops():
+        y = y * p_g.unsqueeze(-1)
+        inv = torch.argsort(perm)  # perm's inverse permutation
+        out: Tensor = y[inv].view(t, k, h).sum(dim=1) * alpha
+        return out.to(hidden_states.dtype)
 
 
 def inject_matmul(experts: nn.Module, matmul: Matmul | None) -> None:

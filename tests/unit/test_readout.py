@@ -103,3 +103,47 @@ def test_a_float8_readout_named_by_a_layer_rule_keeps_its_multiplier() -> None:
         assert isinstance(head, Float8Linear) == (r is ruled)
     rel = float((outs[1] - outs[0]).norm() / outs[0].norm())
     assert rel < 0.1, rel
+
+
+def test_a_readout_input_pre_scaled_by_one_over_root_fan_in_is_the_plain_readout() -> None:
+    """HF's T5 multiplies the decoder output by ``d^-1/2`` before a tied output layer
+    (not before an untied one). Unit scaling kept it: every gradient of the tied model was
+    ``1/√d`` of the untied one's (0.13-0.29 into the blocks at d = 64, trial A). The unit
+    linear applies ``1/√fan_in`` itself, so the tied model is now the untied one with the
+    same weights: its loss, logits and gradients equal (float32 rounding of ``x·c/c``)."""
+    transformers = pytest.importorskip("transformers")
+    runs = []
+    for tied in (True, False):
+        cfg = transformers.T5Config(
+            vocab_size=64, d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=None,
+            tie_word_embeddings=tied,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        m = transformers.T5ForConditionalGeneration(cfg)
+        if not tied:
+            with torch.no_grad():
+                m.lm_head.weight.copy_(m.shared.weight)
+        torch.manual_seed(1)
+        u = unit_scale(m, reinit=True)
+        if not tied:
+            with torch.no_grad():
+                u.lm_head.weight.copy_(u.shared.weight)  # the tied model's weights
+        g = torch.Generator().manual_seed(2)
+        ids, labels = (
+            torch.randint(1, 64, (2, 12), generator=g),
+            torch.randint(1, 64, (2, 12), generator=g),
+        )
+        out = u(input_ids=ids, labels=labels)
+        out.loss.backward()
+        grads = {
+            n: p.grad for n, p in u.named_parameters() if "shared" not in n and "lm_head" not in n
+        }
+        runs.append((out.loss.detach(), out.logits.detach(), grads))
+    (loss_t, logits_t, g_t), (loss_u, logits_u, g_u) = runs
+    assert float(abs(loss_t - loss_u)) < 1e-5
+    assert float((logits_t - logits_u).norm() / logits_u.norm()) < 1e-5
+    assert set(g_t) == set(g_u)
+    for n, gt in g_t.items():
+        ref = g_u[n]
+        assert float((gt - ref).norm()) <= 1e-4 * max(float(ref.norm()), 1.0), n

@@ -139,3 +139,103 @@ def test_probs_matmul_is_unit_at_the_softmax_mult(mult: float) -> None:
     assert float(y.square().mean().sqrt()) == pytest.approx(1.0, rel=0.08)
     with pytest.raises(ValueError, match="mult must be finite and > 0"):
         U.probs_matmul(p, v, mult=0.0)
+
+
+class _PreScaled(nn.Module):
+    """Causal attention whose query is pre-scaled (OPT's, Whisper's ``q_proj(x)·d^-1/2``,
+    then attention at scale 1) or scaled by the attention (the usual form), by SDPA or
+    written out; the multiplication and the head split's views between them."""
+
+    def __init__(self, sdpa: bool, pre: bool, heads: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.q, self.k, self.v = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.out, self.sdpa, self.pre, self.heads = nn.Linear(32, 32), sdpa, pre, heads
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        d = 32 // self.heads
+        q = self.q(x) * d**-0.5 if self.pre else self.q(x)
+        q, k, v = (t.view(b, s, self.heads, d).transpose(1, 2) for t in (q, self.k(x), self.v(x)))
+        scale = 1.0 if self.pre else None
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            w = q @ k.transpose(-2, -1)
+            w = w * (1.0 if self.pre else d**-0.5)
+            mask = torch.ones(s, s, dtype=torch.bool).tril()
+            w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
+            y = torch.softmax(w, -1) @ v
+        return self.out(y.transpose(1, 2).reshape(b, s, 32))
+
+
+def _err(a: Tensor, b: Tensor) -> float:
+    """Relative error, absolute for a gradient that is zero in exact arithmetic (a key
+    projection's bias: softmax ignores a shift of a row's logits; ~1e-6 of rounding)."""
+    return float((a - b).double().norm() / max(float(b.double().norm()), 1.0))
+
+
+def _prescaled_run(sdpa: bool, pre: bool, float8: bool) -> list[Tensor]:
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    m = unit_apply(_PreScaled(sdpa, pre), UnitConfig(float8=float8, strict=True))
+    y = m(x)
+    y.square().sum().backward()
+    assert x.grad is not None
+    return [y.detach(), x.grad, *(p.grad for p in m.parameters())]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_a_pre_scaled_query_is_the_usual_attention(sdpa: bool) -> None:
+    """OPT's form computes the same model as the usual one, so its unit version must too.
+    Before: the SDPA rule took the pre-scaled query for a unit one (logits of variance d
+    where they have 1: attention output std 0.70 in OPT), and the written-out form divided
+    by √d twice (logits q·k/d), three different models (new-user trial A). Tolerance:
+    the forms differ in float32 summation order and the fold's division (1e-5)."""
+    ref = _prescaled_run(sdpa=True, pre=False, float8=False)
+    got = _prescaled_run(sdpa=sdpa, pre=True, float8=False)
+    assert all(_err(a, b) < 1e-5 for a, b in zip(got, ref, strict=True))
+    # float8: SDPA and its write-out round the same operands (bit for bit, as above)
+    f8 = _prescaled_run(sdpa=sdpa, pre=True, float8=True)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(f8, _prescaled_run(sdpa=True, pre=True, float8=True), strict=True)
+    )
+    for a, b in zip(f8, ref, strict=True):  # FP8 rounding, not another scale (k's bias: 0)
+        assert float(b.norm()) < 1e-4 or 0.9 < float(a.norm() / b.norm()) < 1.1
+
+
+def test_opt_trains_the_same_unit_model_by_sdpa_eager_and_float8() -> None:
+    """HF's OPT (pre-scaled query, attention at scaling 1.0): the SDPA rule, the eager form
+    and unit's float8 write-out (FP8 rounding removed) give one loss and one set of
+    gradients; the attention output is unit (0.70 before, in the trial's 2-layer OPT)."""
+    import lowprec.unit.products as products
+
+    def run(impl: str, cfg: UnitConfig) -> tuple[Tensor, list[Tensor], list[float]]:
+        c = transformers.OPTConfig(
+            vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            ffn_dim=128, word_embed_proj_dim=64, max_position_embeddings=64, dropout=0.0,
+            attention_dropout=0.0, attn_implementation=impl,
+        )  # fmt: skip
+        torch.manual_seed(1)
+        m = unit_apply(transformers.OPTForCausalLM(c), cfg)
+        stds: list[float] = []
+        for n, mod in m.named_modules():
+            if n.endswith("self_attn.out_proj"):
+                mod.register_forward_pre_hook(lambda _m, a: stds.append(float(a[0].std())))
+        ids = torch.randint(0, V, (4, 32), generator=torch.Generator().manual_seed(0))
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), [p.grad for p in m.parameters()], stds  # type: ignore[misc]
+
+    loss, grads, stds = run("sdpa", UnitConfig())
+    assert all(0.85 < s < 1.3 for s in stds), stds
+    loss_e, grads_e, _ = run("eager", UnitConfig())
+    assert abs(float(loss - loss_e)) < 1e-5
+    assert all(_err(a, b) < 1e-4 for a, b in zip(grads_e, grads, strict=True))
+    mp = pytest.MonkeyPatch()
+    with mp.context() as p:  # unit's FP8 casts made exact: the write-out's maths alone
+        p.setattr(products, "quantize_ste", lambda x, *a, **k: x)
+        p.setattr(products, "quantize_grad", lambda x, *a, **k: x)
+        loss_8, grads_8, _ = run("sdpa", UnitConfig(float8=True))
+    assert abs(float(loss - loss_8)) < 1e-5
+    assert all(_err(a, b) < 1e-4 for a, b in zip(grads_8, grads, strict=True))
