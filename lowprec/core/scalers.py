@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity, as_granularity
-from lowprec.core.scales import amax, check_margin, group_scale
+from lowprec.core.scales import amax, check_margin, group_scale, nonfinite_scale
 
 __all__ = [
     "AmaxReducer",
@@ -61,7 +61,17 @@ class Scaler(ABC):
     ``state_dict()`` / ``load_state_dict()`` save and restore that state exactly.
     ``reducer``: an :data:`AmaxReducer` applied to the ``amax`` of every tensor the scaler
     is called on (not to an ``amax=`` given by the caller, which is used as is).
+
+    A non-finite ``amax`` (the tensor holds Inf/NaN) is counted in :attr:`nonfinite` and
+    logged once per scaler at WARNING with :attr:`_NONFINITE_NOTE`, which states what the
+    subclass does with it.
     """
+
+    # What a non-finite amax gets (the warning's text after the scaler's name).
+    _NONFINITE_NOTE = (
+        "non-finite amax (Inf/NaN in the tensor); those groups get scale 1 (NaN in an MX or "
+        "NV block, or a format without Inf and NaN codes)"
+    )
 
     def __init__(
         self,
@@ -114,11 +124,7 @@ class Scaler(ABC):
         first = a.device.type == "cpu" and int(self.nonfinite) == 0 and bool(bad)
         self.nonfinite += bad.to(self.nonfinite.device)
         if first:
-            log.warning(
-                "%s: non-finite amax (Inf/NaN in the tensor); using scale 1 for those "
-                "groups and not recording them (reported once)",
-                type(self).__name__,
-            )
+            log.warning("%s: %s (reported once)", type(self).__name__, self._NONFINITE_NOTE)
         return a
 
     @abstractmethod
@@ -216,6 +222,12 @@ class _HistoryScaler(Scaler):
                 f"not {type(self).__name__}"
             )
 
+    def _guard(self, scale: Tensor, cur: Tensor) -> Tensor:
+        """``scale`` with NaN where the current ``amax`` ``cur`` is not finite and the format
+        has no Inf and NaN codes (:func:`~lowprec.core.scales.nonfinite_scale`): a scale
+        from the past must not let the cast clamp ±Inf to ``±max · scale``."""
+        return nonfinite_scale(scale, cur, self.fmt, self.granularity.kind)
+
     @staticmethod
     def _check_shape(x: Tensor | None, expected: tuple[int, ...], got: tuple[int, ...]) -> None:
         if expected != got:
@@ -240,11 +252,22 @@ class DelayedScaler(_HistoryScaler):
 
     The history is a tensor of shape ``(history_len, *scale_shape)``, newest first, updated
     in place: give it as ``amax_history`` (e.g. a module buffer of zeros) or let the first
-    call allocate it. A non-finite ``amax`` is not recorded: the slot repeats the previous
-    value.
+    call allocate it.
+
+    A non-finite ``amax`` (the tensor holds Inf/NaN in that group) is not recorded: the
+    history still advances one slot, which repeats its newest entry. The group's scale is
+    the history's as for any tensor (scale 1 while the history holds no positive amax),
+    so a saturating cast clamps its finite values to ``±max · scale`` and its ±Inf/NaN stay
+    non-finite as the format allows (±Inf in E5M2, NaN in E4M3FN); in a format without
+    Inf and NaN codes (E2M1, E3M2, E2M3) the scale is NaN and the group reads NaN.
     """
 
     _STATE_TENSORS = ("nonfinite", "amax_history")
+    _NONFINITE_NOTE = (
+        "non-finite amax (Inf/NaN in the tensor); those groups keep the scale of the amax "
+        "history (scale 1 while it holds no positive amax), NaN in a format without Inf and "
+        "NaN codes; the history records its newest amax again in their place"
+    )
 
     def __init__(
         self,
@@ -304,7 +327,7 @@ class DelayedScaler(_HistoryScaler):
             self.amax_history = hist
         else:
             self._check_shape(x, tuple(hist.shape[1:]), tuple(cur.shape))
-        scale = self.scale_of(delayed_amax(hist, cur, self.algo))
+        scale = self._guard(self.scale_of(delayed_amax(hist, cur, self.algo)), cur)
         if update:
             hist.copy_(push_amax(hist, cur))
         return scale
@@ -320,9 +343,22 @@ class StaticScaler(_HistoryScaler):
     for it; after ``calibration_steps`` recording calls the scale freezes at
     ``scale(calib_amax)``. ``calibration_steps=None`` calibrates until :meth:`freeze`.
     :meth:`reset` starts a new calibration.
+
+    A non-finite ``amax`` while calibrating (the tensor holds Inf/NaN in that group)
+    counts as 0: the maximum is unchanged (0 on the first call), the call still counts as a
+    calibration step, and the group gets the scale of that maximum (1 where it is 0). A
+    frozen scaler computes no ``amax`` and counts nothing. Either way, in a format
+    without Inf and NaN codes (E2M1, E3M2, E2M3) the group's scale is NaN and it reads
+    NaN (the frozen scaler takes the tensor's ``amax`` for that, in those formats only).
     """
 
     _STATE_TENSORS = ("nonfinite", "calib_amax", "scale")
+    _NONFINITE_NOTE = (
+        "non-finite amax (Inf/NaN in the tensor) while calibrating; those groups get the "
+        "scale of the calibration maximum so far (scale 1 where it is 0), NaN in a format "
+        "without Inf and NaN codes; the maximum records 0 for them and the call counts as a "
+        "calibration step"
+    )
     _STATE_INTS = ("steps",)
 
     def __init__(
@@ -417,15 +453,17 @@ class StaticScaler(_HistoryScaler):
         maximum so far (or of ``x``) is returned unrecorded."""
         if self.scale is not None:
             dev = x.device if x is not None else amax.device if amax is not None else None
-            return self.scale if dev is None else self.scale.to(dev)
-        cur = self._amax(x, amax)
-        cur = torch.where(torch.isfinite(cur), cur, 0.0)
+            s = self.scale if dev is None else self.scale.to(dev)
+            a = None if self.fmt.special != "finite" else _local_amax(x, amax, self)
+            return s if a is None else self._guard(s, a)
+        raw = self._amax(x, amax)
+        cur = torch.where(torch.isfinite(raw), raw, 0.0)
         calib = self.calib_amax if state is None else state
         if calib is not None:
             self._check_shape(x, tuple(calib.shape), tuple(cur.shape))
             cur = torch.maximum(calib, cur)
         if not update:
-            return self.scale_of(cur)
+            return self._guard(self.scale_of(cur), raw)
         if calib is None:
             self.calib_amax = cur
         else:
@@ -435,7 +473,16 @@ class StaticScaler(_HistoryScaler):
         scale = self.scale_of(cur)
         if self.calibration_steps is not None and self.steps >= self.calibration_steps:
             self.scale = scale
-        return scale
+        return self._guard(scale, raw)
+
+
+def _local_amax(x: Tensor | None, given: Tensor | None, sc: Scaler) -> Tensor | None:
+    """``given`` (as float32), else the ``amax`` of ``x`` at ``sc``'s granularity on this
+    process only (no reducer: it only tells which groups hold Inf/NaN here); ``None``
+    without either."""
+    if given is not None:
+        return given.detach().float()
+    return None if x is None else amax(x, sc.granularity)
 
 
 def delayed_amax(history: Tensor, current: Tensor, algo: str = "max") -> Tensor:

@@ -16,8 +16,10 @@ Special statistics (no division by zero, never a NaN scale):
 * ``amax == 0`` (an all-zero block): scale ``1``;
 * ``amax`` is Inf or NaN (the block holds Inf/NaN): scale ``1`` — finite values are rounded
   as if unscaled and the Inf/NaN values themselves stay visible in the data. Stateful
-  scalers do not record such an ``amax`` in their history and count it in
-  ``nonfinite_count``.
+  scalers count such an ``amax`` (``nonfinite_count``) and do not record it: a delayed
+  scaler's history repeats its newest entry in its place and the block keeps the
+  history's scale; a calibrating static scaler records 0 for it and the block gets the
+  scale of the maximum so far (:mod:`lowprec.core.scalers`).
 
 A *scaled cast* (:func:`lowprec.core.tensor.quantize_scaled`, the float8 operands) never
 turns a non-finite value into a finite one: :func:`nonfinite_scale` gives a block whose
@@ -430,13 +432,20 @@ def group_scale(
     granularity: str | Granularity = "tensor",
     margin: float = 0.0,
     power_of_two: bool = False,
+    mx_rounding: str = "floor",
 ) -> Tensor:
-    """The scale of each group of a granularity: :func:`mx_scale` for ``mx`` (a power of
-    two already), :func:`nv_scale` for ``nv``, each with ``margin``, else
+    """The scale of each group of a granularity: for ``mx`` :func:`mx_scale` (OCP's
+    ``mx_rounding="floor"``) or the power of two at or above ``amax·2^margin/max``
+    (``"ceil"``), :func:`nv_scale` for ``nv``, each with ``margin``, else
     :func:`compute_scale` (``margin``, ``power_of_two``); then :func:`nonfinite_scale`.
-    ``ValueError`` for ``power_of_two`` with ``nv`` (its block scales are E4M3 values)."""
+    ``ValueError`` for ``power_of_two`` with ``nv`` (its block scales are E4M3 values) and
+    an ``mx_rounding`` other than ``"floor"``/``"ceil"``."""
     kind = as_granularity(granularity).kind
-    if kind == "mx":
+    if mx_rounding not in ("floor", "ceil"):
+        raise ValueError(f"mx_rounding must be 'floor' or 'ceil', got {mx_rounding!r}")
+    if kind == "mx" and mx_rounding == "ceil":
+        s = compute_scale(amax, fmt, margin, True)
+    elif kind == "mx":
         s = mx_scale(amax, fmt, margin)
     elif kind == "nv":
         if power_of_two:

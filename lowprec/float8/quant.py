@@ -23,7 +23,7 @@ from lowprec.core.formats import Format, get_format
 from lowprec.core.granularity import Granularity, apply_scale, pad_to_blocks
 from lowprec.core.hadamard import generator, stream_seed
 from lowprec.core.rounding import quantize, storage_dtype, to_format, to_format_bounded
-from lowprec.core.scales import amax, compute_scale, mx_scale, nonfinite_scale, nv_scale
+from lowprec.core.scales import amax, group_scale
 from lowprec.core.tensor import ScaledTensor
 from lowprec.core.upcast import upcast
 from lowprec.float8.config import CastConfig
@@ -88,12 +88,12 @@ def quantize_parts(
             return to_format(xp, fmt), xp.new_ones(g.scale_shape(xp.shape)), pad
     if kernels.takes(xp, fmt, devices=kernels.quantize_devices()):  # amax, scale, encode fused
         fused = kernels.run_group_quantize(
-            xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g.kind, fmt), cast
+            xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g, fmt), cast
         )
         if fused is not None:
             return fused[0], fused[1], pad
     a = amax(xp, g)
-    s = _group_scale(a, cast, g.kind, fmt)
+    s = _group_scale(a, cast, g, fmt)
     q = _encode(xp, s, fmt)
     if q is None:
         bound = _quotient_max(a, s, xp)
@@ -129,7 +129,7 @@ def stochastic_parts(
             raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
         xp = x if g.kind == "axis" else pad_to_blocks(x, g)
         pad = None if xp is x else (int(t.shape[0]), int(t.shape[1]))
-        s = _group_scale(amax(xp, g), cast, g.kind, fmt)
+        s = _group_scale(amax(xp, g), cast, g, fmt)
         v = apply_scale(xp, s, op="div")
     if v.dtype == torch.float64:
         q = quantize(v, fmt, "stochastic", saturate=True, generator=gen)
@@ -182,7 +182,7 @@ def quantize_dequantize(t: Tensor, cast: CastConfig, cd: int, dtype: torch.dtype
     g, fmt = target
     xp = pad_to_blocks(t.float(), g)
     out = kernels.run_group_round_trip(
-        xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g.kind, fmt), cast, dtype
+        xp, g.scale_shape(xp.shape), fmt, lambda a: _group_scale(a, cast, g, fmt), cast, dtype
     )
     if out is None or xp.shape == t.shape:
         return None if out is None else out[0]
@@ -218,7 +218,7 @@ def quantize_values(
         t.float(),
         g.scale_shape(t.shape),
         fmt,
-        lambda a: _group_scale(a, cast, g.kind, fmt),
+        lambda a: _group_scale(a, cast, g, fmt),
         cast,
         dtype,
         multiply=False,
@@ -242,7 +242,7 @@ def _traced_values(
         if scale is not None:
             raise ValueError(f"scale: a given scale needs tensor granularity, not {g.kind!r}")
         x = t.float()
-        s = _group_scale(amax(x, g), cast, g.kind, fmt)
+        s = _group_scale(amax(x, g), cast, g, fmt)
         q = apply_scale(x, s, op="div")
     return round_bits(q, fmt, "nearest", True).to(dtype), s
 
@@ -271,22 +271,12 @@ def _nv_parts(t: Tensor, cast: CastConfig, cd: int) -> Parts:
 _nv_eager: Callable[[Tensor, CastConfig, int], Parts] = torch.compiler.disable(_nv_parts)  # type: ignore[no-untyped-call]
 
 
-def _group_scale(a: Tensor, cast: CastConfig, kind: str, fmt: Format) -> Tensor:
-    """The scales of a non-tensor granularity ``kind`` from the groups' maxima ``a``
-    (elementwise, except NVFP4's tensor-level factor; traceable by ``torch.compile``).
-    ``cast.margin`` applies to every kind: ``amax · 2^margin / fmt.max`` (axis, block,
-    MX ``"ceil"``), the E8M0 exponent shifted by ``margin`` (MX ``"floor"``), NVFP4's
-    tensor scale times ``2^margin`` (:func:`~lowprec.core.scales.nv_scale`)."""
-    if kind in ("axis", "block"):
-        return cast.scale_for(a)
-    # mx: OCP's floor or the power of two at or above amax/max; nv: two-level
-    if kind == "nv":
-        s = nv_scale(a, fmt, margin=cast.margin)
-    elif cast.mx_scale == "floor":
-        s = mx_scale(a, fmt, cast.margin)
-    else:
-        s = compute_scale(a, fmt, cast.margin, True)
-    return nonfinite_scale(s, a, fmt, kind)  # a block holding Inf/NaN reads NaN
+def _group_scale(a: Tensor, cast: CastConfig, g: Granularity, fmt: Format) -> Tensor:
+    """The scales of a non-tensor granularity ``g`` from the groups' maxima ``a``
+    (elementwise, except NVFP4's tensor-level factor; traceable by ``torch.compile``):
+    :func:`~lowprec.core.scales.group_scale` with the cast's ``margin``, ``power_of_two``
+    and MX rounding (``mx_scale``)."""
+    return group_scale(a, fmt, g, cast.margin, cast.power_of_two, mx_rounding=cast.mx_scale)
 
 
 def _encode(t: Tensor, s: Tensor, fmt: Format) -> Tensor | None:

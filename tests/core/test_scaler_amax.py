@@ -4,11 +4,17 @@ tests/distributed/test_amax_reducer.py), and ``scale_of``, the one scale functio
 
 from __future__ import annotations
 
+import logging
+import math
+from typing import Any
+
 import pytest
 import torch
 
+from lowprec.core.formats import get_format
 from lowprec.core.scalers import DelayedScaler, DynamicScaler, StaticScaler
 from lowprec.core.scales import group_scale
+from lowprec.core.tensor import quantize_scaled
 
 E4M3_MAX = 448.0
 
@@ -81,3 +87,116 @@ def test_bad_arguments() -> None:
     sc(torch.ones(3, 4))
     with pytest.raises(ValueError, match=r"from amax\) differs"):
         sc(amax=torch.ones(()))
+
+
+# ---- a tensor holding Inf/NaN through a delayed or static scaler -------------------------
+
+_BAD = [math.inf, -math.inf, math.nan, 1000.0, 1.0, -1.0, 0.5, 3.0]
+_DELAYED_NOTE = (
+    "DelayedScaler: non-finite amax (Inf/NaN in the tensor); those groups keep the scale of "
+    "the amax history (scale 1 while it holds no positive amax), NaN in a format without "
+    "Inf and NaN codes; the history records its newest amax again in their place "
+    "(reported once)"
+)
+_STATIC_NOTE = (
+    "StaticScaler: non-finite amax (Inf/NaN in the tensor) while calibrating; those groups "
+    "get the scale of the calibration maximum so far (scale 1 where it is 0), NaN in a "
+    "format without Inf and NaN codes; the maximum records 0 for them and the call counts "
+    "as a calibration step (reported once)"
+)
+
+
+def _deq(st: Any) -> list[float]:
+    return [float(v) for v in st.dequantize().tolist()]
+
+
+def _same(got: list[float], want: list[float]) -> bool:
+    return all((math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(got, want, strict=True))
+
+
+def test_delayed_scaler_keeps_its_history_scale_for_a_nonfinite_tensor(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The scale of a tensor holding Inf/NaN is the history's (amax 2: ``2/448``), not 1:
+    the finite values saturate at ``448 · scale = 2``, ±Inf and NaN read NaN (E4M3FN has
+    no Inf) or stay (E5M2); the history advances one slot, repeating its newest amax."""
+    nan = math.nan
+    for fmt, want in (
+        ("e4m3fn", [nan, nan, nan, 2.0, 1.0, -1.0, 0.5, 2.0]),
+        ("e5m2", [math.inf, -math.inf, nan, 2.0, 1.0, -1.0, 0.5, 2.0]),
+    ):
+        sc = DelayedScaler(fmt, history_len=4)
+        quantize_scaled(torch.full((8,), 2.0), fmt, scaler=sc)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lowprec.core.scalers"):
+            st = quantize_scaled(torch.tensor(_BAD), fmt, scaler=sc)
+        assert st.scale.item() == torch.tensor(2.0 / get_format(fmt).max).item()
+        assert _same(_deq(st), want), (fmt, _deq(st))
+        assert sc.amax_history is not None and sc.amax_history.tolist() == [2.0, 2.0, 0.0, 0.0]
+        assert sc.nonfinite_count == 1
+        assert [r.getMessage() for r in caplog.records] == [_DELAYED_NOTE]
+        quantize_scaled(torch.full((8,), 3.0), fmt, scaler=sc)
+        assert sc.amax_history.tolist() == [3.0, 2.0, 2.0, 0.0]
+    warm = DelayedScaler("e4m3fn", history_len=2)  # empty history: the tensor's own, 1
+    st = quantize_scaled(torch.tensor(_BAD), "e4m3fn", scaler=warm)
+    assert st.scale.item() == 1.0
+    assert _same(_deq(st), [nan, nan, nan, 448.0, 1.0, -1.0, 0.5, 3.0])
+    assert warm.amax_history is not None and warm.amax_history.tolist() == [0.0, 0.0]
+
+
+def test_static_scaler_calibrating_on_a_nonfinite_tensor(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """While calibrating, the scale is the calibration maximum's (2 / 448), which records 0
+    for the non-finite group; the call counts as a calibration step."""
+    sc = StaticScaler("e4m3fn", calibration_steps=3)
+    quantize_scaled(torch.full((8,), 2.0), "e4m3fn", scaler=sc)
+    with caplog.at_level(logging.WARNING, logger="lowprec.core.scalers"):
+        st = quantize_scaled(torch.tensor(_BAD), "e4m3fn", scaler=sc)
+    assert st.scale.item() == torch.tensor(2.0 / E4M3_MAX).item()
+    assert _same(_deq(st), [math.nan] * 3 + [2.0, 1.0, -1.0, 0.5, 2.0])
+    assert sc.calib_amax is not None and sc.calib_amax.item() == 2.0 and sc.steps == 2
+    assert [r.getMessage() for r in caplog.records] == [_STATIC_NOTE]
+    first = StaticScaler("e4m3fn")  # nothing seen yet: the maximum is 0, scale 1, frozen
+    st = quantize_scaled(torch.tensor(_BAD), "e4m3fn", scaler=first)
+    assert st.scale.item() == 1.0 and first.frozen and first.calib_amax is not None
+    assert first.calib_amax.item() == 0.0
+
+
+@pytest.mark.parametrize("make", ["delayed", "calibrating", "frozen", "given"])
+def test_a_format_without_inf_and_nan_reads_nan_through_any_scaler(make: str) -> None:
+    """E2M1 has no Inf and NaN codes: a group holding Inf/NaN gets the NaN scale and reads
+    NaN, whatever scaler gave its scale (a history's or a frozen scale clamped ±Inf to
+    ±max·scale: a non-finite value turned finite)."""
+    sc: DelayedScaler | StaticScaler
+    if make == "delayed":
+        sc = DelayedScaler("e2m1", history_len=2, granularity="row")
+    elif make == "given":
+        sc = StaticScaler("e2m1", scale=torch.tensor([[1.0], [1.0]]), granularity="row")
+    else:
+        sc = StaticScaler("e2m1", calibration_steps=1 if make == "frozen" else 4,
+                          granularity="row")  # fmt: skip
+    quantize_scaled(torch.full((2, 4), 2.0), "e2m1", scaler=sc)
+    x = torch.tensor([[math.inf, 1.0, -1.0, 2.0], [1.0, -1.0, 2.0, 0.5]])
+    st = quantize_scaled(x, "e2m1", scaler=sc)
+    deq = st.dequantize()
+    assert deq[0].isnan().all(), deq
+    assert torch.isfinite(deq[1]).all() and st.scale.shape == (2, 1)
+    assert not math.isnan(st.scale[1].item())
+
+
+def test_group_scale_mx_rounding_floor_is_ocp_and_ceil_the_power_of_two_above() -> None:
+    """MX block scales: ``"floor"`` is OCP's ``2^(floor(log2 amax) - emax)``; ``"ceil"``
+    the power of two at or above ``amax/max`` (float8's ``mx_scale="ceil"``), which keeps
+    every element in range. Oracle: the formulas in float64."""
+    a = torch.tensor([1.0, 3.0, 448.0, 500.0, 0.3])
+    floor = group_scale(a, "e4m3fn", "mx:32")
+    ceil = group_scale(a, "e4m3fn", "mx:32", mx_rounding="ceil")
+    emax = 8  # E4M3's largest exponent
+    assert floor.tolist() == [2.0 ** (math.floor(math.log2(v)) - emax) for v in a.tolist()]
+    assert ceil.tolist() == [2.0 ** math.ceil(math.log2(v / 448.0)) for v in a.tolist()]
+    assert bool((a / ceil <= 448.0).all()) and not bool((a / floor <= 448.0).all())
+    ceil_m = group_scale(a, "e4m3fn", "mx:32", margin=1.0, mx_rounding="ceil")
+    assert torch.equal(ceil_m, 2 * ceil)
+    with pytest.raises(ValueError, match="mx_rounding must be 'floor' or 'ceil', got 'up'"):
+        group_scale(a, "e4m3fn", "mx:32", mx_rounding="up")
