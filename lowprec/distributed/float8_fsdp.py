@@ -83,6 +83,7 @@ from lowprec.core.rounding import storage_dtype, to_format
 from lowprec.core.tensor import ScaledTensor, register_rule
 from lowprec.core.warn import warn_once
 from lowprec.distributed import fsdp_blocks, fsdp_experts
+from lowprec.float8.conv1d import Float8Conv1D
 from lowprec.float8.experts import Float8Experts
 from lowprec.float8.linear import Float8Linear
 
@@ -373,7 +374,11 @@ def _plain_state_dict(module: nn.Module, sd: dict[str, Any], prefix: str, meta: 
 
 def fp8_all_gather_eligible(layer: Float8Linear) -> bool:
     """True when ``layer``'s weight can be all-gathered in its narrow format: tensor
-    granularity with dynamic or delayed scaling (see the module docstring)."""
+    granularity with dynamic or delayed scaling (see the module docstring); not a
+    :class:`~lowprec.float8.conv1d.Float8Conv1D` weight, which the GEMMs read transposed
+    (a gathered FP8 weight has no transpose: GPT-2 under FSDP2 failed at its first forward)."""
+    if isinstance(layer, Float8Conv1D):
+        return False
     c = layer.recipe.weight
     return c.bound_granularity(0).kind == "tensor" and c.scaling in ("dynamic", "delayed")
 

@@ -277,3 +277,50 @@ def test_blocks_is_refused_under_ddp() -> None:
         gc.collect()
         if own:
             dist.destroy_process_group()
+
+
+def test_gpt2_conv1d_weights_gather_in_their_dtype_under_fsdp2() -> None:
+    """GPT-2's Conv1D layers (Float8Conv1D, weight stored transposed) under FSDP2 with a
+    tensor-wise recipe: the FP8 all-gather handed the GEMMs a quantized weight they read
+    transposed, which has no transpose rule (NotImplementedError at the first forward,
+    trial E). They now gather in the parameter dtype: a world of one computes the loss and
+    gradients of the unsharded model exactly (the same GEMMs, the same casts)."""
+    import gc
+    import tempfile
+
+    import torch.distributed as dist
+
+    transformers = pytest.importorskip("transformers")
+    from lowprec.distributed.float8_fsdp import fp8_all_gather_layout
+    from lowprec.distributed.parallel import prepare
+    from lowprec.float8.conv1d import Float8Conv1D
+    from lowprec.recipes import prepare as prepare_one
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref = prepare_one(model(), "fp8-tensorwise")
+    ref_loss = ref.model(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    own = not dist.is_initialized()
+    if own:
+        store = dist.FileStore(tempfile.mktemp(), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        p = prepare(model(), "fp8-tensorwise", "fsdp")
+        convs = [m for m in p.model.modules() if isinstance(m, Float8Conv1D)]
+        assert len(convs) == 8 and all(fp8_all_gather_layout(m) is None for m in convs)
+        loss = p.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.equal(loss.detach(), ref_loss.detach())
+        got = {n: q.grad.full_tensor() for n, q in p.model.named_parameters() if q.grad is not None}
+        want = {n: q.grad for n, q in ref.model.named_parameters() if q.grad is not None}
+        assert set(got) == set(want)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    finally:
+        gc.collect()
+        if own:
+            dist.destroy_process_group()
