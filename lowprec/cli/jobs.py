@@ -98,6 +98,24 @@ class _RecipeAction(argparse.Action):
         namespace.recipe_file = source
 
 
+def _path_arg(text: str) -> Path:
+    """argparse ``type`` of a path flag: any path but the empty one (``Path("")`` is the
+    current directory, which would be read or refused as that)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a file or directory name")
+    return Path(text)
+
+
+def _repeated(values: list[Any] | None) -> Any | None:
+    """The first value given twice in ``values`` (None: none is)."""
+    seen: set[Any] = set()
+    for v in values or []:
+        if v in seen:
+            return v
+        seen.add(v)
+    return None
+
+
 # ---- lowprec recipes -----------------------------------------------------------------------
 
 
@@ -191,7 +209,7 @@ def add_train(subparsers: Any) -> None:
         )
     p.add_argument(
         "--out",
-        type=Path,
+        type=_path_arg,
         default=None,
         help="run directory (default runs/<recipe>-<time>); must not exist unless --resume",
     )
@@ -352,13 +370,13 @@ def add_demo(subparsers: Any) -> None:
     )
     p.add_argument(
         "--out",
-        type=Path,
+        type=_path_arg,
         default=None,
         help="output directory (default runs/demo-<time>); must not exist",
     )
     p.add_argument(
         "--resume",
-        type=Path,
+        type=_path_arg,
         default=None,
         metavar="DIR",
         help="finish the interrupted demo in DIR with its own settings (no other option "
@@ -372,6 +390,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     from lowprec.jobs.demo import run_demo
 
     seeds = args.seeds or ([args.seed] if args.seed is not None else None)
+    for flag, values in (("--recipes", args.recipes), ("--seeds", args.seeds)):
+        twice = _repeated(values)
+        if twice is not None:
+            args.parser.error(f"{flag}: {twice} is given twice; give each once")
     if args.resume is not None:
         given = [
             flag
@@ -413,14 +435,14 @@ def add_report(subparsers: Any) -> None:
         "HTML page: summary table, loss curves, per-tensor scale charts at initialisation "
         "and at the end, underflow/overflow tables and a plain-language diagnosis per run.",
     )
-    p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="run directories")
+    p.add_argument("runs", type=_path_arg, nargs="+", metavar="RUN_DIR", help="run directories")
     p.add_argument(
         "-o",
         "--out",
-        type=Path,
+        type=_path_arg,
         default=Path("report.html"),
-        help="the HTML file to write (default report.html); a missing folder is created "
-        "(and said so)",
+        help="the HTML file to write, ending in .html or .htm (default report.html); a "
+        "missing folder is created (and said so)",
     )
     p.add_argument("--title", default="", help="page title")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
@@ -430,8 +452,10 @@ def add_report(subparsers: Any) -> None:
 def _run_report(args: argparse.Namespace) -> int:
     from lowprec.jobs.report import write_report
 
-    if args.out.suffix.lower() not in (".html", ".htm"):
-        args.parser.error(f"--out: expected an .html file, got {args.out}")
+    if args.out.suffix.lower() not in (".html", ".htm"):  # any case: a browser opens both
+        raise RunError(
+            f"--out: {args.out} must end in .html or .htm (got {args.out.suffix or 'no suffix'})"
+        )
     problem = output_problem(args.out)  # before --force: it cannot overwrite a directory
     if problem is not None:
         raise RunError(f"--out: {problem}")

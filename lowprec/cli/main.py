@@ -30,7 +30,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from lowprec import __version__
-from lowprec._startup import end_startup_guard, run_then_guard
+from lowprec._startup import end_startup_guard, run_then_guard, signal_of
 from lowprec.analysis.snr import (
     SNR_DEFAULT_FORMATS,
     SNR_WINDOW_DB,
@@ -268,8 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     traceback (set ``LOWPREC_TRACEBACK=1`` to see one), and ``SystemExit``: code 2 for a bad run
     directory or argument (:class:`~lowprec.jobs.rundir.RunError`, ``ValueError``,
     ``TypeError``), 1 for anything else (a file-system error, a run that stopped on
-    Inf/NaN). An interrupted job exits with ``128 + signal`` (130 for Ctrl-C); in the
-    command's own process a Ctrl-C after this returns ends it at once, quietly, with 130
+    Inf/NaN). An interrupted job exits with ``128 + signal`` (130 for Ctrl-C, 143 for
+    SIGTERM, which a command process treats as a Ctrl-C: :mod:`lowprec._startup`): a job's
+    own ``interrupted (...)`` line, or, for a signal it did not handle, ``aborted; run
+    directories keep their last checkpoint`` (``train``, ``demo``) or ``interrupted
+    (SIGINT)`` (the other commands). In the command's own process a Ctrl-C or SIGTERM
+    after this returns ends it at once, quietly, with 130 / 143
     (:func:`lowprec._startup.run_then_guard`). Notes
     about repaired run files (:class:`~lowprec.jobs.rundir.RunNote`) print as
     ``note: ...``, lowprec's logged warnings as ``warning: ...``.
@@ -321,9 +325,24 @@ def _main(argv: list[str] | None) -> int:
                 print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
             usage = isinstance(e, (ValueError, TypeError)) and not isinstance(e, NonFiniteError)
             raise SystemExit(2 if usage else 1) from None
-    except KeyboardInterrupt:
-        print(f"{prog}: aborted; run directories keep their last checkpoint", file=sys.stderr)
-        return exit_code(signal.SIGINT)
+    except KeyboardInterrupt as e:
+        signum = signal_of(e)
+        print(f"{prog}: {_abort_line(args.command, signum)}", file=sys.stderr)
+        return exit_code(signum)
+
+
+# The commands that train into run directories: an abort leaves each at its last checkpoint.
+_TRAINING = ("train", "demo")
+
+
+def _abort_line(command: str, signum: int) -> str:
+    """What a Ctrl-C (or SIGTERM) that the command did not turn into its own
+    :class:`~lowprec.jobs.interrupts.Interrupted` message did: a training command's run
+    directories keep their last checkpoint (the second of a double Ctrl-C); any other
+    command was just interrupted (its outputs are written atomically, or not at all)."""
+    if command in _TRAINING:
+        return "aborted; run directories keep their last checkpoint"
+    return f"interrupted ({signal.Signals(signum).name})"
 
 
 def _other_rank() -> bool:

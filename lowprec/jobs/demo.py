@@ -22,7 +22,6 @@ else with them but the run directory's layout (:mod:`lowprec.jobs.rundir`).
 from __future__ import annotations
 
 import math
-import signal
 import statistics
 import time
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ import torch
 from rich.console import Console
 
 from lowprec._json import dumps, loads
+from lowprec._startup import signal_of
 from lowprec.analysis.plots import plot_verdicts
 from lowprec.analysis.verdicts import gap_spread
 from lowprec.jobs.demo_judge import (
@@ -346,8 +346,8 @@ def run_demo(
         return _conclude(out, recipes, base, seeds, by_seed, seconds, console, not quick)
     except Interrupted as e:
         raise DemoInterrupted(e.step, e.signum, str(out), current) from None
-    except KeyboardInterrupt:  # outside a training loop (building a model, the report)
-        raise DemoInterrupted(None, signal.SIGINT, str(out), None) from None
+    except KeyboardInterrupt as e:  # outside a training loop (building a model, the report)
+        raise DemoInterrupted(None, signal_of(e), str(out), None) from None
 
 
 def _read_manifest(out: Path) -> tuple[list[str], TrainConfig, list[int], bool]:
@@ -361,6 +361,8 @@ def _read_manifest(out: Path) -> tuple[list[str], TrainConfig, list[int], bool]:
         )
     except FileNotFoundError:
         raise RunError(f"--resume: {out} is not a demo directory (no {MANIFEST})") from None
+    except NotADirectoryError:
+        raise RunError(f"--resume: {out} is not a demo directory (not a directory)") from None
     except (ValueError, TypeError, KeyError) as e:
         raise RunError(f"--resume: {out / MANIFEST} is damaged ({e})") from None
 
@@ -382,7 +384,7 @@ def _conclude(
     results = by_seed[0]
     judge(results, tolerance)
     first = out if len(seeds) == 1 else out / f"seed{seeds[0]}"
-    console.print(results_table(results, replace(base, seed=seeds[0]), seconds, tolerance))
+    console.print(results_table(results, replace(base, seed=seeds[0]), seconds, tolerance, seeds))
     if len(seeds) > 1:
         console.print(spread_table(recipes, seeds, val))
     png = out / "loss_curves.png"

@@ -106,13 +106,26 @@ def pct(g: float | None) -> str:
 
 
 def results_table(
-    results: list[dict[str, Any]], cfg: TrainConfig, seconds: float, tolerance: dict[str, float]
+    results: list[dict[str, Any]],
+    cfg: TrainConfig,
+    seconds: float,
+    tolerance: dict[str, float],
+    seeds: Sequence[int] | None = None,
 ) -> Table:
+    """The demo's table: a row per result (of the seed ``cfg.seed``); the title names the
+    configuration and the seeds trained (``seeds``, default ``cfg.seed`` alone), saying
+    which seed the rows show when there are several."""
     spread = ", ".join(f"±{100 * t:.2f}% vs {r}" for r, t in tolerance.items()) or "not measured"
+    shown = list(seeds or [cfg.seed])
+    which = (
+        f"seed {cfg.seed}"
+        if shown == [cfg.seed]
+        else f"seeds {' '.join(map(str, shown))} (rows: seed {cfg.seed})"
+    )
     table = Table(
         title=(
             f"lowprec demo: {cfg.steps} steps, batch {cfg.batch_size}x{cfg.seq_len}, "
-            f"width {cfg.width}, depth {cfg.depth}, lr {cfg.lr}, seed {cfg.seed} "
+            f"width {cfg.width}, depth {cfg.depth}, lr {cfg.lr}, {which} "
             f"({seconds:.0f} s)"
         ),
         caption=f"seed spread of the gap ({TOLERANCE_SIGMAS:g} sd over seeds): {spread}",

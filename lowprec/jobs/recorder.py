@@ -47,7 +47,8 @@ An existing non-empty directory is refused (:class:`~lowprec.jobs.rundir.RunErro
 logged step, or after step ``resume_from`` (the step of the checkpoint your loop restarts
 from): the records after it are dropped from both files (atomic rewrites,
 :func:`~lowprec.jobs.rundir.cut_logs`; a ``resume_from`` that is not a logged step is
-refused before anything changes).
+refused before anything changes). A resume then records its ``steps`` and ``extra``
+entries in ``config.json`` where they differ (one atomic rewrite).
 
 ``writer=False`` measures as usual but writes and reads nothing: the other ranks of a
 process group, whose numerics of sharded tensors are collectives that every rank joins
@@ -119,7 +120,8 @@ class RunRecorder:
             preset name or a Recipe also records its techniques), or None (``"custom"``).
         config: your own settings (JSON values), stored under ``config.json``'s ``"train"``.
         steps: the planned number of steps, if known (the report marks a run that stopped
-            early; the last step's numerics are recorded).
+            early; the last step's numerics are recorded). With ``resume``, a value other
+            than the recorded one replaces it in ``config.json`` (a run extended).
         scaler: a loss scaler or ``torch.amp.GradScaler``, read for ``skipped`` and
             ``loss_scale``.
         numerics_every: record numerics every this many steps (None: never).
@@ -131,7 +133,8 @@ class RunRecorder:
             loop gives ``grad_zero_share`` to every :meth:`log` itself).
         extra: more top-level entries of ``config.json`` (JSON values; ``lowprec train``:
             ``model`` and ``parallel``); ``train``, ``recipe`` and ``torch`` are the
-            recorder's own.
+            recorder's own. With ``resume``, they replace the recorded entries of the
+            same names (the others, and ``config`` and ``recipe``, stay the run's).
         writer: False: measure, but write (and read) nothing (see the module docstring).
 
     Example:
@@ -204,13 +207,14 @@ class RunRecorder:
         if not writer:
             self._last = (resume_from or 0) if resume else 0
         elif resume:
-            read_config(self.out, "resume")
+            saved = read_config(self.out, "resume")
             if resume_from is not None:
                 logged = [r["step"] for r in cut_logs(self.out, resume_from, "resume_from")]
             else:
                 logged = [r["step"] for r in read_metrics(self.out)]
                 (self.out / SUMMARY).unlink(missing_ok=True)  # a stale end-of-run file
             self._last = logged[-1] if logged else 0
+            self._record_resume(saved, steps, dict(extra or {}))
         else:
             make_new_dir(self.out, "pass resume=True or another directory")
             write_atomic(self.out / CONFIG, dumps(self._config, indent=2))
@@ -255,6 +259,20 @@ class RunRecorder:
             except (TypeError, ValueError) as e:
                 raise TypeError(f"{name}: values must be JSON values ({e})") from None
         return {**out, **extra}
+
+    def _record_resume(
+        self, saved: dict[str, Any], steps: int | None, extra: dict[str, Any]
+    ) -> None:
+        """On resume, after the logs are cut (every check passed): record in ``config.json``
+        the ``steps`` (if given) and the ``extra`` entries of this start where they differ
+        from ``saved`` (a run extended, a process count changed), by an atomic rewrite, so
+        a later resume that gives neither continues the run as last started. A kill leaves
+        the old file or the new one; the same values rewrite nothing."""
+        updated = {**saved, **extra}
+        if steps is not None:
+            updated["train"] = {**saved["train"], "steps": steps}
+        if updated != saved:
+            write_atomic(self.out / CONFIG, dumps(updated, indent=2))
 
     # -- hooks -------------------------------------------------------------------------------
     def _sampled(self, index: int, every: int | None) -> bool:

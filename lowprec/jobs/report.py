@@ -24,16 +24,22 @@ A run directory is what ``lowprec train`` writes (:mod:`lowprec.jobs.rundir`):
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import os
 import pickle
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+from lowprec._startup import Terminated, signal_of
 from lowprec.analysis.diagnosis import (  # Run and diagnose re-exported: the report's API
     Run,
     diagnose,
@@ -43,6 +49,7 @@ from lowprec.analysis.diagnosis import (  # Run and diagnose re-exported: the re
 from lowprec.analysis.plots import plot_curves, plot_exp_histograms, plot_scale_chart
 from lowprec.analysis.run_verdicts import summary_verdicts
 from lowprec.analysis.verdicts import failing
+from lowprec.jobs.interrupts import Interrupted
 from lowprec.jobs.report_tables import (
     attribution_table,
     chart_formats,
@@ -65,7 +72,19 @@ from lowprec.jobs.rundir import (
     write_atomic,
 )
 
-__all__ = ["Run", "diagnose", "load_run", "plot_runs", "write_report"]
+__all__ = ["ReportInterrupted", "Run", "diagnose", "load_run", "plot_runs", "write_report"]
+
+
+class ReportInterrupted(Interrupted):
+    """:func:`write_report` stopped by SIGINT (Ctrl-C) or SIGTERM before the page was
+    written: its chart workers are stopped, its temporary files removed, and ``out`` is
+    as it was (the page is written only at the end, atomically)."""
+
+    def __init__(self, signum: int, out: str) -> None:
+        super().__init__(0, signum, out)
+
+    def __str__(self) -> str:
+        return f"interrupted ({self.signal_name}); no report written to {self.out}"
 
 
 def load_run(path: str | Path) -> Run:
@@ -117,10 +136,28 @@ _Figure = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
 # A chart worker: `python -c` (never a re-run of the caller's __main__, which the spawn start
-# method would do to a user's script without a main guard) draws the pickled figures.
-_WORKER = (
-    "import pickle, sys\nfor fn, args in pickle.load(open(sys.argv[1], 'rb')):\n    fn(*args)\n"
-)
+# method would do to a user's script without a main guard) draws the pickled figures. Its
+# first act is to watch the read end of a pipe whose write end only the report holds: when
+# the report dies, SIGKILL included, the read sees end-of-file and the worker exits at once
+# (it does not draw on, orphaned). Standard library only, before the slow imports.
+_WORKER = """\
+import os, sys, threading
+def _orphaned(fd=int(sys.argv[2])):
+    while os.read(fd, 1):
+        pass
+    os._exit(1)
+threading.Thread(target=_orphaned, daemon=True).start()
+import pickle
+for fn, args in pickle.load(open(sys.argv[1], "rb")):
+    fn(*args)
+"""
+
+# The report's temporary directories: `<tempdir>/lowprec-report-XXXX`, each holding a
+# `lock` file its report keeps locked (flock) while it runs. A report killed by SIGKILL (or
+# cut short in its cleanup) leaves its directory behind; the lock dies with the process, so
+# the next report (of any process) removes every such directory whose lock it can take.
+_TMP_PREFIX = "lowprec-report-"
+_LOCK = "lock"
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -136,10 +173,13 @@ def _write_private(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def _draw(figures: Sequence[_Figure]) -> None:
+def _draw(figures: Sequence[_Figure], tmp: Path) -> None:
     """Draw ``figures`` (function, arguments); over the CPUs this process may use, in
-    fresh worker processes, when there are enough figures to pay for their start.
-    Raises ``RuntimeError`` with a worker's error output if one fails."""
+    fresh worker processes, when there are enough figures to pay for their start (their
+    hand-off files in ``tmp``, a private directory of this report). Raises
+    ``RuntimeError`` with a worker's error output if one fails. However this call ends
+    (an error, a Ctrl-C, a signal turned into an exception) no worker outlives it; if this
+    process is killed outright the workers exit by themselves (:data:`_WORKER`)."""
     workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 4)
     if workers < 2 or len(figures) < 8:
         for fn, args in figures:
@@ -148,30 +188,163 @@ def _draw(figures: Sequence[_Figure]) -> None:
     root = str(Path(__file__).resolve().parents[2])  # where this lowprec is importable from
     path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "PYTHONPATH": path}
-    with tempfile.TemporaryDirectory(prefix="lowprec-draw-") as tmp:
-        procs = []
-        try:
-            for i in range(workers):
-                spec = Path(tmp) / f"figures{i}.pkl"
-                _write_private(spec, pickle.dumps(list(figures[i::workers])))
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-c", _WORKER, str(spec)],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.PIPE,
-                        text=True,
-                        env=env,
-                    )
+    procs: list[subprocess.Popen[str]] = []
+    watch, alive = os.pipe()  # the workers read `watch`; `alive` closes when this process dies
+    try:
+        for i in range(workers):
+            spec = tmp / f"figures{i}.pkl"
+            _write_private(spec, pickle.dumps(list(figures[i::workers])))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _WORKER, str(spec), str(watch)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                    pass_fds=(watch,),
                 )
-            errors = [(p, p.communicate()[1]) for p in procs]
+            )
+        errors = [(p, p.communicate()[1]) for p in procs]
+    finally:
+        for p in procs:  # Ctrl-C, SIGTERM or an error here: no worker outlives the report
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        os.close(watch)
+        os.close(alive)
+    for p, err in errors:
+        if p.returncode != 0:
+            raise RuntimeError(f"drawing the report's charts failed: {err.strip()[-2000:]}")
+
+
+def _remove_stale_dirs() -> None:
+    """Remove the temporary directories of reports that are gone (killed outright, or cut
+    short while cleaning up): this user's ``<tempdir>/lowprec-report-*`` whose lock no
+    live process holds. Best effort: anything in the way is left alone."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): nothing is swept
+        return
+    root = Path(tempfile.gettempdir())
+    try:
+        candidates = [d for d in root.iterdir() if d.name.startswith(_TMP_PREFIX)]
+    except OSError:
+        return
+    for d in candidates:
+        try:
+            st = d.lstat()
+            if not d.is_dir() or d.is_symlink() or st.st_uid != os.getuid():
+                continue
+            fd = os.open(d / _LOCK, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:  # no lock yet (a report starting) or not ours: leave it
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its report is running
+        except OSError:
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(d, ignore_errors=True)
         finally:
-            for p in procs:  # Ctrl-C or an error here: no worker outlives the report
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        for p, err in errors:
-            if p.returncode != 0:
-                raise RuntimeError(f"drawing the report's charts failed: {err.strip()[-2000:]}")
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _private_dir() -> Iterator[Path]:
+    """A new private temporary directory for one report (charts, the workers' hand-off),
+    locked while the report runs and removed at its end; stale ones of dead reports are
+    removed first (see :data:`_TMP_PREFIX`)."""
+    _remove_stale_dirs()
+    d = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX))
+    fd = None
+    try:
+        try:
+            import fcntl
+
+            # locked under a private name first, then renamed: a sweeper never sees an
+            # unlocked `lock` of a live report
+            fd = os.open(d / ".lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.rename(d / ".lock", d / _LOCK)
+        except ImportError:
+            pass
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
+
+
+def _raises(handler: Any) -> bool:
+    """Whether a signal handler only raises ``KeyboardInterrupt`` (Python's for SIGINT,
+    ``lowprec``'s for SIGTERM): such a signal may be held back and raised later."""
+    from lowprec import _startup
+
+    return handler is signal.default_int_handler or handler is _startup.raise_terminated
+
+
+@contextlib.contextmanager
+def _interruptible(out: Path) -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
+    """Turn SIGINT (``KeyboardInterrupt``) and SIGTERM into :class:`ReportInterrupted`.
+
+    SIGTERM is taken over (main thread only) where it has the default action, which would
+    kill the process with its workers orphaned and its temporary files left; a program's
+    own SIGTERM handler, or an ignored SIGTERM, is left alone. A ``KeyboardInterrupt``
+    carrying another signal (``lowprec``'s :class:`lowprec._startup.Terminated`) keeps it.
+    Yields ``protect()``: a context in which a signal is held back until its end (the
+    final write), then given its ordinary course (the page is written): a SIGINT raises
+    ``KeyboardInterrupt``, a SIGTERM :class:`~lowprec._startup.Terminated`, or, where it
+    had the default action, ends the process."""
+    pending: list[int] = []
+    holding = False
+    old: dict[int, Any] = {}
+
+    def term(signum: int, frame: FrameType | None) -> None:
+        if holding:
+            pending.append(signum)
+            return
+        raise ReportInterrupted(signum, str(out))
+
+    @contextlib.contextmanager
+    def protect() -> Iterator[None]:
+        nonlocal holding
+        saved: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                if _raises(signal.getsignal(s)) or signal.getsignal(s) is term:
+                    saved[s] = signal.signal(s, term)
+        holding = True
+        try:
+            yield
+        finally:
+            holding = False
+            for signum, h in saved.items():
+                signal.signal(signum, h)
+        if not pending:
+            return
+        # the page is written: the signal takes its ordinary course, no longer the report's
+        if pending[0] != signal.SIGTERM:
+            raise KeyboardInterrupt
+        if signal.SIGTERM in old:  # it had the default action: die by it, as it would have
+            signal.signal(signal.SIGTERM, old.pop(signal.SIGTERM))
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise Terminated
+
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            old[signal.SIGTERM] = signal.signal(signal.SIGTERM, term)
+    try:
+        yield protect
+    except ReportInterrupted:
+        raise
+    except KeyboardInterrupt as e:
+        if holding or pending:
+            raise
+        raise ReportInterrupted(signal_of(e), str(out)) from None
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def write_report(
@@ -187,19 +360,49 @@ def write_report(
     val-loss gap per reference recipe, as the demo judges it
     (:func:`lowprec.analysis.run_verdicts.summary_verdicts`; none: gaps below the failure
     threshold are reported, not judged). The folder of ``out`` is created if it is
-    missing (with its parents). Raises :class:`RunError` naming any directory that is not
-    a run or is given twice, or, before any work, the folder of ``out`` if it cannot be
-    created or written (a file stands in its way, or no permission)."""
+    missing (with its parents). Raises :class:`RunError` naming any directory that does
+    not exist, is not a run or is given twice, or, before any work, the folder of ``out``
+    if it cannot be created or written (a file stands in its way, or no permission).
+
+    Signals: SIGINT (Ctrl-C) or SIGTERM (taken over only where it has the default action)
+    before the page is written raises :class:`ReportInterrupted`, after the chart workers
+    are stopped and the temporary files removed; ``out`` is untouched (an old page stays).
+    One during the final atomic write is held back until the write is done, then raised as
+    a ``KeyboardInterrupt`` (the page is complete). The charts and the workers' hand-off
+    live in one private temporary directory, ``<tempdir>/lowprec-report-*``, locked while
+    the report runs; if the report is killed outright (SIGKILL) its workers exit by
+    themselves and the next report removes the directory."""
     if not runs:
         raise ValueError("runs: give at least one run directory")
     if not isinstance(detail, bool):
         raise TypeError(f"detail must be a bool, got {type(detail).__name__}")
     out = Path(out)
+    with _interruptible(out) as protect:
+        page = _page(runs, out, title, detail, tolerance)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunError(f"cannot create the folder {out.parent}: {e.strerror or e}") from None
+        with protect():  # a reader never sees half a page, nor a signal a half-written one
+            write_atomic(out, page)
+    return out
+
+
+def _page(
+    runs: Sequence[str | Path],
+    out: Path,
+    title: str,
+    detail: bool,
+    tolerance: Mapping[str, float] | None,
+) -> str:
+    """The HTML page of :func:`write_report` (which checked ``detail``)."""
     problem = output_problem(out)
     if problem is not None:
         raise RunError(problem)
     seen: dict[Path, str] = {}
     for r in runs:  # the same run twice would be shown and judged twice
+        if not os.path.lexists(r):
+            raise RunError(f"{r} does not exist (expected a run directory of `lowprec train`)")
         key = Path(r).resolve()
         if key in seen:
             raise RunError(f"{r}: the same run directory as {seen[key]}; give each run once")
@@ -235,8 +438,7 @@ def write_report(
         "Worst GEMM cast: the largest share of an operand of a low-precision GEMM that its "
         "cast flushed to zero, measured (lowprec.analysis.gemms).</p>",
     ]
-    with tempfile.TemporaryDirectory() as tmp:
-        t = Path(tmp)
+    with _private_dir() as t:
         # Figures are drawn together at the end (in parallel where that pays): the page
         # holds a placeholder per image until then.
         figures: list[_Figure] = [(plot_runs, ([r.path for r in loaded], t / "curves.png"))]
@@ -301,19 +503,13 @@ def write_report(
                 parts.append(tensor_table(run, last, "below_normal", "Most underflow"))
                 parts.append(tensor_table(run, last, "above_max", "Most overflow"))
             parts.append("</div>")
-        _draw(figures)
+        _draw(figures, t)
         body = "\n".join(parts)
         for k, (png, alt) in enumerate(images):
             body = body.replace(f"\0img{k}\0", _img(png, alt), 1)
-    page = (
+    return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<link rel="icon" href="data:,">'
         f"<title>{html.escape(title or 'lowprec report')}</title><style>{_CSS}</style>"
         "</head><body>" + body + "</body></html>"
     )
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunError(f"cannot create the folder {out.parent}: {e.strerror or e}") from None
-    write_atomic(out, page)  # a reader never sees half a page
-    return out

@@ -13,7 +13,10 @@ A run directory holds
 * ``guard.jsonl`` (:data:`GUARD`): the moves of ``lowprec train --guard``
   (:class:`lowprec.autopilot.guard.Move`), ``"step"`` the steps done when it moved;
 * ``checkpoint.pt`` (:data:`CHECKPOINT`): ``{"step", "run", "rng"}`` (and ``"guard"``);
-* ``summary.json`` (:data:`SUMMARY`): :func:`summary_of` the metrics, at the end.
+* ``summary.json`` (:data:`SUMMARY`): :func:`summary_of` the metrics, at the end;
+* ``.lock`` (:data:`LOCK`): the pid of the process training the run, which holds an
+  exclusive ``flock`` on it while it runs (:class:`RunLock`; the system drops the lock
+  when the process ends, however it ends, so a killed run leaves no stale lock).
 
 Every file is strict JSON (:mod:`lowprec._json`): a NaN or infinite number, such as the loss
 of a diverged run, is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``,
@@ -36,6 +39,7 @@ a failed check raises :class:`RunError` (a ``ValueError``) with a message for th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -56,11 +60,13 @@ __all__ = [
     "CONFIG",
     "GEMMS",
     "GUARD",
+    "LOCK",
     "METRICS",
     "NUMERICS",
     "SUMMARY",
     "NonFiniteError",
     "RunError",
+    "RunLock",
     "RunNote",
     "append_jsonl",
     "cut_logs",
@@ -85,6 +91,7 @@ SUMMARY = "summary.json"
 NUMERICS = "numerics.jsonl"
 GEMMS = "gemms.jsonl"
 GUARD = "guard.jsonl"
+LOCK = ".lock"
 _TMP = ".tmp"  # suffix of the temporary files of atomic writes
 
 # Keys every metrics record has (what summary_of reads) and every numerics record has.
@@ -165,7 +172,7 @@ def make_new_dir(out: Path, advice: str) -> None:
     is not an empty directory (nothing on disk is overwritten), or cannot be created."""
     if out.exists() and not out.is_dir():
         raise RunError(f"output directory {out} is a file, not a directory; give another path")
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(f.name != LOCK for f in out.iterdir()):
         raise RunError(f"output directory {out} already exists; {advice}")
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -174,6 +181,64 @@ def make_new_dir(out: Path, advice: str) -> None:
     problem = _write_problem(out)
     if problem is not None:
         raise RunError(f"output directory {out} is not writable: {problem}")
+
+
+class RunLock(contextlib.AbstractContextManager["RunLock"]):
+    """The one process that trains a run directory ``out``: :meth:`acquire` takes an
+    exclusive, non-blocking ``flock`` on ``out/.lock`` (writing this process's pid in it);
+    a second process, such as a ``--resume`` started while the run still trains, gets a
+    :class:`RunError` naming the holder's pid and nothing of the run is read or written
+    (two processes appending to one run duplicated and interleaved its steps). The lock
+    goes with the process (:meth:`release`, the context's exit, or any end of the process:
+    the system releases a ``flock`` with its file descriptors). Without ``fcntl`` (not
+    POSIX) it does nothing."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock if ``out`` is a directory and this process does not hold it yet
+        (a directory still to be made: call again once it is)."""
+        if self._fd is not None or not self.out.is_dir():
+            return
+        try:
+            import fcntl
+        except ImportError:  # not POSIX
+            return
+        path = self.out / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunError(f"{self.out} is not writable: {e.strerror or e}: {path}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pid = os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise RunError(
+                f"{self.out} is being trained by another process (pid {pid}); wait for it to "
+                "end, or stop it, before starting or resuming this run"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # the lock goes with the descriptor; the file stays
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def output_problem(path: Path) -> str | None:

@@ -64,6 +64,7 @@ from lowprec.jobs.rundir import (  # re-exported: the job's own names for its fi
     SUMMARY,
     NonFiniteError,
     RunError,
+    RunLock,
     RunNote,
     read_metrics,
     summarize,
@@ -143,7 +144,9 @@ def train(
     (``"stop"`` or ``"skip"``) and ``max_skips``: see the module docstring;
     :class:`NonFiniteError` when the run stops. ``stop_after=k`` stops after step ``k``
     as an interruption would (checkpoint written, resumable), without the final summary;
-    it returns ``{"stopped_at": k}``.
+    it returns ``{"stopped_at": k}``. One process at a time trains ``out``: another one
+    (a ``--resume`` started while the run still trains) gets a :class:`RunError` before
+    anything is read (:class:`~lowprec.jobs.rundir.RunLock`).
 
     ``parallel`` (``"fsdp"`` or ``"ddp"``): every rank of a ``torchrun`` job calls
     ``train`` with the same arguments (:mod:`lowprec.jobs.parallel`: ``cfg.batch_size`` is
@@ -174,7 +177,40 @@ def train(
         )
     if cfg.guard and parallel is not None:
         raise RunError("--guard runs on one process; it is not supported with --parallel")
-    if env.on_main(lambda: _prepare_dir(out, cfg, resume, parallel), RunError):
+    lock = RunLock(out)  # one process trains a run (rank 0 holds it for all)
+    try:
+        return _train_locked(
+            cfg, out, resume, data, parallel, lock, progress, label, stop_after, on_nonfinite,
+            max_skips,
+        )  # fmt: skip
+    finally:
+        lock.release()
+
+
+def _train_locked(
+    cfg: TrainConfig,
+    out: Path,
+    resume: bool,
+    data: CharData,
+    parallel: str | None,
+    lock: RunLock,
+    progress: bool,
+    label: str | None,
+    stop_after: int | None,
+    on_nonfinite: str,
+    max_skips: int,
+) -> dict[str, Any]:
+    """:func:`train` from the run directory on, ``lock`` taken before it is read (an
+    existing directory) or once it is made (a new one)."""
+
+    def prepare_dir() -> bool:
+        if (out / CONFIG).is_file():  # a run directory (never another folder of the user's)
+            lock.acquire()
+        complete = _prepare_dir(out, cfg, resume, parallel)
+        lock.acquire()  # (a new run's directory, made now)
+        return complete
+
+    if env.on_main(prepare_dir, RunError):
         return _complete(out, cfg)
     prepared, data = build(cfg, data, parallel)
     guard = Guard(prepared.model) if cfg.guard else None
@@ -306,13 +342,15 @@ class _Loop:
         """A step redone after ``--resume`` must log what the interrupted process logged for
         it (the same state, batch and arithmetic): if its loss, loss scale, skip or
         validation loss differs, mark the record (``resume_mismatch``, with the earlier
-        ``resume_loss_before``) and warn once. A restored state that differs from the
+        ``resume_loss_before``) and warn once. A step whose learning rate differs (a run
+        extended: its cosine schedule spans the new ``--steps``) is another computation,
+        not compared. A restored state that differs from the
         checkpoint's is checked on its own (:func:`lowprec.jobs.checkpoints.restore`), so
         a mismatch here, after an exact restore, means this machine computed the same step
         differently the second time."""
         old = self.redo.pop(done, None)
-        if old is None:
-            return
+        if old is None or old.get("lr") != rec.get("lr"):
+            return  # not logged, or another step: a run extended runs a new LR schedule
         # a value logged by one process only (a validation loss of a step that the first
         # process stopped at, --on-nonfinite stop) is no difference of the numbers
         keys = [k for k in _REDO_KEYS if k in old and k in rec]

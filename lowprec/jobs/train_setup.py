@@ -20,6 +20,7 @@ from lowprec.jobs.model import build_model
 from lowprec.jobs.rundir import (
     CHECKPOINT,
     CONFIG,
+    LOCK,
     METRICS,
     NUMERICS,
     SUMMARY,
@@ -121,7 +122,8 @@ def _prepare_dir(out: Path, cfg: TrainConfig, resume: bool, parallel: str | None
         return _check_steps_left(out, cfg, parallel)
     if _never_trained(out):  # killed before anything was written: the same command restarts
         for f in out.iterdir():
-            f.unlink()
+            if f.name != LOCK:  # (held by this process: train's RunLock)
+                f.unlink()
     make_new_dir(out, "pass --resume or another --out")
     return False
 
@@ -160,7 +162,7 @@ def _never_trained(out: Path) -> bool:
     for f in out.iterdir():
         if not f.is_file() or f.is_symlink():
             return False
-        if f.name == CONFIG or f.name in own_tmp:
+        if f.name in (CONFIG, LOCK) or f.name in own_tmp:
             continue
         if f.name in (METRICS, NUMERICS) and f.stat().st_size == 0:
             continue

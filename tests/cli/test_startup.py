@@ -180,3 +180,88 @@ def test_a_ctrl_c_between_the_command_and_the_shutdown_guard_is_quiet(
     monkeypatch.setattr(cli_main, "_main", late)
     with pytest.raises(KeyboardInterrupt):
         cli_main.main([])
+
+
+def test_sigterm_after_the_package_import_of_a_cli_process_is_one_line() -> None:
+    """SIGTERM while the command starts is SIGINT's case: one line, 128 + 15 (it died
+    silently by the signal)."""
+    r = _run(
+        "import sys; sys.argv = ['lowprec']\n"
+        "import os, signal, time, lowprec\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
+    )
+    assert r.returncode == 143, r.stderr
+    assert r.stderr == "lowprec: interrupted while starting; nothing was written\n"
+
+
+def test_sigterm_during_the_shutdown_after_the_command_is_quiet() -> None:
+    """A SIGTERM that lands in the shutdown after the command is SIGINT's case there: no
+    output, the command's own output flushed, 128 + 15."""
+    r = _run(
+        "import sys; sys.argv = ['lowprec', 'recipes']\n"
+        "import atexit, os, signal, lowprec\n"
+        "def late():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    for _ in range(10**7): pass\n"
+        "atexit.register(late)\n"
+        "from lowprec.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    assert r.returncode == 143, r.stderr
+    assert r.stderr == "", r.stderr
+    assert "fp8-tensorwise" in r.stdout
+
+
+def test_sigterm_in_the_last_teardown_keeps_the_command_status() -> None:
+    """After lowprec's atexit callbacks a SIGTERM is ignored, as SIGINT is: the finished
+    command's status (0) stands."""
+    r = _run(
+        "import atexit, os, signal, sys\n"
+        "def last():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    for _ in range(10**6): pass\n"
+        "    print('handler', signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)\n"
+        "atexit.register(last)\n"
+        "sys.argv = ['lowprec', 'recipes']\n"
+        "import lowprec\n"
+        "from lowprec.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "", r.stderr
+    assert "fp8-tensorwise" in r.stdout and "handler True" in r.stdout
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_inside_a_command_without_run_directories_says_interrupted(
+    sig: signal.Signals, code: int
+) -> None:
+    """A Ctrl-C (or SIGTERM) inside ``lowprec recipes`` (no run directory, no checkpoint)
+    is one true line, ``interrupted (SIGINT)``, not train's "aborted; run directories
+    keep their last checkpoint"; SIGTERM there died silently by the signal."""
+    r = _run(
+        "import sys; sys.argv = ['lowprec', 'recipes']\n"
+        "import os, signal, time, lowprec\n"
+        "import lowprec.cli.jobs as j\n"
+        "def hit(args):\n"
+        f"    os.kill(os.getpid(), {int(sig)}); time.sleep(30); return 0\n"
+        "j._run_recipes = hit\n"
+        "from lowprec.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    assert r.returncode == code, r.stderr
+    assert r.stderr == f"lowprec recipes: interrupted ({sig.name})\n", r.stderr
+
+
+def test_sigterm_while_starting_is_one_line_in_a_background_job_too() -> None:
+    """A background job of a non-interactive shell inherits SIGINT ignored; SIGTERM still
+    has its default action there, and a SIGTERM while starting is the same one line."""
+    r = _run(
+        "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "import sys; sys.argv = ['lowprec']\n"
+        "import os, time, lowprec\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
+    )
+    assert r.returncode == 143, r.stderr
+    assert r.stderr == "lowprec: interrupted while starting; nothing was written\n"

@@ -11,11 +11,14 @@ and left an empty ``--out``; ``--width 30 --heads 4`` named fields, not flags; a
 from __future__ import annotations
 
 import hashlib
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from lowprec.cli import main
+from lowprec.jobs.rundir import read_metrics
 from lowprec.jobs.train import train
 from tests._helpers import TINY as TINY_CFG
 
@@ -44,8 +47,9 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], code: int = 2)
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, str]]:
-    """Every file under ``folder``: its modification time and its bytes' digest."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    """Every file under ``folder``: its modification time and its bytes' digest; not the
+    run's ``.lock`` (its holder's pid, written by every process that takes the lock)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != ".lock")
     digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
     return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, digest[p]) for p in files}
 
@@ -197,6 +201,53 @@ def test_resume_of_a_stopped_run_needs_steps_above_its_checkpoint(
     assert _snapshot(out) == before
     assert main(["train", "--resume", "--out", str(out), "--steps", "3", "--no-progress"]) == 0
     assert (out / "summary.json").is_file()
+
+
+def _steps_recorded(out: Path) -> int:
+    steps: int = json.loads((out / "config.json").read_text())["train"]["steps"]
+    return steps
+
+
+def test_an_extended_run_resumed_again_is_complete(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A resume with more ``--steps`` records them in ``config.json``, so a later plain
+    ``--resume`` is the complete run (a note, exit 0, nothing written), not a refusal of
+    the steps the run started with (it said ``--steps 4 is not above the 6 steps``)."""
+    out = tmp_path / "a"
+    assert main(["train", *TINY, "--out", str(out)]) == 0
+    assert _steps_recorded(out) == 4
+    assert main(["train", "--resume", "--out", str(out), "--steps", "6", "--no-progress"]) == 0
+    assert _steps_recorded(out) == 6
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+    capsys.readouterr()
+    before = _snapshot(out)
+    assert main(["train", "--resume", "--out", str(out), "--no-progress"]) == 0
+    assert capsys.readouterr().err == (
+        f"note: --resume: {out} is complete (all its 6 steps are done): nothing to do; "
+        "give --steps above 6 to continue it\n"
+    )
+    assert _snapshot(out) == before
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_an_extension_killed_midway_resumes_without_steps(tmp_path: Path) -> None:
+    """An extension to 12 steps stopped at step 10 (as a kill after its checkpoint) is
+    resumed by a plain ``--resume`` to the 12 steps, with the losses of an extension that
+    was not stopped."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for out in (straight, split):
+        train(TINY_CFG, out, progress=False)  # 8 steps, complete
+    long = replace(TINY_CFG, steps=12)
+    train(long, straight, resume=True, progress=False)
+    assert train(long, split, resume=True, progress=False, stop_after=10) == {"stopped_at": 10}
+    assert _steps_recorded(split) == 12 and not (split / "summary.json").exists()
+    assert main(["train", "--resume", "--out", str(split), "--no-progress"]) == 0
+    losses = [(r["step"], r["loss"]) for r in read_metrics(split)]
+    assert [s for s, _ in losses] == list(range(1, 13))
+    assert losses == [(r["step"], r["loss"]) for r in read_metrics(straight)]
+    assert _steps_recorded(straight) == 12
 
 
 # ---- lowprec formats --snr: the path checked before anything is printed -----------------

@@ -112,6 +112,29 @@ def test_refuses_existing_dir_and_resumes(tmp_path: Path) -> None:
     assert json.loads((out / CONFIG).read_text())["train"]["recipe"] == "custom"
 
 
+def test_a_resume_records_its_steps_and_extra_entries(tmp_path: Path) -> None:
+    """A resume with another ``steps`` (a run extended) or other ``extra`` entries (a
+    ``--parallel`` run resumed on another process count) records them in ``config.json``;
+    the ``train`` settings and the recipe stay the run's. The same values rewrite nothing."""
+    out = tmp_path / "run"
+    m = nn.Linear(2, 1)
+    extra = {"parallel": {"mode": "ddp", "world_size": 2}}
+    with RunRecorder(out, m, config={"lr": 0.5}, steps=4, extra=extra, numerics_every=None) as rec:
+        for k in range(1, 5):
+            rec.log(k, loss=1.0)
+    wider = {"parallel": {"mode": "ddp", "world_size": 4}}
+    with RunRecorder(out, m, steps=6, extra=wider, resume=True, resume_from=4) as rec:
+        rec.log(loss=0.5)
+    saved = json.loads((out / CONFIG).read_text())
+    assert saved["train"] == {"lr": 0.5, "recipe": "custom", "steps": 6}
+    assert saved["parallel"] == {"mode": "ddp", "world_size": 4}
+    mtime = (out / CONFIG).stat().st_mtime_ns
+    RunRecorder(out, m, steps=6, extra=wider, resume=True, resume_from=5).close(summary=False)
+    RunRecorder(out, m, resume=True, resume_from=5).close(summary=False)  # no steps: kept
+    assert (out / CONFIG).stat().st_mtime_ns == mtime
+    assert json.loads((out / CONFIG).read_text()) == saved
+
+
 def test_exception_closes_cleanly(tmp_path: Path) -> None:
     """An exception in the loop: the hooks are removed, the records written stay, no
     summary is written, and the exception propagates."""

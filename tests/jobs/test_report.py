@@ -15,6 +15,7 @@ from lowprec.cli import main
 from lowprec.jobs.report import Run, diagnose, load_run, write_report
 from lowprec.jobs.rundir import RunNote
 from lowprec.jobs.train import NUMERICS, RunError, TrainConfig, train
+from tests._helpers import cli_error
 
 TINY = TrainConfig(
     steps=6, batch_size=8, seq_len=32, width=32, depth=1, heads=2, eval_every=3, eval_batches=2
@@ -147,6 +148,25 @@ def test_cli_report(
         with pytest.raises(SystemExit) as e:
             main(["report", *argv])
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_report_out_takes_html_or_htm(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``-o`` ends in ``.html`` or ``.htm``, in any case (docs/cli.md); anything else is
+    one ``error:`` line naming both, and nothing is written."""
+    for name in ("r.htm", "R.HTML"):
+        out = tmp_path / name
+        assert main(["report", str(runs["fp32"]), "-o", str(out)]) == 0
+        assert out.read_text().startswith("<!DOCTYPE html>")
+    capsys.readouterr()
+    for name in ("r.txt", "r.html.bak", "r"):
+        line = cli_error(["report", str(runs["fp32"]), "-o", str(tmp_path / name)], capsys)
+        assert line == (
+            f"lowprec report: error: --out: {tmp_path / name} must end in .html or .htm "
+            f"(got {Path(name).suffix or 'no suffix'})"
+        )
+        assert not (tmp_path / name).exists()
 
 
 def test_float8_run_is_judged_in_its_own_format(tmp_path: Path) -> None:

@@ -102,6 +102,72 @@ def test_a_redone_step_that_differs_is_marked_and_warned(
     assert f"the restored state differs from the checkpoint's in 1 entries (first: {key})" in text
 
 
+def test_an_extension_after_a_kill_is_no_resume_mismatch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Killed past its checkpoint (steps 5, 6 logged, checkpoint of step 4), then resumed
+    with more --steps: the redone steps 5 and 6 run the new cosine schedule (another
+    learning rate), so their losses differ from the logged ones by design. They were
+    marked resume_mismatch and warned "not bit-exact" (trial C)."""
+    from lowprec.core.warn import reset_warnings
+
+    reset_warnings("train:")
+    out = tmp_path / "r"
+    cfg = replace(TINY, recipe="bf16")
+    train(cfg, out, progress=False, stop_after=4)
+    ck4 = (out / "checkpoint.pt").read_bytes()
+    train(cfg, out, resume=True, progress=False, stop_after=6)
+    old = {r["step"]: r for r in read_metrics(out)}
+    (out / "checkpoint.pt").write_bytes(ck4)  # killed after step 6, before its checkpoint
+    caplog.set_level("WARNING", logger="lowprec.jobs")
+    longer = replace(cfg, steps=cfg.steps + 4)
+    train(longer, out, resume=True, progress=False)
+    recs = read_metrics(out)
+    assert [r["step"] for r in recs] == list(range(1, longer.steps + 1))
+    # step 5's loss is the checkpoint's weights' (equal); its update, at the new rate, is not
+    assert recs[4]["lr"] != old[5]["lr"] and recs[5]["loss"] != old[6]["loss"]
+    assert not any("resume_mismatch" in r for r in recs), recs[4]
+    assert "redone from the checkpoint" not in caplog.text
+
+
+def test_a_second_process_cannot_train_a_run_that_is_training(tmp_path: Path) -> None:
+    """A --resume started while the run still trains was accepted: both processes appended
+    to metrics.jsonl (steps duplicated and out of order, a wrong summary, and a run that no
+    later --resume could continue; trial C). The run's lock refuses it before anything is
+    read or written; a lock left by a killed process is no lock (the system drops it)."""
+    import subprocess
+    import sys
+
+    from lowprec.jobs.rundir import LOCK, RunError, RunLock
+
+    out = tmp_path / "r"
+    train(TINY, out, progress=False, stop_after=2)
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    holder = subprocess.Popen(  # another process holding the run, as a training one does
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from lowprec.jobs.rundir import RunLock; RunLock(Path(sys.argv[1])).acquire(); "
+         "print('held', flush=True); time.sleep(60)", str(out)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(
+            RunError, match=rf"being trained by another process \(pid {holder.pid}\)"
+        ):
+            train(TINY, out, resume=True, progress=False)
+        after = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+        assert {k: v for k, v in after.items() if k != LOCK} == {
+            k: v for k, v in before.items() if k != LOCK
+        }
+    finally:
+        holder.kill()
+        holder.wait()
+    train(TINY, out, resume=True, progress=False)  # the killed holder's lock is gone
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, TINY.steps + 1))
+    with RunLock(out) as lock:  # released at the end of the run: free again
+        assert lock.held
+
+
 def test_fingerprint_names_the_entries_that_differ() -> None:
     a = {"m": {"w": torch.ones(3, dtype=torch.bfloat16), "b": torch.zeros(2)}, "lr": 0.1,
          "g": [torch.tensor(1, dtype=torch.int64)], "e": torch.empty(0)}  # fmt: skip

@@ -129,7 +129,8 @@ def test_report_chart_hand_off_is_private(tmp_path: Path, monkeypatch: pytest.Mo
     # directory, created 0600 and exclusively (a planted file or link is not written to).
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     outs = [tmp_path / f"mode{i}" for i in range(8)]
-    report._draw([(_record_spec_mode, (str(o),)) for o in outs])
+    with report._private_dir() as tmp:  # the report's own temporary directory
+        report._draw([(_record_spec_mode, (str(o),)) for o in outs], tmp)
     assert {o.read_text() for o in outs} == {"600 700"}
     (tmp_path / "planted").write_text("x")
     with pytest.raises(FileExistsError):
