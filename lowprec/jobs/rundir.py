@@ -229,8 +229,15 @@ class RunLock(contextlib.AbstractContextManager["RunLock"]):
         self._fd = fd
 
     def release(self) -> None:
+        """Drop the lock; its file stays, unless the directory holds nothing else (a start
+        refused before it wrote anything leaves the directory empty, as it found it)."""
         if self._fd is not None:
-            os.close(self._fd)  # the lock goes with the descriptor; the file stays
+            try:
+                if not any(f.name != LOCK for f in self.out.iterdir()):
+                    (self.out / LOCK).unlink(missing_ok=True)
+            except OSError:
+                pass  # (the directory is gone or unreadable: nothing to tidy)
+            os.close(self._fd)  # the lock goes with the descriptor
             self._fd = None
 
     def __enter__(self) -> RunLock:
