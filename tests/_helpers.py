@@ -8,10 +8,14 @@ modules (this one, ``tests/_bits.py``, a folder's own ``_*.py``), never from ano
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +113,24 @@ def assert_compiled_equals_eager(model: Any, ids: Any, min_grads: int = 1) -> No
     assert g_c.keys() == g_e.keys() and len(g_e) >= min_grads, (len(g_e), len(g_c))
     for n in g_e:
         assert torch.equal(g_c[n], g_e[n]), n
+
+
+@contextlib.contextmanager
+def world_of_one() -> Iterator[None]:
+    """A gloo process group of one rank for the block (none started when one exists).
+    On exit, a garbage collection first: DDP's reducer holds the group, and freed later,
+    by a collection inside another test, it was the group's last owner, and the group's
+    destructor joined a gloo thread waiting for the GIL that the freeing thread held (a
+    hung xdist worker)."""
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()
+    if own:
+        store = dist.FileStore(tempfile.mktemp(), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()
+        if own:
+            dist.destroy_process_group()

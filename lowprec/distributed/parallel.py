@@ -46,7 +46,9 @@ size, and SGD would take other steps). The ranks' gradients are therefore summed
 divided by ``sqrt(N)`` where the loss is one of lowprec's unit losses, and by ``N^{3/2}``
 where it is the user's own mean loss (FSDP2's gradient divide factor; a DDP communication
 hook; chosen at each backward: :mod:`lowprec.distributed.unit_reduce`), which gives the
-one-process gradient.
+one-process gradient. A unit MoE layer's expert ``e`` sums over the ``n_e`` tokens routed
+to it, a count that differs between ranks: its experts share their counts over the group
+(:func:`lowprec.unit.moe.share_token_counts`).
 
 Example (one process here; under ``torchrun`` the group has N):
     >>> import tempfile
@@ -89,6 +91,7 @@ from lowprec.recipes import compose
 from lowprec.recipes.prepared import OptimizerFactory, Prepared, build_optimizer, factory_lr
 from lowprec.recipes.presets import get_recipe
 from lowprec.recipes.recipe import Recipe
+from lowprec.unit.moe import share_token_counts
 
 __all__ = [
     "GRAD_COMM",
@@ -216,6 +219,11 @@ def shard(
         attach_scaling_sync(model)
         if mode == "fsdp" and fp8_all_gather:
             enable_fp8_all_gather(model, blocks=fp8_all_gather == "blocks")
+    if r.unit is not None:  # unit experts: gradients from every rank's token counts
+        dp_group = (ddp_kwargs or {}).get("process_group") if mode == "ddp" else None
+        if mode == "fsdp" and mesh is not None:
+            dp_group = mesh.get_group()
+        share_token_counts(model, dp_group)
     if mode == "ddp":
         ddp = DistributedDataParallel(model, **(ddp_kwargs or {}))
         group = (ddp_kwargs or {}).get("process_group")

@@ -76,12 +76,17 @@ def _data_parallel(prepared: Prepared) -> None:
     does); a unit recipe's gradients are averaged by Accelerate's DDP, not summed and
     divided by the unit divisor of :func:`lowprec.distributed.prepare` (``sqrt(N)`` after
     lowprec's unit losses, ``N^{3/2}`` after a mean loss of the user's own:
-    :mod:`lowprec.distributed.unit_reduce`; logged once)."""
+    :mod:`lowprec.distributed.unit_reduce`; logged once). Unit MoE experts scale their
+    weight gradients by the token counts of all ranks
+    (:func:`lowprec.unit.moe.share_token_counts`), so each is off by that same factor."""
     from lowprec.distributed import attach_scaling_sync
 
     if prepared.recipe.float8 is not None:
         attach_scaling_sync(prepared.model)
     if prepared.recipe.unit is not None:
+        from lowprec.unit.moe import share_token_counts
+
+        share_token_counts(prepared.model)  # unit experts: every rank's token counts
         logger.warning(
             "lowprec.integrations.accelerate: unit recipe %r under DDP: Accelerate averages "
             "the gradients (1/N), not the divisor that keeps unit scaling's one-process "

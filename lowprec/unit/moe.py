@@ -55,6 +55,16 @@ same hidden states. The router stays in the model's dtype under ``float8``.
 forward-only factor ``1/√(1 + v_s)``, as the unit ``add`` of two branches
 (:func:`lowprec.unit.functional.add`: each branch's gradient stays unit).
 
+**Data parallelism.** On ``N`` ranks each rank routes its own tokens, so expert ``e``
+receives ``n_e,r`` of them on rank ``r`` and ``n_e = Σ_r n_e,r`` in all. The one-process
+weight gradient is ``n_e^-1/2 Σ_r G_e,r``; the data-parallel reduction sums the ranks'
+gradients and divides by ``√N`` (:mod:`lowprec.distributed.unit_reduce`), which gives it
+only if every rank's gradient is scaled by ``(n_e/N)^-1/2``, not by its own count's
+``n_e,r^-1/2`` (the counts differ between ranks whenever the routing does). After
+:func:`share_token_counts`, each forward all-reduces the ``E`` counts over the group
+(one collective of ``E`` integers per experts call) and scales expert ``e``'s weight and
+bias gradients by ``√(N·n_e,r/n_e)`` on top of the linears' own ``n_e,r^-1/2``.
+
 Not handled (``NotImplementedError`` naming the module): expert parallelism, experts
 modules without a router next to them.
 """
@@ -80,7 +90,14 @@ from lowprec.unit.mode import UNIT_OPS, plain_ops
 from lowprec.unit.moments import gauss_moment
 from lowprec.unit.products import Matmul
 
-__all__ = ["convert_moe", "inject_matmul", "is_experts", "route_aux_losses", "routing_moment"]
+__all__ = [
+    "convert_moe",
+    "inject_matmul",
+    "is_experts",
+    "route_aux_losses",
+    "routing_moment",
+    "share_token_counts",
+]
 
 _SAMPLES = 8192  # rows of the Monte Carlo estimates (ρ, a custom gate's RMS)
 
@@ -207,7 +224,9 @@ def _experts_forward(
             raise ValueError(f"top_k_index: expert ids must be in [0, {n_exp}), got {lo}..{hi}")
     ids_g, perm = torch.sort(ids, stable=True)
     x_g = hidden_states[perm // k]
-    counts = torch.bincount(ids_g, minlength=n_exp).tolist()
+    counts_t = torch.bincount(ids_g, minlength=n_exp)
+    counts = counts_t.tolist()
+    shared = _global_counts(self, counts_t)  # data parallel: (N, every rank's counts summed)
     alpha = float(self.__dict__["_unit_rho"]) ** -0.5
     sk = math.sqrt(k)  # the expert weights' gradient: mean square α²ρ/k = 1/k (module doc)
     w_up, w_down = scale_bwd(w_up, sk), scale_bwd(w_down, sk)
@@ -226,13 +245,19 @@ def _experts_forward(
         xs = x_g[start : start + n]
         start += n
         wu, wd = (w_up[e].t(), w_down[e].t()) if self.is_transposed else (w_up[e], w_down[e])
-        y = U.linear(xs, wu, None if b_up is None else b_up[e], **gemm)
+        bu, bd = (None, None) if b_up is None or b_down is None else (b_up[e], b_down[e])
+        if shared is not None:  # the gradient of n_e tokens over all ranks (module doc)
+            c = math.sqrt(shared[0] * n / shared[1][e])
+            wu, wd = scale_bwd(wu, c), scale_bwd(wd, c)
+            if bu is not None and bd is not None:
+                bu, bd = scale_bwd(bu, c), scale_bwd(bd, c)
+        y = U.linear(xs, wu, bu, **gemm)
         if custom:
             with plain_ops():
                 y = self._apply_gate(y) * gain
         else:
             y = self._apply_gate(y) if self.has_gate else self.act_fn(y)
-        outs.append(U.linear(y, wd, None if b_down is None else b_down[e], **gemm))
+        outs.append(U.linear(y, wd, bd, **gemm))
     y = torch.cat(outs) if outs else hidden_states.new_zeros(0, h)
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
@@ -245,6 +270,49 @@ def _experts_forward(
         inv = torch.argsort(perm)  # perm's inverse permutation
         out: Tensor = y[inv].view(t, k, h).sum(dim=1) * alpha
         return out.to(hidden_states.dtype)
+
+
+def _global_counts(experts: Any, counts: Tensor) -> tuple[int, list[int]] | None:
+    """``(N, [n_e])``: the group's size and each expert's token count summed over its ranks
+    (one all-reduce), for experts that :func:`share_token_counts` registered with a group
+    of more than one rank; else ``None``."""
+    group = experts.__dict__.get("_unit_dp_group")
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    pg = group[0]
+    world = dist.get_world_size(pg)
+    if world == 1:
+        return None
+    total = counts.clone()
+    dist.all_reduce(total, group=pg)
+    return world, total.tolist()
+
+
+def share_token_counts(model: nn.Module, group: Any = None) -> int:
+    """Make every experts module of ``model`` that :func:`convert_moe` converted scale its
+    weight gradients by the token counts of all ranks of the process group ``group``
+    (``None``: the default group) instead of its own rank's (module doc, *Data
+    parallelism*): needed for the one-process gradient whenever ``model``'s ranks train
+    on different tokens (DDP, FSDP2). Every rank must call every forward of the experts
+    (each forward is one collective over ``group``). Returns the number of experts
+    modules registered (``0``: a model without unit experts, left as it is). ``RuntimeError``
+    when ``torch.distributed`` has no process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "share_token_counts: no process group (torch.distributed is not initialized)"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
+    n = 0
+    for m in model.modules():
+        if getattr(type(m), "_unit_form", None) == "experts":
+            object.__setattr__(m, "_unit_dp_group", (group,))
+            n += 1
+    return n
 
 
 def inject_matmul(experts: nn.Module, matmul: Matmul | None) -> None:

@@ -24,7 +24,7 @@ from lowprec.float8 import Float8Config, Float8Linear
 from lowprec.float8 import apply as float8_apply
 from lowprec.recipes import get_recipe
 from lowprec.recipes.layers import LayerRule
-from tests._helpers import cli_error
+from tests._helpers import cli_error, world_of_one
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = Float8Config.from_name("rowwise")
@@ -81,10 +81,6 @@ def test_a_plan_naming_no_layer_of_the_model_is_refused() -> None:
 def test_trainer_and_distributed_paths_name_the_recipe_too() -> None:
     """The Lightning plugin and ``lowprec.distributed.prepare`` apply the recipe through the
     same check, and their refusals name the plan (they said "recipe")."""
-    import gc
-    import tempfile
-
-    import torch.distributed as dist
 
     from lowprec.distributed.parallel import prepare as dist_prepare
 
@@ -92,17 +88,9 @@ def test_trainer_and_distributed_paths_name_the_recipe_too() -> None:
     lightning = pytest.importorskip("lowprec.integrations.lightning")
     with pytest.raises(ValueError, match="recipe 'plan-h100': none of its 1 layer rules"):
         lightning.LowprecPrecision(recipe).convert_module(_model())
-    own = not dist.is_initialized()
-    if own:
-        store = dist.FileStore(tempfile.mktemp(), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with world_of_one():
         with pytest.raises(ValueError, match="recipe 'plan-h100': none of its 1 layer rules"):
             dist_prepare(_model(), recipe, "ddp")
-    finally:
-        gc.collect()
-        if own:
-            dist.destroy_process_group()
 
 
 def test_a_plan_with_a_misspelt_layer_warns_naming_it(caplog: pytest.LogCaptureFixture) -> None:

@@ -8,6 +8,11 @@ kind of loss: a plain mean loss computed outside the model (``F.cross_entropy``,
 in ``forward`` (CharGPT's ``F.cross_entropy``, converted by the unit mode). Rank 0 writes
 every parameter's gradient (gathered) and each rank's input gradient, and the one-process
 references: the whole batch's parameter gradients, each half batch's input gradient.
+
+MoE (:data:`MOE_LOSSES` × :data:`MOE_MODES`): a tiny Qwen3-MoE (8 experts, top-2, no
+load-balancing loss, whose batch statistics no data-parallel run shares) under
+``fp32-unit``, whose ranks route different numbers of their tokens to each expert; the
+same gradients and references.
 """
 
 from __future__ import annotations
@@ -24,12 +29,27 @@ from torch import nn
 
 import lowprec
 import lowprec.distributed as LD
+from lowprec.jobs.hf_models import build_hf_model
 from lowprec.jobs.model import CharGPT, ModelConfig
 from lowprec.unit import functional as U
 
 LOSSES = ("mean-ce", "mean-mse", "unit-ce", "in-forward", "unused-unit", "mixed")
 IN_MODEL = ("in-forward", "unused-unit", "mixed")  # CharGPT, which computes its unit loss
 MODES = (("ddp", "fp32"), ("ddp", "bf16"), ("ddp", "fp8"), ("fsdp", "fp32"))
+MOE_LOSSES = ("in-forward", "unused-unit")
+MOE_MODES = (("ddp", "fp32"), ("fsdp", "fp32"))
+
+
+def _moe_model() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=16, width=32, depth=1, heads=2, seq_len=8)
+    return build_hf_model("qwen3moe", cfg, output_router_logits=False)
+
+
+def _moe_backward(model: nn.Module, loss: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    logits, unit = model(x, y)
+    mean = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    (unit if loss == "in-forward" else mean).backward()
 
 
 def _model(loss: str) -> nn.Module:
@@ -116,6 +136,16 @@ def main(path: str) -> None:
             dxs: list[Any] = [None, None]
             dist.all_gather_object(dxs, dx.double().reshape(-1).tolist())
             res[f"{loss}/{mode}-{comm}"] = {"grads": _grads(p.model), "dx": dxs}
+    x, y = _batch("in-forward")
+    mine = slice(4 * rank, 4 * rank + 4)
+    for loss in MOE_LOSSES:
+        one = lowprec.prepare(_moe_model(), "fp32-unit")
+        _moe_backward(one.model, loss, x, y)
+        res[f"moe/{loss}/reference"] = _grads(one.model)
+        for mode, comm in MOE_MODES:
+            p = LD.prepare(_moe_model(), "fp32-unit", mode, grad_comm=comm)
+            _moe_backward(p.model, loss, x[mine], y[mine])
+            res[f"moe/{loss}/{mode}-{comm}"] = {"grads": _grads(p.model)}
     if rank == 0:
         Path(path).write_text(json.dumps(res))
     LD.shutdown()

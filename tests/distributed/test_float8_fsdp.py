@@ -19,6 +19,7 @@ from torch import nn
 
 from lowprec.distributed import enable_fp8_all_gather, fp8_all_gather_eligible
 from lowprec.float8 import Float8Linear, convert_to_float8
+from tests._helpers import world_of_one
 from tests.distributed._float8_worker import BLOCK_CASES, PADDED_K, STEPS, results
 
 pytestmark = pytest.mark.slow
@@ -259,24 +260,12 @@ def test_blocks_is_refused_under_ddp() -> None:
     """``prepare(..., "ddp", fp8_all_gather="blocks")`` was accepted and ignored (a new
     user's trial): DDP gathers no weights. A world of one; the refusal comes before any
     wrapping."""
-    import gc
-    import tempfile
-
-    import torch.distributed as dist
 
     from lowprec.distributed.parallel import prepare
 
-    own = not dist.is_initialized()
-    if own:
-        store = dist.FileStore(tempfile.mktemp(), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with world_of_one():
         with pytest.raises(ValueError, match="fp8_all_gather='blocks' applies to FSDP2"):
             prepare(nn.Sequential(nn.Linear(32, 32)), "fp8-rowwise", "ddp", fp8_all_gather="blocks")
-    finally:
-        gc.collect()
-        if own:
-            dist.destroy_process_group()
 
 
 def test_gpt2_conv1d_weights_gather_in_their_dtype_under_fsdp2() -> None:
@@ -285,10 +274,6 @@ def test_gpt2_conv1d_weights_gather_in_their_dtype_under_fsdp2() -> None:
     transposed, which has no transpose rule (NotImplementedError at the first forward,
     trial E). They now gather in the parameter dtype: a world of one computes the loss and
     gradients of the unsharded model exactly (the same GEMMs, the same casts)."""
-    import gc
-    import tempfile
-
-    import torch.distributed as dist
 
     transformers = pytest.importorskip("transformers")
     from lowprec.distributed.float8_fsdp import fp8_all_gather_layout
@@ -305,11 +290,7 @@ def test_gpt2_conv1d_weights_gather_in_their_dtype_under_fsdp2() -> None:
     ref = prepare_one(model(), "fp8-tensorwise")
     ref_loss = ref.model(input_ids=ids, labels=ids).loss
     ref_loss.backward()
-    own = not dist.is_initialized()
-    if own:
-        store = dist.FileStore(tempfile.mktemp(), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with world_of_one():
         p = prepare(model(), "fp8-tensorwise", "fsdp")
         convs = [m for m in p.model.modules() if isinstance(m, Float8Conv1D)]
         assert len(convs) == 8 and all(fp8_all_gather_layout(m) is None for m in convs)
@@ -320,7 +301,3 @@ def test_gpt2_conv1d_weights_gather_in_their_dtype_under_fsdp2() -> None:
         want = {n: q.grad for n, q in ref.model.named_parameters() if q.grad is not None}
         assert set(got) == set(want)
         assert all(torch.equal(got[n], want[n]) for n in want)
-    finally:
-        gc.collect()
-        if own:
-            dist.destroy_process_group()

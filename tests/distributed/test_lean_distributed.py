@@ -25,15 +25,13 @@ What can differ, and the tolerance it gives:
 
 from __future__ import annotations
 
-import gc
-import tempfile
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from tests._helpers import world_of_one
 from tests.distributed._lean_worker import DCP, DDP, FSDP, GRAD_CASES, STEPS, launch
 
 TOL = {"bf16-sr": 1e-3, "bf16-remainder": 1e-3, "bf16-8bit": 1e-3, "fp8-lean": 2e-3}
@@ -117,11 +115,7 @@ def test_lean_recipes_are_prepared_on_one_rank(mode: str) -> None:
     from lowprec.amp.lean import LeanOptimizer
     from lowprec.distributed.parallel import prepare
 
-    own = not dist.is_initialized()
-    if own:
-        store = dist.FileStore(tempfile.mktemp(), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with world_of_one():
         for recipe in ("fp8-lean", "bf16-sr", "bf16-remainder", "bf16-8bit"):
             p = prepare(nn.Sequential(nn.Linear(8, 8)), recipe, mode)  # type: ignore[arg-type]
             inner = getattr(p.optimizer, "optimizer", p.optimizer)
@@ -129,13 +123,6 @@ def test_lean_recipes_are_prepared_on_one_rank(mode: str) -> None:
             if mode == "fsdp" and recipe == "bf16-sr":
                 assert next(p.model.parameters()).dtype == torch.bfloat16
             del p, inner
-    finally:
-        # DDP's reducer holds the group: freed later, by a garbage collection inside another
-        # test, it was the group's last owner, and the group's destructor joined a gloo
-        # thread waiting for the GIL that the freeing thread held (a hung xdist worker).
-        gc.collect()
-        if own:
-            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,11 @@ loss of its logits instead (``unused-unit``: every gradient was 2 times too larg
 the unit loss plus a mean term (``mixed``: the mean term's part was 2 times too large),
 give the one-process gradient too.
 
+A unit MoE layer's expert weight gradient is scaled by ``n_e^-1/2`` of the tokens routed
+to it, which differ between the ranks: the experts share their counts over the group
+(each rank's own count gave every expert weight a gradient off by a factor that depends on
+the routing: ``test_moe_gradients_are_the_one_process_gradients``).
+
 Tolerances, relative L2 per parameter: FP32 communication, 1e-5 (only the order of float32
 sums differs); BF16 communication, 1e-2 (each bucket rounded to BF16, 2^-9 relative per
 element, summed); FP8 (E4M3) communication, 0.1 (half an E4M3 step is 2^-4 relative per
@@ -28,7 +33,7 @@ from typing import Any
 import pytest
 
 from tests._helpers import torchrun_json
-from tests.distributed._unit_loss_worker import LOSSES, MODES
+from tests.distributed._unit_loss_worker import LOSSES, MODES, MOE_LOSSES, MOE_MODES
 
 pytestmark = pytest.mark.slow
 
@@ -61,3 +66,16 @@ def test_gradients_are_the_one_process_gradients(
         assert _rel(g, ref[name]) <= TOL[comm], (name, _rel(g, ref[name]))
     for dx, want in zip(got["dx"], result[f"{loss}/reference_dx"], strict=True):
         assert _rel(dx, want) <= 1e-6
+
+
+@pytest.mark.parametrize(("mode", "comm"), MOE_MODES)
+@pytest.mark.parametrize("loss", MOE_LOSSES)
+def test_moe_gradients_are_the_one_process_gradients(
+    result: dict[str, Any], loss: str, mode: str, comm: str
+) -> None:
+    ref = result[f"moe/{loss}/reference"]
+    got = result[f"moe/{loss}/{mode}-{comm}"]["grads"]
+    assert set(got) == set(ref)
+    assert any("experts" in n for n in got)
+    for name, g in got.items():
+        assert _rel(g, ref[name]) <= TOL[comm], (name, _rel(g, ref[name]))

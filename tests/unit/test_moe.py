@@ -20,9 +20,9 @@ pytest.importorskip("transformers")
 
 from lowprec.unit import UnitConfig, apply, umup_param_groups
 from lowprec.unit.mode import UnitMode, plain_ops
-from lowprec.unit.moe import convert_moe, is_experts, routing_moment
+from lowprec.unit.moe import convert_moe, is_experts, routing_moment, share_token_counts
 from tests import _moe
-from tests._helpers import assert_compiled_equals_eager
+from tests._helpers import assert_compiled_equals_eager, world_of_one
 
 
 def _blocks(m: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
@@ -396,6 +396,31 @@ def test_bad_input_names_the_argument() -> None:
     ex._is_expert_parallel = True
     with pytest.raises(NotImplementedError, match="expert parallelism"):
         ex(x, idx.clamp(max=3), torch.full((3, 2), 0.5))
+
+
+def test_share_token_counts_arguments_and_a_world_of_one() -> None:
+    """Without a process group: ``RuntimeError``; a group that is not one: ``TypeError``
+    naming ``group``. In a world of one the shared counts are the rank's own: the loss and
+    every gradient are bit for bit those of the model that shares nothing (the 2-rank case:
+    ``tests/distributed/test_unit_loss.py``)."""
+    import torch.distributed as dist
+
+    u = apply(_moe.model("qwen3_moe", layers=1))
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="no process group"):
+            share_token_counts(u)
+    ids = torch.randint(0, _moe.VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    ref = copy.deepcopy(u)
+    with world_of_one():
+        with pytest.raises(TypeError, match="group must be"):
+            share_token_counts(u, group="world")  # type: ignore[arg-type]
+        assert share_token_counts(u) == 1
+        assert share_token_counts(nn.Linear(2, 2)) == 0
+        for m in (u, ref):
+            m(input_ids=ids, labels=ids).loss.backward()
+    for (n, a), (_, b) in zip(u.named_parameters(), ref.named_parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None), n
+        assert a.grad is None or torch.equal(a.grad, b.grad), n
 
 
 def test_experts_without_a_router_are_refused_by_name() -> None:
