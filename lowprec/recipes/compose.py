@@ -23,6 +23,7 @@ readout and layers in ``float8_skip`` stay unit-scaled in the model's dtype.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -290,9 +291,14 @@ def _unit_float8(model: nn.Module, experts: list[tuple[str, nn.Module, Float8Con
     its config (one group per expert, :func:`lowprec.float8.grouped_linear`; dynamic
     scaling and nearest rounding where the config asks for what the grouped GEMMs do not
     implement, as :class:`~lowprec.float8.Float8Experts` runs it)."""
+    readout = getattr(model, "unit_report", {}).get("readout")
+    head = model.get_submodule(readout) if readout else None
     for m in model.modules():
         if isinstance(m, Float8Linear) and type(m) in (Float8Linear, Float8Conv1D):
-            m.linear_fn = unit_linear
+            # the readout's input gradient is unconstrained (lowprec.unit.mode.UnitMode)
+            m.linear_fn = (
+                functools.partial(unit_linear, constraint=None) if m is head else unit_linear
+            )
     for fqn, mod, cfg in experts:
         run, changes = grouped_config(cfg)
         if changes:

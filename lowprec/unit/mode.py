@@ -196,6 +196,12 @@ def _conv1d(cfg: UnitConfig, *args: Any) -> Tensor:
     ))  # fmt: skip
 
 
+def _readout_linear(cfg: UnitConfig) -> Callable[..., Any]:
+    """The readout's ``F.linear``: the unit linear, its input gradient unconstrained
+    (:class:`UnitMode`'s ``readout``)."""
+    return lambda *a, **k: UNIT_OPS[U.linear](*a, **k, constraint=None, float8=cfg.float8)
+
+
 def _rule(cfg: UnitConfig, func: Any) -> Callable[..., Any] | None:
     """The unit version of ``func`` (called with ``func``'s arguments), or ``None``."""
     if func in UNIT_OPS:
@@ -256,14 +262,23 @@ class UnitMode(TorchFunctionMode):
     ``runtime``: a :class:`lowprec.unit.residual_run.Runtime` (residual adds found by
     running the model, module names for messages) or ``None``; ``collect``: a list that
     receives unhandled calls as ``(key, message)`` instead of a WARNING each (the
-    transform's analysis run gathers them into its one WARNING).
+    transform's analysis run gathers them into its one WARNING); ``readout``: the model's
+    readout layer, whose ``F.linear`` (the one given its ``weight``) is the unit linear with
+    an unconstrained input gradient, ``1/√fan_out`` (u-μP's readout: the gradient reaching
+    the rest of the model has unit scale whatever the vocabulary; tied to the forward's
+    ``1/√fan_in`` it was ``√(fan_out/fan_in)``).
     """
 
     def __init__(
-        self, cfg: UnitConfig, runtime: Any = None, collect: list[tuple[str, str]] | None = None
+        self,
+        cfg: UnitConfig,
+        runtime: Any = None,
+        collect: list[tuple[str, str]] | None = None,
+        readout: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.runtime, self.collect = cfg, runtime, collect
+        self.readout = readout
         # The last few softmax outputs (and their dropouts, casts, views): a matmul taking
         # one on the left is attention's ``p @ v``; and the last few outputs of the unit
         # matmul of two activations with ``K``, the summed dim's size. Short lists compared
@@ -466,6 +481,10 @@ class UnitMode(TorchFunctionMode):
     def _convert(self, func: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         """``func`` by its unit rule, or unchanged (reported) where it has none."""
         rule = _rule(self.cfg, func)
+        if func is F.linear and self.readout is not None:
+            w = args[1] if len(args) > 1 else kw.get("weight")
+            if w is not None and w is getattr(self.readout, "weight", None):
+                rule = _readout_linear(self.cfg)
         if rule is not None:
             try:
                 return rule(*args, **kw)

@@ -39,8 +39,10 @@ backward differs from its forward.
 
 **The router** is an output-like weight in μP's sense (fan-in ``H`` grows with width,
 fan-out ``E`` does not): its logits are ``x Wᵀ/H``
-(:func:`~lowprec.unit.functional.linear_readout`: the unit linear with a further forward
-``1/√H``; weight ``N(0, 1)``), so
+(:func:`~lowprec.unit.functional.linear_readout` with ``constraint="to_output_scale"``:
+the unit linear with a further forward ``1/√H``, its input gradient tied to the forward's
+``1/√H``, not the model readout's ``1/√E``, as its path joins the others to ``x``;
+weight ``N(0, 1)``), so
 routing is near-uniform at init at any width, and u-μP gives it the readout's learning
 rate ``η`` (:mod:`lowprec.unit.umup`). Everything else in the router (softmax, top-k,
 renormalisation, DeepSeek's sigmoid and group-limited choice) and the load-balancing loss
@@ -129,7 +131,7 @@ class _RouterMode(TorchFunctionMode):
         if func is F.linear and isinstance(w, Tensor) and w.shape == self.router.weight.shape:
             b = args[2] if len(args) > 2 else kw.get("bias")
             with torch._C.DisableTorchFunction():
-                return UNIT_OPS[U.linear_readout](args[0], w, b)
+                return UNIT_OPS[U.linear_readout](args[0], w, b, constraint="to_output_scale")
         return func(*args, **kw)
 
 

@@ -77,7 +77,18 @@ class Linear(nn.Linear):
 
 
 class LinearReadout(Linear):
-    """:func:`~lowprec.unit.functional.linear_readout` (forward ``1/fan_in``)."""
+    """:func:`~lowprec.unit.functional.linear_readout` (forward ``1/fan_in``; input
+    gradient ``1/√fan_out``, unconstrained, by default)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        constraint: str | None = None,
+        float8: bool = False,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, constraint, float8)
 
     def forward(self, x: Tensor) -> Tensor:
         return U.linear_readout(

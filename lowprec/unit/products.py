@@ -256,7 +256,7 @@ def linear_readout(
     weight: Tensor,
     bias: Tensor | None = None,
     *,
-    constraint: str | None = "to_output_scale",
+    constraint: str | None = None,
     float8: bool = False,
     mult: float = 1.0,
     matmul: Matmul | None = None,
@@ -264,9 +264,13 @@ def linear_readout(
     """The output layer (u-μP): ``y = mult·x Wᵀ/fan_in + b`` — :func:`linear` with a
     further forward-only ``mult/√fan_in`` on ``x Wᵀ`` (μP's readout multiplier; ``mult``
     u-μP's ``output_mult``, > 0), so ``std(y) = mult/√fan_in`` at init; the bias is added
-    as :func:`linear` adds it, unscaled. Backward as :func:`linear` (``∂x`` at the
-    linear's output scale, ``∂W``, ``∂b`` unit). ``matmul``: as :func:`linear`'s (a
-    float8 layer's GEMM, :attr:`lowprec.float8.Float8Linear.linear_fn`).
+    as :func:`linear` adds it, unscaled. Backward as :func:`linear`: ``∂W``, ``∂b`` unit;
+    ``∂x = (g W)/√fan_out``, unit, with the default ``constraint=None`` (u-μP's readout,
+    as unit-scaling's ``linear_readout``): the gradient the rest of the model receives
+    has unit scale whatever ``fan_out``, the vocabulary. ``"to_output_scale"`` ties it to
+    the linear's output scale, ``1/√fan_in``: ``√(fan_out/fan_in)`` times that. ``matmul``:
+    as :func:`linear`'s (a float8 layer's GEMM,
+    :attr:`lowprec.float8.Float8Linear.linear_fn`).
     """
     check_float("weight", weight)
     mult = check_number("mult", mult, 0.0, open_low=True)

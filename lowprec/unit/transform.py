@@ -280,8 +280,10 @@ class _ReadoutScale:
 
 
 def _readout_forward(self: nn.Linear, x: Tensor) -> Tensor:
-    """The readout's forward under ``float8``: the unit linear without FP8 rounding."""
-    return U.linear(x, self.weight, self.bias)
+    """The readout's forward under ``float8``: the readout's unit linear (input gradient
+    unconstrained, :class:`~lowprec.unit.mode.UnitMode`'s ``readout``) without FP8
+    rounding."""
+    return U.linear(x, self.weight, self.bias, constraint=None)
 
 
 def _find_readout(model: nn.Module, readout: str | None) -> str | None:

@@ -47,7 +47,8 @@ shrinks as ``1/n`` when the model deepens. The hyperparameter ``mult``\\ s (``ac
 **sweeping only η** is enough, and the best η does not move with width (checked by
 ``tests/unit/test_umup.py`` and ``benchmarks/bench_umup_sweep.py``; results in
 ``benchmarks/README.md``). SGD gets the same factors: with unit-scaled gradients an SGD
-step has the size of an Adam step at initialisation.
+step has the size of an Adam step at initialisation (the readout's input gradient is
+unconstrained, ``1/√vocab``, for this: :func:`lowprec.unit.functional.linear_readout`).
 """
 
 from __future__ import annotations

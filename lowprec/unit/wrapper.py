@@ -37,6 +37,14 @@ _quiet.propagate = False
 _quiet.addHandler(logging.NullHandler())
 
 
+def readout_of(model: nn.Module) -> nn.Module | None:
+    """The readout layer of a unit-scaled ``model`` (its ``unit_report["readout"]``, looked
+    up at each call: a float8 conversion may have replaced the module), or ``None``."""
+    report = model.__dict__.get("unit_report")
+    name = report.get("readout") if isinstance(report, dict) else None
+    return model.get_submodule(name) if name else None
+
+
 def _unit_forward_class(cls: type[nn.Module]) -> type[nn.Module]:
     @functools.wraps(cls.forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -58,7 +66,8 @@ def _unit_forward_class(cls: type[nn.Module]) -> type[nn.Module]:
                 "would be those of the plain layers (16x to 3e7x off, measured); call "
                 "model.gradient_checkpointing_disable() to train a unit-scaled model"
             )
-        with UnitMode(cast(UnitConfig, self._unit_config), d.get("_unit_runtime")):
+        cfg = cast(UnitConfig, self._unit_config)
+        with UnitMode(cfg, d.get("_unit_runtime"), readout=readout_of(self)):
             return _own_forward(self, args, kwargs)
 
     attrs = {"forward": forward, "__module__": cls.__module__, "_unit_wrapper": True}
@@ -130,7 +139,7 @@ def _run_analysis(
             plans, order, events = analyse(
                 model,
                 lambda: model(*args, **kw),
-                lambda where: UnitMode(cfg, _Where(where), collected),
+                lambda where: UnitMode(cfg, _Where(where), collected, readout=readout_of(model)),
             )
     finally:
         object.__setattr__(model, "_unit_analysing", False)
@@ -283,7 +292,8 @@ def _first_call_eager(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     rt.reset()
     rt.enter("<root>", model, args, kwargs)
     try:
-        with UnitMode(cast(UnitConfig, model._unit_config), rt):
+        cfg = cast(UnitConfig, model._unit_config)
+        with UnitMode(cfg, rt, readout=readout_of(model)):
             return _own_forward(model, args, kwargs)
     finally:
         rt.reset()

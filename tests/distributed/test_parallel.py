@@ -15,8 +15,12 @@ What can differ, and the tolerance it gives (relative, on every step's loss):
 * fp8-tensorwise / fp8-delayed: the input and gradient scales come from each rank's own
   half batch (amax of 4 rows, not 8), so the E4M3/E5M2 operands are rounded at other
   scales (2^-4 / 2^-3 relative per element): 2e-3 (measured ~1.5e-4).
-* fp16-unit: FP16 roundings as fp16, under u-μP's larger per-group learning rates: 1e-4
-  (measured ~7e-6).
+* fp16-unit: FP16 roundings as fp16, under u-μP's per-group learning rates, which move
+  an element by up to 1.0 at Adam's first step (``lr·sign(g)``): a gradient element within
+  FP16 rounding of zero (|g| ~1e-4 of its tensor's RMS) whose sign differs between the
+  half-batch sums and the whole batch moves its weight by ``2·lr`` instead. 3e-3:
+  measured 1.4e-3 with 3 of 30656 elements flipped (``head.weight``, one ``fc`` and one
+  ``fc_out`` entry), ~7e-6 where none flips.
 * fp16-scalify (DDP, and FSDP2 with the scalify wrapper as the one unit): FP16 data
   and per-tensor scales of half batches: 1e-4 (measured ~8e-6).
 * fp8-rowwise, mxfp8 (FSDP2): as fp8-tensorwise, the input and gradient scales of half
@@ -39,7 +43,7 @@ TOL = {
     "bf16": 1e-3,
     "fp8-tensorwise": 2e-3,
     "fp8-delayed": 2e-3,
-    "fp16-unit": 1e-4,
+    "fp16-unit": 3e-3,
     "fp16-scalify": 1e-4,
     "fp8-rowwise": 2e-3,
     "mxfp8": 2e-3,

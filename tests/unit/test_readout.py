@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+from typing import Any
 
 import pytest
 import torch
@@ -147,3 +149,84 @@ def test_a_readout_input_pre_scaled_by_one_over_root_fan_in_is_the_plain_readout
     for n, gt in g_t.items():
         ref = g_u[n]
         assert float((gt - ref).norm()) <= 1e-4 * max(float(ref.norm()), 1.0), n
+
+
+def _readout_input_grad(model: nn.Module, head: nn.Module, run: Any) -> tuple[Tensor, Tensor]:
+    """``(∂x, ∂y)``: the gradients of the readout's input and of its output, after
+    ``run()`` back-propagates a loss of ``model``."""
+    seen: dict[str, Tensor] = {}
+
+    def pre(m: nn.Module, a: tuple[Tensor, ...]) -> None:
+        a[0].retain_grad()
+        seen["x"] = a[0]
+
+    def post(m: nn.Module, a: tuple[Tensor, ...], out: Tensor) -> None:
+        out.retain_grad()
+        seen["y"] = out
+
+    hs = [head.register_forward_pre_hook(pre), head.register_forward_hook(post)]
+    run()
+    for h in hs:
+        h.remove()
+    gx, gy = seen["x"].grad, seen["y"].grad
+    assert gx is not None and gy is not None
+    return gx.float(), gy.float()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "tol"),
+    [("fp32-unit", 1e-5), ("float8-preset", 1e-5), ("fp8-unit-ruled", 0.1)],
+)
+def test_the_readout_input_gradient_is_unconstrained(recipe: str, tol: float) -> None:
+    """u-μP's readout: ``∂x = (∂y W)/√fan_out`` (unit-scaling's ``linear_readout``,
+    ``constraint=None``), so the gradient reaching the model has unit scale whatever the
+    vocabulary. Tied to the forward's ``1/√fan_in`` it was ``√(V/W)`` that (here
+    √(256/32) = 2.8). Each path a readout takes: the unit mode's ``F.linear``
+    (``fp32-unit``), the float8 preset's high-precision readout, and a readout that a layer
+    rule makes a tensor-wise ``Float8Linear`` (its GEMM in FP8: within E5M2/E4M3 rounding
+    of the product, relative 0.1). ``∂y`` is the gradient of the readout's output (after
+    its forward-only multiplier)."""
+    cfg = ModelConfig(vocab_size=256, width=32, depth=1, heads=2, seq_len=8)
+    ids = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    if recipe == "float8-preset":
+        model: nn.Module = unit_scale(CharGPT(cfg), config=UnitConfig(float8=True))
+    else:
+        r = get_recipe("fp8-unit-rowwise" if recipe == "fp8-unit-ruled" else recipe)
+        if recipe == "fp8-unit-ruled":
+            tw = Float8Config.from_name("tensorwise")
+            r = dataclasses.replace(r, name="ruled", layers=(LayerRule("head", tw),))
+        model = prepare(CharGPT(cfg), r).model
+    head = model.get_submodule(model.unit_report["readout"])
+    assert isinstance(head, Float8Linear) == (recipe == "fp8-unit-ruled")
+    gx, gy = _readout_input_grad(model, head, lambda: model(ids, ids)[1].backward())
+    want = gy @ head.weight.detach().float() / math.sqrt(256)
+    rel = float((gx - want).norm() / want.norm())
+    assert rel < tol, rel
+
+
+def test_hidden_gradients_do_not_grow_with_the_vocabulary() -> None:
+    """A unit Llama (HF, width 64) at vocabularies 64 and 4096: every hidden weight's
+    gradient RMS at init within 25% between the two (it grew as √(V/W): 8 times at 4096;
+    the spread between vocabularies is the loss gradient's sampling, measured 0.9-1.1)."""
+    pytest.importorskip("transformers")
+    from lowprec.jobs.hf_models import build_hf_model
+
+    rms: list[dict[str, float]] = []
+    for vocab in (64, 4096):
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=vocab, width=64, depth=2, heads=2, seq_len=16)
+        p = prepare(build_hf_model("llama", cfg), "fp32-unit")
+        g = torch.Generator().manual_seed(1)
+        x, y = (
+            torch.randint(0, vocab, (8, 16), generator=g),
+            torch.randint(0, vocab, (8, 16), generator=g),
+        )
+        p.model(x, y)[1].backward()
+        rms.append({
+            n: float(q.grad.pow(2).mean().sqrt()) for n, q in p.model.named_parameters()
+            if q.grad is not None and ".layers." in n and q.dim() == 2
+        })  # fmt: skip
+    assert set(rms[0]) == set(rms[1]) and len(rms[0]) == 14
+    for n, a in rms[0].items():
+        assert 0.8 < rms[1][n] / a < 1.25, (n, rms[1][n] / a)
