@@ -354,7 +354,7 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
                 "scale is too high for them (a dynamic one backs off)."
             )
         else:
-            stopped = s.get("diverged_at") is not None
+            stopped = s.get("diverged_at") is not None and run.stopped_early
             text = (
                 f"{n} step(s) had Inf/NaN gradients and were not applied"
                 + ("; the run stopped at the last" if stopped else " (`--on-nonfinite skip`)")
@@ -381,9 +381,11 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
     own = run.compute_format
     last = run.tracked_steps[-1] if run.numerics else None
     at = s.get("diverged_at")
-    if at is not None and last is not None and last < int(at) - 1:
+    gap = int(at) - last if at is not None and last is not None else 0
+    stale = gap > 1
+    if stale:
         notes.append(
-            f"The numerics were last measured at step {last}, {int(at) - last} steps before "
+            f"The numerics were last measured at step {last}, {gap} steps before "
             f"the run diverged at step {at}: the measurements below describe the run then, "
             "not where it failed."
         )
@@ -392,27 +394,15 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
          if r["step"] == last and r["kind"] in KINDS and (r.get("nonfinite") or 0.0) > 0),
         key=lambda t: -t[0],
     )  # fmt: skip
-    if gone:
+    if gone and last is not None:
         cause = True
-        share, r = gone[0]
-        more = f" ({len(gone) - 1} more tensors too)" if len(gone) > 1 else ""
-        what = (
-            f"{percent(share)} of the {KIND_TEXT[r['kind']]} of {r['name']} are NaN/Inf at "
-            f"step {last}{more}"
-        )
-        scaled = _loss_scale_overflow(run, [t[1] for t in gone])
-        notes.append(
-            f"{what}{scaled}"
-            if scaled
-            else f"{what}: the values themselves diverged (an update or an operation made "
-            "them NaN/Inf), which no format's range explains."
-        )
+        notes.append(_nonfinite_origin(run, last, [t[1] for t in gone]))
     for fmt in judged_formats(run) if last is not None else ():
         assert last is not None
         bad = worst(run, last, "below_normal", BACKWARD_KINDS, [fmt], own=True)
         bad = [t for t in bad if t[0] >= UNDERFLOW_ALERT]
         if bad:
-            cause = True
+            cause = cause or not stale  # measured long before the failure: not its cause
             share, _, r = bad[0]
             n_grads = len(
                 {(x["name"], x["kind"]) for x in run.numerics if x["step"] == last}
@@ -435,7 +425,7 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
         ]
         over = sorted((t for t in over if t[0] >= OVERFLOW_ALERT), key=lambda t: -t[0])
         if over:
-            cause = True
+            cause = cause or not stale
             share, _, r = over[0]
             notes.append(
                 f"{percent(share)} of the {KIND_TEXT[r['kind']]} of {r['name']} overflow "
@@ -444,7 +434,13 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
             )
     where = f" at step {last}" if last is not None else ""
     checked = f" in {', '.join(judged_formats(run)) or own}" if last is not None else ""
-    if fails and not cause:
+    if fails and not cause and stale:
+        notes.append(
+            f"Nothing measured{where} explains a failure {gap} steps later: "
+            "look at the loss curves and the learning rate (and measure the numerics more "
+            "often to see the failure itself)."
+        )
+    elif fails and not cause:
         notes.append(
             f"No measured underflow or overflow{checked}{where} and no GEMM cast that flushes or "
             "saturates explains the failure: look at the loss curves and the learning rate."
@@ -463,6 +459,60 @@ def diagnose(run: Run, verdict_text: str | None = None) -> list[str]:
             f"cast flushes {100 * UNDERFLOW_ALERT:.0f}% or saturates{tail}."
         )
     return notes
+
+
+def _nonfinite_origin(run: Run, step: int, gone: Sequence[Mapping[str, Any]]) -> str:
+    """Where the NaN/Inf values of ``step`` come from, as one finding. ``gone``: the tracked
+    tensors of that step with NaN/Inf values. A NaN/Inf weight leads (an update made it
+    so: the weights diverged); else the records are in the order the step computed them
+    (forward, then backward), so the first is the origin: an activation of the forward
+    (an operation of the forward exceeded the storage format's range, which no loss scale
+    changes), or a gradient while the forward is finite (the backward overflowed, or the
+    loss scale did: :func:`_loss_scale_overflow`)."""
+    recs = [r for r in run.numerics if r["step"] == step and r["kind"] in KINDS]
+    weights = [r for r in recs if r["kind"] == "weight" and (r.get("nonfinite") or 0.0) > 0]
+    # a NaN/Inf weight came from an update, before this step's forward: it leads
+    first = weights[0] if weights else next(r for r in recs if (r.get("nonfinite") or 0.0) > 0)
+    share = float(first.get("nonfinite") or 0.0)
+    more = f" ({len(gone) - 1} more tensors too)" if len(gone) > 1 else ""
+    what = (
+        f"NaN/Inf first appear in the {KIND_TEXT[first['kind']]} of {first['name']} "
+        f"({percent(share)} of them) at step {step}{more}"
+    )
+    fmt = run.compute_format
+    if first["kind"] in ("input", "output"):  # (every weight finite)
+        i = recs.index(first)
+        prev = next((r for r in reversed(recs[:i]) if r["kind"] in ("input", "output")), None)
+        after = (
+            f", computed from the finite {KIND_TEXT[prev['kind']]} of {prev['name']}"
+            if prev
+            else ""
+        )
+        rng = get_format(fmt).max
+        if rng < 1e38:  # a narrow format: the forward's values exceeded it
+            return (
+                f"{what}{after}, while every weight is finite: an operation of the forward "
+                f"exceeded {fmt.upper()}'s range (max {rng:g}), for example attention "
+                "scores q·kᵀ. A loss scale does not change the forward: lower the learning "
+                "rate, or run that operation in FP32 or BF16."
+            )
+        return (
+            f"{what}{after}, while every weight is finite: the forward's values diverged "
+            f"beyond {fmt.upper()}'s range. Lower the learning rate."
+        )
+    if first["kind"] in BACKWARD_KINDS:
+        scaled = _loss_scale_overflow(run, gone)
+        if scaled:
+            return what + scaled
+        return (
+            f"{what}, the forward finite: the backward overflowed {fmt.upper()} (max "
+            f"{get_format(fmt).max:g}). Use loss scaling with skipped steps (dynamic backs "
+            "off), or lower the learning rate."
+        )
+    return (
+        f"{what}: the weights themselves diverged (an optimizer update made them NaN/Inf). "
+        "Lower the learning rate, or keep FP32 master weights."
+    )
 
 
 def techniques(run: Run) -> list[str]:

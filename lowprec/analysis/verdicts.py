@@ -32,6 +32,7 @@ __all__ = [
     "reference_of",
     "skipped_tail",
     "unit_scaled",
+    "val_verdict",
     "verdict",
 ]
 
@@ -83,13 +84,27 @@ def unit_scaled(recipe: Mapping[str, Any]) -> bool:
 
 def is_reference_recipe(recipe: Mapping[str, Any], name: str = "") -> bool:
     """Whether a recipe (``Recipe.to_dict()`` or the flat dict of lowprec 0.1) trains in
-    high precision: FP32 parameters, no autocast, no loss scaling needed, no float8 or
+    high precision: FP32 parameters, no autocast, no loss scaling, FP32 optimizer states
+    (``optimizer_state`` ``"auto"`` or ``"fp32"``), no stochastic rounding, no float8 or
     scalify technique and no FP8 casts of unit scaling. An empty dict (a run recorded
     with a recipe name only) is a reference only by the preset names ``fp32`` and
-    ``fp32-unit``."""
+    ``fp32-unit``.
+
+    Example:
+        >>> is_reference_recipe({"param_dtype": "fp32", "technique": []})
+        True
+        >>> is_reference_recipe({"param_dtype": "fp32", "optimizer_state": "8bit"})
+        False
+    """
     if not recipe:
         return name in _REFERENCE_NAMES
     if recipe.get("param_dtype", "fp32") != "fp32" or recipe.get("autocast") is not None:
+        return False
+    if recipe.get("loss_scaling", "none") not in ("none", None):
+        return False
+    if recipe.get("optimizer_state", "auto") not in ("auto", "fp32", None):
+        return False
+    if recipe.get("stochastic_rounding"):
         return False
     flat = recipe.get("technique")
     if isinstance(flat, str):  # lowprec 0.1
@@ -260,27 +275,74 @@ def skipped_tail(n: int) -> str:
     return f"; {n} step{'s' if n > 1 else ''} skipped" if n else ""
 
 
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def val_verdict(summary: Mapping[str, Any]) -> str | None:
+    """A verdict from a run's own evaluations (``summary``: ``val_loss``, the last, and
+    where :func:`lowprec.jobs.run_summary.summary_of` recorded them ``best_val_loss``,
+    ``best_val_step`` and ``nonfinite_val_step``), or ``None``. A run fails where an
+    evaluation gave a NaN/Inf val loss (at any step: the model was NaN/Inf there), or its
+    last val loss is above its best by :data:`REBOUND` (diverging: the last updates
+    undid the training, or overfitting; a reference's gap to it would judge every other
+    run against a broken model).
+
+    Example:
+        >>> val_verdict({"val_loss": 9.0, "best_val_loss": 3.0, "best_val_step": 20})
+        'fails: val loss rose from 3 at step 20 to 9 at the end (diverging or overfitting)'
+        >>> val_verdict({"val_loss": 3.1, "best_val_loss": 3.0, "best_val_step": 20}) is None
+        True
+    """
+    bad = summary.get("nonfinite_val_step")
+    if bad is not None:
+        return f"fails: val loss NaN/Inf at step {bad}"
+    v, best = _number(summary.get("val_loss")), _number(summary.get("best_val_loss"))
+    if v is None or best is None or not (math.isfinite(v) and math.isfinite(best)):
+        return None
+    if v > best * (1 + REBOUND) and v - best > 1e-12:
+        at = summary.get("best_val_step")
+        where = f" at step {at}" if at is not None else ""
+        return (
+            f"fails: val loss rose from {best:.3g}{where} to {v:.3g} at the end (diverging "
+            "or overfitting)"
+        )
+    return None
+
+
 def own_verdict(summary: Mapping[str, Any]) -> str | None:
     """A run judged by itself, before any comparison, from its summary
     (:func:`lowprec.jobs.run_summary.summary_of`): a run that diverged fails
-    (:func:`verdict`); else one whose loss curve fails or is too short
-    (:func:`curve_verdict`), or that evaluated to a NaN/Inf val loss, gets that verdict with
-    its skipped steps appended; ``None`` for a run its reference may judge.
+    (:func:`verdict`); else one that logged a NaN/Inf train loss on a step it did not mark
+    skipped, whose loss curve fails or is too short (:func:`curve_verdict`), whose
+    evaluations fail (:func:`val_verdict`), or that evaluated to a NaN/Inf val loss, gets
+    that verdict with its skipped steps appended; ``None`` for a run its reference may
+    judge. A reference run is judged so too: one that fails judges no other run.
 
     Example:
         >>> own_verdict({"diverged_at": 3, "diverged_cause": "loss"})
         'fails: loss NaN/Inf at step 3'
         >>> own_verdict({"val_loss": float("nan"), "skipped_steps": 1})
         'fails: no finite val loss; 1 step skipped'
+        >>> own_verdict({"nonfinite_loss_steps": 10, "first_nonfinite_loss_step": 11})
+        'fails: loss NaN/Inf at 10 steps not skipped (the first at step 11)'
     """
     if summary.get("diverged_at") is not None:
         at, cause = summary["diverged_at"], summary.get("diverged_cause")
         return verdict(None, None, None, diverged_at=at, cause=cause)
-    text = curve_verdict(summary)
+    text = None
+    n_bad = int(summary.get("nonfinite_loss_steps") or 0)
+    if n_bad:
+        first = summary.get("first_nonfinite_loss_step")
+        steps = f"{n_bad} step{'' if n_bad == 1 else 's'}"
+        text = f"fails: loss NaN/Inf at {steps} not skipped (the first at step {first})"
+    text = text or curve_verdict(summary)
     v = summary.get("val_loss")
     evaluated = summary.get("evaluated") is not False
     if text is None and evaluated and isinstance(v, (int, float)) and not math.isfinite(v):
         text = "fails: no finite val loss"
+    if text is None and evaluated:
+        text = val_verdict(summary)
     return None if text is None else text + skipped_tail(int(summary.get("skipped_steps") or 0))
 
 

@@ -93,13 +93,27 @@ def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
     zero gradient values and of activation-gradient underflow over the steps applied (a
     skipped step's gradients hold Inf/NaN, whose shares measure nothing; NaN when no step
     was applied), the median step time, and the step where it diverged
-    (:func:`diverged_at`) and what became NaN/Inf there (:func:`diverged_cause`). A run
-    without records has a NaN train loss and 0 step time."""
+    (:func:`diverged_at`) and what became NaN/Inf there (:func:`diverged_cause`); the
+    least finite val loss and its step (``best_val_loss``, ``best_val_step``), the first
+    step of an evaluation before the last that gave a NaN/Inf val loss
+    (``nonfinite_val_step``), and the steps before the divergence, not marked skipped, that
+    logged a NaN/Inf loss (``nonfinite_loss_steps``, ``first_nonfinite_loss_step``: a
+    training loop that logs them without skipping). A run without records has a NaN train
+    loss and 0 step time."""
     vals = [r for r in recs if "val_loss" in r]
     running = RunningSummary(recs)
     curve = loss_curve([float(r["loss"]) for r in recs])
     final_val = vals[-1]["val_loss"] if vals else math.nan
     applied = [r for r in recs if not r["skipped"]]
+    finite_vals = [r for r in vals if math.isfinite(r["val_loss"])]
+    best = min(finite_vals, key=lambda r: r["val_loss"]) if finite_vals else None
+    # NaN/Inf before the end: a loss on a step not skipped, an evaluation (the last
+    # record's belong to diverged_at and to the final val loss)
+    bad_losses = [r["step"] for r in recs[:-1] if not r["skipped"] and not math.isfinite(r["loss"])]
+    at = diverged_at(recs)
+    if at is not None:
+        bad_losses = [s for s in bad_losses if s < at]
+    bad_vals = [r["step"] for r in vals[:-1] if not math.isfinite(r["val_loss"])]
     return {
         "recipe": cfg["train"].get("recipe", "?"),
         "steps": recs[-1]["step"] if recs else 0,
@@ -112,8 +126,13 @@ def summary_of(recs: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any
         "act_grad_underflow": _mean(applied, "act_grad_underflow"),
         "act_grad_zero": _mean(applied, "act_grad_zero"),
         "step_time_ms": running.step_time_ms if recs else 0,
-        "diverged_at": diverged_at(recs),
+        "diverged_at": at,
         "diverged_cause": diverged_cause(recs),
+        "best_val_loss": best["val_loss"] if best is not None else math.nan,
+        "best_val_step": best["step"] if best is not None else None,
+        "nonfinite_val_step": bad_vals[0] if bad_vals else None,
+        "nonfinite_loss_steps": len(bad_losses),
+        "first_nonfinite_loss_step": bad_losses[0] if bad_losses else None,
         "state_bytes_per_param": _last(recs, "state_bytes_per_param"),
         **curve,
     }

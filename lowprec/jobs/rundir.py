@@ -356,6 +356,7 @@ def read_run(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], li
     config = read_config(p, "")
     for i, r in enumerate(metrics):
         bad = [k for k in ("loss", "grad_zero_share", "step_time") if not _is_number(r[k])]
+        bad += [k for k in ("val_loss",) if k in r and not _is_number(r[k])]
         if bad:
             raise RunError(f"{p / METRICS}: record {i + 1} has a non-numeric {bad[0]}")
     try:
@@ -369,9 +370,38 @@ def read_gemms(path: str | Path) -> list[dict[str, Any]]:
     """The per-GEMM records (``gemms.jsonl``) of run directory ``path``, ``[]`` if it has
     none; :class:`RunError` if the file is malformed."""
     try:
-        return read_jsonl(Path(path) / GEMMS, _GEMM_KEYS)
+        records = read_jsonl(Path(path) / GEMMS, _GEMM_KEYS)
     except RunError as e:
         raise RunError(f"{e} ({GEMMS} is corrupt or truncated)") from None
+    for i, r in enumerate(records):
+        why = _gemm_problem(r)
+        if why:
+            raise RunError(f"{Path(path) / GEMMS}: record {i + 1} {why} (the file is corrupt)")
+    return records
+
+
+# a GEMM record's operand shares (numbers) and optional measures (numbers or null)
+_GEMM_SHARES = ("numel", "nonfinite", "flushed", "saturated")
+_GEMM_OPTIONAL = ("sqnr_db", "scale_min", "scale_max", "n_scales")
+
+
+def _gemm_problem(rec: dict[str, Any]) -> str:
+    """What is wrong with a ``gemms.jsonl`` record's values (``""``: nothing)."""
+    if rec.get("rel_err") is not None and not _is_number(rec["rel_err"]):
+        return "has a non-numeric rel_err"
+    ops = rec["operands"]
+    if not isinstance(ops, dict):
+        return "has operands that are not an object"
+    for role, op in ops.items():
+        if not isinstance(op, dict):
+            return f"has operand {role!r} that is not an object"
+        for k in _GEMM_SHARES:
+            if k in op and not _is_number(op[k]):
+                return f"has a non-numeric {k} of operand {role!r}"
+        for k in _GEMM_OPTIONAL:
+            if op.get(k) is not None and not _is_number(op[k]):
+                return f"has a non-numeric {k} of operand {role!r}"
+    return ""
 
 
 def _is_number(v: Any) -> bool:

@@ -397,6 +397,12 @@ class _Loop:
                 f"step {done}: the {rec['nonfinite']} became NaN/Inf; the run stops "
                 "(--on-nonfinite stop) and the step was not applied"
             )
+            if "loss" in cause:  # every weight finite (checked above): the forward's doing
+                advice = (
+                    "The loss itself is NaN/Inf with every weight finite (the forward "
+                    "overflowed), which no loss scale cures: lower --lr, or use a BF16 or "
+                    "unit-scaled recipe; or resume with --on-nonfinite skip"
+                )
         elif self.skips >= self.max_skips:
             stop = (
                 f"step {done}: {self.skips} consecutive steps skipped "

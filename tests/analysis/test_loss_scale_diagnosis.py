@@ -33,7 +33,7 @@ def huge_scale_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _nan_note(notes: list[str]) -> str:
-    found = [n for n in notes if "are NaN/Inf at step" in n]
+    found = [n for n in notes if "NaN/Inf first appear" in n]
     assert len(found) == 1, notes
     return found[0]
 
@@ -48,16 +48,16 @@ def test_skipped_steps_blame_the_loss_scale_not_a_divergence(huge_scale_run: Pat
 
 
 def test_nan_weights_or_no_skips_still_read_as_a_divergence(huge_scale_run: Path) -> None:
-    """The rule is not this run's: a NaN weight (an update made it NaN) or a run whose
-    scaler skipped nothing keeps the divergence diagnosis."""
+    """The rule is not this run's: a NaN weight (an update made it NaN) is a divergence of
+    the weights; a run whose scaler skipped nothing overflowed in its backward."""
     run = load_run(huge_scale_run)
     last = run.tracked_steps[-1]
     weight = next(r for r in run.numerics if r["step"] == last and r["kind"] == "weight")
     nan_weight = {**weight, "nonfinite": 1.0}
     diverged = dataclasses.replace(run, numerics=[*run.numerics, nan_weight])
-    assert "the values themselves diverged" in _nan_note(diagnose(diverged))
+    assert "the weights themselves diverged" in _nan_note(diagnose(diverged))
     unskipped = dataclasses.replace(run, metrics=[{**m, "skipped": False} for m in run.metrics])
-    assert "the values themselves diverged" in _nan_note(diagnose(unskipped))
+    assert "the backward overflowed FP16" in _nan_note(diagnose(unskipped))
 
 
 @pytest.mark.parametrize(

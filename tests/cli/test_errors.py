@@ -226,3 +226,19 @@ def test_a_loss_scaled_run_whose_loss_is_nan_is_not_told_to_use_loss_scaling(
     recs = read_metrics(tmp_path / "r")
     first = next(r["step"] for r in recs if not math.isfinite(r["loss"]))
     assert diverged_at(recs) == first < recs[-1]["step"]
+
+
+def test_a_nan_loss_with_finite_weights_is_not_told_to_use_loss_scaling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fp16 (no loss scaling) at lr 3, stopping at the first NaN/Inf (the default): the
+    loss is NaN with every weight finite, the forward's overflow. The error line advised
+    "a recipe with loss scaling" (new-user trial R: fp16-dynamic-ls then went NaN too);
+    it now says no loss scale cures it. The report's diagnosis names a forward tensor."""
+    out = tmp_path / "r"
+    argv = ["train", "--recipe", "fp16", "--steps", "40", "--width", "64", "--depth", "1",
+            "--seq-len", "32", "--batch-size", "8", "--eval-every", "10", "--lr", "3",
+            "--no-progress", "--out", str(out)]  # fmt: skip
+    line = cli_error(argv, capsys, code=1, notes=True)
+    assert "the loss" in line and "which no loss scale cures" in line, line
+    assert "recipe with loss scaling" not in line, line

@@ -172,7 +172,9 @@ def test_skipped_steps_are_explained_by_the_recipes_loss_scaling(
     assert said in text and not_said not in text, text
     if recipe == "fp16-pure":
         assert "(`--on-nonfinite skip`)" in text
-        run.summary["diverged_at"] = 5
+        run.summary["diverged_at"] = 5  # a NaN/Inf at step 5, skipped, the run went on
+        assert "the run stopped at the last" not in " ".join(diagnose(run))
+        run.summary["steps"] = 5  # the run stopped there
         assert "the run stopped at the last" in " ".join(diagnose(run))
 
 
