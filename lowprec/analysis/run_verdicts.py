@@ -59,9 +59,14 @@ def _unit_reference(run: Run) -> bool:
 def settings_differ(run: Run, ref: Run) -> list[str]:
     """The training settings (:data:`SETTINGS`, from each run's ``config.json``) in which
     ``run`` differs from ``ref``, as ``"lr 0.01 vs 0.003"``; a setting missing from
-    either is not compared."""
+    either is not compared. Values that print alike (``"30"`` and ``30``) are quoted."""
     a, b = run.config.get("train", {}), ref.config.get("train", {})
-    return [f"{k} {a[k]} vs {b[k]}" for k in SETTINGS if k in a and k in b and a[k] != b[k]]
+    out = []
+    for k in SETTINGS:
+        if k in a and k in b and a[k] != b[k]:
+            x, y = (repr(a[k]), repr(b[k])) if str(a[k]) == str(b[k]) else (a[k], b[k])
+            out.append(f"{k} {x} vs {y}")
+    return out
 
 
 def _val_at(run: Run) -> dict[int, float]:

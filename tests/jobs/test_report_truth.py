@@ -89,6 +89,8 @@ def test_runs_trained_with_other_settings_are_not_judged() -> None:
     short = _run("fp8-delayed", 2.3, steps=15, lr=0.01)
     assert settings_differ(short, ref) == ["steps 15 vs 30", "lr 0.01 vs 0.003"]
     assert settings_differ(_run("bf16", 2.0, eval_every=5, ckpt_every=2), ref) == []
+    # a value that prints as the reference's (a hand-edited config): quoted, not "30 vs 30"
+    assert settings_differ(_run("bf16", 2.0, steps="30"), ref) == ["steps '30' vs 30"]
     got = dict(summary_verdicts([ref, short], {"fp32": 0.01}))
     assert got["fp8-delayed"] == (
         "not judged: trained with other settings than fp32 (steps 15 vs 30; lr 0.01 vs 0.003)"
