@@ -378,9 +378,11 @@ def _one_line(e: BaseException) -> str:
 
 class _LineHandler(logging.Handler):
     """A lowprec log record at WARNING or above as one line on the current ``sys.stderr``:
-    ``warning: ...`` / ``error: ...``."""
+    ``warning: ...`` / ``error: ...``; rank 0's only under ``torchrun``."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if _other_rank():  # rank 0 reports for all (every rank logs the same)
+            return
         try:
             text = " ".join(record.getMessage().split())
             print(f"{record.levelname.lower()}: {text}", file=sys.stderr)
@@ -409,6 +411,9 @@ def _show_warning(
     file: TextIO | None = None,
     line: str | None = None,
 ) -> None:
-    """Warnings as one line on stderr: ``note: ...`` for a repaired run file."""
+    """Warnings as one line on stderr: ``note: ...`` for a repaired run file; rank 0's only
+    under ``torchrun`` (every rank warns the same)."""
+    if _other_rank():
+        return
     kind = "note" if issubclass(category, RunNote) else category.__name__
     print(f"{kind}: {message}", file=sys.stderr)

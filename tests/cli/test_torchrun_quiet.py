@@ -107,3 +107,22 @@ def test_a_failed_worker_ends_the_launch_with_one_line(
         assert len(errors) == 1, err[-3000:]
         head, tail = line.split("{pid}")
         assert re.fullmatch(re.escape(head) + r"\d+" + re.escape(tail), errors[0]), errors
+
+
+def test_notes_and_warnings_print_once_for_all_ranks(tmp_path: Path) -> None:
+    """``--resume`` of a complete run under ``--nproc-per-node 2``: the note that nothing is
+    left to do printed once per rank (rank 0 reports for all, as for errors)."""
+    out = tmp_path / "r"
+    argv = [sys.executable, "-m", "lowprec", "train", "--parallel", "ddp", "--nproc-per-node",
+            "2", "--steps", "2", "--width", "32", "--depth", "1", "--heads", "2", "--seq-len",
+            "16", "--batch-size", "4", "--eval-every", "2", "--no-progress",
+            "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = subprocess.run([*argv, "--resume"], capture_output=True, text=True, env=env,
+                           timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    # counted in the text: two ranks' lines written at once may share a line
+    assert again.stderr.count("note:") == 1, again.stderr[-3000:]
+    assert again.stderr.count("is complete (all its 2 steps are done)") == 1, again.stderr
