@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from lowprec.jobs.train_config import INT_MAX
 
-__all__ = ["int_arg"]
+__all__ = ["int_arg", "path_arg"]
 
 
 def int_arg(low: int) -> Callable[[str], int]:
@@ -25,3 +26,11 @@ def int_arg(low: int) -> Callable[[str], int]:
         return v
 
     return parse
+
+
+def path_arg(text: str) -> Path:
+    """argparse ``type`` of a path flag: any path but the empty one (``Path("")`` is the
+    current directory, which would be read or refused as that)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a file or directory name")
+    return Path(text)

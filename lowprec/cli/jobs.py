@@ -23,7 +23,7 @@ from rich.table import Table
 
 from lowprec.autopilot import Plan, is_plan_dict
 from lowprec.cli import parallel as cli_parallel
-from lowprec.cli.args import int_arg
+from lowprec.cli.args import int_arg, path_arg
 from lowprec.distributed import env
 from lowprec.jobs.model import model_names
 from lowprec.jobs.run_summary import summary_cells
@@ -96,14 +96,6 @@ class _RecipeAction(argparse.Action):
             except (OSError, ValueError, TypeError, KeyError):
                 source = (values, "the recipe")  # a recipe file, not a plan
         namespace.recipe_file = source
-
-
-def _path_arg(text: str) -> Path:
-    """argparse ``type`` of a path flag: any path but the empty one (``Path("")`` is the
-    current directory, which would be read or refused as that)."""
-    if not text:
-        raise argparse.ArgumentTypeError("an empty path; give a file or directory name")
-    return Path(text)
 
 
 def _repeated(values: list[Any] | None) -> Any | None:
@@ -209,7 +201,7 @@ def add_train(subparsers: Any) -> None:
         )
     p.add_argument(
         "--out",
-        type=_path_arg,
+        type=path_arg,
         default=None,
         help="run directory (default runs/<recipe>-<time>); must not exist unless --resume",
     )
@@ -370,13 +362,13 @@ def add_demo(subparsers: Any) -> None:
     )
     p.add_argument(
         "--out",
-        type=_path_arg,
+        type=path_arg,
         default=None,
         help="output directory (default runs/demo-<time>); must not exist",
     )
     p.add_argument(
         "--resume",
-        type=_path_arg,
+        type=path_arg,
         default=None,
         metavar="DIR",
         help="finish the interrupted demo in DIR with its own settings (no other option "
@@ -435,11 +427,11 @@ def add_report(subparsers: Any) -> None:
         "HTML page: summary table, loss curves, per-tensor scale charts at initialisation "
         "and at the end, underflow/overflow tables and a plain-language diagnosis per run.",
     )
-    p.add_argument("runs", type=_path_arg, nargs="+", metavar="RUN_DIR", help="run directories")
+    p.add_argument("runs", type=path_arg, nargs="+", metavar="RUN_DIR", help="run directories")
     p.add_argument(
         "-o",
         "--out",
-        type=_path_arg,
+        type=path_arg,
         default=Path("report.html"),
         help="the HTML file to write, ending in .html or .htm (default report.html); a "
         "missing folder is created (and said so)",

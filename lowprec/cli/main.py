@@ -38,6 +38,7 @@ from lowprec.analysis.snr import (
     plot_snr,
     snr_sweep,
 )
+from lowprec.cli.args import path_arg
 from lowprec.cli.jobs import add_demo, add_recipes, add_report, add_train
 from lowprec.cli.tune import add_tune
 from lowprec.core.formats import Format, format_names, get_format
@@ -108,7 +109,7 @@ def _add_formats(subparsers: _SubParsers) -> None:
         "and print each format's peak SNR and usable window (k within "
         f"{SNR_WINDOW_DB:g} dB of the peak).",
     )
-    p.add_argument("--snr", type=Path, metavar="PATH.png", help="write the SNR plot here")
+    p.add_argument("--snr", type=path_arg, metavar="PATH.png", help="write the SNR plot here")
     p.add_argument(
         "--formats",
         type=_format_list,

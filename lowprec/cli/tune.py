@@ -21,7 +21,7 @@ from rich.table import Table
 
 from lowprec.autopilot import Plan
 from lowprec.autopilot.cost import CANDIDATES, RATES, TARGETS, check_candidates
-from lowprec.cli.args import int_arg
+from lowprec.cli.args import int_arg, path_arg
 from lowprec.jobs.model import model_names
 from lowprec.jobs.rundir import output_problem
 from lowprec.jobs.train_config import LR_MAX, TrainConfig
@@ -77,7 +77,7 @@ def add_tune(subparsers: Any) -> None:
     p.add_argument("--target", choices=TARGETS, default=d.target, help=f"default {d.target}")
     p.add_argument(
         "--out",
-        type=Path,
+        type=path_arg,
         default=Path("plan.json"),
         help="the plan, a .json file (default plan.json); a missing folder is created; an "
         "existing file is kept unless --force",

@@ -59,7 +59,8 @@ def test_demo_resume_of_a_file_is_not_a_demo_directory(
 @pytest.mark.parametrize(
     "argv",
     [["train", "--out", ""], ["demo", "--quick", "--out", ""], ["demo", "--resume", ""],
-     ["report", "RUN", "-o", ""], ["report", ""]],
+     ["report", "RUN", "-o", ""], ["report", ""], ["tune", "--out", ""],
+     ["formats", "--snr", ""]],
 )  # fmt: skip
 def test_an_empty_path_is_refused_as_empty(
     tmp_path: Path,
@@ -68,7 +69,8 @@ def test_an_empty_path_is_refused_as_empty(
     argv: list[str],
 ) -> None:
     """`--out ''` was the current directory: "output directory . already exists; pass
-    --resume" (train, demo), or a report read `.` as a run."""
+    --resume" (train, demo), or a report read `.` as a run; tune said "expected a .json
+    file, got ."."""
     monkeypatch.chdir(tmp_path)
     line = _usage_error(argv, capsys)
     assert "an empty path" in line, line
