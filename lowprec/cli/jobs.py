@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import resource
 import sys
@@ -31,6 +32,8 @@ from lowprec.jobs.rundir import RunError, output_problem, read_config
 from lowprec.jobs.train import ON_NONFINITE, TrainConfig, saved_config, train
 from lowprec.recipes import Recipe, get_recipe, recipe_names
 from lowprec.recipes.compose import LayerRulesError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["add_demo", "add_recipes", "add_report", "add_train"]
 
@@ -92,9 +95,10 @@ class _RecipeAction(argparse.Action):
         if isinstance(recipe, Recipe):
             try:
                 plan = Plan.load(values)
-                source = (values, "the plan" + (f", tuned on {plan.model}," if plan.model else ""))
+                what = "the plan" + (f", tuned on {plan.model}," if plan.model else "")
+                source = (values, what, plan.model)
             except (OSError, ValueError, TypeError, KeyError):
-                source = (values, "the recipe")  # a recipe file, not a plan
+                source = (values, "the recipe", "")  # a recipe file, not a plan
         namespace.recipe_file = source
 
 
@@ -277,6 +281,18 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None:  # torch's launcher runs this command N times
         return cli_parallel.launch(args, getattr(args, "argv", None) or sys.argv[1:])
     out = cli_parallel.setup(args)
+    tuned = args.recipe_file[2] if args.recipe_file is not None else ""
+    # the same model at other sizes (another model's layer names are checked by prepare)
+    if tuned.split()[:2] == ["--model", cfg.model] and tuned != _model_flags(cfg):
+        log.warning(
+            "--recipe %s: the plan was tuned on %s, not on this run's model (%s): its "
+            "formats per layer were chosen from that model's numerics; tune again for this "
+            "one (lowprec tune %s)",
+            args.recipe_file[0],
+            args.recipe_file[2],
+            _model_flags(cfg),
+            _model_flags(cfg),
+        )
     console = Console(width=max(Console().width, 120))
     # RunError (bad directory, too big), NonFiniteError and Interrupted: one line and the
     # exit code from lowprec.cli.main.main.
@@ -294,7 +310,7 @@ def _run_train(args: argparse.Namespace) -> int:
     except LayerRulesError as e:
         if args.recipe_file is None:
             raise
-        path, what = args.recipe_file
+        path, what, _ = args.recipe_file
         raise LayerRulesError(
             f"--recipe {path}: {what} does not fit this run's model ({_model_flags(cfg)}): {e}"
         ) from None

@@ -222,3 +222,27 @@ def test_guard_reason_percentages_have_no_exponent() -> None:
     }
     why = guard._reasons([rec])["0"]
     assert why == "forward: 99.9% of weight saturated", why
+
+
+def test_cli_warns_of_a_plan_tuned_at_other_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan tuned on the same model at width 64 used at width 32: its layer names fit,
+    so it trained without a word (new-user trial C); now one warning line names both."""
+    plan = _write_plan(
+        tmp_path / "p.json",
+        "blocks.0.fc",
+        model="--model reference --width 64 --depth 1 --heads 2 --seq-len 16",
+    )
+    assert main(["train", *TINY, "--recipe", str(plan), "--out", str(tmp_path / "r")]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
+    assert len(lines) == 1, lines
+    assert "the plan was tuned on --model reference --width 64" in lines[0], lines
+    assert "not on this run's model (--model reference --width 32" in lines[0], lines
+    same = _write_plan(
+        tmp_path / "same.json",
+        "blocks.0.fc",
+        model="--model reference --width 32 --depth 1 --heads 2 --seq-len 16",
+    )
+    assert main(["train", *TINY, "--recipe", str(same), "--out", str(tmp_path / "s")]) == 0
+    assert "warning:" not in capsys.readouterr().err
