@@ -173,6 +173,17 @@ def apply(
                 len(part),
                 "; ".join(f"{k} ({v})" for k, v in part.items()),
             )
+    if (
+        not done
+        and not skipped
+        and not any(isinstance(m, (Float8Linear, Float8Experts)) for m in model.modules())
+    ):  # nothing converted, nothing named above: the float8 config would act on nothing
+        log.warning(
+            "float8.apply: %s has no layer that float8 converts (nn.Linear, HF Conv1D, MoE "
+            "experts): nothing runs in FP8 (a matmul of a raw parameter, an RNN, a "
+            "convolution stays in the model's precision)",
+            type(model).__name__,
+        )
     return model
 
 

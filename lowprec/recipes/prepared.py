@@ -45,12 +45,15 @@ class Prepared:
     ``prepared.scaler.step(prepared.optimizer)`` and ``prepared.scaler.update()``.
 
     Static float8 scales calibrate themselves: while :attr:`calibrating`, the forward and
-    backward passes inside ``compute()`` record the running maximum of each static role's
-    ``amax`` (:func:`lowprec.float8.calibrate`; the step trains as usual, with the scale of
-    the maximum so far), and the scales freeze when the ``recipe.calibration_batches``-th
-    ``compute()`` in training mode ends. A checkpoint saved after calibration restores the
-    frozen scales; one saved during it (:meth:`calibration_progress`) goes on calibrating
-    for the batches still missing, from the maxima so far.
+    backward passes record the running maximum of each static role's ``amax``
+    (:func:`lowprec.float8.calibrate`; the step trains as usual, with the scale of the
+    maximum so far), from the first ``compute()`` in training mode on; after the
+    ``recipe.calibration_batches``-th one, the scales freeze when the next ``compute()``
+    begins, so that the last calibration batch's backward counts wherever the loop runs it
+    (inside ``compute()``, as the README's loop, or after it, as Lightning and Fabric do).
+    A checkpoint saved after calibration restores the frozen scales; one saved during it
+    (:meth:`calibration_progress`) goes on calibrating for the batches still missing, from
+    the maxima so far.
     """
 
     model: nn.Module
@@ -62,7 +65,10 @@ class Prepared:
 
     @property
     def calibrating(self) -> bool:
-        """True while static float8 scales still wait for calibration batches."""
+        """True while static float8 scales still wait for calibration batches (after the
+        last one, none: they freeze when the next ``compute()`` begins)."""
+        if self._calibration is not None:
+            return self._calibrated_batches < self.recipe.calibration_batches
         return any(
             isinstance(m, Float8Linear) and m.needs_calibration for m in self.model.modules()
         )
@@ -103,6 +109,12 @@ class Prepared:
             self._end_calibration_batch()
 
     def _begin_calibration(self) -> bool:
+        if self._calibration is not None and self._calibrated_batches >= (
+            self.recipe.calibration_batches
+        ):  # the last calibration batch's forward and backward are done: freeze
+            stack, self._calibration = self._calibration, None
+            stack.close()  # (ValueError if a role saw no data)
+            return False
         if self._calibration is None:
             if not (self.recipe.needs_calibration and self.model.training and self.calibrating):
                 return False
@@ -113,11 +125,7 @@ class Prepared:
         return self.model.training
 
     def _end_calibration_batch(self) -> None:
-        self._calibrated_batches += 1
-        if self._calibrated_batches >= self.recipe.calibration_batches:
-            stack, self._calibration = self._calibration, None
-            assert stack is not None
-            stack.close()  # the scales freeze (ValueError if a role saw no data)
+        self._calibrated_batches += 1  # the scales freeze when the next compute() begins
 
     def calibration_state(self) -> dict[str, Any] | None:
         """While static float8 scales calibrate (or are about to): what
@@ -268,6 +276,11 @@ def prepare(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"model: {type(model).__name__} has no parameter that requires grad (nothing to "
+            "train)"
+        )
     for name, fn, what in (
         ("optimizer_factory", optimizer_factory, "params -> torch.optim.Optimizer"),
         ("param_groups", param_groups, "(model, params) -> params or groups"),

@@ -175,3 +175,31 @@ def test_linear_subclass_computing_f_linear_is_converted(caplog: pytest.LogCaptu
     assert torch.equal(m[0](x), ref(x))
     convert_back(m)
     assert m[0] is fl
+
+
+class _RawMatmul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.w)
+
+
+@pytest.mark.parametrize("make", [_RawMatmul, lambda: nn.LSTM(8, 8)])
+def test_a_model_with_nothing_to_convert_is_warned_of(
+    caplog: pytest.LogCaptureFixture, make: object
+) -> None:
+    """A model with no layer float8 converts (a matmul of a raw parameter, an RNN) trained
+    under an FP8 recipe name in high precision without a word (trial T); now one WARNING.
+    A model whose every layer is converted, or whose layers the caller's filter excluded,
+    gets none."""
+    with caplog.at_level(logging.WARNING, logger="lowprec.float8"):
+        convert_to_float8(make())  # type: ignore[operator]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "nothing runs in FP8" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lowprec.float8"):
+        convert_to_float8(nn.Sequential(nn.Linear(8, 8)))
+        convert_to_float8(nn.Sequential(nn.Linear(8, 8)), module_filter=lambda m, f: False)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
