@@ -278,8 +278,7 @@ def prepare(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
-            f"model: {type(model).__name__} has no parameter that requires grad (nothing to "
-            "train)"
+            f"model: {type(model).__name__} has no parameter that requires grad (nothing to train)"
         )
     for name, fn, what in (
         ("optimizer_factory", optimizer_factory, "params -> torch.optim.Optimizer"),
